@@ -1,0 +1,10 @@
+//! Wire types shared by the Tessera server, the worker and API clients.
+//!
+//! Everything that crosses a process boundary (REST bodies, the worker protocol, job
+//! specs) is defined once here so the two binaries cannot drift apart.
+
+pub mod accounts;
+pub mod error;
+pub mod jobs;
+pub mod models;
+pub mod workers;

@@ -1,0 +1,121 @@
+//! The worker protocol: register with an inventory, heartbeat, claim work, report.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::jobs::{JobSpec, JobState, MetricPoint};
+
+/// What a worker host offers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Inventory {
+    pub hostname: String,
+    pub cpu_cores: u32,
+    pub memory_bytes: u64,
+    #[serde(default)]
+    pub gpus: Vec<Gpu>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Gpu {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub memory_bytes: u64,
+    /// `(major, minor)`, e.g. `(9, 0)` for an H100.
+    pub compute_capability: (u32, u32),
+    pub mig_enabled: bool,
+    #[serde(default)]
+    pub mig_instances: Vec<MigInstance>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MigInstance {
+    pub uuid: String,
+    pub name: String,
+    pub memory_bytes: u64,
+}
+
+/// `POST /api/v1/agent/register`, authenticated with the shared worker token.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RegisterRequest {
+    /// Stable name of the worker; registering again under the same name resumes it.
+    pub name: String,
+    pub version: String,
+    pub inventory: Inventory,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RegisterResponse {
+    pub worker_id: Uuid,
+    /// Secret for every later agent call (`Authorization: Bearer <secret>`).
+    pub secret: String,
+    pub heartbeat_interval_secs: u64,
+    pub lease_ttl_secs: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct Heartbeat {
+    /// Jobs the worker is still working on: their leases are renewed.
+    #[serde(default)]
+    pub jobs: Vec<Uuid>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct HeartbeatResponse {
+    /// Jobs the worker must stop: cancelled by a user, or no longer leased to it.
+    pub stop: Vec<Uuid>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ClaimRequest {
+    /// Job kinds this worker can run.
+    pub kinds: Vec<String>,
+}
+
+/// A job leased to a worker.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Assignment {
+    pub job_id: Uuid,
+    pub spec: JobSpec,
+    pub attempt: u32,
+    pub lease_expires_at: DateTime<Utc>,
+}
+
+/// `POST /api/v1/agent/jobs/{id}/status`: only `running`, `succeeded` and `failed`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StatusReport {
+    pub state: JobState,
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LogBatch {
+    pub lines: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct MetricBatch {
+    pub points: Vec<MetricPoint>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerStatus {
+    Online,
+    Offline,
+}
+
+/// A worker as `GET /api/v1/workers` lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Worker {
+    pub id: Uuid,
+    pub name: String,
+    pub version: String,
+    pub status: WorkerStatus,
+    pub inventory: Inventory,
+    pub registered_at: DateTime<Utc>,
+    pub last_seen_at: DateTime<Utc>,
+}

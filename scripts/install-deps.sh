@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs on a Debian 12 machine: PostgreSQL 15 server
+# binaries (for the PostgreSQL leg of the tests), Chromium (browser test), Python with pip
+# (scripts/fetch-assets.sh), Node with npm and tests/browser's node_modules, a C compiler
+# (bundled SQLite and Oniguruma), and a Rust toolchain if there is none.
+# Only what is missing is installed; on a machine that has it all this is a no-op.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export DEBIAN_FRONTEND=noninteractive
+
+log() { printf 'install-deps: %s\n' "$*" >&2; }
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+have_postgres15() {
+    [[ -x /usr/lib/postgresql/15/bin/initdb && -x /usr/lib/postgresql/15/bin/pg_ctl ]] && return 0
+    have initdb && have pg_ctl && pg_ctl --version | grep -q ' 15\.'
+}
+
+have_node() {
+    # playwright-core (tests/browser) needs Node 18 or newer.
+    have node && [[ "$(node -p 'process.versions.node.split(".")[0]')" -ge 18 ]]
+}
+
+as_root() {
+    if [[ $EUID -eq 0 ]]; then
+        "$@"
+    elif have sudo && sudo -n true 2>/dev/null; then
+        sudo -n env DEBIAN_FRONTEND=noninteractive "$@"
+    else
+        log "need root to run: $*"
+        exit 1
+    fi
+}
+
+apt_pkgs=()
+have_postgres15 || apt_pkgs+=(postgresql-15)
+have chromium || have chromium-browser || apt_pkgs+=(chromium)
+have python3 || apt_pkgs+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
+have_node || apt_pkgs+=(nodejs)
+# Debian's nodejs comes without npm; a NodeSource nodejs bundles it (and conflicts with
+# Debian's npm package), so ask for npm only when there is none.
+have npm || apt_pkgs+=(npm)
+have cc || apt_pkgs+=(build-essential)
+have pkg-config || apt_pkgs+=(pkg-config)
+have cargo || [[ -x "$HOME/.cargo/bin/cargo" ]] || apt_pkgs+=(curl ca-certificates)
+
+if ((${#apt_pkgs[@]})); then
+    log "installing: ${apt_pkgs[*]}"
+    apt_log="$(mktemp)"
+    if ! { as_root apt-get update -q && as_root apt-get install -y -q --no-install-recommends "${apt_pkgs[@]}"; } >"$apt_log" 2>&1; then
+        tail -n 40 "$apt_log" >&2
+        log "apt-get failed (full log: $apt_log)"
+        exit 1
+    fi
+    rm -f "$apt_log"
+else
+    log "system packages already present"
+fi
+
+if ! have cargo && [[ ! -x "$HOME/.cargo/bin/cargo" ]]; then
+    # Debian's rustc is older than the workspace's rust-version, so use rustup.
+    log "installing the Rust toolchain with rustup"
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+fi
+
+# tests/browser: install exactly what package-lock.json pins, unless it is already there.
+browser="$repo/tests/browser"
+if [[ -f "$browser/package-lock.json" ]]; then
+    want="$(cd "$browser" && node -p 'require("./package-lock.json").packages["node_modules/playwright-core"].version')"
+    got="$(cd "$browser" && node -p 'try { require("./node_modules/playwright-core/package.json").version } catch { "" }')"
+    if [[ "$want" != "$got" ]]; then
+        log "npm ci in tests/browser (playwright-core $want)"
+        (cd "$browser" && npm ci --no-audit --no-fund --loglevel=error)
+    else
+        log "tests/browser has playwright-core $got"
+    fi
+else
+    log "tests/browser/package-lock.json is missing"
+    exit 1
+fi

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: dependencies, demo model, a throwaway PostgreSQL,
+# every Rust test (SQLite and PostgreSQL legs), then the browser test of the dashboard.
+#
+#   scripts/test.sh [ARGS...]    ARGS go to `cargo test` (e.g. a test name filter)
+#
+# Honours CARGO_TARGET_DIR. Exports for the tests:
+#   TESSERA_TEST_POSTGRES_URL  the throwaway cluster (postgres://tessera@127.0.0.1:PORT/tessera_test)
+#   TESSERA_REQUIRE_POSTGRES=1 so PostgreSQL tests fail instead of skipping
+#   TESSERA_ASSETS             <repo>/.assets unless set (the demo model is in all-MiniLM-L6-v2/)
+#   TESSERA_SERVER_BIN, TESSERA_WORKER_BIN   the debug binaries just built
+#   TESSERA_CHROMIUM           the system Chromium, for tests/browser/run.mjs
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+steps=()          # "name seconds" of finished steps, for the summary
+current=""
+started=0
+pg_dir=""
+
+step() {
+    finish_step
+    current="$1"
+    started=$SECONDS
+    printf '\n==> %s\n' "$current" >&2
+}
+
+finish_step() {
+    [[ -n "$current" ]] && steps+=("$current|$((SECONDS - started))s")
+    current=""
+}
+
+on_exit() {
+    local rc=$?
+    if [[ -n "$pg_dir" ]]; then
+        bash "$repo/scripts/postgres-cluster.sh" stop "$pg_dir" || true
+    fi
+    printf '\n==> summary\n' >&2
+    local s
+    for s in ${steps[@]+"${steps[@]}"}; do
+        printf '  ok      %-28s %s\n' "${s%|*}" "${s#*|}" >&2
+    done
+    if [[ $rc -ne 0 ]]; then
+        printf '  FAILED  %-28s (exit %d)\n' "${current:-?}" "$rc" >&2
+        printf '\nTEST SUITE FAILED\n' >&2
+    else
+        printf '\nALL TESTS PASSED (%ds)\n' "$SECONDS" >&2
+    fi
+    exit "$rc"
+}
+trap on_exit EXIT
+
+step "install dependencies"
+bash scripts/install-deps.sh
+# rustup may just have installed cargo into a shell that does not have it on PATH yet.
+if ! command -v cargo >/dev/null && [[ -f "$HOME/.cargo/env" ]]; then
+    # shellcheck source=/dev/null
+    . "$HOME/.cargo/env"
+fi
+
+step "fetch assets"
+export TESSERA_ASSETS="${TESSERA_ASSETS:-$repo/.assets}"
+bash scripts/fetch-assets.sh
+
+step "start PostgreSQL"
+pg_env="$(bash scripts/postgres-cluster.sh start)"
+eval "$pg_env"
+pg_dir="$TESSERA_TEST_PG_DIR"
+export TESSERA_TEST_POSTGRES_URL TESSERA_REQUIRE_POSTGRES=1
+echo "TESSERA_TEST_POSTGRES_URL=$TESSERA_TEST_POSTGRES_URL" >&2
+
+step "cargo build"
+cargo build --workspace --bins
+target_dir="$(cargo metadata --format-version 1 --no-deps \
+    | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
+export TESSERA_SERVER_BIN="$target_dir/debug/tessera-server"
+export TESSERA_WORKER_BIN="$target_dir/debug/tessera-worker"
+TESSERA_CHROMIUM="$(command -v chromium || command -v chromium-browser || true)"
+export TESSERA_CHROMIUM
+
+step "cargo test"
+# --no-fail-fast: every test binary runs and prints its "test result" line; the exit
+# status still fails the script if any of them failed.
+cargo test --workspace --no-fail-fast "$@"
+
+step "browser test"
+if [[ ! -f tests/browser/run.mjs ]]; then
+    echo "tests/browser/run.mjs is missing: the browser test did not run" >&2
+    exit 1
+fi
+node tests/browser/run.mjs
+
+finish_step

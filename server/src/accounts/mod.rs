@@ -1,0 +1,189 @@
+//! Users and logins. The first start creates `admin`; admins create everyone else.
+
+pub mod tokens;
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, State};
+use axum::http::StatusCode;
+use sqlx::any::AnyRow;
+use sqlx::Row;
+use tessera_api::accounts::{CreateUser, LoginRequest, LoginResponse, Role, User};
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::auth::{password, Principal};
+use crate::db::{self, now_ms, Db};
+use crate::error::{ApiJson, Error, Result};
+
+pub struct StoredUser {
+    pub id: Uuid,
+    pub username: String,
+    pub role: Role,
+    pub password_hash: String,
+    pub created_at: i64,
+}
+
+impl StoredUser {
+    fn from_row(row: &AnyRow) -> Result<StoredUser> {
+        let id: String = row.try_get("id")?;
+        let role: String = row.try_get("role")?;
+        Ok(StoredUser {
+            id: id.parse().map_err(|e| anyhow::anyhow!("bad user id {id}: {e}"))?,
+            username: row.try_get("username")?,
+            role: Role::parse(&role).ok_or_else(|| anyhow::anyhow!("bad role {role}"))?,
+            password_hash: row.try_get("password_hash")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+
+    pub fn to_api(&self) -> User {
+        User { id: self.id, username: self.username.clone(), role: self.role, created_at: db::time(self.created_at) }
+    }
+}
+
+const USER_COLUMNS: &str = "id, username, role, password_hash, created_at";
+
+pub async fn find_user(db: &Db, id: &str) -> Result<Option<StoredUser>> {
+    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1"))
+        .bind(id)
+        .fetch_optional(db.pool())
+        .await?;
+    row.as_ref().map(StoredUser::from_row).transpose()
+}
+
+async fn find_user_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>> {
+    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1"))
+        .bind(username)
+        .fetch_optional(db.pool())
+        .await?;
+    row.as_ref().map(StoredUser::from_row).transpose()
+}
+
+fn check_username(username: &str) -> Result<()> {
+    let ok = (1..=64).contains(&username.len())
+        && username.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "invalid_username",
+            "A username has 1 to 64 characters: letters, digits, '_', '-' or '.'.",
+        ))
+    }
+}
+
+/// Creates a user after checking the name and password rules.
+pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
+    check_username(&request.username)?;
+    password::check_strength(&request.password)?;
+    let hash = password::hash(request.password).await?;
+    let user = StoredUser {
+        id: Uuid::new_v4(),
+        username: request.username,
+        role: request.role,
+        password_hash: hash,
+        created_at: now_ms(),
+    };
+    sqlx::query("INSERT INTO users (id, username, role, password_hash, created_at) VALUES ($1, $2, $3, $4, $5)")
+        .bind(user.id.to_string())
+        .bind(&user.username)
+        .bind(user.role.as_str())
+        .bind(&user.password_hash)
+        .bind(user.created_at)
+        .execute(db.pool())
+        .await
+        .map_err(|e| {
+            if db::is_unique_violation(&e) {
+                Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
+            } else {
+                e.into()
+            }
+        })?;
+    Ok(user.to_api())
+}
+
+/// Creates `admin` when there is no user at all. Returns the generated password, which
+/// the caller prints once; a configured password is never echoed.
+pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option<String>> {
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(db.pool()).await?;
+    if count > 0 {
+        return Ok(None);
+    }
+    let (password, generated) = match configured {
+        Some(password) => (password.to_string(), false),
+        None => (crate::auth::secrets::generate("")[..24].to_string(), true),
+    };
+    let request = CreateUser { username: "admin".into(), password: password.clone(), role: Role::Admin };
+    create_user(db, request).await?;
+    Ok(generated.then_some(password))
+}
+
+/// Checks a username and password, with throttling, and returns the user.
+pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRequest) -> Result<StoredUser> {
+    let keys = [format!("ip:{}", client.ip()), format!("user:{}", request.username)];
+    state
+        .login_limiter
+        .attempt(&keys, Instant::now())
+        .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
+    let wrong = || Error::Unauthorized("Wrong username or password.".into());
+    let user = find_user_by_name(&state.db, &request.username).await?;
+    let Some(user) = user else {
+        // Spend the same time as a real check so timing does not reveal which names exist.
+        let _ = password::hash(request.password.clone()).await;
+        return Err(wrong());
+    };
+    if password::verify(request.password.clone(), user.password_hash.clone()).await? {
+        Ok(user)
+    } else {
+        Err(wrong())
+    }
+}
+
+/// Exchange a username and password for a session token.
+#[utoipa::path(post, path = "/api/v1/auth/login", tag = "accounts", request_body = LoginRequest,
+    responses((status = 200, body = LoginResponse), (status = 401, body = tessera_api::error::ErrorBody),
+              (status = 429, description = "Too many attempts")))]
+pub async fn login(
+    State(state): State<AppState>,
+    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    ApiJson(request): ApiJson<LoginRequest>,
+) -> Result<ApiJson<LoginResponse>> {
+    let user = check_login(&state, client, &request).await?;
+    let (token, expires_at) = state.sessions.issue(&user.id.to_string());
+    Ok(ApiJson(LoginResponse { token, expires_at }))
+}
+
+/// The user the request is authenticated as.
+#[utoipa::path(get, path = "/api/v1/auth/me", tag = "accounts", security(("bearer" = [])),
+    responses((status = 200, body = User)))]
+pub async fn me(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<User>> {
+    let user = find_user(&state.db, &principal.id.to_string()).await?.ok_or_else(|| Error::not_found("User"))?;
+    Ok(ApiJson(user.to_api()))
+}
+
+/// Create a user (admins only).
+#[utoipa::path(post, path = "/api/v1/users", tag = "accounts", security(("bearer" = [])), request_body = CreateUser,
+    responses((status = 201, body = User), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiJson(request): ApiJson<CreateUser>,
+) -> Result<(StatusCode, ApiJson<User>)> {
+    principal.require_admin()?;
+    Ok((StatusCode::CREATED, ApiJson(create_user(&state.db, request).await?)))
+}
+
+/// List users (admins only).
+#[utoipa::path(get, path = "/api/v1/users", tag = "accounts", security(("bearer" = [])),
+    responses((status = 200, body = Vec<User>)))]
+pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<User>>> {
+    principal.require_admin()?;
+    let rows = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users ORDER BY created_at"))
+        .fetch_all(state.db.pool())
+        .await?;
+    let users = rows.iter().map(|row| StoredUser::from_row(row).map(|u| u.to_api())).collect::<Result<_>>()?;
+    Ok(ApiJson(users))
+}

@@ -1,0 +1,167 @@
+//! The application: shared state, the router, and the server's lifetime (start-up,
+//! background lease expiry, graceful shutdown).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::get;
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::auth::rate_limit::LoginLimiter;
+use crate::auth::session::SessionKeys;
+use crate::config::Config;
+use crate::db::Db;
+use crate::registry::blobs::BlobStore;
+use crate::{accounts, error, jobs, openapi, registry, telemetry, web, workers};
+
+#[derive(Clone)]
+pub struct AppState {
+    pub db: Db,
+    pub config: Arc<Config>,
+    pub sessions: Arc<SessionKeys>,
+    pub login_limiter: Arc<LoginLimiter>,
+    pub blobs: BlobStore,
+    pub metrics: PrometheusHandle,
+    /// Serialises blob commits against garbage collection of unreferenced blobs.
+    pub registry_lock: Arc<tokio::sync::Mutex<()>>,
+    pub openapi: Arc<utoipa::openapi::OpenApi>,
+}
+
+impl AppState {
+    /// Opens the data directory and database, runs migrations, and creates the first
+    /// admin when there is no user (printing a generated password once).
+    pub async fn open(config: Config) -> anyhow::Result<AppState> {
+        std::fs::create_dir_all(&config.data_dir)?;
+        let db = Db::connect(&config.database_url()).await?;
+        if let Some(password) = accounts::bootstrap_admin(&db, config.admin_password.as_deref()).await? {
+            println!("Created user 'admin' with password: {password}");
+            println!("It is shown only this once; change it or set TESSERA_ADMIN_PASSWORD for new installs.");
+        }
+        let sessions = SessionKeys::load(
+            config.jwt_secret.as_deref(),
+            &config.data_dir,
+            chrono::Duration::hours(config.session_hours as i64),
+        )?;
+        let (_, mut openapi) = api_router().split_for_parts();
+        // axum spells a catch-all segment `{*path}`; OpenAPI knows only `{path}`.
+        openapi.paths.paths = std::mem::take(&mut openapi.paths.paths)
+            .into_iter()
+            .map(|(path, item)| (path.replace("{*", "{"), item))
+            .collect();
+        Ok(AppState {
+            blobs: BlobStore::open(&config.data_dir)?,
+            login_limiter: Arc::new(LoginLimiter::new(config.login_burst, Duration::from_secs(config.login_refill_secs))),
+            sessions: Arc::new(sessions),
+            metrics: telemetry::recorder(),
+            registry_lock: Arc::new(tokio::sync::Mutex::new(())),
+            openapi: Arc::new(openapi),
+            config: Arc::new(config),
+            db,
+        })
+    }
+}
+
+/// Every `/api/v1` route, with its OpenAPI annotation.
+fn api_router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(accounts::login))
+        .routes(routes!(accounts::me))
+        .routes(routes!(accounts::create, accounts::list))
+        .routes(routes!(accounts::tokens::create, accounts::tokens::list))
+        .routes(routes!(accounts::tokens::revoke))
+        .routes(routes!(registry::upload, registry::list))
+        .routes(routes!(registry::get, registry::delete))
+        .routes(routes!(registry::download))
+        .routes(routes!(jobs::create, jobs::list))
+        .routes(routes!(jobs::get))
+        .routes(routes!(jobs::cancel))
+        .routes(routes!(jobs::logs))
+        .routes(routes!(jobs::metrics))
+        .routes(routes!(workers::list))
+        .routes(routes!(workers::agent::register))
+        .routes(routes!(workers::agent::heartbeat))
+        .routes(routes!(workers::agent::claim))
+        .routes(routes!(workers::agent::report_status))
+        .routes(routes!(workers::agent::append_logs))
+        .routes(routes!(workers::agent::record_metrics))
+        .routes(routes!(registry::agent_get))
+        .routes(routes!(registry::agent_download))
+}
+
+pub fn router(state: AppState) -> Router {
+    let (api, _) = api_router().split_for_parts();
+    // Uploads are capped by the registry while streaming, not by a body limit.
+    let api = api.layer(DefaultBodyLimit::disable());
+    Router::new()
+        .merge(api)
+        .route("/api/openapi.json", get(openapi_json))
+        .route("/api/{*rest}", axum::routing::any(error::api_not_found))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(telemetry::render))
+        .merge(web::routes())
+        .layer(axum::middleware::from_fn(telemetry::track))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState>) -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json((*state.openapi).clone())
+}
+
+async fn healthz(axum::extract::State(state): axum::extract::State<AppState>) -> error::Result<&'static str> {
+    sqlx::query("SELECT 1").execute(state.db.pool()).await?;
+    Ok("ok")
+}
+
+/// Requeues jobs whose leases expired, every few seconds, until the server stops.
+fn spawn_lease_expiry(state: AppState) {
+    let period = Duration::from_secs((state.config.lease_ttl_secs / 3).clamp(1, 5));
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(period);
+        loop {
+            ticker.tick().await;
+            match jobs::queue::expire_leases(&state.db).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(jobs = n, "expired leases requeued or failed"),
+                Err(e) => tracing::warn!(error = %e, "lease expiry failed"),
+            }
+        }
+    });
+}
+
+/// Serves until Ctrl-C or SIGTERM.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let bind = config.bind.clone();
+    let state = AppState::open(config).await?;
+    spawn_lease_expiry(state.clone());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    let address = listener.local_addr()?;
+    println!("Tessera is listening on http://{address}");
+    tracing::info!(%address, "listening");
+    axum::serve(listener, router(state).into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        if let Ok(mut signal) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            signal.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = terminate => {} }
+}

@@ -1,0 +1,104 @@
+//! Who is calling: session JWTs and personal API tokens for people, per-worker secrets
+//! for agents. Handlers take a `Principal` (or `AgentAuth`) and never parse headers.
+
+pub mod password;
+pub mod rate_limit;
+pub mod secrets;
+pub mod session;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use sqlx::Row;
+use tessera_api::accounts::Role;
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::db::now_ms;
+use crate::error::Error;
+
+/// A signed-in person.
+#[derive(Debug, Clone)]
+pub struct Principal {
+    pub id: Uuid,
+    pub username: String,
+    pub role: Role,
+}
+
+impl Principal {
+    pub fn is_admin(&self) -> bool {
+        self.role == Role::Admin
+    }
+
+    /// The owner id queries filter on: `None` for admins, who see everything.
+    pub fn owner_filter(&self) -> Option<String> {
+        (!self.is_admin()).then(|| self.id.to_string())
+    }
+
+    pub fn require_admin(&self) -> Result<(), Error> {
+        if self.is_admin() {
+            Ok(())
+        } else {
+            Err(Error::Forbidden("Only an admin may do this.".into()))
+        }
+    }
+}
+
+const MISSING_CREDENTIALS: &str =
+    "Send `Authorization: Bearer <token>`; get a token from POST /api/v1/auth/login.";
+
+fn bearer(parts: &Parts) -> Option<&str> {
+    let value = parts.headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+impl FromRequestParts<AppState> for Principal {
+    type Rejection = Error;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Error> {
+        let token = bearer(parts).ok_or_else(|| Error::Unauthorized(MISSING_CREDENTIALS.into()))?;
+        authenticate(state, token).await
+    }
+}
+
+/// Resolves a session JWT or a personal API token to the user it belongs to.
+pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Error> {
+    let invalid = || Error::Unauthorized("The token is invalid, expired or revoked; log in again.".into());
+    let user_id = if token.starts_with(secrets::API_TOKEN_PREFIX) {
+        let row = sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
+            .bind(now_ms())
+            .bind(secrets::digest(token))
+            .fetch_optional(state.db.pool())
+            .await?
+            .ok_or_else(invalid)?;
+        row.try_get::<String, _>("user_id")?
+    } else {
+        state.sessions.verify(token).ok_or_else(invalid)?
+    };
+    let user = crate::accounts::find_user(&state.db, &user_id).await?.ok_or_else(invalid)?;
+    Ok(Principal { id: user.id, username: user.username, role: user.role })
+}
+
+/// A registered worker calling the agent protocol with its own secret.
+#[derive(Debug, Clone)]
+pub struct AgentAuth {
+    pub worker_id: Uuid,
+}
+
+impl FromRequestParts<AppState> for AgentAuth {
+    type Rejection = Error;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Error> {
+        let token = bearer(parts).ok_or_else(|| {
+            Error::Unauthorized("Workers send `Authorization: Bearer <worker secret>` from registration.".into())
+        })?;
+        let row = sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE secret_hash = $2 RETURNING id")
+            .bind(now_ms())
+            .bind(secrets::digest(token))
+            .fetch_optional(state.db.pool())
+            .await?
+            .ok_or_else(|| Error::Unauthorized("Unknown worker secret; register the worker again.".into()))?;
+        let id: String = row.try_get("id")?;
+        Ok(AgentAuth { worker_id: id.parse().map_err(|e| anyhow::anyhow!("bad worker id {id}: {e}"))? })
+    }
+}

@@ -1,0 +1,83 @@
+//! Server configuration: every setting is a flag with an environment variable.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+#[derive(Debug, Clone, Args)]
+pub struct Config {
+    /// Address the HTTP server listens on.
+    #[arg(long, env = "TESSERA_BIND", default_value = "127.0.0.1:8080")]
+    pub bind: String,
+
+    /// Where blobs, the SQLite database and generated secrets live.
+    #[arg(long, env = "TESSERA_DATA_DIR", default_value = ".data")]
+    pub data_dir: PathBuf,
+
+    /// `postgres://…` selects PostgreSQL; default: a SQLite file in the data directory.
+    #[arg(long, env = "TESSERA_DATABASE_URL")]
+    pub database_url: Option<String>,
+
+    /// Shared secret workers present when they join.
+    #[arg(long, env = "TESSERA_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
+
+    /// Password for the `admin` user created when the database has no users.
+    #[arg(long, env = "TESSERA_ADMIN_PASSWORD", hide_env_values = true)]
+    pub admin_password: Option<String>,
+
+    /// Key that signs session tokens; default: generated once and kept in the data directory.
+    #[arg(long, env = "TESSERA_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+
+    /// Largest model upload accepted, in bytes, all files together.
+    #[arg(long, env = "TESSERA_MAX_UPLOAD_BYTES", default_value_t = 4 << 30)]
+    pub max_upload_bytes: u64,
+
+    /// How long a session token stays valid.
+    #[arg(long, env = "TESSERA_SESSION_HOURS", default_value_t = 12)]
+    pub session_hours: u64,
+
+    /// How long a lease lives without a heartbeat renewing it.
+    #[arg(long, env = "TESSERA_LEASE_TTL_SECS", default_value_t = 30)]
+    pub lease_ttl_secs: u64,
+
+    /// How often workers are asked to heartbeat; three missed beats mark one offline.
+    #[arg(long, env = "TESSERA_HEARTBEAT_SECS", default_value_t = 5)]
+    pub heartbeat_secs: u64,
+
+    /// Login attempts allowed in a burst per client address and per username.
+    #[arg(long, env = "TESSERA_LOGIN_BURST", default_value_t = 10)]
+    pub login_burst: u32,
+
+    /// Seconds for one spent login attempt to come back.
+    #[arg(long, env = "TESSERA_LOGIN_REFILL_SECS", default_value_t = 6)]
+    pub login_refill_secs: u64,
+}
+
+impl Config {
+    /// The configuration with every default, rooted at `data_dir`.
+    pub fn with_data_dir(data_dir: PathBuf) -> Config {
+        Config {
+            bind: "127.0.0.1:0".into(),
+            data_dir,
+            database_url: None,
+            worker_token: None,
+            admin_password: None,
+            jwt_secret: None,
+            max_upload_bytes: 4 << 30,
+            session_hours: 12,
+            lease_ttl_secs: 30,
+            heartbeat_secs: 5,
+            login_burst: 10,
+            login_refill_secs: 6,
+        }
+    }
+
+    pub fn database_url(&self) -> String {
+        match &self.database_url {
+            Some(url) => url.clone(),
+            None => format!("sqlite://{}?mode=rwc", self.data_dir.join("tessera.db").display()),
+        }
+    }
+}

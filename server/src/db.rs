@@ -1,0 +1,95 @@
+//! The database: one schema on SQLite (the embedded default) or PostgreSQL (shared by
+//! several server replicas). Queries go through sqlx's `Any` driver so each is written
+//! once; where the dialects differ (job claiming) the caller asks `backend()`.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::migrate::Migrator;
+use sqlx::AnyPool;
+
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
+static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+#[derive(Debug, Clone)]
+pub struct Db {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl Db {
+    /// Connects and brings the schema up to date.
+    pub async fn connect(url: &str) -> Result<Db, sqlx::Error> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Backend::Postgres
+        } else if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else {
+            return Err(sqlx::Error::Configuration(
+                "the database URL must start with sqlite: or postgres:".into(),
+            ));
+        };
+        let options = AnyConnectOptions::from_str(url)?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(if backend == Backend::Sqlite { 8 } else { 16 })
+            .acquire_timeout(Duration::from_secs(30))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        // WAL lets readers run beside the one writer; a busy writer waits
+                        // instead of failing.
+                        sqlx::query("PRAGMA journal_mode = WAL").execute(&mut *conn).await?;
+                        sqlx::query("PRAGMA busy_timeout = 10000").execute(&mut *conn).await?;
+                        sqlx::query("PRAGMA foreign_keys = ON").execute(&mut *conn).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await?;
+        let migrator = match backend {
+            Backend::Sqlite => &SQLITE_MIGRATIONS,
+            Backend::Postgres => &POSTGRES_MIGRATIONS,
+        };
+        migrator.run(&pool).await?;
+        Ok(Db { pool, backend })
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+}
+
+/// Milliseconds since the Unix epoch, the unit every time column uses.
+pub fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
+
+pub fn time(ms: i64) -> DateTime<Utc> {
+    Utc.timestamp_millis_opt(ms).single().unwrap_or_default()
+}
+
+pub fn opt_time(ms: Option<i64>) -> Option<DateTime<Utc>> {
+    ms.map(time)
+}
+
+/// True when a database error is a unique-constraint violation (both backends).
+pub fn is_unique_violation(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.is_unique_violation(),
+        _ => false,
+    }
+}

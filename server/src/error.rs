@@ -1,0 +1,141 @@
+//! One error type for every handler, mapped once to an HTTP status and the uniform
+//! `{"error":{"code","message"}}` body. Internal failures are logged, never returned.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use tessera_api::error::{ErrorBody, ErrorDetail};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    BadRequest(String),
+    /// The request was understood but its content is wrong (an invalid model file, …).
+    #[error("{message}")]
+    Invalid { code: &'static str, message: String },
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("too many attempts; try again in {retry_after_secs} s")]
+    TooManyRequests { retry_after_secs: u64 },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl Error {
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Error {
+        Error::Invalid { code, message: message.into() }
+    }
+
+    pub fn not_found(what: &str) -> Error {
+        Error::NotFound(format!("{what} not found; check the id or name."))
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Error::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Error::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Error::Forbidden(_) => StatusCode::FORBIDDEN,
+            Error::NotFound(_) => StatusCode::NOT_FOUND,
+            Error::Conflict(_) => StatusCode::CONFLICT,
+            Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Database(_) | Error::Io(_) | Error::Internal(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            Error::BadRequest(_) => "bad_request",
+            Error::Invalid { code, .. } => code,
+            Error::Unauthorized(_) => "unauthorized",
+            Error::Forbidden(_) => "forbidden",
+            Error::NotFound(_) => "not_found",
+            Error::Conflict(_) => "conflict",
+            Error::PayloadTooLarge(_) => "payload_too_large",
+            Error::TooManyRequests { .. } => "rate_limited",
+            Error::Database(_) | Error::Io(_) | Error::Internal(_) => "internal",
+        }
+    }
+
+    /// The sentence shown to the client: internals stay in the log.
+    pub fn public_message(&self) -> String {
+        if self.status().is_server_error() {
+            "The server hit an internal error; it has been logged.".into()
+        } else {
+            self.to_string()
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error = ?self, "request failed");
+        }
+        let body = ErrorBody {
+            error: ErrorDetail { code: self.code().into(), message: self.public_message() },
+        };
+        let mut response = (status, Json(body)).into_response();
+        if let Error::TooManyRequests { retry_after_secs } = self {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+        }
+        response
+    }
+}
+
+impl From<axum::extract::rejection::JsonRejection> for Error {
+    fn from(rejection: axum::extract::rejection::JsonRejection) -> Error {
+        Error::BadRequest(format!("The request body is not valid JSON for this route: {}", rejection.body_text()))
+    }
+}
+
+impl From<axum::extract::rejection::PathRejection> for Error {
+    fn from(rejection: axum::extract::rejection::PathRejection) -> Error {
+        Error::BadRequest(format!("The URL path is malformed: {}", rejection.body_text()))
+    }
+}
+
+impl From<axum::extract::multipart::MultipartError> for Error {
+    fn from(error: axum::extract::multipart::MultipartError) -> Error {
+        Error::BadRequest(format!("The multipart body could not be read: {}", error.body_text()))
+    }
+}
+
+/// `Json` whose rejection is our error body, so malformed JSON gets the uniform shape.
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequest)]
+#[from_request(via(axum::Json), rejection(Error))]
+pub struct ApiJson<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
+    fn into_response(self) -> Response {
+        Json(self.0).into_response()
+    }
+}
+
+/// `Path` whose rejection is our error body (a malformed UUID is a 400, not axum's text).
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(Error))]
+pub struct ApiPath<T>(pub T);
+
+/// Handler for unknown `/api` routes.
+pub async fn api_not_found() -> Error {
+    Error::NotFound("No such API route; see /api/openapi.json for the routes that exist.".into())
+}

@@ -1,0 +1,15 @@
+//! tessera-server: the control plane. REST API and dashboard, model registry, job queue
+//! with leases, worker protocol, all backed by SQLite or PostgreSQL.
+
+pub mod accounts;
+pub mod app;
+pub mod auth;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod jobs;
+pub mod openapi;
+pub mod registry;
+pub mod telemetry;
+pub mod web;
+pub mod workers;

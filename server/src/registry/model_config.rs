@@ -1,0 +1,523 @@
+//! Reads a Hugging Face `config.json` and checks it against the uploaded weights and
+//! tokenizer. Only encoder families the serving engine can run are accepted, and the sizes
+//! found here feed memory planning, so they must agree with the weights.
+
+use serde_json::{Map, Value};
+
+use super::safetensors::TensorInfo;
+
+/// What the registry keeps from `config.json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    pub model_type: String,
+    /// `architectures[0]` when present (e.g. `BertModel`), else the model type.
+    pub architecture: String,
+    pub hidden_size: u64,
+    pub num_hidden_layers: u64,
+    pub num_attention_heads: u64,
+    pub vocab_size: u64,
+    pub max_position_embeddings: u64,
+    /// Number of entries in `id2label`, when the config has one.
+    pub num_labels: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(
+        "config.json is not valid JSON ({detail}); upload the config.json saved with the model."
+    )]
+    NotJson { detail: String },
+    #[error("config.json must be a JSON object; upload the config.json saved with the model.")]
+    NotObject,
+    #[error("config.json has no `model_type` string; add one of {supported}.", supported = supported_types())]
+    MissingModelType,
+    #[error("Model type `{model_type}` is not supported; supported model types are {supported}.", supported = supported_types())]
+    UnsupportedModelType { model_type: String },
+    #[error(
+        "config.json has no `{key}`, which a {model_type} config must give as a positive integer."
+    )]
+    MissingSize {
+        key: &'static str,
+        model_type: String,
+    },
+    #[error("config.json gives `{key}` as {value}; it must be a positive integer.")]
+    BadSize { key: &'static str, value: String },
+    #[error("config.json has hidden size {hidden_size}, which is not divisible by its {num_attention_heads} attention heads; fix one of the two.")]
+    HeadsDoNotDivide {
+        hidden_size: u64,
+        num_attention_heads: u64,
+    },
+    #[error("config.json has an `id2label` that is not an object of label names; make it map each label id to a name, or remove it.")]
+    BadLabels,
+    #[error("The weights have no word-embedding tensor; expected one named {expected}.")]
+    MissingEmbeddings { expected: String },
+    #[error("Tensor `{tensor}` has shape {found:?} but config.json implies [vocab_size, hidden_size] = {expected:?}; upload the config.json that belongs to these weights.")]
+    EmbeddingShape {
+        tensor: String,
+        found: Vec<u64>,
+        expected: [u64; 2],
+    },
+    #[error("tokenizer.json could not be used: {detail}; upload the tokenizer.json saved with the model (the `tokenizers` format).")]
+    Tokenizer { detail: String },
+    #[error("The pooling config (`<N>_Pooling/config.json`) is not a JSON object ({detail}); upload the one sentence-transformers saved.")]
+    PoolingNotJson { detail: String },
+    #[error("The pooling config sets {found}; exactly one of `pooling_mode_mean_tokens`, `pooling_mode_cls_token` or `pooling_mode_max_tokens` must be true.")]
+    PoolingMode { found: String },
+}
+
+/// Where a family keeps its sizes; DistilBERT uses its own short names.
+struct SizeKeys {
+    hidden_size: &'static str,
+    num_hidden_layers: &'static str,
+    num_attention_heads: &'static str,
+}
+
+const BERT_KEYS: SizeKeys = SizeKeys {
+    hidden_size: "hidden_size",
+    num_hidden_layers: "num_hidden_layers",
+    num_attention_heads: "num_attention_heads",
+};
+
+const DISTILBERT_KEYS: SizeKeys = SizeKeys {
+    hidden_size: "dim",
+    num_hidden_layers: "n_layers",
+    num_attention_heads: "n_heads",
+};
+
+/// The `model_type`s the serving engine runs. Adding a family is a line here.
+const FAMILIES: &[(&str, SizeKeys)] = &[
+    ("bert", BERT_KEYS),
+    ("roberta", BERT_KEYS),
+    ("xlm-roberta", BERT_KEYS),
+    ("distilbert", DISTILBERT_KEYS),
+    ("camembert", BERT_KEYS),
+];
+
+/// Prefixes that `transformers` puts before the embeddings, depending on whether the
+/// weights were saved from the bare model or from a task head wrapped around it.
+const EMBEDDING_PREFIXES: &[&str] = &["", "bert.", "roberta.", "distilbert."];
+const WORD_EMBEDDINGS: &str = "embeddings.word_embeddings.weight";
+
+fn supported_types() -> String {
+    quoted(FAMILIES.iter().map(|(name, _)| *name))
+}
+
+fn quoted<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    names
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Parses `config.json`, keeping the sizes under their BERT names whatever the family
+/// calls them.
+pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| ConfigError::NotJson {
+        detail: e.to_string(),
+    })?;
+    let Value::Object(config) = value else {
+        return Err(ConfigError::NotObject);
+    };
+    let Some(model_type) = config.get("model_type").and_then(Value::as_str) else {
+        return Err(ConfigError::MissingModelType);
+    };
+    let Some((_, keys)) = FAMILIES.iter().find(|(name, _)| *name == model_type) else {
+        return Err(ConfigError::UnsupportedModelType {
+            model_type: model_type.to_owned(),
+        });
+    };
+
+    let size = |key: &'static str| positive_int(&config, key, model_type);
+    let hidden_size = size(keys.hidden_size)?;
+    let num_hidden_layers = size(keys.num_hidden_layers)?;
+    let num_attention_heads = size(keys.num_attention_heads)?;
+    let vocab_size = size("vocab_size")?;
+    let max_position_embeddings = size("max_position_embeddings")?;
+    if hidden_size % num_attention_heads != 0 {
+        return Err(ConfigError::HeadsDoNotDivide {
+            hidden_size,
+            num_attention_heads,
+        });
+    }
+
+    let architecture = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .unwrap_or(model_type)
+        .to_owned();
+    let num_labels = match config.get("id2label") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(labels)) => Some(labels.len() as u64),
+        Some(_) => return Err(ConfigError::BadLabels),
+    };
+
+    Ok(ModelConfig {
+        model_type: model_type.to_owned(),
+        architecture,
+        hidden_size,
+        num_hidden_layers,
+        num_attention_heads,
+        vocab_size,
+        max_position_embeddings,
+        num_labels,
+    })
+}
+
+fn positive_int(
+    config: &Map<String, Value>,
+    key: &'static str,
+    model_type: &str,
+) -> Result<u64, ConfigError> {
+    match config.get(key) {
+        None => Err(ConfigError::MissingSize {
+            key,
+            model_type: model_type.to_owned(),
+        }),
+        Some(value) => match value.as_u64() {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(ConfigError::BadSize {
+                key,
+                value: value.to_string(),
+            }),
+        },
+    }
+}
+
+/// Checks that the word-embedding matrix has the shape the config promises. A mismatch
+/// means config and weights come from different checkpoints, which would otherwise only
+/// surface as a load failure on a worker.
+pub fn check_weights(cfg: &ModelConfig, tensors: &[TensorInfo]) -> Result<(), ConfigError> {
+    let is_word_embeddings = |name: &str| {
+        EMBEDDING_PREFIXES
+            .iter()
+            .any(|prefix| name.strip_prefix(prefix) == Some(WORD_EMBEDDINGS))
+    };
+    let Some(tensor) = tensors.iter().find(|t| is_word_embeddings(&t.name)) else {
+        let names: Vec<String> = EMBEDDING_PREFIXES
+            .iter()
+            .map(|p| format!("{p}{WORD_EMBEDDINGS}"))
+            .collect();
+        return Err(ConfigError::MissingEmbeddings {
+            expected: quoted(names.iter().map(String::as_str)),
+        });
+    };
+    let expected = [cfg.vocab_size, cfg.hidden_size];
+    if tensor.shape != expected {
+        return Err(ConfigError::EmbeddingShape {
+            tensor: tensor.name.clone(),
+            found: tensor.shape.clone(),
+            expected,
+        });
+    }
+    Ok(())
+}
+
+/// Loads `tokenizer.json` and encodes a short text once, which catches files that parse
+/// but cannot run (e.g. a model section referring to a missing vocabulary).
+pub fn check_tokenizer(bytes: &[u8]) -> Result<(), ConfigError> {
+    let tokenizer =
+        tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| ConfigError::Tokenizer {
+            detail: e.to_string(),
+        })?;
+    tokenizer
+        .encode("hello world", true)
+        .map_err(|e| ConfigError::Tokenizer {
+            detail: e.to_string(),
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn assets() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.assets/all-MiniLM-L6-v2")
+    }
+
+    fn read_asset(name: &str) -> Option<Vec<u8>> {
+        let path = assets().join(name);
+        let bytes = std::fs::read(&path).ok();
+        if bytes.is_none() {
+            eprintln!("skipping: {} not present", path.display());
+        }
+        bytes
+    }
+
+    fn bert() -> Value {
+        json!({
+            "model_type": "bert",
+            "architectures": ["BertForSequenceClassification"],
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "vocab_size": 100,
+            "max_position_embeddings": 128,
+            "id2label": {"0": "NEGATIVE", "1": "NEUTRAL", "2": "POSITIVE"},
+        })
+    }
+
+    fn parse(value: &Value) -> Result<ModelConfig, ConfigError> {
+        parse_config(value.to_string().as_bytes())
+    }
+
+    fn with(mut value: Value, key: &str, field: Value) -> Value {
+        value[key] = field;
+        value
+    }
+
+    fn without(mut value: Value, key: &str) -> Value {
+        if let Value::Object(map) = &mut value {
+            map.remove(key);
+        }
+        value
+    }
+
+    fn tensor(name: &str, shape: &[u64]) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            dtype: "F32".into(),
+            shape: shape.to_vec(),
+            data_offsets: (0, 0),
+        }
+    }
+
+    #[test]
+    fn accepts_bert_config() {
+        let cfg = parse(&bert()).expect("valid config");
+        assert_eq!(
+            cfg,
+            ModelConfig {
+                model_type: "bert".into(),
+                architecture: "BertForSequenceClassification".into(),
+                hidden_size: 64,
+                num_hidden_layers: 2,
+                num_attention_heads: 4,
+                vocab_size: 100,
+                max_position_embeddings: 128,
+                num_labels: Some(3),
+            }
+        );
+    }
+
+    #[test]
+    fn architecture_falls_back_to_model_type_and_labels_are_optional() {
+        let config = without(
+            without(
+                with(bert(), "model_type", json!("roberta")),
+                "architectures",
+            ),
+            "id2label",
+        );
+        let cfg = parse(&config).expect("valid config");
+        assert_eq!(cfg.architecture, "roberta");
+        assert_eq!(cfg.num_labels, None);
+    }
+
+    #[test]
+    fn accepts_every_bert_family_member() {
+        for model_type in ["bert", "roberta", "xlm-roberta", "camembert"] {
+            let cfg = parse(&with(bert(), "model_type", json!(model_type))).expect(model_type);
+            assert_eq!(cfg.model_type, model_type);
+        }
+    }
+
+    #[test]
+    fn maps_distilbert_size_names() {
+        let config = json!({
+            "model_type": "distilbert",
+            "dim": 768,
+            "n_layers": 6,
+            "n_heads": 12,
+            "vocab_size": 30522,
+            "max_position_embeddings": 512,
+        });
+        let cfg = parse(&config).expect("valid distilbert config");
+        assert_eq!(
+            (
+                cfg.hidden_size,
+                cfg.num_hidden_layers,
+                cfg.num_attention_heads
+            ),
+            (768, 6, 12)
+        );
+
+        // A distilbert config with BERT's names is missing the ones distilbert reads.
+        let err = parse(&with(bert(), "model_type", json!("distilbert"))).expect_err("wrong names");
+        assert!(matches!(err, ConfigError::MissingSize { key: "dim", .. }));
+    }
+
+    #[test]
+    fn rejects_non_json_and_non_object() {
+        assert!(matches!(
+            parse_config(b"{not json"),
+            Err(ConfigError::NotJson { .. })
+        ));
+        assert!(matches!(
+            parse_config(b"[1, 2]"),
+            Err(ConfigError::NotObject)
+        ));
+    }
+
+    #[test]
+    fn rejects_missing_model_type() {
+        let err = parse(&without(bert(), "model_type")).expect_err("no model_type");
+        assert!(matches!(err, ConfigError::MissingModelType));
+        assert!(err.to_string().contains("`bert`"));
+    }
+
+    #[test]
+    fn rejects_unsupported_model_type_listing_supported_ones() {
+        let err = parse(&with(bert(), "model_type", json!("gpt2"))).expect_err("gpt2");
+        assert!(
+            matches!(&err, ConfigError::UnsupportedModelType { model_type } if model_type == "gpt2")
+        );
+        let message = err.to_string();
+        for supported in [
+            "`bert`",
+            "`roberta`",
+            "`xlm-roberta`",
+            "`distilbert`",
+            "`camembert`",
+        ] {
+            assert!(message.contains(supported), "{message}");
+        }
+    }
+
+    #[test]
+    fn rejects_missing_zero_or_non_integer_sizes() {
+        let err = parse(&without(bert(), "vocab_size")).expect_err("no vocab");
+        assert!(matches!(
+            err,
+            ConfigError::MissingSize {
+                key: "vocab_size",
+                ..
+            }
+        ));
+        for bad in [json!(0), json!(-4), json!(64.5), json!("64")] {
+            let err = parse(&with(bert(), "hidden_size", bad.clone())).expect_err("bad size");
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::BadSize {
+                        key: "hidden_size",
+                        ..
+                    }
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn rejects_hidden_size_not_divisible_by_heads() {
+        let err = parse(&with(bert(), "num_attention_heads", json!(5))).expect_err("64 % 5");
+        assert!(matches!(
+            err,
+            ConfigError::HeadsDoNotDivide {
+                hidden_size: 64,
+                num_attention_heads: 5
+            }
+        ));
+    }
+
+    #[test]
+    fn rejects_id2label_that_is_not_an_object() {
+        let err = parse(&with(bert(), "id2label", json!(["a", "b"]))).expect_err("list labels");
+        assert!(matches!(err, ConfigError::BadLabels));
+    }
+
+    #[test]
+    fn accepts_word_embeddings_with_or_without_model_prefix() {
+        let cfg = parse(&bert()).expect("valid config");
+        for name in [
+            "embeddings.word_embeddings.weight",
+            "bert.embeddings.word_embeddings.weight",
+            "roberta.embeddings.word_embeddings.weight",
+            "distilbert.embeddings.word_embeddings.weight",
+        ] {
+            let tensors = [
+                tensor("pooler.dense.weight", &[64, 64]),
+                tensor(name, &[100, 64]),
+            ];
+            check_weights(&cfg, &tensors).expect(name);
+        }
+    }
+
+    #[test]
+    fn rejects_weights_without_word_embeddings() {
+        let cfg = parse(&bert()).expect("valid config");
+        let tensors = [tensor("gpt.wte.weight", &[100, 64])];
+        let err = check_weights(&cfg, &tensors).expect_err("no embeddings");
+        assert!(matches!(err, ConfigError::MissingEmbeddings { .. }));
+        assert!(err
+            .to_string()
+            .contains("bert.embeddings.word_embeddings.weight"));
+    }
+
+    #[test]
+    fn rejects_word_embeddings_of_another_shape() {
+        let cfg = parse(&bert()).expect("valid config");
+        let tensors = [tensor(
+            "bert.embeddings.word_embeddings.weight",
+            &[30522, 384],
+        )];
+        let err = check_weights(&cfg, &tensors).expect_err("shape mismatch");
+        let message = err.to_string();
+        assert!(
+            message.contains("[30522, 384]") && message.contains("[100, 64]"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn rejects_broken_tokenizer_with_its_error_text() {
+        let err = check_tokenizer(b"{\"model\": 3}").expect_err("not a tokenizer");
+        let ConfigError::Tokenizer { detail } = &err else {
+            panic!("{err:?}")
+        };
+        assert!(!detail.is_empty());
+        assert!(err.to_string().contains(detail.as_str()));
+        assert!(check_tokenizer(b"\xff").is_err());
+    }
+
+    #[test]
+    fn accepts_minimal_word_level_tokenizer() {
+        let tokenizer = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"},
+        });
+        check_tokenizer(tokenizer.to_string().as_bytes()).expect("valid tokenizer");
+    }
+
+    #[test]
+    fn accepts_real_minilm_config_and_tokenizer() {
+        let (Some(config), Some(tokenizer)) =
+            (read_asset("config.json"), read_asset("tokenizer.json"))
+        else {
+            return;
+        };
+        let cfg = parse_config(&config).expect("MiniLM config is valid");
+        assert_eq!(cfg.architecture, "BertModel");
+        assert_eq!(
+            (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size),
+            (384, 6, 30522)
+        );
+        check_tokenizer(&tokenizer).expect("MiniLM tokenizer is valid");
+        check_weights(
+            &cfg,
+            &[tensor("embeddings.word_embeddings.weight", &[30522, 384])],
+        )
+        .expect("shapes agree");
+    }
+}

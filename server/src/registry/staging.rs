@@ -1,0 +1,175 @@
+//! A model being received: its files land in temp blobs (from a multipart upload or a
+//! folder on disk), then the whole set is validated before anything is registered.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use axum::extract::Multipart;
+use tokio::io::AsyncReadExt;
+
+use super::blobs::{BlobStore, TempBlob};
+use super::model_config::{self, ModelConfig};
+use super::model_files::{self, ModelFile, Pooling};
+use super::safetensors;
+use crate::error::{Error, Result};
+
+pub struct StagedFile {
+    pub role: ModelFile,
+    pub blob: TempBlob,
+    pub digest: String,
+}
+
+/// Files by path, plus the `name` the client gave.
+pub struct Staged {
+    pub name: Option<String>,
+    pub files: BTreeMap<String, StagedFile>,
+    budget: u64,
+}
+
+/// What validation learnt about an accepted model.
+pub struct Validated {
+    pub config: ModelConfig,
+    pub pooling: Option<Pooling>,
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid("invalid_model", message)
+}
+
+impl Staged {
+    pub fn new(max_bytes: u64) -> Staged {
+        Staged { name: None, files: BTreeMap::new(), budget: max_bytes }
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        self.files.values().map(|f| f.blob.size()).sum()
+    }
+
+    fn check_new_path(&self, path: &str) -> Result<ModelFile> {
+        let role = model_files::check_path(path).map_err(|e| invalid(e.to_string()))?;
+        if self.files.contains_key(path) {
+            return Err(invalid(format!("The file '{path}' was sent twice; send each file once.")));
+        }
+        Ok(role)
+    }
+
+    fn spend(&mut self, bytes: usize) -> Result<()> {
+        self.budget = self.budget.checked_sub(bytes as u64).ok_or_else(|| {
+            Error::PayloadTooLarge("The model is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).".into())
+        })?;
+        Ok(())
+    }
+
+    /// Reads `multipart/form-data`: a text field `name` and one `files` part per file,
+    /// whose filename is the path inside the model folder. Parts stream to disk.
+    pub async fn receive(multipart: &mut Multipart, blobs: &BlobStore, max_bytes: u64) -> Result<Staged> {
+        let mut staged = Staged::new(max_bytes);
+        while let Some(mut field) = multipart.next_field().await? {
+            match field.name() {
+                Some("name") => {
+                    let text = field.text().await?;
+                    staged.name = Some(text.trim().to_string());
+                }
+                Some("files") => {
+                    let path = field.file_name().map(str::to_string).ok_or_else(|| {
+                        Error::BadRequest("Each 'files' part needs a filename: the file's path in the model folder.".into())
+                    })?;
+                    let role = staged.check_new_path(&path)?;
+                    let mut blob = blobs.begin().await?;
+                    while let Some(chunk) = field.chunk().await? {
+                        staged.spend(chunk.len())?;
+                        blob.write(&chunk).await?;
+                    }
+                    let digest = blob.finish().await?;
+                    staged.files.insert(path, StagedFile { role, blob, digest });
+                }
+                other => {
+                    return Err(Error::BadRequest(format!(
+                        "Unexpected form field {:?}; send a text field 'name' and file parts named 'files'.",
+                        other.unwrap_or("")
+                    )))
+                }
+            }
+        }
+        Ok(staged)
+    }
+
+    /// Stages every allowed file of a model folder on disk; returns the paths skipped
+    /// because a model folder may not hold them (READMEs of other tools, git files, …).
+    pub async fn from_dir(dir: &Path, blobs: &BlobStore, max_bytes: u64) -> Result<(Staged, Vec<String>)> {
+        let mut staged = Staged::new(max_bytes);
+        let mut skipped = Vec::new();
+        for relative in walk(dir)? {
+            let Ok(role) = staged.check_new_path(&relative) else {
+                skipped.push(relative);
+                continue;
+            };
+            let mut source = tokio::fs::File::open(dir.join(&relative)).await?;
+            let mut blob = blobs.begin().await?;
+            let mut buffer = vec![0u8; 1 << 20];
+            loop {
+                let n = source.read(&mut buffer).await?;
+                if n == 0 {
+                    break;
+                }
+                staged.spend(n)?;
+                blob.write(&buffer[..n]).await?;
+            }
+            let digest = blob.finish().await?;
+            staged.files.insert(relative, StagedFile { role, blob, digest });
+        }
+        Ok((staged, skipped))
+    }
+
+    /// Checks the set of files as one model: required files present, weights, config,
+    /// tokenizer and pooling readable and consistent with each other.
+    pub fn validate(&self) -> Result<Validated> {
+        let missing: Vec<&str> =
+            model_files::REQUIRED.iter().copied().filter(|p| !self.files.contains_key(*p)).collect();
+        if !missing.is_empty() {
+            return Err(invalid(format!(
+                "The model is missing {}; a model needs {}.",
+                missing.join(", "),
+                model_files::REQUIRED.join(", ")
+            )));
+        }
+        let read = |path: &str| std::fs::read(self.files[path].blob.path());
+        let config = model_config::parse_config(&read("config.json")?).map_err(|e| invalid(e.to_string()))?;
+        let mut weights = std::fs::File::open(self.files["model.safetensors"].blob.path())?;
+        let tensors = safetensors::validate(&mut weights).map_err(|e| match e {
+            safetensors::SafetensorsError::Io(io) => Error::Io(io),
+            other => invalid(other.to_string()),
+        })?;
+        model_config::check_weights(&config, &tensors).map_err(|e| invalid(e.to_string()))?;
+        model_config::check_tokenizer(&read("tokenizer.json")?).map_err(|e| invalid(e.to_string()))?;
+        let mut pooling = None;
+        for (path, file) in &self.files {
+            if file.role == ModelFile::Pooling {
+                let bytes = std::fs::read(file.blob.path())?;
+                pooling = Some(model_files::parse_pooling(&bytes).map_err(|e| invalid(format!("{path}: {e}")))?);
+            }
+        }
+        Ok(Validated { config, pooling })
+    }
+}
+
+/// Relative paths of every regular file under `dir`, with `/` separators.
+fn walk(dir: &Path) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(current) = stack.pop() {
+        for entry in std::fs::read_dir(&current)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                stack.push(entry.path());
+            } else if kind.is_file() {
+                let relative = entry.path().strip_prefix(dir).expect("walked under dir").to_path_buf();
+                let parts: Vec<String> = relative.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+                out.push(parts.join("/"));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}

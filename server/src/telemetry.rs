@@ -1,0 +1,55 @@
+//! Prometheus metrics: request counts and latencies by route and status, plus gauges
+//! (queue depth, workers online) refreshed when `/metrics` is scraped.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::app::AppState;
+use crate::error::Result;
+
+/// The recorder is process-global; tests start many servers in one process.
+pub fn recorder() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Full("http_request_duration_seconds".into()),
+                    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0],
+                )
+                .expect("bucket list is not empty")
+                .install_recorder()
+                .expect("no other metrics recorder is installed")
+        })
+        .clone()
+}
+
+/// Records every request under its route template (`/api/v1/models/{id}`), never the raw
+/// path, so label cardinality stays bounded.
+pub async fn track(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = request.method().to_string();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let labels = [("method", method), ("route", route), ("status", response.status().as_u16().to_string())];
+    metrics::counter!("http_requests_total", &labels).increment(1);
+    metrics::histogram!("http_request_duration_seconds", &labels).record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// `GET /metrics` in the Prometheus text format.
+pub async fn render(State(state): State<AppState>) -> Result<Response> {
+    metrics::gauge!("tessera_queue_depth").set(crate::jobs::queue::depth(&state.db).await? as f64);
+    metrics::gauge!("tessera_workers_online").set(crate::workers::count_online(&state).await? as f64);
+    let body = state.metrics.render();
+    Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())
+}

@@ -1,0 +1,150 @@
+//! The leased job queue against real SQLite and PostgreSQL: atomic claims, lease
+//! renewal, expiry and requeue, attempt limits.
+
+mod support;
+
+use std::collections::HashSet;
+
+use support::{backends, Backend, TestServer};
+use tessera_api::jobs::JobSpec;
+use tessera_server::jobs::{self, queue};
+use uuid::Uuid;
+
+async fn admin_id(server: &TestServer) -> Uuid {
+    let row: String = sqlx::query_scalar("SELECT id FROM users WHERE username = 'admin'")
+        .fetch_one(server.state.db.pool())
+        .await
+        .unwrap();
+    row.parse().unwrap()
+}
+
+async fn enqueue(server: &TestServer, n: usize, max_attempts: u32) -> Vec<Uuid> {
+    let owner = admin_id(server).await;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let spec = JobSpec::Prefetch { model: Uuid::new_v4() };
+        ids.push(jobs::insert(&server.state.db, owner, &format!("job {i}"), &spec, max_attempts).await.unwrap());
+    }
+    ids
+}
+
+async fn workers(server: &TestServer, n: usize) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(server.register_worker(&format!("w{i}")).await.0.parse().unwrap());
+    }
+    ids
+}
+
+async fn state_of(server: &TestServer, job: Uuid) -> (String, i64) {
+    let row: (String, i64) = sqlx::query_as("SELECT state, attempts FROM jobs WHERE id = $1")
+        .bind(job.to_string())
+        .fetch_one(server.state.db.pool())
+        .await
+        .unwrap();
+    row
+}
+
+const KINDS: &[&str] = &["prefetch"];
+
+fn kinds() -> Vec<String> {
+    KINDS.iter().map(|k| k.to_string()).collect()
+}
+
+async fn many_workers_claiming_at_once_never_double_claim(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let jobs = enqueue(&server, 40, 3).await;
+    let workers = workers(&server, 8).await;
+    let mut tasks = Vec::new();
+    for worker in workers {
+        let db = server.state.db.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            while let Some(claimed) = queue::claim(&db, worker, &kinds(), 60_000).await.unwrap() {
+                mine.push(claimed.job_id);
+            }
+            mine
+        }));
+    }
+    let mut seen = HashSet::new();
+    let mut total = 0;
+    for task in tasks {
+        for job in task.await.unwrap() {
+            total += 1;
+            assert!(seen.insert(job), "job {job} was claimed twice ({backend:?})");
+        }
+    }
+    assert_eq!(total, jobs.len(), "every job claimed exactly once ({backend:?})");
+    assert_eq!(seen, jobs.into_iter().collect::<HashSet<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_never_hand_a_job_to_two_workers() {
+    for backend in backends() {
+        many_workers_claiming_at_once_never_double_claim(backend).await;
+    }
+}
+
+#[tokio::test]
+async fn claim_takes_oldest_job_of_a_kind_the_worker_runs() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let jobs = enqueue(&server, 2, 3).await;
+        let worker = workers(&server, 1).await[0];
+        assert!(queue::claim(&server.state.db, worker, &["train".into()], 1000).await.unwrap().is_none());
+        let first = queue::claim(&server.state.db, worker, &kinds(), 1000).await.unwrap().unwrap();
+        assert_eq!(first.job_id, jobs[0]);
+        assert_eq!(first.attempt, 1);
+        assert_eq!(state_of(&server, jobs[0]).await, ("leased".into(), 1));
+        assert_eq!(state_of(&server, jobs[1]).await.0, "queued");
+    }
+}
+
+#[tokio::test]
+async fn lease_expires_and_job_is_requeued() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 3).await[0];
+        let worker = workers(&server, 2).await;
+        queue::claim(&server.state.db, worker[0], &kinds(), 1).await.unwrap().unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 1);
+        assert_eq!(state_of(&server, job).await, ("queued".into(), 1));
+        // The first worker's renewal now fails: it must stop.
+        let lost = queue::renew(&server.state.db, worker[0], &[job], 60_000).await.unwrap();
+        assert_eq!(lost, vec![job]);
+        let again = queue::claim(&server.state.db, worker[1], &kinds(), 60_000).await.unwrap().unwrap();
+        assert_eq!((again.job_id, again.attempt), (job, 2));
+    }
+}
+
+#[tokio::test]
+async fn renewed_lease_does_not_expire() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 3).await[0];
+        let worker = workers(&server, 1).await[0];
+        queue::claim(&server.state.db, worker, &kinds(), 1).await.unwrap().unwrap();
+        assert!(queue::renew(&server.state.db, worker, &[job], 60_000).await.unwrap().is_empty());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 0);
+        assert_eq!(state_of(&server, job).await.0, "leased");
+    }
+}
+
+#[tokio::test]
+async fn job_fails_when_its_last_attempt_expires() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 2).await[0];
+        let worker = workers(&server, 1).await[0];
+        for attempt in 1..=2 {
+            let claimed = queue::claim(&server.state.db, worker, &kinds(), 1).await.unwrap().unwrap();
+            assert_eq!(claimed.attempt, attempt);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            queue::expire_leases(&server.state.db).await.unwrap();
+        }
+        assert_eq!(state_of(&server, job).await, ("failed".into(), 2));
+        assert!(queue::claim(&server.state.db, worker, &kinds(), 1000).await.unwrap().is_none());
+    }
+}

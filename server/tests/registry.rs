@@ -1,0 +1,164 @@
+//! Model uploads over real HTTP: every kind of broken upload is refused with a clear 4xx
+//! and leaves no file behind; a valid one round-trips byte for byte.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{backends, minilm_dir, model_form, safetensors_bytes, tiny_model, Backend, TestServer};
+
+/// Files under the blob store and temp area.
+fn stored_files(server: &TestServer) -> usize {
+    let blobs = std::fs::read_dir(server.dir.join("blobs/sha256")).map(|d| d.count()).unwrap_or(0);
+    blobs + server.state.blobs.temp_files()
+}
+
+fn with_file(path: &str, bytes: Vec<u8>) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = tiny_model().into_iter().filter(|(p, _)| p != path).collect();
+    files.push((path.to_string(), bytes));
+    files
+}
+
+async fn upload(server: &TestServer, token: &str, name: &str, files: Vec<(String, Vec<u8>)>) -> reqwest::Response {
+    server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form(name, files)).send().await.unwrap()
+}
+
+/// Uploads and expects `status`, an error message mentioning `needle`, and no new files.
+async fn assert_rejected(server: &TestServer, token: &str, files: Vec<(String, Vec<u8>)>, status: u16, needle: &str) {
+    let before = stored_files(server);
+    let response = upload(server, token, "broken", files).await;
+    let got = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(got, status, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.to_lowercase().contains(&needle.to_lowercase()), "message {message:?} should mention {needle:?}");
+    assert_eq!(stored_files(server), before, "a rejected upload left files behind");
+    let models: Vec<Value> = server.get(token, "/models").await.json().await.unwrap();
+    assert!(models.iter().all(|m| m["name"] != "broken"));
+}
+
+fn header_with_length(declared: u64, json: &[u8], data: usize) -> Vec<u8> {
+    let mut bytes = declared.to_le_bytes().to_vec();
+    bytes.extend_from_slice(json);
+    bytes.resize(bytes.len() + data, 0);
+    bytes
+}
+
+#[tokio::test]
+async fn broken_safetensors_are_rejected_and_leave_nothing_behind() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    let valid = safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 4])]);
+    let mut truncated = valid.clone();
+    truncated.truncate(valid.len() - 7);
+    assert_rejected(&server, &token, with_file("model.safetensors", truncated), 422, "word_embeddings").await;
+    assert_rejected(&server, &token, with_file("model.safetensors", vec![1, 2, 3]), 422, "").await;
+    let json = br#"{"embeddings.word_embeddings.weight":{"dtype":"F32","shape":[5,4],"data_offsets":[0,80]}}"#;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(1 << 40, json, 80)), 422, "header").await;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(json.len() as u64 - 5, json, 80)), 422, "").await;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(200_000_000, json, 80)), 422, "header").await;
+    let overlapping = br#"{"embeddings.word_embeddings.weight":{"dtype":"F32","shape":[5,4],"data_offsets":[0,80]},"b":{"dtype":"F32","shape":[2],"data_offsets":[72,80]}}"#;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(overlapping.len() as u64, overlapping, 80)), 422, "overlap").await;
+    let wrong_dtype = br#"{"embeddings.word_embeddings.weight":{"dtype":"F31","shape":[5,4],"data_offsets":[0,80]}}"#;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(wrong_dtype.len() as u64, wrong_dtype, 80)), 422, "F31").await;
+    assert_rejected(&server, &token, with_file("model.safetensors", header_with_length(9, b"not json!", 0)), 422, "JSON").await;
+    let wrong_shape = safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 3])]);
+    assert_rejected(&server, &token, with_file("model.safetensors", wrong_shape), 422, "word_embeddings").await;
+}
+
+#[tokio::test]
+async fn bad_paths_configs_and_tokenizers_are_rejected() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    for path in ["../evil.json", "/etc/passwd", "a/../../b", "1_Pooling/../../x", "C:\\x", "unknown.bin"] {
+        let mut files = tiny_model();
+        files.push((path.to_string(), b"{}".to_vec()));
+        assert_rejected(&server, &token, files, 422, "").await;
+    }
+    assert_rejected(&server, &token, with_file("config.json", b"{not json".to_vec()), 422, "JSON").await;
+    assert_rejected(&server, &token, with_file("config.json", br#"{"model_type": "gpt2"}"#.to_vec()), 422, "gpt2").await;
+    assert_rejected(&server, &token, with_file("tokenizer.json", b"{}".to_vec()), 422, "tokenizer").await;
+    let no_tokenizer: Vec<_> = tiny_model().into_iter().filter(|(p, _)| p != "tokenizer.json").collect();
+    assert_rejected(&server, &token, no_tokenizer, 422, "tokenizer.json").await;
+    let mut twice = tiny_model();
+    twice.push(("config.json".into(), tiny_model()[0].1.clone()));
+    assert_rejected(&server, &token, twice, 422, "twice").await;
+}
+
+#[tokio::test]
+async fn oversized_upload_is_refused_with_413() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| config.max_upload_bytes = 64).await;
+    let token = server.admin().await;
+    assert_rejected(&server, &token, tiny_model(), 413, "limit").await;
+}
+
+#[tokio::test]
+async fn a_name_is_required_and_unique_per_owner() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    let response = upload(&server, &token, "", tiny_model()).await;
+    assert_eq!(response.status(), 422);
+    assert_eq!(upload(&server, &token, "tiny", tiny_model()).await.status(), 201);
+    let before = stored_files(&server);
+    let response = upload(&server, &token, "tiny", tiny_model()).await;
+    assert_eq!(response.status(), 409);
+    assert_eq!(stored_files(&server), before);
+}
+
+#[tokio::test]
+async fn valid_upload_round_trips_byte_for_byte() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let files = match minilm_dir() {
+            Some(dir) => ["config.json", "model.safetensors", "tokenizer.json", "1_Pooling/config.json", "vocab.txt"]
+                .iter()
+                .map(|p| (p.to_string(), std::fs::read(dir.join(p)).unwrap()))
+                .collect(),
+            None => tiny_model(),
+        };
+        let response = upload(&server, &token, "minilm", files.clone()).await;
+        assert_eq!(response.status(), 201);
+        let model: Value = response.json().await.unwrap();
+        assert_eq!(model["files"].as_array().unwrap().len(), files.len());
+        assert!(model["digest"].as_str().unwrap().starts_with("sha256:"));
+        let id = model["id"].as_str().unwrap();
+        for (path, bytes) in &files {
+            let response = server.get(&token, &format!("/models/{id}/files/{path}")).await;
+            assert_eq!(response.status(), 200);
+            assert_eq!(&response.bytes().await.unwrap()[..], &bytes[..], "{path} round-trips");
+        }
+        let listed: Vec<Value> = server.get(&token, "/models").await.json().await.unwrap();
+        assert_eq!(listed.len(), 1);
+        // Same content under another name shares blobs; deleting one keeps the other's.
+        assert_eq!(upload(&server, &token, "copy", files.clone()).await.status(), 201);
+        assert_eq!(server.delete(&token, &format!("/models/{id}")).await.status(), 204);
+        let copy: Vec<Value> = server.get(&token, "/models").await.json().await.unwrap();
+        let copy_id = copy[0]["id"].as_str().unwrap();
+        let response = server.get(&token, &format!("/models/{copy_id}/files/config.json")).await;
+        assert_eq!(response.status(), 200, "{copy:?} {}", response.text().await.unwrap());
+        assert_eq!(server.delete(&token, &format!("/models/{copy_id}")).await.status(), 204);
+        assert_eq!(stored_files(&server), 0, "deleting the last model removes its blobs");
+    }
+}
+
+#[tokio::test]
+async fn restart_keeps_users_models_and_queued_jobs() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        assert_eq!(upload(&server, &alice, "tiny", tiny_model()).await.status(), 201);
+        let job: Value = server.post(&alice, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}})).await.json().await.unwrap();
+        assert_eq!(job["state"], "queued");
+        let server = server.restart().await;
+        // The session survives too: the signing key is kept in the data directory.
+        let me: Value = server.get(&alice, "/auth/me").await.json().await.unwrap();
+        assert_eq!(me["username"], "alice");
+        let alice = server.login("alice", "alice-secret-pw").await;
+        let models: Vec<Value> = server.get(&alice, "/models").await.json().await.unwrap();
+        assert_eq!(models.len(), 1);
+        let jobs: Vec<Value> = server.get(&alice, "/jobs").await.json().await.unwrap();
+        assert_eq!((jobs.len(), jobs[0]["state"].as_str()), (1, Some("queued")));
+        assert_eq!(jobs[0]["id"], job["id"]);
+    }
+}

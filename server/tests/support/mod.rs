@@ -1,0 +1,244 @@
+//! Test support: a real server on a loopback port over a real database, either SQLite in
+//! a temp dir or a fresh database in the throwaway PostgreSQL cluster the test script
+//! starts (`TESSERA_TEST_POSTGRES_URL`).
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde_json::{json, Value};
+use tessera_server::app::{router, AppState};
+use tessera_server::config::Config;
+
+pub const ADMIN_PASSWORD: &str = "admin-password-for-tests";
+pub const WORKER_TOKEN: &str = "worker-token-for-tests";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The backends this run can test: SQLite always; PostgreSQL when a cluster is given.
+/// With `TESSERA_REQUIRE_POSTGRES=1` (the test script sets it) a missing cluster fails.
+pub fn backends() -> Vec<Backend> {
+    if std::env::var("TESSERA_TEST_POSTGRES_URL").is_ok() {
+        vec![Backend::Sqlite, Backend::Postgres]
+    } else if std::env::var("TESSERA_REQUIRE_POSTGRES").as_deref() == Ok("1") {
+        panic!("TESSERA_REQUIRE_POSTGRES=1 but TESSERA_TEST_POSTGRES_URL is not set");
+    } else {
+        eprintln!("note: TESSERA_TEST_POSTGRES_URL not set; testing SQLite only");
+        vec![Backend::Sqlite]
+    }
+}
+
+/// A fresh, empty database URL for one test.
+pub async fn fresh_database(backend: Backend, dir: &std::path::Path) -> Option<String> {
+    match backend {
+        Backend::Sqlite => None,
+        Backend::Postgres => {
+            use sqlx::Connection;
+            let base = std::env::var("TESSERA_TEST_POSTGRES_URL").expect("postgres url");
+            let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+            let mut admin = sqlx::PgConnection::connect(&base).await.expect("connect to the test cluster");
+            sqlx::Executor::execute(&mut admin, format!("CREATE DATABASE {name}").as_str()).await.expect("create db");
+            let _ = dir;
+            let (prefix, _) = base.rsplit_once('/').expect("url has a database");
+            Some(format!("{prefix}/{name}"))
+        }
+    }
+}
+
+pub struct TestServer {
+    pub url: String,
+    pub state: AppState,
+    pub config: Config,
+    pub dir: PathBuf,
+    _tempdir: Option<tempfile::TempDir>,
+    task: tokio::task::JoinHandle<()>,
+    pub http: reqwest::Client,
+}
+
+impl TestServer {
+    pub async fn start(backend: Backend) -> TestServer {
+        Self::start_tweaked(backend, |_| {}).await
+    }
+
+    /// Starts with the test defaults changed by `tweak`.
+    pub async fn start_tweaked(backend: Backend, tweak: impl FnOnce(&mut Config)) -> TestServer {
+        let tempdir = tempfile::tempdir().unwrap();
+        let mut config = Config::with_data_dir(tempdir.path().to_path_buf());
+        config.database_url = fresh_database(backend, tempdir.path()).await;
+        config.admin_password = Some(ADMIN_PASSWORD.into());
+        config.worker_token = Some(WORKER_TOKEN.into());
+        config.login_burst = 1000;
+        tweak(&mut config);
+        let dir = tempdir.path().to_path_buf();
+        Self::start_with(config, dir, Some(tempdir)).await
+    }
+
+    pub async fn start_with(config: Config, dir: PathBuf, tempdir: Option<tempfile::TempDir>) -> TestServer {
+        let state = AppState::open(config.clone()).await.expect("server state opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let app = router(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        TestServer {
+            url: format!("http://{address}"),
+            state,
+            config,
+            dir,
+            _tempdir: tempdir,
+            task,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Stops this server and starts another over the same data directory and database.
+    pub async fn restart(mut self) -> TestServer {
+        self.task.abort();
+        let _ = (&mut self.task).await;
+        let tempdir = self._tempdir.take();
+        let config = self.config.clone();
+        let dir = self.dir.clone();
+        drop(self);
+        Self::start_with(config, dir, tempdir).await
+    }
+
+    pub fn api(&self, path: &str) -> String {
+        format!("{}/api/v1{path}", self.url)
+    }
+
+    pub async fn login(&self, username: &str, password: &str) -> String {
+        let response = self
+            .http
+            .post(self.api("/auth/login"))
+            .json(&json!({"username": username, "password": password}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "login as {username}: {}", response.text().await.unwrap());
+        response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string()
+    }
+
+    pub async fn admin(&self) -> String {
+        self.login("admin", ADMIN_PASSWORD).await
+    }
+
+    /// Creates a user with role `user` and returns a session token for them.
+    pub async fn user(&self, admin: &str, username: &str) -> String {
+        let password = format!("{username}-secret-pw");
+        let response = self
+            .http
+            .post(self.api("/users"))
+            .bearer_auth(admin)
+            .json(&json!({"username": username, "password": password, "role": "user"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+        self.login(username, &password).await
+    }
+
+    pub async fn get(&self, token: &str, path: &str) -> reqwest::Response {
+        self.http.get(self.api(path)).bearer_auth(token).send().await.unwrap()
+    }
+
+    pub async fn post(&self, token: &str, path: &str, body: Value) -> reqwest::Response {
+        self.http.post(self.api(path)).bearer_auth(token).json(&body).send().await.unwrap()
+    }
+
+    pub async fn delete(&self, token: &str, path: &str) -> reqwest::Response {
+        self.http.delete(self.api(path)).bearer_auth(token).send().await.unwrap()
+    }
+
+    /// Registers a worker over the agent protocol; returns (worker id, secret).
+    pub async fn register_worker(&self, name: &str) -> (String, String) {
+        let response = self
+            .post(
+                WORKER_TOKEN,
+                "/agent/register",
+                json!({"name": name, "version": "test", "inventory": {"hostname": name, "cpu_cores": 2, "memory_bytes": 1024}}),
+            )
+            .await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+        let body: Value = response.json().await.unwrap();
+        (body["worker_id"].as_str().unwrap().into(), body["secret"].as_str().unwrap().into())
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Where the real all-MiniLM-L6-v2 folder is (fetched by scripts/fetch-assets.sh).
+pub fn minilm_dir() -> Option<PathBuf> {
+    let root = std::env::var("TESSERA_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+    let dir = root.join("all-MiniLM-L6-v2");
+    if dir.join("model.safetensors").exists() {
+        Some(dir)
+    } else if std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() == Ok("1") {
+        panic!("TESSERA_REQUIRE_ASSETS=1 but {} is missing; run scripts/fetch-assets.sh", dir.display());
+    } else {
+        eprintln!("note: {} missing; run scripts/fetch-assets.sh", dir.display());
+        None
+    }
+}
+
+/// A multipart form with `name` and the given (path, bytes) files.
+pub fn model_form(name: &str, files: Vec<(String, Vec<u8>)>) -> reqwest::multipart::Form {
+    let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
+    for (path, bytes) in files {
+        form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path));
+    }
+    form
+}
+
+/// A tiny but valid BERT model: config, safetensors with just the word embeddings, and
+/// a real tokenizer (from MiniLM when present, else a minimal WordPiece one).
+pub fn tiny_model() -> Vec<(String, Vec<u8>)> {
+    let config = json!({
+        "architectures": ["BertModel"], "model_type": "bert", "hidden_size": 4, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 5, "max_position_embeddings": 16
+    });
+    vec![
+        ("config.json".into(), serde_json::to_vec(&config).unwrap()),
+        ("model.safetensors".into(), safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 4])])),
+        ("tokenizer.json".into(), tiny_tokenizer()),
+        ("1_Pooling/config.json".into(), br#"{"word_embedding_dimension": 4, "pooling_mode_mean_tokens": true}"#.to_vec()),
+    ]
+}
+
+/// Serialises tensors (zero-filled) in the safetensors layout.
+pub fn safetensors_bytes(tensors: &[(&str, &str, Vec<u64>)]) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    for (name, dtype, shape) in tensors {
+        let size = shape.iter().product::<u64>() * 4;
+        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}));
+        offset += size;
+    }
+    let header = serde_json::to_vec(&Value::Object(header)).unwrap();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.resize(bytes.len() + offset as usize, 0);
+    bytes
+}
+
+pub fn tiny_tokenizer() -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true, "strip_accents": null, "lowercase": true},
+        "pre_tokenizer": {"type": "BertPreTokenizer"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100,
+                  "vocab": {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4}}
+    }))
+    .unwrap()
+}

@@ -1,0 +1,115 @@
+//! The agent loop: register, then heartbeat and claim until the server forgets us (then
+//! register again). Jobs run as tasks; a heartbeat answer that says a job's lease is
+//! gone (cancelled, expired) aborts that task.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tessera_api::workers::{Inventory, RegisterRequest};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::client::{Client, ClientError};
+use crate::jobs::{self, JobContext};
+
+pub struct AgentConfig {
+    pub server: String,
+    pub worker_token: String,
+    pub name: String,
+    pub data_dir: PathBuf,
+    pub slots: usize,
+    pub inventory: Inventory,
+}
+
+pub struct Agent {
+    config: AgentConfig,
+    client: Client,
+}
+
+/// How often to ask for work while idle.
+const CLAIM_POLL: Duration = Duration::from_millis(500);
+
+impl Agent {
+    pub fn new(config: AgentConfig) -> Result<Agent, ClientError> {
+        let client = Client::new(&config.server)?;
+        Ok(Agent { config, client })
+    }
+
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        loop {
+            let heartbeat = self.register().await;
+            match self.work(heartbeat).await {
+                Err(ClientError::Unauthorized) => tracing::warn!("the server no longer knows this worker; registering again"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "lost the server; registering again shortly");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+                Ok(()) => return Ok(()),
+            }
+        }
+    }
+
+    /// Registers, retrying with backoff until the server answers. Returns the heartbeat
+    /// interval the server asks for.
+    async fn register(&mut self) -> Duration {
+        let request = RegisterRequest {
+            name: self.config.name.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            inventory: self.config.inventory.clone(),
+        };
+        let mut backoff = Duration::from_millis(250);
+        loop {
+            match self.client.register(&self.config.worker_token, &request).await {
+                Ok(registered) => {
+                    tracing::info!(worker = %registered.worker_id, server = %self.config.server, "registered");
+                    return Duration::from_secs(registered.heartbeat_interval_secs.max(1));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "registration failed; retrying in {:?}", backoff);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    }
+
+    async fn work(&self, heartbeat_every: Duration) -> Result<(), ClientError> {
+        let mut running: HashMap<Uuid, tokio::task::AbortHandle> = HashMap::new();
+        let mut tasks: JoinSet<Uuid> = JoinSet::new();
+        let mut heartbeat = tokio::time::interval(heartbeat_every);
+        let mut poll = tokio::time::interval(CLAIM_POLL);
+        loop {
+            tokio::select! {
+                _ = heartbeat.tick() => {
+                    let answer = self.client.heartbeat(running.keys().copied().collect()).await?;
+                    for job in answer.stop {
+                        if let Some(task) = running.remove(&job) {
+                            tracing::info!(%job, "the server revoked this job's lease; stopping it");
+                            task.abort();
+                        }
+                    }
+                }
+                _ = poll.tick(), if running.len() < self.config.slots => {
+                    if let Some(assignment) = self.client.claim(jobs::KINDS).await? {
+                        let job = assignment.job_id;
+                        tracing::info!(%job, kind = assignment.spec.kind(), attempt = assignment.attempt, "leased a job");
+                        let context = JobContext::new(self.client.clone(), job, self.config.data_dir.clone());
+                        let task = tasks.spawn(async move {
+                            jobs::run(context, assignment.spec).await;
+                            job
+                        });
+                        running.insert(job, task);
+                        poll.reset_immediately();
+                    }
+                }
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    if let Ok(job) = done {
+                        running.remove(&job);
+                    }
+                    running.retain(|_, task| !task.is_finished());
+                }
+            }
+        }
+    }
+}

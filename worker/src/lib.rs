@@ -1,0 +1,7 @@
+//! tessera-worker: registers this host's devices with the server, heartbeats, leases
+//! jobs and runs them.
+
+pub mod agent;
+pub mod client;
+pub mod inventory;
+pub mod jobs;

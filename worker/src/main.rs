@@ -1,0 +1,54 @@
+use std::path::PathBuf;
+
+use clap::Parser;
+use tessera_worker::agent::{Agent, AgentConfig};
+
+/// Tessera worker: offers this host's devices to a Tessera server and runs the work it leases.
+#[derive(Debug, Parser)]
+#[command(name = "tessera-worker", version)]
+struct Cli {
+    /// Base URL of the Tessera server.
+    #[arg(long, env = "TESSERA_SERVER_URL", default_value = "http://127.0.0.1:8080")]
+    server: String,
+    /// Shared secret the server was started with.
+    #[arg(long, env = "TESSERA_WORKER_TOKEN", hide_env_values = true)]
+    worker_token: String,
+    /// Name this worker registers under (default: the hostname). Keep it stable: a worker
+    /// that restarts under the same name is the same worker.
+    #[arg(long, env = "TESSERA_WORKER_NAME")]
+    name: Option<String>,
+    /// Where the worker caches model files.
+    #[arg(long, env = "TESSERA_WORKER_DATA_DIR", default_value = ".tessera-worker")]
+    data_dir: PathBuf,
+    /// Jobs run at the same time.
+    #[arg(long, env = "TESSERA_WORKER_SLOTS", default_value_t = 1)]
+    slots: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let inventory = tessera_worker::inventory::detect();
+    let name = cli.name.unwrap_or_else(|| inventory.hostname.clone());
+    std::fs::create_dir_all(&cli.data_dir)?;
+    let agent = Agent::new(AgentConfig {
+        server: cli.server,
+        worker_token: cli.worker_token,
+        name,
+        data_dir: cli.data_dir,
+        slots: cli.slots.max(1),
+        inventory,
+    })?;
+    tokio::select! {
+        result = agent.run() => result,
+        _ = tokio::signal::ctrl_c() => {
+            tracing::info!("stopping; leased jobs go back to the queue when their leases expire");
+            Ok(())
+        }
+    }
+}
