@@ -68,7 +68,7 @@ step "start PostgreSQL"
 pg_env="$(bash scripts/postgres-cluster.sh start)"
 eval "$pg_env"
 pg_dir="$TESSERA_TEST_PG_DIR"
-export TESSERA_TEST_POSTGRES_URL TESSERA_REQUIRE_POSTGRES=1
+export TESSERA_TEST_POSTGRES_URL TESSERA_REQUIRE_POSTGRES=1 TESSERA_REQUIRE_ASSETS=1
 echo "TESSERA_TEST_POSTGRES_URL=$TESSERA_TEST_POSTGRES_URL" >&2
 
 step "cargo build"

@@ -2,36 +2,7 @@
 //! instances. The worker reports it when it registers. GPUs come from NVML; a host
 //! without the NVIDIA driver (every CI machine) reports none, which is not an error.
 
-// ---- Wire types. They belong in `tessera_api::workers`; once they are there, replace
-// ---- this block with `use tessera_api::workers::{Gpu, Inventory, MigInstance};`.
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Inventory {
-    pub hostname: String,
-    pub cpu_cores: u32,
-    pub memory_bytes: u64,
-    pub gpus: Vec<Gpu>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Gpu {
-    pub index: u32,
-    pub uuid: String,
-    pub name: String,
-    pub memory_bytes: u64,
-    pub compute_capability: (u32, u32),
-    pub mig_enabled: bool,
-    pub mig_instances: Vec<MigInstance>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MigInstance {
-    pub uuid: String,
-    pub name: String,
-    pub memory_bytes: u64,
-}
-// ---- End of wire types.
+use tessera_api::workers::{Gpu, Inventory, MigInstance};
 
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -106,9 +77,8 @@ fn gpus() -> Vec<Gpu> {
             return Vec::new();
         }
     };
-    let mig = mig_calls::MigCalls::load();
     (0..count)
-        .filter_map(|index| match describe_gpu(&nvml, index, mig.as_ref()) {
+        .filter_map(|index| match describe_gpu(&nvml, index) {
             Ok(gpu) => Some(gpu),
             Err(error) => {
                 warn!(index, %error, "skipping a GPU that NVML cannot describe");
@@ -118,11 +88,7 @@ fn gpus() -> Vec<Gpu> {
         .collect()
 }
 
-fn describe_gpu(
-    nvml: &Nvml,
-    index: u32,
-    mig: Option<&mig_calls::MigCalls>,
-) -> Result<Gpu, NvmlError> {
+fn describe_gpu(nvml: &Nvml, index: u32) -> Result<Gpu, NvmlError> {
     let device = nvml.device_by_index(index)?;
     let uuid = device.uuid()?;
     let compute_capability = match device.cuda_compute_capability() {
@@ -145,14 +111,7 @@ fn describe_gpu(
             false
         }
     };
-    let mig_instances = match (mig_enabled, mig) {
-        (true, Some(mig)) => mig_instances(&device, mig),
-        (true, None) => {
-            warn!(%uuid, "MIG is on but this NVML cannot enumerate MIG devices");
-            Vec::new()
-        }
-        (false, _) => Vec::new(),
-    };
+    let mig_instances = if mig_enabled { mig_instances(&device) } else { Vec::new() };
     let memory_bytes = match device.memory_info() {
         Ok(memory) => memory.total,
         // In MIG mode NVML gives the whole GPU's figures only to privileged callers;
@@ -176,20 +135,17 @@ fn describe_gpu(
 
 /// The MIG devices (compute instances) that exist on `parent` now. Slots up to the
 /// maximum count can be empty; NVML answers those with an error, so they are skipped.
-fn mig_instances(parent: &Device<'_>, mig: &mig_calls::MigCalls) -> Vec<MigInstance> {
-    let max = match mig.max_mig_device_count(parent) {
+fn mig_instances(parent: &Device<'_>) -> Vec<MigInstance> {
+    let max = match parent.mig_device_count() {
         Ok(max) => max,
-        Err(code) => {
-            debug!(
-                code,
-                "nvmlDeviceGetMaxMigDeviceCount failed; reporting no MIG devices"
-            );
+        Err(error) => {
+            debug!(%error, "cannot count MIG devices; reporting none");
             return Vec::new();
         }
     };
     (0..max)
         .filter_map(|slot| {
-            let device = mig.mig_device_by_index(parent, slot).ok()?;
+            let device = parent.mig_device_by_index(slot).ok()?;
             let describe = || -> Result<MigInstance, NvmlError> {
                 Ok(MigInstance {
                     uuid: device.uuid()?,
@@ -202,106 +158,6 @@ fn mig_instances(parent: &Device<'_>, mig: &mig_calls::MigCalls) -> Vec<MigInsta
                 .ok()
         })
         .collect()
-}
-
-/// nvml-wrapper 0.11 wraps `nvmlDeviceGetMigMode` but not the two calls that enumerate a
-/// GPU's MIG devices (0.13 has them as `Device::mig_device_count` and
-/// `Device::mig_device_by_index`). Until the workspace moves to 0.13, this looks the two
-/// symbols up in the libnvidia-ml that `Nvml::init` has already loaded; after the move,
-/// delete this module and call those methods.
-mod mig_calls {
-    use std::ffi::{c_char, c_int, c_uint, c_void};
-
-    use nvml_wrapper::Device;
-
-    /// `nvmlReturn_t`; 0 is `NVML_SUCCESS`.
-    type NvmlReturn = c_uint;
-    /// `nvmlDevice_t`, an opaque pointer.
-    type DeviceHandle = *mut c_void;
-    type MaxCountFn = unsafe extern "C" fn(DeviceHandle, *mut c_uint) -> NvmlReturn;
-    type ByIndexFn = unsafe extern "C" fn(DeviceHandle, c_uint, *mut DeviceHandle) -> NvmlReturn;
-
-    const RTLD_NOW: c_int = 2;
-    const RTLD_NOLOAD: c_int = 4;
-
-    extern "C" {
-        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
-        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-        fn dlclose(handle: *mut c_void) -> c_int;
-    }
-
-    pub(super) struct MigCalls {
-        library: *mut c_void,
-        max_count: MaxCountFn,
-        by_index: ByIndexFn,
-    }
-
-    impl MigCalls {
-        /// `None` unless libnvidia-ml is loaded (call after `Nvml::init`) and exports both
-        /// symbols (drivers since R450 do).
-        pub(super) fn load() -> Option<Self> {
-            // SAFETY: RTLD_NOLOAD only takes a reference on a library already in the
-            // process; the symbols are checked for null and have these C signatures in
-            // nvml.h.
-            unsafe {
-                let library = dlopen(c"libnvidia-ml.so.1".as_ptr(), RTLD_NOW | RTLD_NOLOAD);
-                if library.is_null() {
-                    return None;
-                }
-                let max_count = dlsym(library, c"nvmlDeviceGetMaxMigDeviceCount".as_ptr());
-                let by_index = dlsym(library, c"nvmlDeviceGetMigDeviceHandleByIndex".as_ptr());
-                if max_count.is_null() || by_index.is_null() {
-                    dlclose(library);
-                    return None;
-                }
-                Some(Self {
-                    library,
-                    max_count: std::mem::transmute::<*mut c_void, MaxCountFn>(max_count),
-                    by_index: std::mem::transmute::<*mut c_void, ByIndexFn>(by_index),
-                })
-            }
-        }
-
-        /// How many MIG devices `parent` can hold; `Err` carries the `nvmlReturn_t`.
-        pub(super) fn max_mig_device_count(&self, parent: &Device<'_>) -> Result<u32, u32> {
-            let mut count: c_uint = 0;
-            // SAFETY: `parent` holds a live handle from the same library instance.
-            let code = unsafe { (self.max_count)(parent.handle() as DeviceHandle, &raw mut count) };
-            if code == 0 {
-                Ok(count)
-            } else {
-                Err(code)
-            }
-        }
-
-        /// The MIG device in `slot` of `parent`; `Err` carries the `nvmlReturn_t`
-        /// (`NVML_ERROR_NOT_FOUND` for an empty slot).
-        pub(super) fn mig_device_by_index<'nvml>(
-            &self,
-            parent: &Device<'nvml>,
-            slot: u32,
-        ) -> Result<Device<'nvml>, u32> {
-            let mut handle: DeviceHandle = std::ptr::null_mut();
-            // SAFETY: as above; on success NVML fills `handle` with a MIG device handle,
-            // valid as long as the `Nvml` that `parent` borrows.
-            unsafe {
-                let code = (self.by_index)(parent.handle() as DeviceHandle, slot, &raw mut handle);
-                if code != 0 || handle.is_null() {
-                    return Err(code);
-                }
-                Ok(Device::new(handle.cast(), parent.nvml()))
-            }
-        }
-    }
-
-    impl Drop for MigCalls {
-        fn drop(&mut self) {
-            // SAFETY: balances the reference taken in `load`; NVML stays loaded by `Nvml`.
-            unsafe {
-                dlclose(self.library);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
