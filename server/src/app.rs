@@ -76,7 +76,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(accounts::create, accounts::list))
         .routes(routes!(accounts::tokens::create, accounts::tokens::list))
         .routes(routes!(accounts::tokens::revoke))
-        .routes(routes!(registry::upload, registry::list))
+        .routes(without_body_limit(routes!(registry::upload, registry::list)))
         .routes(routes!(registry::get, registry::delete))
         .routes(routes!(registry::download))
         .routes(routes!(jobs::create, jobs::list))
@@ -95,10 +95,16 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(registry::agent_download))
 }
 
+/// Uploads are capped by the registry while they stream, not by axum's body limit
+/// (2 MB, which still guards every JSON route).
+fn without_body_limit(
+    (schemas, paths, method_router): utoipa_axum::router::UtoipaMethodRouter<AppState>,
+) -> utoipa_axum::router::UtoipaMethodRouter<AppState> {
+    (schemas, paths, method_router.layer(DefaultBodyLimit::disable()))
+}
+
 pub fn router(state: AppState) -> Router {
     let (api, _) = api_router().split_for_parts();
-    // Uploads are capped by the registry while streaming, not by a body limit.
-    let api = api.layer(DefaultBodyLimit::disable());
     Router::new()
         .merge(api)
         .route("/api/openapi.json", get(openapi_json))
