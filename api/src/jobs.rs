@@ -56,12 +56,20 @@ pub enum JobSpec {
     /// Download a registered model into the worker's cache and verify every file's
     /// digest, so a later deployment on that worker starts without a transfer.
     Prefetch { model: Uuid },
+    /// Serve one replica of a deployment until the lease is taken back.
+    Serve {
+        deployment: Uuid,
+        model: Uuid,
+        max_batch_tokens: u32,
+        max_batch_requests: u32,
+    },
 }
 
 impl JobSpec {
     pub fn kind(&self) -> &'static str {
         match self {
             JobSpec::Prefetch { .. } => "prefetch",
+            JobSpec::Serve { .. } => "serve",
         }
     }
 }

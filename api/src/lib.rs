@@ -4,6 +4,7 @@
 //! specs) is defined once here so the two binaries cannot drift apart.
 
 pub mod accounts;
+pub mod deployments;
 pub mod error;
 pub mod jobs;
 pub mod models;

@@ -53,6 +53,8 @@ pub struct RegisterResponse {
     pub secret: String,
     pub heartbeat_interval_secs: u64,
     pub lease_ttl_secs: u64,
+    /// Bearer token the server's gateway presents to this worker's engine endpoint.
+    pub engine_token: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -89,6 +91,9 @@ pub struct StatusReport {
     pub state: JobState,
     #[serde(default)]
     pub message: Option<String>,
+    /// For a serving replica reported `running`: the URL its engine answers on.
+    #[serde(default)]
+    pub endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

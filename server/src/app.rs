@@ -19,7 +19,7 @@ use crate::auth::session::SessionKeys;
 use crate::config::Config;
 use crate::db::Db;
 use crate::registry::blobs::BlobStore;
-use crate::{accounts, error, jobs, openapi, registry, telemetry, web, workers};
+use crate::{accounts, deployments, error, jobs, openapi, registry, telemetry, web, workers};
 
 #[derive(Clone)]
 pub struct AppState {
@@ -84,6 +84,8 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::cancel))
         .routes(routes!(jobs::logs))
         .routes(routes!(jobs::metrics))
+        .routes(routes!(deployments::create, deployments::list))
+        .routes(routes!(deployments::get, deployments::update, deployments::delete))
         .routes(routes!(workers::list))
         .routes(routes!(workers::agent::register))
         .routes(routes!(workers::agent::heartbeat))

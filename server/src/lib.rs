@@ -6,6 +6,7 @@ pub mod app;
 pub mod auth;
 pub mod config;
 pub mod db;
+pub mod deployments;
 pub mod error;
 pub mod jobs;
 pub mod openapi;

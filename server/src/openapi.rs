@@ -13,6 +13,7 @@ use utoipa::{Modify, OpenApi};
         (name = "tokens", description = "Personal API tokens"),
         (name = "models", description = "The model registry"),
         (name = "jobs", description = "The job queue"),
+        (name = "deployments", description = "Models served under a name, with replicas"),
         (name = "workers", description = "Worker hosts and their devices"),
         (name = "agent", description = "The protocol workers speak (worker secrets only)"),
     )

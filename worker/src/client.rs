@@ -83,7 +83,7 @@ impl Client {
     }
 
     pub async fn status(&self, job: Uuid, state: JobState, message: Option<String>) -> Result<(), ClientError> {
-        self.post(&format!("jobs/{job}/status"), &StatusReport { state, message }).await?;
+        self.post(&format!("jobs/{job}/status"), &StatusReport { state, message, endpoint: None }).await?;
         Ok(())
     }
 

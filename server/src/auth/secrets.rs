@@ -7,6 +7,7 @@ use sha2::{Digest, Sha256};
 /// Personal API tokens start with this, so `authenticate` knows not to parse a JWT.
 pub const API_TOKEN_PREFIX: &str = "tsk_";
 pub const WORKER_SECRET_PREFIX: &str = "tsw_";
+pub const ENGINE_TOKEN_PREFIX: &str = "tse_";
 
 /// `prefix` followed by 32 random bytes in hex.
 pub fn generate(prefix: &str) -> String {

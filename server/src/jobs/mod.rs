@@ -62,12 +62,20 @@ async fn resolve_spec(state: &AppState, principal: &Principal, spec: serde_json:
     }
 }
 
-pub async fn insert(db: &Db, owner: Uuid, name: &str, spec: &JobSpec, max_attempts: u32) -> Result<Uuid> {
+/// Queues a job; `deployment` ties a serving replica to its deployment.
+pub async fn insert(
+    db: &Db,
+    owner: Uuid,
+    name: &str,
+    spec: &JobSpec,
+    max_attempts: u32,
+    deployment: Option<Uuid>,
+) -> Result<Uuid> {
     let id = Uuid::new_v4();
     let now = now_ms();
     sqlx::query(
-        "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, 'queued', 0, $6, $7, $7)",
+        "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
+         deployment_id) VALUES ($1, $2, $3, $4, $5, 'queued', 0, $6, $7, $7, $8)",
     )
     .bind(id.to_string())
     .bind(owner.to_string())
@@ -76,6 +84,7 @@ pub async fn insert(db: &Db, owner: Uuid, name: &str, spec: &JobSpec, max_attemp
     .bind(serde_json::to_string(spec).map_err(|e| anyhow::anyhow!(e))?)
     .bind(max_attempts as i64)
     .bind(now)
+    .bind(deployment.map(|d| d.to_string()))
     .execute(db.pool())
     .await?;
     Ok(id)
@@ -93,10 +102,12 @@ pub async fn get_visible(db: &Db, principal: &Principal, id: Uuid) -> Result<Job
     job_from_row(&row)
 }
 
+/// Jobs newest first, without serving replicas (those are listed with their deployment).
 pub async fn list_visible(db: &Db, principal: &Principal, state: Option<JobState>) -> Result<Vec<Job>> {
     let rows = sqlx::query(&format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
-         WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) ORDER BY j.created_at DESC LIMIT 500"
+         WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
+         ORDER BY j.created_at DESC LIMIT 500"
     ))
     .bind(principal.owner_filter())
     .bind(state.map(JobState::as_str))
@@ -122,7 +133,7 @@ pub async fn create(
         return Err(Error::invalid("invalid_spec", "max_attempts must be between 1 and 100."));
     }
     let spec = resolve_spec(&state, &principal, request.spec).await?;
-    let id = insert(&state.db, principal.id, name, &spec, max_attempts).await?;
+    let id = insert(&state.db, principal.id, name, &spec, max_attempts, None).await?;
     Ok((StatusCode::CREATED, ApiJson(get_visible(&state.db, &principal, id).await?)))
 }
 

@@ -50,14 +50,16 @@ pub async fn register(
         return Err(Error::invalid("invalid_name", "A worker name has 1 to 200 characters."));
     }
     let secret = secrets::generate(secrets::WORKER_SECRET_PREFIX);
+    let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
     let inventory = serde_json::to_string(&request.inventory).map_err(|e| anyhow::anyhow!(e))?;
     let now = now_ms();
     // A worker that restarts under its name keeps its id; its old secret stops working.
     let row = sqlx::query(
-        "INSERT INTO workers (id, name, version, inventory, secret_hash, registered_at, last_seen_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $6) \
+        "INSERT INTO workers (id, name, version, inventory, secret_hash, engine_token, registered_at, last_seen_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7) \
          ON CONFLICT (name) DO UPDATE SET version = excluded.version, inventory = excluded.inventory, \
-           secret_hash = excluded.secret_hash, last_seen_at = excluded.last_seen_at \
+           secret_hash = excluded.secret_hash, engine_token = excluded.engine_token, \
+           last_seen_at = excluded.last_seen_at \
          RETURNING id",
     )
     .bind(Uuid::new_v4().to_string())
@@ -65,6 +67,7 @@ pub async fn register(
     .bind(&request.version)
     .bind(inventory)
     .bind(secrets::digest(&secret))
+    .bind(&engine_token)
     .bind(now)
     .fetch_one(state.db.pool())
     .await?;
@@ -85,6 +88,7 @@ pub async fn register(
         secret,
         heartbeat_interval_secs: state.config.heartbeat_secs,
         lease_ttl_secs: state.config.lease_ttl_secs,
+        engine_token,
     }))
 }
 
@@ -151,16 +155,17 @@ pub async fn report_status(
     ApiJson(report): ApiJson<StatusReport>,
 ) -> Result<StatusCode> {
     let now = now_ms();
-    let (sql, finished) = match report.state {
+    // The fifth parameter: the endpoint of a running job, the state of a finished one.
+    let (sql, fifth) = match report.state {
         JobState::Running => (
-            "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2) \
-             WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
-            false,
+            "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2), \
+             endpoint = $5 WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
+            report.endpoint.clone(),
         ),
         JobState::Succeeded | JobState::Failed => (
-            "UPDATE jobs SET state = $5, message = $1, updated_at = $2, finished_at = $2, lease_expires_at = NULL \
-             WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
-            true,
+            "UPDATE jobs SET state = $5, message = $1, updated_at = $2, finished_at = $2, lease_expires_at = NULL, \
+             endpoint = NULL WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
+            Some(report.state.as_str().to_string()),
         ),
         other => {
             return Err(Error::BadRequest(format!(
@@ -169,11 +174,8 @@ pub async fn report_status(
             )))
         }
     };
-    let mut query = sqlx::query(sql).bind(report.message).bind(now).bind(job.to_string()).bind(agent.worker_id.to_string());
-    if finished {
-        query = query.bind(report.state.as_str());
-    }
-    if query.execute(state.db.pool()).await?.rows_affected() == 0 {
+    let query = sqlx::query(sql).bind(report.message).bind(now).bind(job.to_string()).bind(agent.worker_id.to_string());
+    if query.bind(fifth).execute(state.db.pool()).await?.rows_affected() == 0 {
         check_lease(&state, agent.worker_id, job).await?;
     }
     Ok(StatusCode::NO_CONTENT)

@@ -41,6 +41,8 @@ pub enum JobError {
     Client(#[from] ClientError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error("this worker cannot run {0} jobs")]
+    Unsupported(&'static str),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -53,6 +55,8 @@ pub async fn run(context: JobContext, spec: JobSpec) {
     }
     let outcome = match spec {
         JobSpec::Prefetch { model } => prefetch::run(&context, model).await,
+        // Not in KINDS, so never claimed; a server bug would otherwise hang the job.
+        other => Err(JobError::Unsupported(other.kind())),
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),

@@ -1,0 +1,113 @@
+//! Deployments over real HTTP: replicas are placed through the leased queue, become
+//! ready when a worker reports its engine endpoint, are re-placed when a worker dies, and
+//! scale up and down.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{backends, model_form, tiny_model, TestServer};
+
+async fn deploy(server: &TestServer, token: &str, replicas: u32) -> Value {
+    let response = server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    let response = server.post(token, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": replicas})).await;
+    assert_eq!(response.status(), 201);
+    response.json().await.unwrap()
+}
+
+async fn claim_serve(server: &TestServer, secret: &str) -> Option<Value> {
+    let response = server.post(secret, "/agent/claim", json!({"kinds": ["serve"]})).await;
+    if response.status() != 200 {
+        return None;
+    }
+    response.json().await.ok()
+}
+
+#[tokio::test]
+async fn replicas_go_from_pending_to_ready_through_the_queue() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let created = deploy(&server, &admin, 2).await;
+        assert_eq!(created["state"], "pending");
+        assert!(created["reason"].as_str().unwrap().contains("waiting for a worker"));
+        assert_eq!(created["replica_status"].as_array().unwrap().len(), 2);
+
+        let (_, secret) = server.register_worker("gpu-1").await;
+        let first = claim_serve(&server, &secret).await.expect("a replica to serve");
+        assert_eq!(first["spec"]["kind"], "serve");
+        assert_eq!(first["spec"]["max_batch_tokens"], 16384);
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        assert_eq!(deployment["state"], "loading");
+
+        let job = first["job_id"].as_str().unwrap();
+        let report = json!({"state": "running", "endpoint": "http://127.0.0.1:9/replicas/x"});
+        assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/status"), report).await.status(), 204);
+        let second = claim_serve(&server, &secret).await.unwrap();
+        let job2 = second["job_id"].as_str().unwrap();
+        let report = json!({"state": "running", "endpoint": "http://127.0.0.1:9/replicas/y"});
+        server.post(&secret, &format!("/agent/jobs/{job2}/status"), report).await;
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        assert_eq!((deployment["state"].as_str(), deployment["ready_replicas"].as_u64()), (Some("ready"), Some(2)));
+
+        // Scaling down stops one replica: its worker is told at the next heartbeat.
+        let response = server.http.patch(server.api("/deployments/embedder")).bearer_auth(&admin).json(&json!({"replicas": 1})).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        let beat: Value = server.post(&secret, "/agent/heartbeat", json!({"jobs": [job, job2]})).await.json().await.unwrap();
+        assert_eq!(beat["stop"].as_array().unwrap().len(), 1);
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        assert_eq!((deployment["state"].as_str(), deployment["replicas"].as_u64()), (Some("ready"), Some(1)));
+
+        // Scaling up queues a new replica; deleting stops everything.
+        let response = server.http.patch(server.api("/deployments/embedder")).bearer_auth(&admin).json(&json!({"replicas": 3})).send().await.unwrap();
+        let deployment: Value = response.json().await.unwrap();
+        assert_eq!(deployment["replica_status"].as_array().unwrap().len(), 3);
+        assert_eq!(server.delete(&admin, "/deployments/embedder").await.status(), 204);
+        assert_eq!(server.get(&admin, "/deployments/embedder").await.status(), 404);
+        let beat: Value = server.post(&secret, "/agent/heartbeat", json!({"jobs": [job, job2]})).await.json().await.unwrap();
+        assert_eq!(beat["stop"].as_array().unwrap().len(), 2);
+    }
+}
+
+#[tokio::test]
+async fn a_replica_whose_worker_dies_is_placed_again() {
+    let server = TestServer::start_tweaked(support::Backend::Sqlite, |config| config.lease_ttl_secs = 1).await;
+    let admin = server.admin().await;
+    deploy(&server, &admin, 1).await;
+    let (_, dead) = server.register_worker("dies").await;
+    let claimed = claim_serve(&server, &dead).await.unwrap();
+    let job = claimed["job_id"].as_str().unwrap().to_string();
+    server.post(&dead, &format!("/agent/jobs/{job}/status"), json!({"state": "running", "endpoint": "http://127.0.0.1:9/r"})).await;
+    // No heartbeat: the lease runs out and the server's expiry loop requeues the replica.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    tessera_server::jobs::queue::expire_leases(&server.state.db).await.unwrap();
+    let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+    assert_eq!(deployment["state"], "pending", "{deployment}");
+    let (_, alive) = server.register_worker("alive").await;
+    let again = claim_serve(&server, &alive).await.unwrap();
+    assert_eq!((again["job_id"].as_str(), again["attempt"].as_u64()), (Some(job.as_str()), Some(2)));
+}
+
+#[tokio::test]
+async fn bad_deployments_are_refused_with_a_reason() {
+    let server = TestServer::start(support::Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let alice = server.user(&admin, "alice").await;
+    deploy(&server, &admin, 1).await;
+    for (body, status) in [
+        (json!({"name": "embedder", "model": "tiny"}), 409),
+        (json!({"name": "x y", "model": "tiny"}), 422),
+        (json!({"name": "ok", "model": "missing"}), 404),
+        (json!({"name": "ok", "model": "tiny", "replicas": 1000}), 422),
+        (json!({"name": "ok", "model": "tiny", "max_batch_tokens": 10}), 422),
+        (json!({"model": "tiny"}), 400),
+    ] {
+        let response = server.post(&admin, "/deployments", body.clone()).await;
+        assert_eq!(response.status(), status, "{body}");
+    }
+    // Alice neither sees the admin's deployment nor may use the admin's model.
+    assert_eq!(server.get(&alice, "/deployments/embedder").await.status(), 404);
+    assert_eq!(server.post(&alice, "/deployments", json!({"name": "mine", "model": "tiny"})).await.status(), 404);
+    let list: Vec<Value> = server.get(&alice, "/deployments").await.json().await.unwrap();
+    assert!(list.is_empty());
+}
