@@ -10,6 +10,7 @@
 #   TESSERA_ASSETS             <repo>/.assets unless set (the demo model is in all-MiniLM-L6-v2/)
 #   TESSERA_SERVER_BIN, TESSERA_WORKER_BIN   the debug binaries just built
 #   TESSERA_CHROMIUM           the system Chromium, for tests/browser/run.mjs
+#   TESSERA_TEST_PYTHON        a python with the openai and tritonclient packages
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -63,6 +64,10 @@ fi
 step "fetch assets"
 export TESSERA_ASSETS="${TESSERA_ASSETS:-$repo/.assets}"
 bash scripts/fetch-assets.sh
+
+step "python clients"
+TESSERA_TEST_PYTHON="$(bash scripts/python-clients.sh)"
+export TESSERA_TEST_PYTHON
 
 step "start PostgreSQL"
 pg_env="$(bash scripts/postgres-cluster.sh start)"

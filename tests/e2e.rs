@@ -40,6 +40,20 @@ fn start_worker(server: &str, data_dir: &Path) -> Process {
     )
 }
 
+/// Uploads the real MiniLM folder as `name`; returns the model's id.
+async fn upload_minilm(http: &reqwest::Client, url: &str, token: &str, dir: &Path, name: &str) -> String {
+    let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
+    for path in MODEL_FILES {
+        let bytes = std::fs::read(dir.join(path)).unwrap();
+        form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()));
+    }
+    let response = http.post(format!("{url}/api/v1/models")).bearer_auth(token).multipart(form).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    let model: Value = response.json().await.unwrap();
+    assert_eq!(model["architecture"], "BertModel");
+    model["id"].as_str().unwrap().to_string()
+}
+
 fn minilm_dir() -> Option<PathBuf> {
     let root = std::env::var("TESSERA_ASSETS").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
     let dir = root.join("all-MiniLM-L6-v2");
@@ -63,7 +77,10 @@ async fn get_json(http: &reqwest::Client, url: &str, token: &str) -> Value {
     response.json().await.unwrap()
 }
 
-const MODEL_FILES: &[&str] = &["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json", "1_Pooling/config.json"];
+const MODEL_FILES: &[&str] = &[
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_and_worker_binaries_serve_a_real_model_end_to_end() {
@@ -89,17 +106,7 @@ async fn server_and_worker_binaries_serve_a_real_model_end_to_end() {
     let erin = login(&http, &url, "erin", user_password).await;
 
     // Upload the real MiniLM model over multipart.
-    let mut form = reqwest::multipart::Form::new().text("name", "all-MiniLM-L6-v2");
-    for path in MODEL_FILES {
-        let bytes = std::fs::read(model_dir.join(path)).unwrap();
-        form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()));
-    }
-    let response = http.post(format!("{url}/api/v1/models")).bearer_auth(&erin).multipart(form).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    let model: Value = response.json().await.unwrap();
-    assert_eq!(model["architecture"], "BertModel");
-    assert_eq!(model["size_bytes"].as_u64().unwrap() > 90_000_000, true);
-    let model_id = model["id"].as_str().unwrap().to_string();
+    let model_id = upload_minilm(&http, &url, &erin, &model_dir, "all-MiniLM-L6-v2").await;
 
     // A worker joins and is seen online with its devices.
     let mut worker = start_worker(&url, &worker_dir);
@@ -210,4 +217,137 @@ fn compose_file_uses_only_flags_and_variables_the_binaries_know() {
             );
         }
     }
+}
+
+/// sentence-transformers' own embeddings of a few texts (worker/tests/fixtures).
+fn reference_embeddings() -> Vec<(String, Vec<f32>)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../worker/tests/fixtures/minilm_reference.json")).unwrap();
+    let fixture: Value = serde_json::from_str(&text).unwrap();
+    fixture["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["text"].as_str().unwrap().to_string(), t["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect()))
+        .collect()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (norm(a) * norm(b))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
+    let Some(model_dir) = minilm_dir() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let mut server = start_server(&data.path().join("server"));
+    let url = server.url.clone();
+    let line = server.process.wait_for_line("with password: ", Duration::from_secs(5));
+    let admin = login(&http, &url, "admin", line.rsplit(' ').next().unwrap()).await;
+    upload_minilm(&http, &url, &admin, &model_dir, "minilm").await;
+    let worker = start_worker(&url, &data.path().join("worker"));
+
+    let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(&admin)
+        .json(&json!({"name": "minilm-embed", "model": "minilm", "replicas": 1, "max_batch_tokens": 2048})).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    eventually("the deployment is ready", Duration::from_secs(120), || async {
+        let d = get_json(&http, &format!("{url}/api/v1/deployments/minilm-embed"), &admin).await;
+        assert_ne!(d["state"], "failed", "{d}\n{}", worker.output());
+        (d["state"] == "ready").then_some(())
+    })
+    .await;
+
+    // OpenAI: floats, base64, token ids, dimensions; the vectors are sentence-transformers'.
+    let references = reference_embeddings();
+    let texts: Vec<&str> = references.iter().map(|(t, _)| t.as_str()).collect();
+    let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
+        .json(&json!({"model": "minilm-embed", "input": texts})).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    for header in ["x-queue-time", "x-tokenization-time", "x-inference-time", "x-total-time"] {
+        assert!(response.headers().contains_key(header), "{header}");
+    }
+    let body: Value = response.json().await.unwrap();
+    assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > texts.len() as u64);
+    for ((text, expected), item) in references.iter().zip(body["data"].as_array().unwrap()) {
+        let got: Vec<f32> = item["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        assert!(cosine(&got, expected) >= 0.9999, "{text:?}: cosine {}", cosine(&got, expected));
+    }
+    let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
+        .json(&json!({"model": "minilm-embed", "input": "hello world", "encoding_format": "base64", "dimensions": 64})).send().await.unwrap();
+    let body: Value = response.json().await.unwrap();
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(body["data"][0]["embedding"].as_str().unwrap()).unwrap();
+    assert_eq!(bytes.len(), 64 * 4);
+    let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
+        .json(&json!({"model": "minilm-embed", "input": [[101, 7592, 2088, 102]]})).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    for (body, status) in [
+        (json!({"model": "nope", "input": "x"}), 404),
+        (json!({"model": "minilm-embed", "input": [[101, 999999]]}), 422),
+        (json!({"model": "minilm-embed", "input": "x", "encoding_format": "hex"}), 400),
+        (json!({"model": "minilm-embed", "input": []}), 400),
+    ] {
+        let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin).json(&body).send().await.unwrap();
+        assert_eq!(response.status(), status, "{body}");
+        let error: Value = response.json().await.unwrap();
+        assert!(error["error"]["message"].is_string(), "{error}");
+    }
+    assert_eq!(http.post(format!("{url}/v1/embeddings")).json(&json!({"model": "minilm-embed", "input": "x"})).send().await.unwrap().status(), 401);
+
+    // KServe v2, JSON.
+    let ready = http.get(format!("{url}/v2/models/minilm-embed/ready")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let metadata = get_json(&http, &format!("{url}/v2/models/minilm-embed"), &admin).await;
+    assert_eq!(metadata["outputs"][0]["shape"], json!([-1, 384]));
+    let request = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": [texts[1], texts[2]]}]});
+    let reply = http.post(format!("{url}/v2/models/minilm-embed/infer")).bearer_auth(&admin).json(&request).send().await.unwrap();
+    assert_eq!(reply.status(), 200);
+    let reply: Value = reply.json().await.unwrap();
+    assert_eq!(reply["outputs"][0]["shape"], json!([2, 384]));
+    let flat: Vec<f32> = reply["outputs"][0]["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    assert!(cosine(&flat[384..], &references[2].1) >= 0.9999);
+
+    // KServe v2 with Triton's binary extension in both directions.
+    let mut tensor = Vec::new();
+    for text in [texts[1], texts[2]] {
+        tensor.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        tensor.extend_from_slice(text.as_bytes());
+    }
+    let header = serde_json::to_vec(&json!({
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": tensor.len()}}],
+        "parameters": {"binary_data_output": true}
+    })).unwrap();
+    let mut body = header.clone();
+    body.extend_from_slice(&tensor);
+    let reply = http.post(format!("{url}/v2/models/minilm-embed/infer")).bearer_auth(&admin)
+        .header("Inference-Header-Content-Length", header.len()).body(body).send().await.unwrap();
+    assert_eq!(reply.status(), 200);
+    let json_len: usize = reply.headers()["inference-header-content-length"].to_str().unwrap().parse().unwrap();
+    let bytes = reply.bytes().await.unwrap();
+    let head: Value = serde_json::from_slice(&bytes[..json_len]).unwrap();
+    assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 2 * 384 * 4);
+    let values: Vec<f32> = bytes[json_len..].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert!(cosine(&values[..384], &references[1].1) >= 0.9999);
+    let bad = http.post(format!("{url}/v2/models/minilm-embed/infer")).bearer_auth(&admin).json(&json!({"inputs": []})).send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.json::<Value>().await.unwrap()["error"].is_string());
+
+    // The official Python clients, when the test script provides them.
+    if let Ok(python) = std::env::var("TESSERA_TEST_PYTHON") {
+        let token: Value = http.post(format!("{url}/api/v1/tokens")).bearer_auth(&admin).json(&json!({"name": "clients"})).send().await.unwrap().json().await.unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/check_clients.py");
+        let output = Command::new(python).arg(script).arg(&url).arg(token["token"].as_str().unwrap()).arg("minilm-embed").output().unwrap();
+        let printed = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "python clients failed:\n{printed}");
+        assert!(printed.contains("openai ok") && printed.contains("tritonclient ok"), "{printed}");
+    } else {
+        assert!(std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"), "TESSERA_TEST_PYTHON is not set; run scripts/test.sh");
+    }
+
+    // The gateway's metrics saw the traffic.
+    let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("tessera_inference_batch_tokens"), "{metrics}");
+    server.process.kill();
 }

@@ -5,6 +5,7 @@
 
 pub mod accounts;
 pub mod deployments;
+pub mod engine;
 pub mod error;
 pub mod jobs;
 pub mod models;

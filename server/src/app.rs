@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower_http::trace::TraceLayer;
@@ -18,6 +18,7 @@ use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::Config;
 use crate::db::Db;
+use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
 use crate::{accounts, deployments, error, jobs, openapi, registry, telemetry, web, workers};
 
@@ -32,6 +33,7 @@ pub struct AppState {
     /// Serialises blob commits against garbage collection of unreferenced blobs.
     pub registry_lock: Arc<tokio::sync::Mutex<()>>,
     pub openapi: Arc<utoipa::openapi::OpenApi>,
+    pub gateway: Arc<Gateway>,
 }
 
 impl AppState {
@@ -62,6 +64,7 @@ impl AppState {
             metrics: telemetry::recorder(),
             registry_lock: Arc::new(tokio::sync::Mutex::new(())),
             openapi: Arc::new(openapi),
+            gateway: Arc::new(Gateway::default()),
             config: Arc::new(config),
             db,
         })
@@ -111,6 +114,17 @@ pub fn router(state: AppState) -> Router {
         .merge(api)
         .route("/api/openapi.json", get(openapi_json))
         .route("/api/{*rest}", axum::routing::any(error::api_not_found))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/v2", get(kserve::server_metadata))
+        .route("/v2/health/live", get(kserve::live))
+        .route("/v2/health/ready", get(kserve::ready))
+        .route("/v2/models/{name}", get(kserve::model_metadata))
+        .route("/v2/models/{name}/versions/{version}", get(kserve::model_metadata))
+        .route("/v2/models/{name}/ready", get(kserve::model_ready))
+        .route("/v2/models/{name}/versions/{version}/ready", get(kserve::model_ready))
+        .route("/v2/models/{name}/infer", post(kserve::infer))
+        .route("/v2/models/{name}/versions/{version}/infer", post(kserve::infer))
         .route("/healthz", get(healthz))
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())

@@ -8,6 +8,7 @@ pub mod config;
 pub mod db;
 pub mod deployments;
 pub mod error;
+pub mod gateway;
 pub mod jobs;
 pub mod openapi;
 pub mod registry;

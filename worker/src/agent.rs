@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_api::workers::{Inventory, RegisterRequest};
@@ -12,14 +13,28 @@ use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
 use crate::jobs::{self, JobContext};
+use crate::serve::endpoint::Endpoint;
 
 pub struct AgentConfig {
     pub server: String,
     pub worker_token: String,
     pub name: String,
     pub data_dir: PathBuf,
+    /// Batch jobs (prefetch, …) run at once.
     pub slots: usize,
+    /// Serving replicas hosted at once: one engine per device slice. The CPU path has
+    /// one slice, the host's thread pool.
+    pub replica_slots: usize,
     pub inventory: Inventory,
+    pub endpoint: Arc<Endpoint>,
+}
+
+/// Jobs by how they use the host: a replica holds a device slice until it is stopped,
+/// a batch job holds a slot until it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    Replica,
+    Batch,
 }
 
 pub struct Agent {
@@ -63,6 +78,7 @@ impl Agent {
             match self.client.register(&self.config.worker_token, &request).await {
                 Ok(registered) => {
                     tracing::info!(worker = %registered.worker_id, server = %self.config.server, "registered");
+                    self.config.endpoint.set_token(registered.engine_token);
                     return Duration::from_secs(registered.heartbeat_interval_secs.max(1));
                 }
                 Err(e) => {
@@ -74,8 +90,21 @@ impl Agent {
         }
     }
 
+    /// The job kinds there is room for now.
+    fn claimable(&self, running: &HashMap<Uuid, (Use, tokio::task::AbortHandle)>) -> Vec<&'static str> {
+        let used = |u: Use| running.values().filter(|(kind, _)| *kind == u).count();
+        let mut kinds = Vec::new();
+        if used(Use::Batch) < self.config.slots {
+            kinds.push("prefetch");
+        }
+        if used(Use::Replica) < self.config.replica_slots {
+            kinds.push("serve");
+        }
+        kinds
+    }
+
     async fn work(&self, heartbeat_every: Duration) -> Result<(), ClientError> {
-        let mut running: HashMap<Uuid, tokio::task::AbortHandle> = HashMap::new();
+        let mut running: HashMap<Uuid, (Use, tokio::task::AbortHandle)> = HashMap::new();
         let mut tasks: JoinSet<Uuid> = JoinSet::new();
         let mut heartbeat = tokio::time::interval(heartbeat_every);
         let mut poll = tokio::time::interval(CLAIM_POLL);
@@ -84,22 +113,29 @@ impl Agent {
                 _ = heartbeat.tick() => {
                     let answer = self.client.heartbeat(running.keys().copied().collect()).await?;
                     for job in answer.stop {
-                        if let Some(task) = running.remove(&job) {
+                        if let Some((_, task)) = running.remove(&job) {
                             tracing::info!(%job, "the server revoked this job's lease; stopping it");
                             task.abort();
                         }
                     }
                 }
-                _ = poll.tick(), if running.len() < self.config.slots => {
-                    if let Some(assignment) = self.client.claim(jobs::KINDS).await? {
+                _ = poll.tick(), if !self.claimable(&running).is_empty() => {
+                    if let Some(assignment) = self.client.claim(&self.claimable(&running)).await? {
                         let job = assignment.job_id;
-                        tracing::info!(%job, kind = assignment.spec.kind(), attempt = assignment.attempt, "leased a job");
-                        let context = JobContext::new(self.client.clone(), job, self.config.data_dir.clone());
+                        let kind = assignment.spec.kind();
+                        tracing::info!(%job, kind, attempt = assignment.attempt, "leased a job");
+                        let context = JobContext::new(
+                            self.client.clone(),
+                            job,
+                            self.config.data_dir.clone(),
+                            self.config.endpoint.clone(),
+                        );
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job
                         });
-                        running.insert(job, task);
+                        let usage = if kind == "serve" { Use::Replica } else { Use::Batch };
+                        running.insert(job, (usage, task));
                         poll.reset_immediately();
                     }
                 }
@@ -107,7 +143,7 @@ impl Agent {
                     if let Ok(job) = done {
                         running.remove(&job);
                     }
-                    running.retain(|_, task| !task.is_finished());
+                    running.retain(|_, (_, task)| !task.is_finished());
                 }
             }
         }

@@ -82,8 +82,15 @@ impl Client {
         Ok(Some(response.json().await?))
     }
 
-    pub async fn status(&self, job: Uuid, state: JobState, message: Option<String>) -> Result<(), ClientError> {
-        self.post(&format!("jobs/{job}/status"), &StatusReport { state, message, endpoint: None }).await?;
+    /// `endpoint`: where a serving replica's engine answers, reported with `running`.
+    pub async fn status(
+        &self,
+        job: Uuid,
+        state: JobState,
+        message: Option<String>,
+        endpoint: Option<String>,
+    ) -> Result<(), ClientError> {
+        self.post(&format!("jobs/{job}/status"), &StatusReport { state, message, endpoint }).await?;
         Ok(())
     }
 

@@ -3,5 +3,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod engine;
 pub mod inventory;
 pub mod jobs;
+pub mod serve;

@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use tessera_worker::agent::{Agent, AgentConfig};
+use tessera_worker::serve::endpoint::Endpoint;
 
 /// Tessera worker: offers this host's devices to a Tessera server and runs the work it leases.
 #[derive(Debug, Parser)]
@@ -20,9 +21,16 @@ struct Cli {
     /// Where the worker caches model files.
     #[arg(long, env = "TESSERA_WORKER_DATA_DIR", default_value = ".tessera-worker")]
     data_dir: PathBuf,
-    /// Jobs run at the same time.
+    /// Batch jobs run at the same time.
     #[arg(long, env = "TESSERA_WORKER_SLOTS", default_value_t = 1)]
     slots: usize,
+    /// Address the engine endpoint listens on (the server's gateway calls it).
+    #[arg(long, env = "TESSERA_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    listen: String,
+    /// URL the server should use to reach the engine endpoint (default: the listen
+    /// address); set it when the worker is behind NAT or in a container.
+    #[arg(long, env = "TESSERA_WORKER_ADVERTISE_URL")]
+    advertise_url: Option<String>,
 }
 
 #[tokio::main]
@@ -36,13 +44,16 @@ async fn main() -> anyhow::Result<()> {
     let inventory = tessera_worker::inventory::detect();
     let name = cli.name.unwrap_or_else(|| inventory.hostname.clone());
     std::fs::create_dir_all(&cli.data_dir)?;
+    let endpoint = Endpoint::start(&cli.listen, cli.advertise_url).await?;
     let agent = Agent::new(AgentConfig {
         server: cli.server,
         worker_token: cli.worker_token,
         name,
         data_dir: cli.data_dir,
         slots: cli.slots.max(1),
+        replica_slots: 1,
         inventory,
+        endpoint,
     })?;
     tokio::select! {
         result = agent.run() => result,

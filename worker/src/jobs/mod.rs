@@ -1,27 +1,30 @@
-//! Running one leased job: report it running, do the work, report how it ended. What a
-//! job prints goes to the server as log lines; what it measures, as metric points.
+//! Running one leased job: do the work, report how it ended. What a job prints goes to
+//! the server as log lines; what it measures, as metric points. Batch jobs report
+//! `running` when they start; a serving replica reports it once its engine answers.
 
 pub mod prefetch;
+pub mod serve;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
 use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
-
-/// The job kinds this worker can run.
-pub const KINDS: &[&str] = &["prefetch"];
+use crate::engine::EngineError;
+use crate::serve::endpoint::Endpoint;
 
 pub struct JobContext {
     client: Client,
     job: Uuid,
     data_dir: PathBuf,
+    endpoint: Arc<Endpoint>,
 }
 
 impl JobContext {
-    pub fn new(client: Client, job: Uuid, data_dir: PathBuf) -> JobContext {
-        JobContext { client, job, data_dir }
+    pub fn new(client: Client, job: Uuid, data_dir: PathBuf, endpoint: Arc<Endpoint>) -> JobContext {
+        JobContext { client, job, data_dir, endpoint }
     }
 
     pub async fn log(&self, line: impl Into<String>) -> Result<(), ClientError> {
@@ -41,22 +44,22 @@ pub enum JobError {
     Client(#[from] ClientError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
-    #[error("this worker cannot run {0} jobs")]
-    Unsupported(&'static str),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
 /// since the job then belongs to someone else.
 pub async fn run(context: JobContext, spec: JobSpec) {
     let job = context.job;
-    if let Err(e) = context.client.status(job, JobState::Running, None).await {
-        tracing::warn!(%job, error = %e, "could not start the job");
-        return;
-    }
     let outcome = match spec {
-        JobSpec::Prefetch { model } => prefetch::run(&context, model).await,
-        // Not in KINDS, so never claimed; a server bug would otherwise hang the job.
-        other => Err(JobError::Unsupported(other.kind())),
+        JobSpec::Prefetch { model } => match context.client.status(job, JobState::Running, None, None).await {
+            Ok(()) => prefetch::run(&context, model).await,
+            Err(e) => Err(e.into()),
+        },
+        JobSpec::Serve { model, max_batch_tokens, max_batch_requests, .. } => {
+            serve::run(&context, model, max_batch_tokens as usize, max_batch_requests as usize).await
+        }
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),
@@ -69,7 +72,7 @@ pub async fn run(context: JobContext, spec: JobSpec) {
             (JobState::Failed, e.to_string())
         }
     };
-    if let Err(e) = context.client.status(job, state, Some(message)).await {
+    if let Err(e) = context.client.status(job, state, Some(message), None).await {
         tracing::warn!(%job, error = %e, "could not report the job's end");
     }
 }

@@ -2,7 +2,7 @@
 //! and verify every file's digest, so serving it later starts without a transfer.
 //! Files already cached are re-hashed and kept when they still match.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use sha2::{Digest, Sha256};
@@ -26,6 +26,11 @@ async fn file_digest(path: &Path) -> std::io::Result<String> {
 }
 
 pub async fn run(context: &JobContext, model_id: Uuid) -> Result<String, JobError> {
+    Ok(fetch(context, model_id).await?.1)
+}
+
+/// Brings the model into the cache; returns its folder and a summary sentence.
+pub async fn fetch(context: &JobContext, model_id: Uuid) -> Result<(PathBuf, String), JobError> {
     let model = context.client.model(model_id).await?;
     let folder = context.data_dir.join("models").join(model.id.to_string());
     context.log(format!("prefetching model '{}' ({} files, {} bytes) into {}", model.name, model.files.len(), model.size_bytes, folder.display())).await?;
@@ -52,9 +57,10 @@ pub async fn run(context: &JobContext, model_id: Uuid) -> Result<String, JobErro
     let secs = started.elapsed().as_secs_f64();
     let throughput = downloaded as f64 / 1e6 / secs.max(1e-6);
     context.metric("download_mb_per_s", 0, throughput).await?;
-    Ok(format!(
+    let summary = format!(
         "Model '{}' cached: {} files downloaded ({downloaded} bytes, {throughput:.1} MB/s), {reused} already cached.",
         model.name,
         model.files.len() - reused
-    ))
+    );
+    Ok((folder, summary))
 }

@@ -1,0 +1,266 @@
+//! The inference gateway: client-facing APIs (OpenAI, KServe v2) forward to the least
+//! loaded ready replica of a deployment. The ready-replica table is cached for a second
+//! so a request costs no database round trip; connections to workers are kept alive.
+
+pub mod kserve;
+pub mod openai;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use sqlx::Row;
+use tessera_api::engine::{EngineError, InferRequest, InferResponse};
+use uuid::Uuid;
+
+use crate::auth::Principal;
+use crate::db::Db;
+
+/// How long the ready-replica table of a deployment is trusted.
+const ROUTE_TTL: Duration = Duration::from_secs(1);
+
+/// A failure, with the status the client should see and a sentence for it.
+#[derive(Debug)]
+pub struct GatewayError {
+    pub status: StatusCode,
+    pub kind: String,
+    pub message: String,
+}
+
+impl GatewayError {
+    pub fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> GatewayError {
+        GatewayError { status, kind: kind.into(), message: message.into() }
+    }
+
+    fn internal(error: impl std::fmt::Display) -> GatewayError {
+        tracing::error!(%error, "gateway failure");
+        GatewayError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "The server hit an internal error; it has been logged.")
+    }
+}
+
+impl From<crate::error::Error> for GatewayError {
+    fn from(error: crate::error::Error) -> GatewayError {
+        let status = error.status();
+        if status.is_server_error() {
+            return GatewayError::internal(error);
+        }
+        GatewayError::new(status, "request", error.public_message())
+    }
+}
+
+#[derive(Clone)]
+struct Target {
+    replica: Uuid,
+    endpoint: String,
+    token: String,
+    inflight: Arc<AtomicUsize>,
+}
+
+struct Route {
+    fetched: Instant,
+    owner_id: String,
+    model: ModelShape,
+    targets: Vec<Target>,
+}
+
+/// What a deployment's model gives back, read from its registered config.
+#[derive(Debug, Clone)]
+pub struct ModelShape {
+    /// A sequence classifier answers logits; anything else, pooled embeddings.
+    pub classifier: bool,
+    /// Embedding width, or number of classes.
+    pub dimensions: u64,
+}
+
+impl ModelShape {
+    fn from_registry(architecture: &str, config: &str) -> ModelShape {
+        let config: serde_json::Value = serde_json::from_str(config).unwrap_or_default();
+        let classifier = architecture.ends_with("ForSequenceClassification");
+        let key = if classifier { "num_labels" } else { "hidden_size" };
+        ModelShape { classifier, dimensions: config[key].as_u64().unwrap_or(0) }
+    }
+
+    /// The engine operation that serves this model.
+    pub fn operation(&self) -> &'static str {
+        if self.classifier {
+            "classify"
+        } else {
+            "embed"
+        }
+    }
+}
+
+/// What the gateway knows of a deployment a client may call.
+pub struct Resolved {
+    pub model: ModelShape,
+    pub ready_replicas: usize,
+}
+
+pub struct Gateway {
+    http: reqwest::Client,
+    routes: Mutex<HashMap<String, Arc<Route>>>,
+    inflight: Mutex<HashMap<Uuid, Arc<AtomicUsize>>>,
+}
+
+/// Decrements a replica's in-flight count when the forwarded request ends, however it ends.
+struct InflightGuard(Arc<AtomicUsize>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Default for Gateway {
+    fn default() -> Gateway {
+        let http = reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()
+            .expect("an HTTP client with default TLS settings builds");
+        Gateway { http, routes: Mutex::new(HashMap::new()), inflight: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl Gateway {
+    async fn route(&self, db: &Db, deployment: &str) -> Result<Arc<Route>, GatewayError> {
+        if let Some(route) = self.routes.lock().expect("routes lock").get(deployment) {
+            if route.fetched.elapsed() < ROUTE_TTL {
+                return Ok(route.clone());
+            }
+        }
+        let rows = sqlx::query(
+            "SELECT d.owner_id, m.architecture, m.config, j.id AS replica, j.endpoint, w.engine_token \
+             FROM deployments d JOIN models m ON m.id = d.model_id \
+             LEFT JOIN jobs j ON j.deployment_id = d.id AND j.state = 'running' AND j.endpoint IS NOT NULL \
+             LEFT JOIN workers w ON w.id = j.worker_id WHERE d.name = $1",
+        )
+        .bind(deployment)
+        .fetch_all(db.pool())
+        .await
+        .map_err(GatewayError::internal)?;
+        let Some(first) = rows.first() else {
+            return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
+        };
+        let mut targets = Vec::new();
+        for row in &rows {
+            let replica: Option<String> = row.try_get("replica").map_err(GatewayError::internal)?;
+            let (Some(replica), Some(endpoint), Some(token)) = (
+                replica,
+                row.try_get::<Option<String>, _>("endpoint").map_err(GatewayError::internal)?,
+                row.try_get::<Option<String>, _>("engine_token").map_err(GatewayError::internal)?,
+            ) else {
+                continue;
+            };
+            let replica: Uuid = replica.parse().map_err(GatewayError::internal)?;
+            let inflight = self.inflight.lock().expect("inflight lock").entry(replica).or_default().clone();
+            targets.push(Target { replica, endpoint, token, inflight });
+        }
+        let route = Arc::new(Route {
+            fetched: Instant::now(),
+            owner_id: first.try_get("owner_id").map_err(GatewayError::internal)?,
+            model: ModelShape::from_registry(
+                &first.try_get::<String, _>("architecture").map_err(GatewayError::internal)?,
+                &first.try_get::<String, _>("config").map_err(GatewayError::internal)?,
+            ),
+            targets,
+        });
+        self.routes.lock().expect("routes lock").insert(deployment.to_string(), route.clone());
+        Ok(route)
+    }
+
+    fn forget(&self, deployment: &str) {
+        self.routes.lock().expect("routes lock").remove(deployment);
+    }
+
+    /// The deployment if `principal` may call it (its owner, or an admin).
+    pub async fn resolve(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Resolved, GatewayError> {
+        let route = self.route(db, deployment).await?;
+        if principal.owner_filter().is_some_and(|owner| owner != route.owner_id) {
+            return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
+        }
+        Ok(Resolved { model: route.model.clone(), ready_replicas: route.targets.len() })
+    }
+
+    /// Sends `request` to the least loaded ready replica; one that cannot be reached is
+    /// skipped and the next one tried.
+    pub async fn infer(
+        &self,
+        db: &Db,
+        principal: &Principal,
+        deployment: &str,
+        request: &InferRequest,
+    ) -> Result<(ModelShape, InferResponse), GatewayError> {
+        self.resolve(db, principal, deployment).await?;
+        let route = self.route(db, deployment).await?;
+        let operation = route.model.operation();
+        let mut targets = route.targets.clone();
+        targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
+        if targets.is_empty() {
+            return Err(GatewayError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                format!("Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."),
+            ));
+        }
+        for target in &targets {
+            target.inflight.fetch_add(1, Ordering::Relaxed);
+            let _guard = InflightGuard(target.inflight.clone());
+            let sent = self
+                .http
+                .post(format!("{}/{operation}", target.endpoint))
+                .bearer_auth(&target.token)
+                .json(request)
+                .send()
+                .await;
+            let response = match sent {
+                Ok(response) => response,
+                Err(error) if error.is_connect() => {
+                    tracing::warn!(replica = %target.replica, %error, "replica unreachable; trying another");
+                    self.forget(deployment);
+                    continue;
+                }
+                Err(error) => return Err(GatewayError::internal(error)),
+            };
+            let status = response.status();
+            if status.is_success() {
+                let body: InferResponse = response.json().await.map_err(GatewayError::internal)?;
+                record(deployment, &body);
+                return Ok((route.model.clone(), body));
+            }
+            let error: EngineError = response.json().await.map_err(GatewayError::internal)?;
+            return Err(GatewayError::new(status, &error.kind, error.error));
+        }
+        Err(GatewayError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            format!("No replica of '{deployment}' could be reached; retry shortly."),
+        ))
+    }
+}
+
+fn record(deployment: &str, response: &InferResponse) {
+    let label = [("deployment", deployment.to_string())];
+    let t = response.timings;
+    metrics::histogram!("tessera_inference_queue_seconds", &label).record(t.queue_us as f64 / 1e6);
+    metrics::histogram!("tessera_inference_tokenization_seconds", &label).record(t.tokenization_us as f64 / 1e6);
+    metrics::histogram!("tessera_inference_compute_seconds", &label).record(t.inference_us as f64 / 1e6);
+    metrics::histogram!("tessera_inference_batch_size", &label).record(t.batch_size as f64);
+    metrics::histogram!("tessera_inference_batch_tokens", &label).record(t.batch_tokens as f64);
+    metrics::counter!("tessera_inference_requests_total", &label).increment(1);
+    metrics::counter!("tessera_inference_tokens_total", &label)
+        .increment(response.tokens.iter().map(|&n| n as u64).sum());
+}
+
+/// `x-queue-time`, `x-tokenization-time`, `x-inference-time`, `x-total-time` (ms, as TEI).
+pub fn timing_headers(response: &InferResponse, started: Instant) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let ms = |us: u64| HeaderValue::from_str(&format!("{:.3}", us as f64 / 1000.0)).expect("a number is a valid header");
+    headers.insert("x-queue-time", ms(response.timings.queue_us));
+    headers.insert("x-tokenization-time", ms(response.timings.tokenization_us));
+    headers.insert("x-inference-time", ms(response.timings.inference_us));
+    headers.insert("x-total-time", ms(started.elapsed().as_micros() as u64));
+    headers
+}

@@ -1,0 +1,163 @@
+//! OpenAI-compatible embeddings: `POST /v1/embeddings`, `GET /v1/models`. The official
+//! `openai` client asks for base64 unless told otherwise, so both encodings are served.
+
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tessera_api::engine::{EngineInput, InferRequest};
+
+use super::{timing_headers, GatewayError};
+use crate::app::AppState;
+use crate::auth::Principal;
+use crate::error::Error;
+
+/// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
+fn openai_error(error: GatewayError) -> Response {
+    let body = json!({"error": {"message": error.message, "type": error.kind, "code": error.status.as_u16()}});
+    (error.status, Json(body)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Input {
+    One(String),
+    Many(Vec<String>),
+    Ids(Vec<u32>),
+    ManyIds(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct EmbeddingsRequest {
+    model: String,
+    input: Input,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    dimensions: Option<usize>,
+}
+
+fn bad_request(message: impl Into<String>) -> GatewayError {
+    GatewayError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+/// Keeps the first `dimensions` values and normalises again, as Matryoshka models expect.
+fn shorten(mut vector: Vec<f32>, dimensions: usize) -> Vec<f32> {
+    vector.truncate(dimensions);
+    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        vector.iter_mut().for_each(|v| *v /= norm);
+    }
+    vector
+}
+
+pub async fn embeddings(
+    State(state): State<AppState>,
+    principal: Result<Principal, Error>,
+    body: Result<Json<EmbeddingsRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let started = Instant::now();
+    let result = async {
+        let principal = principal?;
+        let Json(request) = body.map_err(|e| bad_request(format!("The body is not a valid embeddings request: {}", e.body_text())))?;
+        let inputs: Vec<EngineInput> = match request.input {
+            Input::One(text) => vec![EngineInput::Text(text)],
+            Input::Many(texts) => texts.into_iter().map(EngineInput::Text).collect(),
+            Input::Ids(ids) => vec![EngineInput::Ids(ids)],
+            Input::ManyIds(ids) => ids.into_iter().map(EngineInput::Ids).collect(),
+        };
+        if inputs.is_empty() {
+            return Err(bad_request("'input' is empty; send a string, a list of strings, or token ids."));
+        }
+        let base64 = match request.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => return Err(bad_request(format!("encoding_format {other:?} is not supported; use \"float\" or \"base64\"."))),
+        };
+        let infer = InferRequest { inputs, truncate: true };
+        let (shape, response) = state.gateway.infer(&state.db, &principal, &request.model, &infer).await?;
+        if shape.classifier {
+            return Err(bad_request(format!(
+                "'{}' serves a classifier, not embeddings; call /v2/models/{}/infer for its logits.",
+                request.model, request.model
+            )));
+        }
+        let width = response.outputs.first().map_or(0, Vec::len);
+        if let Some(dimensions) = request.dimensions {
+            if dimensions == 0 || dimensions > width {
+                return Err(bad_request(format!("'dimensions' must be between 1 and {width} for this model.")));
+            }
+        }
+        let data: Vec<Value> = response
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(index, vector)| {
+                let vector = match request.dimensions {
+                    Some(d) => shorten(vector.clone(), d),
+                    None => vector.clone(),
+                };
+                let embedding = if base64 {
+                    let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                } else {
+                    json!(vector)
+                };
+                json!({"object": "embedding", "index": index, "embedding": embedding})
+            })
+            .collect();
+        let tokens: u64 = response.tokens.iter().map(|&n| n as u64).sum();
+        let body = json!({
+            "object": "list",
+            "data": data,
+            "model": request.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        });
+        Ok((timing_headers(&response, started), Json(body)).into_response())
+    }
+    .await;
+    result.unwrap_or_else(openai_error)
+}
+
+pub async fn models(State(state): State<AppState>, principal: Result<Principal, Error>) -> Response {
+    let result = async {
+        let principal = principal?;
+        let deployments = crate::deployments::list_visible(&state.db, &principal).await?;
+        let data: Vec<Value> = deployments
+            .iter()
+            .map(|d| json!({"id": d.name, "object": "model", "created": d.created_at.timestamp(), "owned_by": d.owner}))
+            .collect();
+        Ok::<_, GatewayError>(Json(json!({"object": "list", "data": data})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(openai_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shortened_embeddings_are_unit_length() {
+        let short = shorten(vec![3.0, 4.0, 12.0], 2);
+        assert_eq!(short, vec![0.6, 0.8]);
+    }
+
+    #[test]
+    fn every_openai_input_shape_parses() {
+        for (text, expected) in [(r#""a""#, 1), (r#"["a","b"]"#, 2), ("[1,2,3]", 1), ("[[1],[2,3]]", 2)] {
+            let input: Input = serde_json::from_str(text).unwrap();
+            let n = match input {
+                Input::One(_) | Input::Ids(_) => 1,
+                Input::Many(v) => v.len(),
+                Input::ManyIds(v) => v.len(),
+            };
+            assert_eq!(n, expected, "{text}");
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! `EmbeddingModel`: a model folder turned into something that answers "embed these texts"
+//! and "classify these texts": tokenizer, encoder, sentence-transformers pooling and
+//! normalisation, and the classification head when the checkpoint has one.
+
+use super::batch::Batch;
+use super::bert::Bert;
+use super::config::{EncoderConfig, SentenceConfig};
+use super::error::EngineError;
+use super::ops::{Pooling, SegmentedPool};
+use super::weights::Weights;
+use candle_core::{Device, Tensor};
+use std::path::Path;
+use tokenizers::{Tokenizer, TruncationParams};
+
+/// Choices made when loading, beyond what the folder says.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Longest input in tokens (specials included). Defaults to sentence-transformers'
+    /// `max_seq_length` when the folder has one, else the position table's size; never more
+    /// than the position table.
+    pub max_input_tokens: Option<usize>,
+}
+
+/// One text's classification.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    pub logits: Vec<f32>,
+    /// Index of the largest logit.
+    pub label_index: usize,
+    /// Its name from `id2label`.
+    pub label: String,
+}
+
+pub struct EmbeddingModel {
+    encoder: Bert,
+    config: EncoderConfig,
+    /// Encodes without truncation or padding, so the real length is known.
+    tokenizer: Tokenizer,
+    /// The same, truncating to `max_input_tokens` (special tokens kept).
+    truncating: Tokenizer,
+    pooling: Pooling,
+    normalize: bool,
+    max_input_tokens: usize,
+}
+
+impl EmbeddingModel {
+    /// Loads `config.json`, `model.safetensors`, `tokenizer.json` and the optional
+    /// sentence-transformers files from `dir`.
+    pub fn load(dir: &Path) -> Result<Self, EngineError> {
+        Self::load_with(dir, &LoadOptions::default())
+    }
+
+    pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<Self, EngineError> {
+        let device = Device::Cpu;
+        let config = EncoderConfig::from_file(&dir.join("config.json"))?;
+        let sentence = SentenceConfig::from_dir(dir)?;
+        let weights = Weights::open(&dir.join("model.safetensors"), &device)?;
+        let encoder = Bert::load(&weights, &config, &device)?;
+
+        let max_input_tokens = options
+            .max_input_tokens
+            .or(sentence.max_seq_length)
+            .unwrap_or(config.max_position_embeddings)
+            .min(config.max_position_embeddings);
+
+        let tokenizer_path = dir.join("tokenizer.json");
+        let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+            EngineError::InvalidModel {
+                path: tokenizer_path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        // tokenizer.json files often carry a padding/truncation setup from training
+        // (MiniLM's pads to 128); the engine packs and limits lengths itself.
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut truncating = tokenizer.clone();
+        truncating
+            .with_truncation(Some(TruncationParams {
+                max_length: max_input_tokens,
+                ..Default::default()
+            }))
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+
+        Ok(Self {
+            encoder,
+            config,
+            tokenizer,
+            truncating,
+            pooling: sentence.pooling,
+            normalize: sentence.normalize,
+            max_input_tokens,
+        })
+    }
+
+    /// Length of the vectors `embed` returns.
+    pub fn dimension(&self) -> usize {
+        self.config.hidden_size
+    }
+
+    /// Token ids must be below this (ids given directly, rather than text, are checked).
+    pub fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    pub fn max_input_tokens(&self) -> usize {
+        self.max_input_tokens
+    }
+
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
+    }
+
+    /// Whether embeddings are L2-normalised (the folder has a `Normalize` module).
+    pub fn normalizes(&self) -> bool {
+        self.normalize
+    }
+
+    /// Class labels in logit order; `None` when the checkpoint has no classification head.
+    pub fn labels(&self) -> Option<&[String]> {
+        self.encoder.labels()
+    }
+
+    /// Token ids of `text`, special tokens included. Longer than `max_input_tokens()`, the
+    /// text is truncated (keeping the closing special token) or refused.
+    pub fn tokenize(&self, text: &str, truncate: bool) -> Result<Vec<u32>, EngineError> {
+        self.tokenize_indexed(0, text, truncate)
+    }
+
+    fn tokenize_indexed(
+        &self,
+        index: usize,
+        text: &str,
+        truncate: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        let tokenizer_error = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
+        let ids = self.tokenizer.encode_fast(text, true).map_err(tokenizer_error)?.get_ids().to_vec();
+        if ids.len() <= self.max_input_tokens {
+            return Ok(ids);
+        }
+        if !truncate {
+            return Err(EngineError::InputTooLong {
+                index,
+                tokens: ids.len(),
+                max: self.max_input_tokens,
+            });
+        }
+        Ok(self.truncating.encode_fast(text, true).map_err(tokenizer_error)?.get_ids().to_vec())
+    }
+
+    /// Tokenises several texts; an error names the offending input's index.
+    pub fn tokenize_all(&self, texts: &[&str], truncate: bool) -> Result<Vec<Vec<u32>>, EngineError> {
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| self.tokenize_indexed(i, text, truncate))
+            .collect()
+    }
+
+    /// Packs token-id sequences for this model (see [`Batch::pack`]).
+    pub fn pack<S: AsRef<[u32]>>(&self, sequences: &[S], truncate: bool) -> Result<Batch, EngineError> {
+        Batch::pack(sequences, self.max_input_tokens, truncate)
+    }
+
+    /// Sentence embeddings of `texts`, truncated to the model's limit, in input order.
+    pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let ids = self.tokenize_all(texts, true)?;
+        self.embed_batch(&self.pack(&ids, true)?)
+    }
+
+    /// Sentence embeddings of a packed batch, pooled and normalised as the model folder says.
+    pub fn embed_batch(&self, batch: &Batch) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.embed_batch_with(batch, self.pooling, self.normalize)
+    }
+
+    /// As [`Self::embed_batch`] with the pooling and normalisation chosen by the caller.
+    pub fn embed_batch_with(
+        &self,
+        batch: &Batch,
+        pooling: Pooling,
+        normalize: bool,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (hidden, packing) = self.forward(batch)?;
+        let pooled = hidden.apply_op2_no_bwd(&packing.cu_seqlens, &SegmentedPool { pooling, normalize })?;
+        Ok(pooled.to_vec2::<f32>()?)
+    }
+
+    /// Every token's last hidden state, `[total_tokens, hidden]` in packed order.
+    pub fn token_embeddings(&self, batch: &Batch) -> Result<Tensor, EngineError> {
+        Ok(self.forward(batch)?.0)
+    }
+
+    /// Classification of `texts` (truncated to the model's limit).
+    pub fn classify(&self, texts: &[&str]) -> Result<Vec<Prediction>, EngineError> {
+        let ids = self.tokenize_all(texts, true)?;
+        self.classify_batch(&self.pack(&ids, true)?)
+    }
+
+    pub fn classify_batch(&self, batch: &Batch) -> Result<Vec<Prediction>, EngineError> {
+        let labels = self.labels().ok_or(EngineError::NoClassifier)?;
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (hidden, packing) = self.forward(batch)?;
+        let logits = self
+            .encoder
+            .classify(&hidden, &packing)
+            .ok_or(EngineError::NoClassifier)??
+            .to_vec2::<f32>()?;
+        Ok(logits
+            .into_iter()
+            .map(|logits| {
+                let label_index = logits
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map_or(0, |(i, _)| i);
+                Prediction {
+                    label: labels[label_index].clone(),
+                    label_index,
+                    logits,
+                }
+            })
+            .collect())
+    }
+
+    fn forward(&self, batch: &Batch) -> Result<(Tensor, super::layer::Packing), EngineError> {
+        self.check(batch)?;
+        Ok(self.encoder.forward(batch)?)
+    }
+
+    /// Inputs that would index past the embedding tables are refused before any compute.
+    fn check(&self, batch: &Batch) -> Result<(), EngineError> {
+        for i in 0..batch.len() {
+            if batch.seq_len(i) > self.config.max_position_embeddings {
+                return Err(EngineError::InputTooLong {
+                    index: i,
+                    tokens: batch.seq_len(i),
+                    max: self.config.max_position_embeddings,
+                });
+            }
+            if let Some(&token) = batch.sequence(i).iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return Err(EngineError::TokenOutOfRange {
+                    index: i,
+                    token,
+                    vocab: self.config.vocab_size,
+                });
+            }
+        }
+        Ok(())
+    }
+}
