@@ -288,6 +288,7 @@ async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
         (json!({"model": "minilm-embed", "input": [[101, 999999]]}), 422),
         (json!({"model": "minilm-embed", "input": "x", "encoding_format": "hex"}), 400),
         (json!({"model": "minilm-embed", "input": []}), 400),
+        (json!({"model": "minilm-embed", "input": "word ".repeat(400), "truncate": false}), 413),
     ] {
         let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin).json(&body).send().await.unwrap();
         assert_eq!(response.status(), status, "{body}");

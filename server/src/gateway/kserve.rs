@@ -182,7 +182,9 @@ pub async fn infer(
         let name = segments[0].clone();
         let (header, binary) = split_body(&headers, &body)?;
         let texts = texts(&header, binary)?;
-        let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate: true };
+        // `parameters.truncate: false` refuses over-long inputs (413) instead of cutting them.
+        let truncate = header["parameters"]["truncate"].as_bool().unwrap_or(true);
+        let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate };
         let (shape, response) = state.gateway.infer(&state.db, &principal, &name, &request).await?;
         let rows = response.outputs.len();
         let width = response.outputs.first().map_or(0, Vec::len);

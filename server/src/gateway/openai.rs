@@ -40,6 +40,10 @@ pub struct EmbeddingsRequest {
     encoding_format: Option<String>,
     #[serde(default)]
     dimensions: Option<usize>,
+    /// Tessera's extension (as TEI's): `false` refuses over-long inputs with 413 instead
+    /// of cutting them to the model's maximum.
+    #[serde(default)]
+    truncate: Option<bool>,
 }
 
 fn bad_request(message: impl Into<String>) -> GatewayError {
@@ -79,7 +83,7 @@ pub async fn embeddings(
             Some("base64") => true,
             Some(other) => return Err(bad_request(format!("encoding_format {other:?} is not supported; use \"float\" or \"base64\"."))),
         };
-        let infer = InferRequest { inputs, truncate: true };
+        let infer = InferRequest { inputs, truncate: request.truncate.unwrap_or(true) };
         let (shape, response) = state.gateway.infer(&state.db, &principal, &request.model, &infer).await?;
         if shape.classifier {
             return Err(bad_request(format!(
