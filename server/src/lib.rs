@@ -12,6 +12,7 @@ pub mod gateway;
 pub mod jobs;
 pub mod openapi;
 pub mod registry;
+pub mod scheduler;
 pub mod telemetry;
 pub mod web;
 pub mod workers;

@@ -29,6 +29,11 @@ enum Command {
         /// Folder with config.json, model.safetensors, tokenizer.json, …
         dir: PathBuf,
     },
+    /// MIG partition planning from a JSON file; needs no server or database.
+    Mig {
+        #[command(subcommand)]
+        command: tessera_server::scheduler::mig::cli::MigCommand,
+    },
 }
 
 #[tokio::main]
@@ -49,5 +54,6 @@ async fn main() -> anyhow::Result<()> {
             println!("{outcome}");
             Ok(())
         }
+        Command::Mig { command } => std::process::exit(tessera_server::scheduler::mig::cli::run(command)),
     }
 }

@@ -68,20 +68,43 @@ fn tokenizer_json() -> serde_json::Value {
 
 /// Random weights with BERT's names, under `prefix`, plus a pooler and classifier.
 fn random_weights(prefix: &str) -> HashMap<String, Tensor> {
-    let dev = Device::Cpu;
-    let mut w = HashMap::new();
-    let mut put = |name: String, shape: &[usize], mean: f64, std: f64| {
-        w.insert(name, Tensor::randn(mean as f32, std as f32, shape, &dev).unwrap());
-    };
     let p = prefix;
-    put(format!("{p}embeddings.word_embeddings.weight"), &[WORDS.len() + 4, HIDDEN], 0.0, 1.0);
-    put(format!("{p}embeddings.position_embeddings.weight"), &[MAX_POSITIONS, HIDDEN], 0.0, 0.5);
-    put(format!("{p}embeddings.token_type_embeddings.weight"), &[2, HIDDEN], 0.0, 0.5);
-    let mut norm = |put: &mut dyn FnMut(String, &[usize], f64, f64), name: String| {
-        put(format!("{name}.weight"), &[HIDDEN], 1.0, 0.1);
-        put(format!("{name}.bias"), &[HIDDEN], 0.0, 0.1);
-    };
-    norm(&mut put, format!("{p}embeddings.LayerNorm"));
+    // (name, shape, mean, std)
+    let mut specs: Vec<(String, Vec<usize>, f32, f32)> = vec![
+        (
+            format!("{p}embeddings.word_embeddings.weight"),
+            vec![WORDS.len() + 4, HIDDEN],
+            0.0,
+            1.0,
+        ),
+        (
+            format!("{p}embeddings.position_embeddings.weight"),
+            vec![MAX_POSITIONS, HIDDEN],
+            0.0,
+            0.5,
+        ),
+        (
+            format!("{p}embeddings.token_type_embeddings.weight"),
+            vec![2, HIDDEN],
+            0.0,
+            0.5,
+        ),
+        (
+            format!("{p}pooler.dense.weight"),
+            vec![HIDDEN, HIDDEN],
+            0.0,
+            0.125,
+        ),
+        (format!("{p}pooler.dense.bias"), vec![HIDDEN], 0.0, 0.1),
+        (
+            "classifier.weight".into(),
+            vec![LABELS.len(), HIDDEN],
+            0.0,
+            0.125,
+        ),
+        ("classifier.bias".into(), vec![LABELS.len()], 0.0, 0.1),
+    ];
+    let mut norms = vec![format!("{p}embeddings.LayerNorm")];
     for l in 0..LAYERS {
         let l = format!("{p}encoder.layer.{l}");
         for (name, out, inp) in [
@@ -92,25 +115,35 @@ fn random_weights(prefix: &str) -> HashMap<String, Tensor> {
             ("intermediate.dense", INTERMEDIATE, HIDDEN),
             ("output.dense", HIDDEN, INTERMEDIATE),
         ] {
-            let std = 1.0 / (inp as f64).sqrt();
-            put(format!("{l}.{name}.weight"), &[out, inp], 0.0, std);
-            put(format!("{l}.{name}.bias"), &[out], 0.0, 0.1);
+            let std = 1.0 / (inp as f32).sqrt();
+            specs.push((format!("{l}.{name}.weight"), vec![out, inp], 0.0, std));
+            specs.push((format!("{l}.{name}.bias"), vec![out], 0.0, 0.1));
         }
-        norm(&mut put, format!("{l}.attention.output.LayerNorm"));
-        norm(&mut put, format!("{l}.output.LayerNorm"));
+        norms.push(format!("{l}.attention.output.LayerNorm"));
+        norms.push(format!("{l}.output.LayerNorm"));
     }
-    put(format!("{p}pooler.dense.weight"), &[HIDDEN, HIDDEN], 0.0, 0.125);
-    put(format!("{p}pooler.dense.bias"), &[HIDDEN], 0.0, 0.1);
-    put("classifier.weight".into(), &[LABELS.len(), HIDDEN], 0.0, 0.125);
-    put("classifier.bias".into(), &[LABELS.len()], 0.0, 0.1);
-    w
+    for norm in norms {
+        specs.push((format!("{norm}.weight"), vec![HIDDEN], 1.0, 0.1));
+        specs.push((format!("{norm}.bias"), vec![HIDDEN], 0.0, 0.1));
+    }
+    specs
+        .into_iter()
+        .map(|(name, shape, mean, std)| {
+            (
+                name,
+                Tensor::randn(mean, std, shape.as_slice(), &Device::Cpu).unwrap(),
+            )
+        })
+        .collect()
 }
 
 fn write_model(dir: &Path, weights: &HashMap<String, Tensor>, dtype: DType) {
     std::fs::write(dir.join("config.json"), config_json().to_string()).unwrap();
     std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
-    let converted: HashMap<String, Tensor> =
-        weights.iter().map(|(k, v)| (k.clone(), v.to_dtype(dtype).unwrap())).collect();
+    let converted: HashMap<String, Tensor> = weights
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_dtype(dtype).unwrap()))
+        .collect();
     candle_core::safetensors::save(&converted, dir.join("model.safetensors")).unwrap();
 }
 
@@ -120,15 +153,26 @@ fn padded_reference(dir: &Path, sequences: &[Vec<u32>], prefix: &str) -> (Tensor
     let config: Config = serde_json::from_value(config_json()).unwrap();
     // SAFETY: the test only reads the file.
     let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &Device::Cpu)
+        VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
     }
     .unwrap();
-    let encoder_vb = if prefix.is_empty() { vb.clone() } else { vb.pp(prefix.trim_end_matches('.')) };
+    let encoder_vb = if prefix.is_empty() {
+        vb.clone()
+    } else {
+        vb.pp(prefix.trim_end_matches('.'))
+    };
     let model = BertModel::load(encoder_vb.clone(), &config).unwrap();
     let pooler = candle_nn::linear(HIDDEN, HIDDEN, encoder_vb.pp("pooler.dense")).unwrap();
     let classifier = candle_nn::linear(HIDDEN, LABELS.len(), vb.pp("classifier")).unwrap();
 
-    let (n, max) = (sequences.len(), sequences.iter().map(Vec::len).max().unwrap());
+    let (n, max) = (
+        sequences.len(),
+        sequences.iter().map(Vec::len).max().unwrap(),
+    );
     let mut ids = vec![0u32; n * max];
     let mut mask = vec![0f32; n * max];
     for (i, s) in sequences.iter().enumerate() {
@@ -137,9 +181,13 @@ fn padded_reference(dir: &Path, sequences: &[Vec<u32>], prefix: &str) -> (Tensor
     }
     let ids = Tensor::from_vec(ids, (n, max), &Device::Cpu).unwrap();
     let mask = Tensor::from_vec(mask, (n, max), &Device::Cpu).unwrap();
-    let hidden = model.forward(&ids, &ids.zeros_like().unwrap(), Some(&mask)).unwrap();
+    let hidden = model
+        .forward(&ids, &ids.zeros_like().unwrap(), Some(&mask))
+        .unwrap();
     let cls = hidden.narrow(1, 0, 1).unwrap().squeeze(1).unwrap();
-    let logits = classifier.forward(&pooler.forward(&cls).unwrap().tanh().unwrap()).unwrap();
+    let logits = classifier
+        .forward(&pooler.forward(&cls).unwrap().tanh().unwrap())
+        .unwrap();
     (hidden, mask, logits)
 }
 
@@ -157,7 +205,10 @@ fn texts() -> Vec<&'static str> {
 fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (k, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tolerance * (1.0 + w.abs()), "{what}[{k}]: {g} vs {w}");
+        assert!(
+            (g - w).abs() <= tolerance * (1.0 + w.abs()),
+            "{what}[{k}]: {g} vs {w}"
+        );
     }
 }
 
@@ -169,7 +220,10 @@ fn classifier_logits_match_the_padded_reference_and_name_the_labels() {
     assert_eq!(engine.labels().unwrap(), LABELS);
     // Without sentence-transformers files: the position table is the limit, mean pooling.
     assert_eq!(engine.max_input_tokens(), MAX_POSITIONS);
-    assert_eq!((engine.pooling(), engine.normalizes()), (Pooling::Mean, false));
+    assert_eq!(
+        (engine.pooling(), engine.normalizes()),
+        (Pooling::Mean, false)
+    );
 
     let texts = texts();
     let ids = engine.tokenize_all(&texts, true).unwrap();
@@ -182,7 +236,12 @@ fn classifier_logits_match_the_padded_reference_and_name_the_labels() {
     let want = want.to_vec2::<f32>().unwrap();
     for (i, (p, w)) in predictions.iter().zip(&want).enumerate() {
         assert_close(&p.logits, w, 1e-4, &format!("logits of text {i}"));
-        let best = w.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+        let best = w
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0;
         assert_eq!((p.label_index, p.label.as_str()), (best, LABELS[best]));
     }
 }
@@ -228,10 +287,17 @@ fn sentence_transformers_cls_pooling_and_normalisation_are_applied() {
         r#"{"word_embedding_dimension": 64, "pooling_mode_cls_token": true, "pooling_mode_mean_tokens": false}"#,
     )
     .unwrap();
-    std::fs::write(dir.path().join("sentence_bert_config.json"), r#"{"max_seq_length": 10}"#).unwrap();
+    std::fs::write(
+        dir.path().join("sentence_bert_config.json"),
+        r#"{"max_seq_length": 10}"#,
+    )
+    .unwrap();
 
     let engine = EmbeddingModel::load(dir.path()).unwrap();
-    assert_eq!((engine.pooling(), engine.normalizes()), (Pooling::Cls, true));
+    assert_eq!(
+        (engine.pooling(), engine.normalizes()),
+        (Pooling::Cls, true)
+    );
     assert_eq!(engine.max_input_tokens(), 10);
     let texts = texts();
     let ids = engine.tokenize_all(&texts, true).unwrap();
@@ -239,7 +305,11 @@ fn sentence_transformers_cls_pooling_and_normalisation_are_applied() {
     assert_eq!(ids[4][9], 3, "truncation keeps [SEP]");
     assert!(matches!(
         engine.tokenize_all(&texts, false),
-        Err(EngineError::InputTooLong { index: 4, tokens: 15, max: 10 })
+        Err(EngineError::InputTooLong {
+            index: 4,
+            tokens: 15,
+            max: 10
+        })
     ));
 
     let got = engine.embed(&texts).unwrap();
@@ -258,7 +328,9 @@ fn a_missing_tensor_is_reported_by_name() {
     let mut weights = random_weights("");
     weights.remove("encoder.layer.1.output.dense.bias");
     write_model(dir.path(), &weights, DType::F32);
-    let err = EmbeddingModel::load(dir.path()).err().expect("load must fail");
+    let err = EmbeddingModel::load(dir.path())
+        .err()
+        .expect("load must fail");
     assert!(
         matches!(&err, EngineError::InvalidModel { reason, .. } if reason.contains("encoder.layer.1.output.dense.bias")),
         "{err}"
@@ -275,6 +347,11 @@ fn a_tensor_of_the_wrong_shape_is_refused() {
         Tensor::zeros((INTERMEDIATE, HIDDEN + 1), DType::F32, &Device::Cpu).unwrap(),
     );
     write_model(dir.path(), &weights, DType::F32);
-    let err = EmbeddingModel::load(dir.path()).err().expect("load must fail");
-    assert!(err.to_string().contains("intermediate.dense.weight"), "{err}");
+    let err = EmbeddingModel::load(dir.path())
+        .err()
+        .expect("load must fail");
+    assert!(
+        err.to_string().contains("intermediate.dense.weight"),
+        "{err}"
+    );
 }

@@ -28,7 +28,7 @@ pub enum ModelFile {
 }
 
 /// Exact names allowed at the top of a model folder, besides `<N>_Pooling/config.json`.
-const ALLOWED: &[(&str, ModelFile)] = &[
+pub const ALLOWED: &[(&str, ModelFile)] = &[
     ("config.json", ModelFile::Config),
     ("model.safetensors", ModelFile::Weights),
     ("tokenizer.json", ModelFile::Tokenizer),

@@ -1,9 +1,164 @@
 //! The dashboard: server-rendered pages for people, signed in with a session cookie.
+//! Each page is an askama template over a small view struct; list pages re-fetch a
+//! fragment of themselves every few seconds (`data-live`, see web/app.js).
 
+mod api_docs;
+mod assets;
+mod format;
+mod jobs;
+mod models;
+mod session;
+mod workers;
+
+use askama::Template;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
 use axum::Router;
 
 use crate::app::AppState;
+use crate::error::Error;
+pub use session::WebUser;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
+        .route("/", get(|| async { Redirect::to("/models") }))
+        .route("/login", get(session::login_form).post(session::login))
+        .route("/logout", post(session::logout))
+        .route("/models", get(models::list))
+        // Uploads are capped by the registry while streaming, as on the API route.
+        .route("/models/upload", post(models::upload).layer(DefaultBodyLimit::disable()))
+        .route("/models/{id}", get(models::detail))
+        .route("/models/{id}/delete", post(models::delete))
+        .route("/jobs", get(jobs::list))
+        .route("/jobs/new", get(jobs::new_form).post(jobs::create))
+        .route("/jobs/{id}", get(jobs::detail))
+        .route("/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/workers", get(workers::list))
+        .route("/api/docs", get(api_docs::page))
+        .route("/static/{name}", get(assets::serve))
+        .fallback(not_found)
+        .layer(middleware::from_fn(guard))
+}
+
+/// What the shared layout (templates/base.html) needs from every page.
+pub struct Layout {
+    pub title: String,
+    /// The nav entry to highlight: `models`, `jobs`, `workers`, `api` or empty.
+    pub section: &'static str,
+    pub user: Option<String>,
+    /// Hides the nav, for the login form.
+    pub bare: bool,
+    /// Changes whenever the CSS or JS does, so browsers never run stale assets.
+    pub assets: &'static str,
+}
+
+impl Layout {
+    pub fn new(title: impl Into<String>, section: &'static str, user: Option<String>) -> Layout {
+        Layout { title: title.into(), section, user, bare: false, assets: assets::version() }
+    }
+
+    pub fn bare(title: impl Into<String>) -> Layout {
+        Layout { bare: true, ..Layout::new(title, "", None) }
+    }
+
+    /// The letter in the user's avatar.
+    pub fn initial(&self) -> String {
+        self.user.as_deref().and_then(|u| u.chars().next()).map(|c| c.to_uppercase().collect()).unwrap_or_default()
+    }
+}
+
+impl WebUser {
+    pub fn layout(&self, title: impl Into<String>, section: &'static str) -> Layout {
+        Layout::new(title, section, Some(self.0.username.clone()))
+    }
+
+    /// A page handler's outcome as a response: a failure becomes the error page, with
+    /// the status the error maps to and the navigation still in place.
+    pub fn page<T: IntoResponse>(&self, result: Result<T, Error>) -> Response {
+        match result {
+            Ok(page) => page.into_response(),
+            Err(error) => error_page(&error, Some(self.0.username.clone())),
+        }
+    }
+}
+
+/// Renders a template, or a logged 500 when it cannot.
+pub fn render(template: &impl Template) -> Result<Html<String>, Error> {
+    template.render().map(Html).map_err(|e| Error::Internal(anyhow::anyhow!("template failed to render: {e}")))
+}
+
+/// A fragment request (`?fragment=…`, or a script's fetch) gets 401 rather than a
+/// redirect, and its errors as JSON.
+pub fn wants_fragment(headers: &HeaderMap, uri: &Uri) -> bool {
+    headers.contains_key("x-requested-with")
+        || uri.query().is_some_and(|q| q.split('&').any(|pair| pair.starts_with("fragment=")))
+}
+
+#[derive(Template)]
+#[template(path = "error.html")]
+struct ErrorPage {
+    layout: Layout,
+    status: u16,
+    reason: &'static str,
+    message: String,
+}
+
+fn error_page(error: &Error, user: Option<String>) -> Response {
+    let status = error.status();
+    if status.is_server_error() {
+        tracing::error!(error = ?error, "page failed");
+    }
+    let reason = status.canonical_reason().unwrap_or("Error");
+    let page = ErrorPage {
+        layout: Layout::new(reason, "", user),
+        status: status.as_u16(),
+        reason,
+        message: error.public_message(),
+    };
+    match page.render() {
+        Ok(html) => (status, Html(html)).into_response(),
+        Err(_) => (status, error.public_message()).into_response(),
+    }
+}
+
+async fn not_found(state: axum::extract::State<AppState>, headers: HeaderMap) -> Response {
+    let user = session::current_user(&state, &headers).await.ok().flatten().map(|p| p.username);
+    error_page(&Error::NotFound("There is no page at this address; pick a section from the menu.".into()), user)
+}
+
+/// Every dashboard response: state-changing requests must come from this site, and
+/// pages may not be framed or run scripts from elsewhere.
+async fn guard(request: Request, next: Next) -> Response {
+    if !request.method().is_safe() && !session::same_origin(request.headers()) {
+        let error = session::forbidden_origin();
+        return if wants_fragment(request.headers(), request.uri()) {
+            error.into_response()
+        } else {
+            error_page(&error, None)
+        };
+    }
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    let defaults = [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; \
+             base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+        ),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "same-origin"),
+    ];
+    for (name, value) in defaults {
+        headers.entry(name).or_insert(HeaderValue::from_static(value));
+    }
+    response
+}
+
+/// Shorthand for handlers that answer with a status and a rendered page.
+pub fn with_status(status: StatusCode, page: Result<Html<String>, Error>) -> Result<Response, Error> {
+    Ok((status, page?).into_response())
 }

@@ -145,7 +145,14 @@ mod tests {
     fn rejects_a_too_long_sequence_when_truncation_is_off() {
         let err = Batch::pack(&[vec![1, 2], vec![1, 2, 3, 4, 5]], 4, false).unwrap_err();
         assert!(
-            matches!(err, EngineError::InputTooLong { index: 1, tokens: 5, max: 4 }),
+            matches!(
+                err,
+                EngineError::InputTooLong {
+                    index: 1,
+                    tokens: 5,
+                    max: 4
+                }
+            ),
             "{err:?}"
         );
         assert!(err.is_input_error());
@@ -156,7 +163,10 @@ mod tests {
     #[test]
     fn rejects_an_empty_sequence() {
         let err = Batch::pack(&[vec![1], vec![]], 4, true).unwrap_err();
-        assert!(matches!(err, EngineError::EmptyInput { index: 1 }), "{err:?}");
+        assert!(
+            matches!(err, EngineError::EmptyInput { index: 1 }),
+            "{err:?}"
+        );
     }
 
     #[test]

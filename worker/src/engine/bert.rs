@@ -40,11 +40,18 @@ impl Bert {
             .unwrap_or("");
         let h = c.hidden_size;
         let get = |name: &str, shape: &[usize]| w.get(&format!("{prefix}{name}"), shape);
-        let linear = |name: &str, out: usize, inp: usize| -> Result<(Tensor, Tensor), EngineError> {
-            Ok((get(&format!("{name}.weight"), &[out, inp])?, get(&format!("{name}.bias"), &[out])?))
-        };
+        let linear =
+            |name: &str, out: usize, inp: usize| -> Result<(Tensor, Tensor), EngineError> {
+                Ok((
+                    get(&format!("{name}.weight"), &[out, inp])?,
+                    get(&format!("{name}.bias"), &[out])?,
+                ))
+            };
         let norm = |name: &str| -> Result<(Tensor, Tensor), EngineError> {
-            Ok((get(&format!("{name}.weight"), &[h])?, get(&format!("{name}.bias"), &[h])?))
+            Ok((
+                get(&format!("{name}.weight"), &[h])?,
+                get(&format!("{name}.bias"), &[h])?,
+            ))
         };
 
         let (gamma, beta) = norm("embeddings.LayerNorm")?;
@@ -124,7 +131,9 @@ impl Bert {
 
         let words = self.word_embeddings.index_select(&input_ids, 0)?;
         let others = (self.position_embeddings.index_select(&position_ids, 0)?
-            + self.token_type_embeddings.index_select(&token_type_ids, 0)?)?;
+            + self
+                .token_type_embeddings
+                .index_select(&token_type_ids, 0)?)?;
         let mut hidden = words.apply_op3_no_bwd(&others, &self.embedding_norm, &self.norm)?;
         for layer in &self.layers {
             hidden = layer.forward(&hidden, &packing)?;

@@ -72,7 +72,9 @@ impl EncoderConfig {
                 )));
             }
         }
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(EngineError::InvalidModel {
                 path: path.to_owned(),
                 reason: format!(
@@ -241,19 +243,34 @@ mod tests {
                 {"idx":1,"name":"1","path":"1_Pooling","type":"sentence_transformers.models.Pooling"},
                 {"idx":2,"name":"2","path":"2_Normalize","type":"sentence_transformers.models.Normalize"}]"#,
         );
-        write(dir.path(), "1_Pooling/config.json", r#"{"pooling_mode_cls_token": true}"#);
-        write(dir.path(), "sentence_bert_config.json", r#"{"max_seq_length": 128}"#);
+        write(
+            dir.path(),
+            "1_Pooling/config.json",
+            r#"{"pooling_mode_cls_token": true}"#,
+        );
+        write(
+            dir.path(),
+            "sentence_bert_config.json",
+            r#"{"max_seq_length": 128}"#,
+        );
         let config = SentenceConfig::from_dir(dir.path()).unwrap();
         assert_eq!(
             config,
-            SentenceConfig { pooling: Pooling::Cls, normalize: true, max_seq_length: Some(128) }
+            SentenceConfig {
+                pooling: Pooling::Cls,
+                normalize: true,
+                max_seq_length: Some(128)
+            }
         );
     }
 
     #[test]
     fn a_plain_transformers_folder_gets_mean_pooling_without_normalisation() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(SentenceConfig::from_dir(dir.path()).unwrap(), SentenceConfig::default());
+        assert_eq!(
+            SentenceConfig::from_dir(dir.path()).unwrap(),
+            SentenceConfig::default()
+        );
     }
 
     #[test]

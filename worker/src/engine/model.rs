@@ -64,12 +64,11 @@ impl EmbeddingModel {
             .min(config.max_position_embeddings);
 
         let tokenizer_path = dir.join("tokenizer.json");
-        let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
-            EngineError::InvalidModel {
+        let mut tokenizer =
+            Tokenizer::from_file(&tokenizer_path).map_err(|e| EngineError::InvalidModel {
                 path: tokenizer_path.clone(),
                 reason: e.to_string(),
-            }
-        })?;
+            })?;
         // tokenizer.json files often carry a padding/truncation setup from training
         // (MiniLM's pads to 128); the engine packs and limits lengths itself.
         tokenizer.with_padding(None);
@@ -136,7 +135,12 @@ impl EmbeddingModel {
         truncate: bool,
     ) -> Result<Vec<u32>, EngineError> {
         let tokenizer_error = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
-        let ids = self.tokenizer.encode_fast(text, true).map_err(tokenizer_error)?.get_ids().to_vec();
+        let ids = self
+            .tokenizer
+            .encode_fast(text, true)
+            .map_err(tokenizer_error)?
+            .get_ids()
+            .to_vec();
         if ids.len() <= self.max_input_tokens {
             return Ok(ids);
         }
@@ -147,11 +151,20 @@ impl EmbeddingModel {
                 max: self.max_input_tokens,
             });
         }
-        Ok(self.truncating.encode_fast(text, true).map_err(tokenizer_error)?.get_ids().to_vec())
+        Ok(self
+            .truncating
+            .encode_fast(text, true)
+            .map_err(tokenizer_error)?
+            .get_ids()
+            .to_vec())
     }
 
     /// Tokenises several texts; an error names the offending input's index.
-    pub fn tokenize_all(&self, texts: &[&str], truncate: bool) -> Result<Vec<Vec<u32>>, EngineError> {
+    pub fn tokenize_all(
+        &self,
+        texts: &[&str],
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, EngineError> {
         texts
             .iter()
             .enumerate()
@@ -160,7 +173,11 @@ impl EmbeddingModel {
     }
 
     /// Packs token-id sequences for this model (see [`Batch::pack`]).
-    pub fn pack<S: AsRef<[u32]>>(&self, sequences: &[S], truncate: bool) -> Result<Batch, EngineError> {
+    pub fn pack<S: AsRef<[u32]>>(
+        &self,
+        sequences: &[S],
+        truncate: bool,
+    ) -> Result<Batch, EngineError> {
         Batch::pack(sequences, self.max_input_tokens, truncate)
     }
 
@@ -186,7 +203,8 @@ impl EmbeddingModel {
             return Ok(Vec::new());
         }
         let (hidden, packing) = self.forward(batch)?;
-        let pooled = hidden.apply_op2_no_bwd(&packing.cu_seqlens, &SegmentedPool { pooling, normalize })?;
+        let pooled =
+            hidden.apply_op2_no_bwd(&packing.cu_seqlens, &SegmentedPool { pooling, normalize })?;
         Ok(pooled.to_vec2::<f32>()?)
     }
 
@@ -244,7 +262,11 @@ impl EmbeddingModel {
                     max: self.config.max_position_embeddings,
                 });
             }
-            if let Some(&token) = batch.sequence(i).iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            if let Some(&token) = batch
+                .sequence(i)
+                .iter()
+                .find(|&&t| t as usize >= self.config.vocab_size)
+            {
                 return Err(EngineError::TokenOutOfRange {
                     index: i,
                     token,

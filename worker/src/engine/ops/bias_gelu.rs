@@ -33,19 +33,21 @@ impl CustomOp2 for BiasGelu {
         if cols > 0 {
             let chunk = rows_per_task(rows, cols) * cols;
             let fast = has_avx2_fma();
-            out.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(o, x)| {
-                for (o_row, x_row) in o.chunks_exact_mut(cols).zip(x.chunks_exact(cols)) {
-                    if fast {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: AVX2+FMA detected; rows have equal length.
-                        unsafe {
-                            row_avx2(x_row, bias, o_row)
+            out.par_chunks_mut(chunk)
+                .zip(x.par_chunks(chunk))
+                .for_each(|(o, x)| {
+                    for (o_row, x_row) in o.chunks_exact_mut(cols).zip(x.chunks_exact(cols)) {
+                        if fast {
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: AVX2+FMA detected; rows have equal length.
+                            unsafe {
+                                row_avx2(x_row, bias, o_row)
+                            }
+                        } else {
+                            row_scalar(x_row, bias, o_row)
                         }
-                    } else {
-                        row_scalar(x_row, bias, o_row)
                     }
-                }
-            });
+                });
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, cols))))
     }
@@ -64,7 +66,10 @@ unsafe fn row_avx2(x: &[f32], bias: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = x.len() / 8 * 8;
     for i in (0..n).step_by(8) {
-        let v = _mm256_add_ps(_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(bias.as_ptr().add(i)));
+        let v = _mm256_add_ps(
+            _mm256_loadu_ps(x.as_ptr().add(i)),
+            _mm256_loadu_ps(bias.as_ptr().add(i)),
+        );
         _mm256_storeu_ps(out.as_mut_ptr().add(i), gelu(v));
     }
     row_scalar(&x[n..], &bias[n..], &mut out[n..]);

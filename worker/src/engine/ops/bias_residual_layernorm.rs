@@ -31,10 +31,16 @@ impl CustomOp3 for BiasResidualLayerNorm {
         let name = self.name();
         let (rows, cols) = x_l.shape().dims2()?;
         if r_l.shape().dims() != [rows, cols] {
-            bail!("{name}: residual is {:?}, input is [{rows}, {cols}]", r_l.shape());
+            bail!(
+                "{name}: residual is {:?}, input is [{rows}, {cols}]",
+                r_l.shape()
+            );
         }
         if p_l.shape().dims() != [3, cols] {
-            bail!("{name}: params must be [3, {cols}] (bias, gamma, beta), got {:?}", p_l.shape());
+            bail!(
+                "{name}: params must be [3, {cols}] (bias, gamma, beta), got {:?}",
+                p_l.shape()
+            );
         }
         let x = contiguous_f32(name, "input", x_s, x_l)?;
         let residual = contiguous_f32(name, "residual", r_s, r_l)?;
@@ -50,9 +56,18 @@ impl CustomOp3 for BiasResidualLayerNorm {
             out.par_chunks_mut(chunk)
                 .zip(x.par_chunks(chunk).zip(residual.par_chunks(chunk)))
                 .for_each(|(o, (x, r))| {
-                    let rows = o.chunks_exact_mut(cols).zip(x.chunks_exact(cols).zip(r.chunks_exact(cols)));
+                    let rows = o
+                        .chunks_exact_mut(cols)
+                        .zip(x.chunks_exact(cols).zip(r.chunks_exact(cols)));
                     for (o, (x, r)) in rows {
-                        let row = Row { x, residual: r, bias, gamma, beta, eps };
+                        let row = Row {
+                            x,
+                            residual: r,
+                            bias,
+                            gamma,
+                            beta,
+                            eps,
+                        };
                         if fast {
                             #[cfg(target_arch = "x86_64")]
                             // SAFETY: AVX2+FMA detected.
@@ -125,11 +140,16 @@ mod tests {
     fn reference(x: &[f32], r: &[f32], p: &[f32], cols: usize, eps: f64) -> Vec<f64> {
         let mut out = Vec::with_capacity(x.len());
         for (x, r) in x.chunks(cols).zip(r.chunks(cols)) {
-            let y: Vec<f64> = (0..cols).map(|c| x[c] as f64 + r[c] as f64 + p[c] as f64).collect();
+            let y: Vec<f64> = (0..cols)
+                .map(|c| x[c] as f64 + r[c] as f64 + p[c] as f64)
+                .collect();
             let mean = y.iter().sum::<f64>() / cols as f64;
             let var = y.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
             for c in 0..cols {
-                out.push((y[c] - mean) / (var + eps).sqrt() * p[cols + c] as f64 + p[2 * cols + c] as f64);
+                out.push(
+                    (y[c] - mean) / (var + eps).sqrt() * p[cols + c] as f64
+                        + p[2 * cols + c] as f64,
+                );
             }
         }
         out
@@ -158,6 +178,8 @@ mod tests {
         let mut rng = Rng::new(22);
         let x = rng.tensor(&[2, 4], 1.0);
         let p = rng.tensor(&[2, 4], 1.0);
-        assert!(x.apply_op3_no_bwd(&x, &p, &BiasResidualLayerNorm { eps: 1e-5 }).is_err());
+        assert!(x
+            .apply_op3_no_bwd(&x, &p, &BiasResidualLayerNorm { eps: 1e-5 })
+            .is_err());
     }
 }

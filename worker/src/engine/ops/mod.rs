@@ -1,16 +1,19 @@
 //! The engine's fused kernels, written as candle `CustomOp`s. Each has a CPU implementation
 //! here; a CUDA build adds `cuda_fwd` beside it and keeps the same inputs, so the model code
-//! does not change. All of them work on packed activations (`[total_tokens, hidden]`) and
-//! take the batch's `cu_seqlens` as a `u32` tensor on the same device.
+//! does not change. All of them work on packed activations (`[total_tokens, hidden]`); the
+//! ones that need sequence boundaries (attention, pooling) take the batch's `cu_seqlens` as a
+//! `u32` tensor on the same device.
 
 pub mod bias_gelu;
 pub mod bias_residual_layernorm;
+pub mod linear;
 pub mod pooling;
 pub mod varlen_attention;
 mod vector_math;
 
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;
+pub use linear::{Activation, Linear, PackedWeight};
 pub use pooling::{Pooling, SegmentedPool};
 pub use varlen_attention::VarlenAttention;
 
@@ -63,9 +66,19 @@ struct SharedMut(*mut f32);
 unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
+impl SharedMut {
+    /// The pointer `offset` floats in (a method, so closures capture the whole wrapper).
+    ///
+    /// # Safety
+    /// `offset` must stay inside the buffer.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        self.0.add(offset)
+    }
+}
+
 /// Whether the AVX2+FMA kernels may run on this CPU (checked once; std caches the cpuid).
 #[inline]
-fn has_avx2_fma() -> bool {
+pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -117,8 +130,9 @@ mod test_inputs {
 
         /// `count` sequence lengths in 1..=max, with 1 and max always present.
         pub fn lengths(&mut self, count: usize, max: usize) -> Vec<usize> {
-            let mut lens: Vec<usize> =
-                (0..count).map(|_| 1 + self.next_u32() as usize % max).collect();
+            let mut lens: Vec<usize> = (0..count)
+                .map(|_| 1 + self.next_u32() as usize % max)
+                .collect();
             lens[0] = 1;
             lens[count - 1] = max;
             lens
@@ -135,6 +149,9 @@ mod test_inputs {
     }
 
     pub fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| (*x as f64 - y).abs()).fold(0.0, f64::max)
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - y).abs())
+            .fold(0.0, f64::max)
     }
 }

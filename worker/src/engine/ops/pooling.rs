@@ -87,10 +87,18 @@ mod tests {
     use super::super::test_inputs::{cu_seqlens, max_abs_diff, Rng};
     use super::*;
 
-    fn reference(h: &[f32], cu: &[u32], cols: usize, pooling: Pooling, normalize: bool) -> Vec<f64> {
+    fn reference(
+        h: &[f32],
+        cu: &[u32],
+        cols: usize,
+        pooling: Pooling,
+        normalize: bool,
+    ) -> Vec<f64> {
         let mut out = Vec::new();
         for w in cu.windows(2) {
-            let rows: Vec<&[f32]> = (w[0] as usize..w[1] as usize).map(|t| &h[t * cols..(t + 1) * cols]).collect();
+            let rows: Vec<&[f32]> = (w[0] as usize..w[1] as usize)
+                .map(|t| &h[t * cols..(t + 1) * cols])
+                .collect();
             let mut v: Vec<f64> = (0..cols)
                 .map(|c| {
                     let column = rows.iter().map(|r| r[c] as f64);
@@ -120,11 +128,17 @@ mod tests {
         let flat = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Max] {
             for normalize in [false, true] {
-                let got = h.apply_op2_no_bwd(&cu_t, &SegmentedPool { pooling, normalize }).unwrap();
+                let got = h
+                    .apply_op2_no_bwd(&cu_t, &SegmentedPool { pooling, normalize })
+                    .unwrap();
                 assert_eq!(got.dims(), &[lens.len(), cols]);
                 let want = reference(&flat, &cu, cols, pooling, normalize);
-                let diff = max_abs_diff(&got.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want);
-                assert!(diff < 1e-5, "{pooling:?} normalize={normalize}: max diff {diff}");
+                let diff =
+                    max_abs_diff(&got.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want);
+                assert!(
+                    diff < 1e-5,
+                    "{pooling:?} normalize={normalize}: max diff {diff}"
+                );
             }
         }
     }
@@ -134,7 +148,10 @@ mod tests {
         let mut rng = Rng::new(32);
         let h = rng.tensor(&[3, 4], 1.0);
         let (_, cu) = cu_seqlens(&[3, 0]);
-        let op = SegmentedPool { pooling: Pooling::Mean, normalize: false };
+        let op = SegmentedPool {
+            pooling: Pooling::Mean,
+            normalize: false,
+        };
         assert!(h.apply_op2_no_bwd(&cu, &op).is_err());
     }
 }

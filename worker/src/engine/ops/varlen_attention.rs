@@ -27,12 +27,21 @@ impl VarlenAttention {
     }
 }
 
-/// One unit of parallel work: a head of a sequence.
+/// One unit of parallel work: a range of heads of one sequence. Long sequences get one head
+/// per item, for parallelism within the sequence; short ones get all their heads in one item,
+/// so the gather reads each `[3H]` row once, front to back, and the per-item overhead is
+/// paid once per sequence rather than once per head.
 #[derive(Clone, Copy)]
 struct Item {
     start: usize,
     len: usize,
-    head: usize,
+    heads: (usize, usize),
+}
+
+/// Heads per item for a sequence of `len` tokens: about 16 × 12 query-key pairs' worth of
+/// rows at least, so tiny sequences are batched per sequence.
+fn heads_per_item(len: usize, num_heads: usize) -> usize {
+    (num_heads * 16 / len.max(1)).clamp(1, num_heads.max(1))
 }
 
 /// Where an item reads from and writes to.
@@ -63,12 +72,19 @@ impl CustomOp3 for VarlenAttention {
         let hidden = self.num_heads * self.head_dim;
         let (tokens, width) = qkv_l.shape().dims2()?;
         if width != 3 * hidden {
-            bail!("{name}: qkv is [{tokens}, {width}], expected [T, {}]", 3 * hidden);
+            bail!(
+                "{name}: qkv is [{tokens}, {width}], expected [T, {}]",
+                3 * hidden
+            );
         }
         let qkv = contiguous_f32(name, "qkv", qkv_s, qkv_l)?;
         let bias = contiguous_f32(name, "qkv bias", bias_s, bias_l)?;
         if bias.len() != 3 * hidden {
-            bail!("{name}: qkv bias has {} values, expected {}", bias.len(), 3 * hidden);
+            bail!(
+                "{name}: qkv bias has {} values, expected {}",
+                bias.len(),
+                3 * hidden
+            );
         }
         let cu = cu_seqlens(name, cu_s, cu_l, tokens)?;
 
@@ -82,20 +98,23 @@ impl CustomOp3 for VarlenAttention {
             scale: self.scale(),
         };
         // Longest first, so the big items start early and the short ones fill the gaps.
+        let num_heads = self.num_heads;
         let mut items: Vec<Item> = cu
             .windows(2)
             .filter(|w| w[1] > w[0])
             .flat_map(|w| {
-                (0..self.num_heads).map(move |head| Item {
-                    start: w[0] as usize,
-                    len: (w[1] - w[0]) as usize,
-                    head,
+                let (start, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+                let step = heads_per_item(len, num_heads);
+                (0..num_heads).step_by(step).map(move |h0| Item {
+                    start,
+                    len,
+                    heads: (h0, (h0 + step).min(num_heads)),
                 })
             })
             .collect();
         items.sort_by_key(|item| std::cmp::Reverse(item.len));
 
-        let fast = has_avx2_fma() && self.head_dim % 16 == 0;
+        let fast = has_avx2_fma() && self.head_dim.is_multiple_of(16);
         items.par_iter().with_max_len(1).for_each(|item| {
             SCRATCH.with(|scratch| {
                 let scratch = &mut scratch.borrow_mut();
@@ -140,8 +159,26 @@ fn resize(buf: &mut Vec<f32>, len: usize) {
 /// `problem.out` must point to `T * hidden` floats, and no other thread may write this item's
 /// head columns of its sequence's rows.
 unsafe fn attend_scalar(problem: &Problem, item: Item, scratch: &mut Scratch) {
-    let Problem { qkv, bias, hidden, head_dim: d, scale, .. } = *problem;
-    let Item { start, len, head } = item;
+    for head in item.heads.0..item.heads.1 {
+        attend_scalar_head(problem, item.start, item.len, head, scratch);
+    }
+}
+
+unsafe fn attend_scalar_head(
+    problem: &Problem,
+    start: usize,
+    len: usize,
+    head: usize,
+    scratch: &mut Scratch,
+) {
+    let Problem {
+        qkv,
+        bias,
+        hidden,
+        head_dim: d,
+        scale,
+        ..
+    } = *problem;
     let (q_off, k_off, v_off) = (head * d, hidden + head * d, 2 * hidden + head * d);
     resize(&mut scratch.p, len);
     let p = &mut scratch.p;
@@ -181,6 +218,8 @@ mod avx2 {
 
     /// Query rows per register tile.
     const QR: usize = 4;
+    /// How many tokens ahead the gather prefetches.
+    const PREFETCH_AHEAD: usize = 4;
 
     /// Register-tiled path for head sizes that are multiples of 16: scores are computed 4
     /// queries × 16 keys at a time and the context 4 queries × 16 dims at a time, eight
@@ -190,53 +229,99 @@ mod avx2 {
     /// AVX2 and FMA must be available; otherwise as [`attend_scalar`].
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn attend(problem: &Problem, item: Item, scratch: &mut Scratch) {
-        let Problem { qkv, bias, hidden, head_dim: d, scale, .. } = *problem;
-        let Item { start, len, head } = item;
+        let Problem {
+            qkv,
+            bias,
+            hidden,
+            head_dim: d,
+            scale,
+            ..
+        } = *problem;
+        let Item {
+            start,
+            len,
+            heads: (h0, h1),
+        } = item;
+        let nh = h1 - h0;
         // Keys padded to a multiple of 16 and queries to a multiple of 4 inside the scratch
         // tiles only; padded keys get probability 0 and padded query rows are not stored.
         let lk = len.next_multiple_of(16);
         let lq = len.next_multiple_of(QR);
-        resize(&mut scratch.q, lq * d);
-        resize(&mut scratch.kt, d * lk);
-        resize(&mut scratch.v, len * d);
+        // Per head: Q [lq, d] (pre-scaled), Kᵀ [d, lk], V [len, d], all with the bias added.
+        let (q_size, k_size, v_size) = (lq * d, d * lk, len * d);
+        resize(&mut scratch.q, nh * q_size);
+        resize(&mut scratch.kt, nh * k_size);
+        resize(&mut scratch.v, nh * v_size);
         resize(&mut scratch.p, QR * lk);
-        let Scratch { q, kt, v, p } = scratch;
+        let q = scratch.q.as_mut_ptr();
+        let kt = scratch.kt.as_mut_ptr();
+        let v = scratch.v.as_mut_ptr();
+        let p = scratch.p.as_mut_ptr();
 
-        // Gather this head's Q (pre-scaled), Kᵀ and V with the bias added. The item's rows lie
-        // inside `qkv` (checked against cu_seqlens by the caller).
-        let (q_off, k_off, v_off) = (head * d, hidden + head * d, 2 * hidden + head * d);
-        let q = q.as_mut_ptr();
-        let kt = kt.as_mut_ptr();
-        let v = v.as_mut_ptr();
-        let p = p.as_mut_ptr();
+        // The item's rows lie inside `qkv` (the caller checked cu_seqlens against T).
         let b = bias.as_ptr();
         let scale_v = _mm256_set1_ps(scale);
         let mut k_lanes = [0f32; 8];
+        let whole_rows = nh * d == hidden;
         for t in 0..len {
             let row = qkv.as_ptr().add((start + t) * 3 * hidden);
-            for c0 in (0..d).step_by(8) {
-                let qv = _mm256_add_ps(
-                    _mm256_loadu_ps(row.add(q_off + c0)),
-                    _mm256_loadu_ps(b.add(q_off + c0)),
-                );
-                _mm256_storeu_ps(q.add(t * d + c0), _mm256_mul_ps(qv, scale_v));
-                let vv = _mm256_add_ps(
-                    _mm256_loadu_ps(row.add(v_off + c0)),
-                    _mm256_loadu_ps(b.add(v_off + c0)),
-                );
-                _mm256_storeu_ps(v.add(t * d + c0), vv);
-                let kv = _mm256_add_ps(
-                    _mm256_loadu_ps(row.add(k_off + c0)),
-                    _mm256_loadu_ps(b.add(k_off + c0)),
-                );
-                _mm256_storeu_ps(k_lanes.as_mut_ptr(), kv);
-                for (e, k) in k_lanes.iter().enumerate() {
-                    *kt.add((c0 + e) * lk + t) = *k;
+            // A slice of a row is too short for the hardware prefetcher to pick up the 3H
+            // stride between rows: fetch a few tokens ahead by hand. Whole rows stream.
+            if !whole_rows && t + PREFETCH_AHEAD < len {
+                let ahead = row.add(PREFETCH_AHEAD * 3 * hidden + h0 * d);
+                for part in 0..3 {
+                    for c in (0..nh * d).step_by(16) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(part * hidden + c) as *const i8);
+                    }
+                }
+            }
+            for h in 0..nh {
+                let col = (h0 + h) * d;
+                let (qh, kh, vh) = (q.add(h * q_size), kt.add(h * k_size), v.add(h * v_size));
+                for c0 in (0..d).step_by(8) {
+                    let at = |part: usize| {
+                        _mm256_add_ps(
+                            _mm256_loadu_ps(row.add(part * hidden + col + c0)),
+                            _mm256_loadu_ps(b.add(part * hidden + col + c0)),
+                        )
+                    };
+                    _mm256_storeu_ps(qh.add(t * d + c0), _mm256_mul_ps(at(0), scale_v));
+                    _mm256_storeu_ps(vh.add(t * d + c0), at(2));
+                    _mm256_storeu_ps(k_lanes.as_mut_ptr(), at(1));
+                    for (e, k) in k_lanes.iter().enumerate() {
+                        *kh.add((c0 + e) * lk + t) = *k;
+                    }
                 }
             }
         }
-        let (q, kt, v) = (q as *const f32, kt as *const f32, v as *const f32);
-        for i0 in (0..lq).step_by(QR) {
+
+        for h in 0..nh {
+            let out = problem.out.0.add(start * hidden + (h0 + h) * d);
+            let tile = Tile {
+                q: q.add(h * q_size),
+                kt: kt.add(h * k_size),
+                v: v.add(h * v_size),
+                p,
+            };
+            head(tile, len, lk, d, out, hidden);
+        }
+    }
+
+    /// One head's scratch: Q `[lq, d]`, Kᵀ `[d, lk]`, V `[len, d]`, and a `[4, lk]` buffer for
+    /// a block of score rows.
+    struct Tile {
+        q: *const f32,
+        kt: *const f32,
+        v: *const f32,
+        p: *mut f32,
+    }
+
+    /// softmax(Q Kᵀ) V for one head, written to `out` (row stride `hidden`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn head(tile: Tile, len: usize, lk: usize, d: usize, out: *mut f32, hidden: usize) {
+        let Tile { q, kt, v, p } = tile;
+        for i0 in (0..len).step_by(QR) {
             // Scores S[i0..i0+4, 0..lk] = Q Kᵀ.
             for j0 in (0..lk).step_by(16) {
                 let mut acc = [_mm256_setzero_ps(); 2 * QR];
@@ -255,8 +340,9 @@ mod avx2 {
                 }
             }
             // Softmax numerators in place; the 1/sum is applied to the context row instead.
+            let rows = QR.min(len - i0);
             let mut inv_sum = [0f32; QR];
-            for (r, inv) in inv_sum.iter_mut().enumerate() {
+            for (r, inv) in inv_sum.iter_mut().enumerate().take(rows) {
                 let row = p.add(r * lk);
                 for j in len..lk {
                     *row.add(j) = f32::NEG_INFINITY;
@@ -291,12 +377,9 @@ mod avx2 {
                         acc[2 * r + 1] = _mm256_fmadd_ps(pv, v1, acc[2 * r + 1]);
                     }
                 }
-                for r in 0..QR {
-                    if i0 + r >= len {
-                        break;
-                    }
+                for r in 0..rows {
                     let inv = _mm256_set1_ps(inv_sum[r]);
-                    let dst = problem.out.0.add((start + i0 + r) * hidden + head * d + c0);
+                    let dst = out.add((i0 + r) * hidden + c0);
                     _mm256_storeu_ps(dst, _mm256_mul_ps(acc[2 * r], inv));
                     _mm256_storeu_ps(dst.add(8), _mm256_mul_ps(acc[2 * r + 1], inv));
                 }
@@ -341,7 +424,9 @@ mod tests {
                 for i in s..e {
                     let scores: Vec<f64> = (s..e)
                         .map(|j| {
-                            (0..d).map(|c| at(i, head * d + c) * at(j, h + head * d + c)).sum::<f64>()
+                            (0..d)
+                                .map(|c| at(i, head * d + c) * at(j, h + head * d + c))
+                                .sum::<f64>()
                                 / (d as f64).sqrt()
                         })
                         .collect();
@@ -366,7 +451,11 @@ mod tests {
         let tokens = *cu.last().unwrap() as usize;
         let qkv = rng.tensor(&[tokens, 3 * heads * d], 2.0);
         let bias = rng.tensor(&[3 * heads * d], 0.5);
-        let op = VarlenAttention { num_heads: heads, head_dim: d, max_seqlen: 64 };
+        let op = VarlenAttention {
+            num_heads: heads,
+            head_dim: d,
+            max_seqlen: 64,
+        };
         let out = qkv.apply_op3_no_bwd(&bias, &cu_t, &op).unwrap();
         assert_eq!(out.dims(), &[tokens, heads * d]);
         let want = reference(
@@ -378,7 +467,10 @@ mod tests {
         );
         let got = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let diff = max_abs_diff(&got, &want);
-        assert!(diff < 2e-5, "heads {heads} × {d}, lengths {lens:?}: max diff {diff}");
+        assert!(
+            diff < 2e-5,
+            "heads {heads} × {d}, lengths {lens:?}: max diff {diff}"
+        );
     }
 
     #[test]
@@ -408,19 +500,40 @@ mod tests {
         let qkv = Tensor::cat(&[&a, &b, &a], 0).unwrap();
         let bias = rng.tensor(&[3 * heads * d], 0.5);
         let (_, cu) = cu_seqlens(&[len, 5, len]);
-        let op = VarlenAttention { num_heads: heads, head_dim: d, max_seqlen: len };
+        let op = VarlenAttention {
+            num_heads: heads,
+            head_dim: d,
+            max_seqlen: len,
+        };
         let out = qkv.apply_op3_no_bwd(&bias, &cu, &op).unwrap();
-        let first = out.narrow(0, 0, len).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let last = out.narrow(0, len + 5, len).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let first = out
+            .narrow(0, 0, len)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let last = out
+            .narrow(0, len + 5, len)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         assert_eq!(first, last);
     }
 
     #[test]
     fn rejects_offsets_that_do_not_cover_the_tokens() {
-        let qkv = Tensor::zeros((4, 6), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let qkv =
+            Tensor::zeros((4, 6), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
         let bias = Tensor::zeros(6, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
         let (_, cu) = cu_seqlens(&[1, 2]);
-        let op = VarlenAttention { num_heads: 1, head_dim: 2, max_seqlen: 2 };
+        let op = VarlenAttention {
+            num_heads: 1,
+            head_dim: 2,
+            max_seqlen: 2,
+        };
         assert!(qkv.apply_op3_no_bwd(&bias, &cu, &op).is_err());
     }
 }

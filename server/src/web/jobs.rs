@@ -1,0 +1,442 @@
+//! Job pages: the list filtered by state, one job with its log and metrics (both
+//! followed live until the job ends), cancel, and a form to submit a prefetch job.
+//! Every action goes through the same functions as the `/api/v1/jobs` routes.
+
+use std::collections::HashMap;
+
+use askama::Template;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, MetricPoint};
+use uuid::Uuid;
+
+use super::{format, render, with_status, Layout, WebUser};
+use crate::app::AppState;
+use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::{jobs, registry, workers};
+
+/// The log lines a job page shows: the latest ones, which is what a person follows.
+const LOG_TAIL: usize = 1000;
+/// Lines read to find that tail (the log API pages through longer logs).
+const LOG_READ_LIMIT: i64 = 10_000;
+
+struct JobRow {
+    id: String,
+    name: String,
+    kind: &'static str,
+    state: &'static str,
+    attempts: u32,
+    max_attempts: u32,
+    worker: String,
+    created_ago: String,
+    created_at: String,
+    updated_ago: String,
+    updated_at: String,
+}
+
+struct StateTab {
+    label: &'static str,
+    href: String,
+    count: usize,
+    active: bool,
+}
+
+#[derive(Template)]
+#[template(path = "jobs.html")]
+struct JobsPage {
+    layout: Layout,
+    live_url: String,
+    tabs: Vec<StateTab>,
+    rows: Vec<JobRow>,
+    filter: &'static str,
+    total: usize,
+}
+
+#[derive(Template)]
+#[template(path = "jobs.html", block = "table")]
+struct JobsTable {
+    tabs: Vec<StateTab>,
+    rows: Vec<JobRow>,
+    filter: &'static str,
+    total: usize,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ListQuery {
+    state: Option<String>,
+    fragment: Option<String>,
+}
+
+async fn worker_names(state: &AppState) -> Result<HashMap<Uuid, String>> {
+    Ok(workers::list_all(state).await?.into_iter().map(|w| (w.id, w.name)).collect())
+}
+
+fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {
+    match text {
+        None | Some("") | Some("all") => Ok(None),
+        Some(s) => JobState::parse(s).map(Some).ok_or_else(|| {
+            Error::BadRequest(format!("Unknown state {s:?}; use queued, leased, running, succeeded, failed or cancelled."))
+        }),
+    }
+}
+
+pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Query<ListQuery>) -> Response {
+    let result = async {
+        let filter = parse_state(query.state.as_deref())?;
+        // One read serves both the counts on the tabs and the filtered table.
+        let all = jobs::list_visible(&state.db, &user.0, None).await?;
+        let names = worker_names(&state).await?;
+        let now = Utc::now();
+        let state_param = |s: Option<JobState>| s.map(|s| format!("?state={}", s.as_str())).unwrap_or_default();
+        let mut tabs = vec![StateTab { label: "all", href: "/jobs".into(), count: all.len(), active: filter.is_none() }];
+        tabs.extend(JobState::ALL.into_iter().map(|s| StateTab {
+            label: s.as_str(),
+            href: format!("/jobs{}", state_param(Some(s))),
+            count: all.iter().filter(|j| j.state == s).count(),
+            active: filter == Some(s),
+        }));
+        let rows: Vec<JobRow> = all
+            .iter()
+            .filter(|job| filter.is_none_or(|s| job.state == s))
+            .map(|job| JobRow {
+                id: job.id.to_string(),
+                name: job.name.clone(),
+                kind: job.spec.kind(),
+                state: job.state.as_str(),
+                attempts: job.attempts,
+                max_attempts: job.max_attempts,
+                worker: job.worker_id.map(|id| worker_label(&names, id)).unwrap_or_default(),
+                created_ago: format::ago(job.created_at, now),
+                created_at: format::instant(job.created_at),
+                updated_ago: format::ago(job.updated_at, now),
+                updated_at: format::instant(job.updated_at),
+            })
+            .collect();
+        let filter_name = filter.map(JobState::as_str).unwrap_or("");
+        if query.fragment.is_some() {
+            let table = JobsTable { tabs, rows, filter: filter_name, total: all.len() };
+            return Ok(render(&table)?.into_response());
+        }
+        let page = JobsPage {
+            layout: user.layout("Jobs", "jobs"),
+            live_url: match filter {
+                Some(s) => format!("/jobs?state={}&fragment=table", s.as_str()),
+                None => "/jobs?fragment=table".into(),
+            },
+            tabs,
+            rows,
+            filter: filter_name,
+            total: all.len(),
+        };
+        Ok(render(&page)?.into_response())
+    }
+    .await;
+    user.page(result)
+}
+
+fn worker_label(names: &HashMap<Uuid, String>, id: Uuid) -> String {
+    names.get(&id).cloned().unwrap_or_else(|| id.to_string()[..8].to_string())
+}
+
+struct Timing {
+    label: &'static str,
+    value: String,
+    detail: String,
+}
+
+struct LogView {
+    seq: i64,
+    at: String,
+    line: String,
+}
+
+struct MetricView {
+    name: String,
+    step: i64,
+    value: String,
+    at: String,
+}
+
+/// One metric at a glance: its latest value, range and shape over the steps.
+struct MetricSeries {
+    name: String,
+    count: usize,
+    last: String,
+    min: String,
+    max: String,
+    sparkline: String,
+}
+
+/// Groups points (ordered by name, then step) into one series per metric.
+fn series(points: &[MetricPoint]) -> Vec<MetricSeries> {
+    points
+        .chunk_by(|a, b| a.name == b.name)
+        .map(|run| {
+            let values: Vec<f64> = run.iter().map(|p| p.value).collect();
+            let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            MetricSeries {
+                name: run[0].name.clone(),
+                count: run.len(),
+                last: format::number(values[values.len() - 1]),
+                min: format::number(min),
+                max: format::number(max),
+                sparkline: format::sparkline(&values),
+            }
+        })
+        .collect()
+}
+
+struct JobView {
+    id: String,
+    name: String,
+    owner: String,
+    kind: &'static str,
+    state: &'static str,
+    terminal: bool,
+    message: Option<String>,
+    /// What the job works on, e.g. the model a prefetch fetches.
+    target_label: String,
+    target_href: Option<String>,
+    attempts: u32,
+    max_attempts: u32,
+    worker: Option<String>,
+    timings: Vec<Timing>,
+    logs: Vec<LogView>,
+    logs_skipped: usize,
+    series: Vec<MetricSeries>,
+    metrics: Vec<MetricView>,
+    /// A refused action (cancelling an ended job) shown above the details.
+    alert: Option<String>,
+}
+
+#[derive(Template)]
+#[template(path = "job.html")]
+struct JobPage {
+    layout: Layout,
+    job: JobView,
+}
+
+#[derive(Template)]
+#[template(path = "job.html", block = "detail")]
+struct JobFragment {
+    job: JobView,
+}
+
+fn timing(label: &'static str, at: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Option<Timing> {
+    at.map(|at| Timing { label, value: format::ago(at, now), detail: format::instant(at) })
+}
+
+async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView> {
+    let now = Utc::now();
+    let (model, purpose) = match &job.spec {
+        JobSpec::Prefetch { model } => (*model, String::new()),
+        JobSpec::Serve { model, deployment, .. } => (*model, format!(" for deployment {}", &deployment.to_string()[..8])),
+    };
+    let (target_label, target_href) = match registry::resolve(state, &user.0, &model.to_string()).await {
+        Ok(found) => (format!("model {}{purpose}", found.name), Some(format!("/models/{}", found.id))),
+        Err(Error::NotFound(_)) => (format!("model {model} (deleted){purpose}"), None),
+        Err(error) => return Err(error),
+    };
+    let worker = match job.worker_id {
+        Some(id) => Some(worker_label(&worker_names(state).await?, id)),
+        None => None,
+    };
+    let mut timings: Vec<Timing> = [
+        timing("Created", Some(job.created_at), now),
+        timing("Started", job.started_at, now),
+        timing("Finished", job.finished_at, now),
+        timing("Updated", Some(job.updated_at), now),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if let Some(started) = job.started_at {
+        let end = job.finished_at.unwrap_or(now);
+        let detail = if job.finished_at.is_some() { "start to finish" } else { "so far" };
+        timings.push(Timing { label: "Run time", value: format::elapsed(started, end), detail: detail.into() });
+    }
+    if !job.state.is_terminal() {
+        if let Some(expiry) = job.lease_expires_at {
+            timings.push(Timing { label: "Lease expires", value: format::ago(expiry, now), detail: format::instant(expiry) });
+        }
+    }
+    let mut lines = jobs::read_logs(&state.db, job.id, 0, LOG_READ_LIMIT).await?;
+    let logs_skipped = lines.len().saturating_sub(LOG_TAIL);
+    let logs = lines
+        .drain(logs_skipped..)
+        .map(|l| LogView { seq: l.seq, at: l.at.format("%H:%M:%S").to_string(), line: l.line })
+        .collect();
+    let ApiJson(points) = jobs::metrics(State(state.clone()), user.0.clone(), ApiPath(job.id)).await?;
+    let series = series(&points);
+    let metrics = points
+        .into_iter()
+        .map(|p| MetricView {
+            name: p.name,
+            step: p.step,
+            value: format::number(p.value),
+            at: p.at.map(format::instant).unwrap_or_default(),
+        })
+        .collect();
+    Ok(JobView {
+        id: job.id.to_string(),
+        name: job.name,
+        owner: job.owner,
+        kind: job.spec.kind(),
+        state: job.state.as_str(),
+        terminal: job.state.is_terminal(),
+        message: job.message,
+        target_label,
+        target_href,
+        attempts: job.attempts,
+        max_attempts: job.max_attempts,
+        worker,
+        timings,
+        logs,
+        logs_skipped,
+        series,
+        metrics,
+        alert: None,
+    })
+}
+
+fn parse_id(id: &str) -> Result<Uuid> {
+    id.parse().map_err(|_| Error::not_found("Job"))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct DetailQuery {
+    fragment: Option<String>,
+}
+
+pub async fn detail(
+    State(state): State<AppState>,
+    user: WebUser,
+    Path(id): Path<String>,
+    Query(query): Query<DetailQuery>,
+) -> Response {
+    let result = async {
+        let job = jobs::get_visible(&state.db, &user.0, parse_id(&id)?).await?;
+        let title = job.name.clone();
+        let view = job_view(&state, &user, job).await?;
+        if query.fragment.is_some() {
+            return Ok(render(&JobFragment { job: view })?.into_response());
+        }
+        Ok(render(&JobPage { layout: user.layout(title, "jobs"), job: view })?.into_response())
+    }
+    .await;
+    user.page(result)
+}
+
+pub async fn cancel(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
+    let result = async {
+        let id = parse_id(&id)?;
+        match jobs::cancel(State(state.clone()), user.0.clone(), ApiPath(id)).await {
+            Ok(_) => Ok(Redirect::to(&format!("/jobs/{id}")).into_response()),
+            // Already ended: show the job as it is now, with the reason.
+            Err(error @ Error::Conflict(_)) => {
+                let job = jobs::get_visible(&state.db, &user.0, id).await?;
+                let title = job.name.clone();
+                let mut view = job_view(&state, &user, job).await?;
+                view.alert = Some(error.public_message());
+                with_status(StatusCode::CONFLICT, render(&JobPage { layout: user.layout(title, "jobs"), job: view }))
+            }
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}
+
+struct ModelOption {
+    id: String,
+    name: String,
+    selected: bool,
+}
+
+#[derive(Template)]
+#[template(path = "job_new.html")]
+struct NewJobPage {
+    layout: Layout,
+    models: Vec<ModelOption>,
+    name: String,
+    max_attempts: String,
+    error: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct NewJobForm {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    max_attempts: String,
+}
+
+async fn new_job_page(state: &AppState, user: &WebUser, form: NewJobForm, error: Option<String>) -> Result<NewJobPage> {
+    let models = registry::list_visible(state, &user.0)
+        .await?
+        .into_iter()
+        .map(|m| ModelOption { selected: form.model == m.id.to_string(), id: m.id.to_string(), name: m.name })
+        .collect();
+    Ok(NewJobPage {
+        layout: user.layout("New job", "jobs"),
+        models,
+        name: form.name,
+        max_attempts: if form.max_attempts.is_empty() { "3".into() } else { form.max_attempts },
+        error,
+    })
+}
+
+pub async fn new_form(State(state): State<AppState>, user: WebUser, Query(form): Query<NewJobForm>) -> Response {
+    let result = async { Ok(render(&new_job_page(&state, &user, form, None).await?)?.into_response()) }.await;
+    user.page(result)
+}
+
+pub async fn create(State(state): State<AppState>, user: WebUser, Form(form): Form<NewJobForm>) -> Response {
+    let result = async {
+        match submit(&state, &user, &form).await {
+            Ok(job) => Ok(Redirect::to(&format!("/jobs/{}", job.id)).into_response()),
+            Err(error) if error.status().is_client_error() => {
+                let status = error.status();
+                let page = new_job_page(&state, &user, form, Some(error.public_message())).await?;
+                with_status(status, render(&page))
+            }
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}
+
+async fn submit(state: &AppState, user: &WebUser, form: &NewJobForm) -> Result<Job> {
+    if form.model.is_empty() {
+        return Err(Error::invalid("invalid_spec", "Pick the model to prefetch; upload one on the Models page first."));
+    }
+    let max_attempts = match form.max_attempts.trim() {
+        "" => None,
+        text => Some(text.parse::<u32>().map_err(|_| {
+            Error::invalid("invalid_spec", "Max attempts must be a whole number between 1 and 100.")
+        })?),
+    };
+    let name = match form.name.trim() {
+        "" => {
+            let model = registry::resolve(state, &user.0, &form.model).await?;
+            format!("prefetch {}", model.name)
+        }
+        name => name.to_string(),
+    };
+    let request = CreateJob {
+        name,
+        spec: serde_json::json!({"kind": "prefetch", "model": form.model}),
+        max_attempts,
+    };
+    let (_, ApiJson(job)) = jobs::create(State(state.clone()), user.0.clone(), ApiJson(request)).await?;
+    tracing::info!(job = %job.id, user = %user.0.username, "job submitted from the dashboard");
+    Ok(job)
+}

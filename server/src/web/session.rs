@@ -1,0 +1,293 @@
+//! Signing in and out of the dashboard. The session is the same JWT the API hands out,
+//! kept in an HttpOnly, SameSite=Strict cookie; `WebUser` reads it for every page.
+
+use std::net::SocketAddr;
+
+use askama::Template;
+use axum::extract::{ConnectInfo, FromRequestParts, Query, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderValue, Method};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use serde::Deserialize;
+use tessera_api::accounts::LoginRequest;
+
+use super::{render, wants_fragment, Layout};
+use crate::app::AppState;
+use crate::auth::{self, Principal};
+use crate::error::Error;
+
+pub const COOKIE: &str = "tessera_session";
+
+/// A person signed in to the dashboard.
+#[derive(Debug, Clone)]
+pub struct WebUser(pub Principal);
+
+/// Why a page could not be shown to the caller.
+pub enum SignIn {
+    /// A page: go to the login form, then come back to `next`.
+    Page { next: String },
+    /// A fragment or XHR: the script redirects; a 401 tells it to.
+    Fragment,
+    Failed(Error),
+}
+
+impl IntoResponse for SignIn {
+    fn into_response(self) -> Response {
+        match self {
+            SignIn::Page { next } if next == "/" => Redirect::to("/login").into_response(),
+            SignIn::Page { next } => Redirect::to(&format!("/login?next={}", encode_query_value(&next))).into_response(),
+            SignIn::Fragment => Error::Unauthorized("Your session has ended; sign in again.".into()).into_response(),
+            SignIn::Failed(error) => error.into_response(),
+        }
+    }
+}
+
+impl FromRequestParts<AppState> for WebUser {
+    type Rejection = SignIn;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, SignIn> {
+        match current_user(state, &parts.headers).await {
+            Ok(Some(principal)) => Ok(WebUser(principal)),
+            Ok(None) if wants_fragment(&parts.headers, &parts.uri) => Err(SignIn::Fragment),
+            Ok(None) => {
+                // A form post cannot be replayed after login; land on its page group instead.
+                let next = if parts.method == Method::GET {
+                    parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into())
+                } else {
+                    "/".into()
+                };
+                Err(SignIn::Page { next })
+            }
+            Err(error) => Err(SignIn::Failed(error)),
+        }
+    }
+}
+
+/// The user the session cookie belongs to; `None` without a cookie or with a stale one.
+pub async fn current_user(state: &AppState, headers: &HeaderMap) -> Result<Option<Principal>, Error> {
+    let Some(token) = cookie(headers, COOKIE) else {
+        return Ok(None);
+    };
+    match auth::authenticate(state, token).await {
+        Ok(principal) => Ok(Some(principal)),
+        Err(Error::Unauthorized(_)) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value.trim())
+        .filter(|value| !value.is_empty())
+}
+
+/// Behind a TLS-terminating proxy the cookie must not travel over plain HTTP.
+fn secure_attribute(headers: &HeaderMap) -> &'static str {
+    let https = headers
+        .get("x-forwarded-proto")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|proto| proto.eq_ignore_ascii_case("https"));
+    if https {
+        "; Secure"
+    } else {
+        ""
+    }
+}
+
+fn session_cookie(token: &str, max_age_secs: u64, headers: &HeaderMap) -> HeaderValue {
+    let value = format!(
+        "{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_secs}{}",
+        secure_attribute(headers)
+    );
+    HeaderValue::from_str(&value).expect("a JWT is a valid header value")
+}
+
+/// Only local paths: `//evil.example` and `/\evil.example` are other sites to a browser.
+fn safe_next(next: &str) -> &str {
+    let local = next.starts_with('/') && !next.starts_with("//") && !next.starts_with("/\\");
+    if local && !next.starts_with("/login") {
+        next
+    } else {
+        "/"
+    }
+}
+
+fn encode_query_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for byte in value.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.' | b'~' | b'/') {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+#[derive(Template)]
+#[template(path = "login.html")]
+struct LoginPage {
+    layout: Layout,
+    username: String,
+    next: String,
+    error: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct NextQuery {
+    #[serde(default)]
+    next: String,
+}
+
+pub async fn login_form(State(state): State<AppState>, headers: HeaderMap, Query(query): Query<NextQuery>) -> Response {
+    match current_user(&state, &headers).await {
+        Ok(Some(_)) => return Redirect::to(safe_next(&query.next)).into_response(),
+        Ok(None) => {}
+        Err(error) => return error.into_response(),
+    }
+    let page = LoginPage {
+        layout: Layout::bare("Sign in"),
+        username: String::new(),
+        next: safe_next(&query.next).to_string(),
+        error: None,
+    };
+    render(&page).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LoginForm {
+    #[serde(default)]
+    username: String,
+    #[serde(default)]
+    password: String,
+    #[serde(default)]
+    next: String,
+}
+
+pub async fn login(
+    State(state): State<AppState>,
+    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> Response {
+    let request = LoginRequest { username: form.username.trim().to_string(), password: form.password };
+    let next = safe_next(&form.next).to_string();
+    match crate::accounts::check_login(&state, client, &request).await {
+        Ok(user) => {
+            let (token, _) = state.sessions.issue(&user.id.to_string());
+            let max_age = state.config.session_hours * 3600;
+            let mut response = Redirect::to(&next).into_response();
+            response.headers_mut().insert(header::SET_COOKIE, session_cookie(&token, max_age, &headers));
+            tracing::info!(user = %user.username, "signed in to the dashboard");
+            response
+        }
+        Err(error) => {
+            let status = error.status();
+            if status.is_server_error() {
+                tracing::error!(error = ?error, "login failed");
+            }
+            let retry_after = match &error {
+                Error::TooManyRequests { retry_after_secs } => Some(*retry_after_secs),
+                _ => None,
+            };
+            let page = LoginPage {
+                layout: Layout::bare("Sign in"),
+                username: request.username,
+                next,
+                error: Some(sentence(&error.public_message())),
+            };
+            let mut response = (status, render(&page)).into_response();
+            if let Some(seconds) = retry_after {
+                response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            }
+            response
+        }
+    }
+}
+
+/// Error texts are written for API bodies; on a page they start with a capital.
+fn sentence(message: &str) -> String {
+    let mut chars = message.chars();
+    match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+/// Drops the cookie. The JWT itself stays valid until it expires: sessions are stateless.
+pub async fn logout(headers: HeaderMap) -> Response {
+    let mut response = Redirect::to("/login").into_response();
+    response.headers_mut().insert(header::SET_COOKIE, session_cookie("", 0, &headers));
+    response
+}
+
+/// `Origin`, when the browser sends one, must name this site. Beside SameSite=Strict this
+/// stops a form on another site from posting with the user's session.
+pub fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return true;
+    };
+    let Some(authority) = origin.to_str().ok().and_then(|o| o.split_once("://")).map(|(_, rest)| rest) else {
+        return false; // `Origin: null` and anything unparsable
+    };
+    // A reverse proxy may rewrite Host; a cross-site form cannot set X-Forwarded-Host.
+    [header::HOST.as_str(), "x-forwarded-host"]
+        .iter()
+        .filter_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()))
+        .any(|host| host.eq_ignore_ascii_case(authority.trim_end_matches('/')))
+}
+
+pub fn forbidden_origin() -> Error {
+    Error::Forbidden("This form was sent from another site, so it was refused; reload the page and try again.".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn reads_the_session_cookie_among_others() {
+        let h = headers(&[("cookie", "a=1; tessera_session=abc.def; b=2")]);
+        assert_eq!(cookie(&h, COOKIE), Some("abc.def"));
+        assert_eq!(cookie(&headers(&[("cookie", "tessera_session=")]), COOKIE), None);
+        assert_eq!(cookie(&HeaderMap::new(), COOKIE), None);
+    }
+
+    #[test]
+    fn origin_must_match_host_when_present() {
+        assert!(same_origin(&headers(&[("host", "127.0.0.1:8080")])));
+        assert!(same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")])));
+        assert!(!same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "http://evil.example")])));
+        assert!(!same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "null")])));
+        assert!(same_origin(&headers(&[
+            ("host", "tessera:8080"),
+            ("x-forwarded-host", "ml.example.com"),
+            ("origin", "https://ml.example.com")
+        ])));
+    }
+
+    #[test]
+    fn next_stays_on_this_site() {
+        assert_eq!(safe_next("/jobs?state=failed"), "/jobs?state=failed");
+        assert_eq!(safe_next("//evil.example"), "/");
+        assert_eq!(safe_next("/\\evil.example"), "/");
+        assert_eq!(safe_next("https://evil.example"), "/");
+        assert_eq!(safe_next("/login"), "/");
+        assert_eq!(encode_query_value("/jobs?state=a b"), "/jobs%3Fstate%3Da%20b");
+    }
+}

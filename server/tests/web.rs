@@ -1,0 +1,339 @@
+//! The dashboard over real HTTP: signing in with the form, the session cookie's
+//! attributes, every page rendering with and without data, uploads through the web
+//! route, and state-changing posts refused from another origin.
+
+mod support;
+
+use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
+use reqwest::redirect::Policy;
+use reqwest::{Client, Response, StatusCode};
+use serde_json::Value;
+use support::{model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
+
+/// A browser-like client that shows redirects instead of following them.
+fn browser() -> Client {
+    Client::builder().redirect(Policy::none()).build().unwrap()
+}
+
+fn header(response: &Response, name: impl reqwest::header::AsHeaderName) -> &str {
+    response.headers().get(name).map(|v| v.to_str().unwrap()).unwrap_or("")
+}
+
+/// Signs in through the form; returns the `Cookie` header value for later requests.
+async fn sign_in(server: &TestServer, http: &Client) -> String {
+    let response = http
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "/")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let set_cookie = header(&response, SET_COOKIE);
+    set_cookie.split(';').next().unwrap().to_string()
+}
+
+async fn page(server: &TestServer, http: &Client, cookie: &str, path: &str) -> (StatusCode, String) {
+    let response = http.get(format!("{}{path}", server.url)).header("cookie", cookie).send().await.unwrap();
+    let status = response.status();
+    (status, response.text().await.unwrap())
+}
+
+async fn upload(server: &TestServer, http: &Client, cookie: &str, name: &str) -> Response {
+    http.post(format!("{}/models/upload", server.url))
+        .header("cookie", cookie)
+        .header("x-requested-with", "XMLHttpRequest")
+        .multipart(model_form(name, tiny_model()))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn pages_without_a_session_redirect_to_login_and_fragments_get_401() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+
+    let response = http.get(format!("{}/models", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/login?next=/models");
+
+    let response = http.get(format!("{}/jobs?state=failed", server.url)).send().await.unwrap();
+    assert_eq!(header(&response, LOCATION), "/login?next=/jobs%3Fstate%3Dfailed");
+
+    let response = http.get(format!("{}/models?fragment=table", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+
+    let response = http.get(format!("{}/", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/models");
+
+    let response = http.get(format!("{}/models", server.url)).header("cookie", "tessera_session=forged.jwt.value").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER, "a forged session is no session");
+
+    let (status, body) = page(&server, &http, "", "/login").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains(r#"name="password""#), "{body}");
+}
+
+#[tokio::test]
+async fn wrong_password_renders_the_form_again_with_401_and_the_reason() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let response = browser()
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", "not-the-password")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert!(header(&response, SET_COOKIE).is_empty());
+    let body = response.text().await.unwrap();
+    assert!(body.contains("Wrong username or password."), "{body}");
+    assert!(body.contains(r#"value="admin""#), "the username is kept: {body}");
+}
+
+#[tokio::test]
+async fn repeated_failed_logins_are_throttled_with_429_and_retry_after() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| config.login_burst = 1).await;
+    let http = browser();
+    let attempt = || http.post(format!("{}/login", server.url)).form(&[("username", "admin"), ("password", "nope")]).send();
+    assert_eq!(attempt().await.unwrap().status(), StatusCode::UNAUTHORIZED);
+    let response = attempt().await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(!header(&response, "retry-after").is_empty());
+    let body = response.text().await.unwrap();
+    assert!(body.contains("Too many attempts"), "{body}");
+}
+
+#[tokio::test]
+async fn login_sets_a_strict_http_only_cookie_for_the_session_lifetime() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let response = browser()
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "/jobs?state=failed")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/jobs?state=failed");
+    let cookie = header(&response, SET_COOKIE);
+    assert!(cookie.starts_with("tessera_session=ey"), "{cookie}");
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", &format!("Max-Age={}", server.config.session_hours * 3600)] {
+        assert!(cookie.split("; ").any(|a| a == attribute), "{attribute} missing from {cookie}");
+    }
+
+    let response = browser()
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "//evil.example/")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&response, LOCATION), "/", "next may not leave the site");
+}
+
+#[tokio::test]
+async fn logout_clears_the_cookie() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let response = http.post(format!("{}/logout", server.url)).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/login");
+    let cleared = header(&response, SET_COOKIE);
+    assert!(cleared.starts_with("tessera_session=;") && cleared.contains("Max-Age=0"), "{cleared}");
+}
+
+#[tokio::test]
+async fn empty_pages_say_what_to_do_next() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+
+    let (status, models) = page(&server, &http, &cookie, "/models").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(models.contains("No models yet — upload one"), "{models}");
+    assert!(models.contains("webkitdirectory"), "the upload form offers a folder picker");
+    assert!(models.contains(r#"data-live="/models?fragment=table""#));
+    assert!(models.contains("&#34;model.safetensors&#34;"), "the allowlist is rendered for the script");
+    assert!(models.contains(">admin<") && models.contains(r#"action="/logout""#), "the nav shows the user");
+
+    let (status, workers) = page(&server, &http, &cookie, "/workers").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(workers.contains("No workers online") && workers.contains("TESSERA_WORKER_TOKEN"), "{workers}");
+
+    let (status, jobs) = page(&server, &http, &cookie, "/jobs").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(jobs.contains("No jobs yet"), "{jobs}");
+
+    let (status, new_job) = page(&server, &http, &cookie, "/jobs/new").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(new_job.contains("No models to prefetch yet"), "{new_job}");
+
+    let (status, missing) = page(&server, &http, &cookie, "/models/00000000-0000-0000-0000-000000000000").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(missing.contains("Model not found"), "{missing}");
+
+    let (status, missing) = page(&server, &http, &cookie, "/no/such/page").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(missing.contains("There is no page at this address"), "{missing}");
+}
+
+#[tokio::test]
+async fn a_model_uploaded_through_the_dashboard_is_listed_prefetched_and_deleted() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+
+    let response = upload(&server, &http, &cookie, "tiny-bert").await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let model: Value = response.json().await.unwrap();
+    let id = model["id"].as_str().unwrap().to_string();
+    assert_eq!(model["name"], "tiny-bert");
+
+    let response = upload(&server, &http, &cookie, "tiny-bert").await;
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    let error: Value = response.json().await.unwrap();
+    assert!(error["error"]["message"].as_str().unwrap().contains("already have a model named 'tiny-bert'"));
+
+    let (_, list) = page(&server, &http, &cookie, "/models").await;
+    assert!(list.contains(r#"data-model="tiny-bert""#) && list.contains("BertModel"), "{list}");
+    let (status, fragment) = page(&server, &http, &cookie, "/models?fragment=table").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(fragment.contains("tiny-bert") && !fragment.contains("<html"), "a fragment is only the table: {fragment}");
+
+    let (status, detail) = page(&server, &http, &cookie, &format!("/models/{id}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(detail.contains("1_Pooling/config.json") && detail.contains(model["digest"].as_str().unwrap()), "{detail}");
+
+    // Prefetch it: the form posts, the job page shows it queued, cancel ends it.
+    let response = http
+        .post(format!("{}/jobs/new", server.url))
+        .header("cookie", &cookie)
+        .form(&[("model", id.as_str()), ("name", ""), ("max_attempts", "2")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let job_page = header(&response, LOCATION).to_string();
+    assert!(job_page.starts_with("/jobs/"), "{job_page}");
+    let (_, job) = page(&server, &http, &cookie, &job_page).await;
+    assert!(job.contains("prefetch tiny-bert") && job.contains("badge-queued") && job.contains("0 of 2"), "{job}");
+    let (_, jobs) = page(&server, &http, &cookie, "/jobs?state=queued").await;
+    assert!(jobs.contains("prefetch tiny-bert"), "{jobs}");
+    let (_, jobs) = page(&server, &http, &cookie, "/jobs?state=failed&fragment=table").await;
+    assert!(jobs.contains("No failed jobs"), "{jobs}");
+
+    let cancel = format!("{}{job_page}/cancel", server.url);
+    let response = http.post(&cancel).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let (_, job) = page(&server, &http, &cookie, &format!("{job_page}?fragment=detail")).await;
+    assert!(job.contains("badge-cancelled") && job.contains("data-live-final"), "{job}");
+    let response = http.post(&cancel).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert!(response.text().await.unwrap().contains("nothing to cancel"));
+
+    let response = http
+        .post(format!("{}/jobs/new", server.url))
+        .header("cookie", &cookie)
+        .form(&[("model", id.as_str()), ("max_attempts", "0")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(response.text().await.unwrap().contains("max_attempts must be between 1 and 100"));
+
+    let response = http.post(format!("{}/models/{id}/delete", server.url)).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/models");
+    let (_, list) = page(&server, &http, &cookie, "/models").await;
+    assert!(list.contains("No models yet"), "{list}");
+}
+
+#[tokio::test]
+async fn upload_without_a_session_is_a_401_with_the_error_body() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let response = upload(&server, &browser(), "", "anonymous").await;
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unauthorized");
+}
+
+#[tokio::test]
+async fn workers_page_lists_registered_workers_online() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    server.register_worker("gpu-box-7").await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let (status, body) = page(&server, &http, &cookie, "/workers?fragment=table").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains(r#"data-worker="gpu-box-7""#) && body.contains("badge-online"), "{body}");
+}
+
+#[tokio::test]
+async fn posts_from_another_origin_are_refused() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let response = upload(&server, &http, &cookie, "kept").await;
+    let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+
+    let mut foreign = HeaderMap::new();
+    foreign.insert("origin", "http://evil.example".parse().unwrap());
+    let response = http
+        .post(format!("{}/models/{id}/delete", server.url))
+        .header("cookie", &cookie)
+        .headers(foreign.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert!(response.text().await.unwrap().contains("sent from another site"));
+    let response = http
+        .post(format!("{}/login", server.url))
+        .headers(foreign)
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert!(header(&response, SET_COOKIE).is_empty());
+    let (_, list) = page(&server, &http, &cookie, "/models").await;
+    assert!(list.contains(r#"data-model="kept""#), "the model survived");
+
+    // The page's own origin is fine.
+    let response = http
+        .post(format!("{}/models/{id}/delete", server.url))
+        .header("cookie", &cookie)
+        .header("origin", &server.url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+}
+
+#[tokio::test]
+async fn api_docs_list_every_route_without_signing_in() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let (status, body) = page(&server, &browser(), "", "/api/docs").await;
+    assert_eq!(status, StatusCode::OK);
+    for path in ["/api/v1/models/{id}", "/api/v1/jobs/{id}/cancel", "/api/v1/agent/claim", "/api/openapi.json"] {
+        assert!(body.contains(path), "{path} missing");
+    }
+    assert!(body.contains("method-delete") && body.contains("ErrorBody"), "methods and schema names are shown");
+}
+
+#[tokio::test]
+async fn static_assets_are_embedded_with_types_and_cache_headers() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    for (name, content_type) in [("app.css", "text/css"), ("app.js", "text/javascript"), ("favicon.svg", "image/svg+xml")] {
+        let response = http.get(format!("{}/static/{name}", server.url)).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{name}");
+        assert!(header(&response, "content-type").starts_with(content_type), "{name}");
+        assert!(header(&response, "cache-control").contains("max-age"), "{name}");
+        let etag = header(&response, "etag").to_string();
+        let again = http.get(format!("{}/static/{name}", server.url)).header("if-none-match", etag).send().await.unwrap();
+        assert_eq!(again.status(), StatusCode::NOT_MODIFIED);
+    }
+    let response = http.get(format!("{}/static/missing.js", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+}

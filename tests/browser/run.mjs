@@ -1,0 +1,311 @@
+// Browser test of the Tessera dashboard. Starts the real server and worker binaries on
+// loopback with throwaway data directories, drives the system Chromium through the
+// pages a person uses (sign in, upload the real MiniLM folder, watch the worker come
+// online, prefetch the model onto it), and saves a screenshot of each page.
+//
+//   node tests/browser/run.mjs
+//
+// Environment: TESSERA_SERVER_BIN, TESSERA_WORKER_BIN (default: <repo>/target/debug/…,
+// or under CARGO_TARGET_DIR), TESSERA_ASSETS (default <repo>/.assets), TESSERA_CHROMIUM
+// (default /usr/bin/chromium). Prints `browser: N passed, M failed` last and exits 1 on
+// any failure.
+
+import { spawn } from "node:child_process";
+import fs from "node:fs";
+import os from "node:os";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+import { chromium } from "playwright-core";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const repo = path.resolve(here, "..", "..");
+const targetDir = process.env.CARGO_TARGET_DIR ? path.resolve(repo, process.env.CARGO_TARGET_DIR) : path.join(repo, "target");
+const serverBin = process.env.TESSERA_SERVER_BIN || path.join(targetDir, "debug", "tessera-server");
+const workerBin = process.env.TESSERA_WORKER_BIN || path.join(targetDir, "debug", "tessera-worker");
+const modelDir = path.join(process.env.TESSERA_ASSETS || path.join(repo, ".assets"), "all-MiniLM-L6-v2");
+const chromiumPath = process.env.TESSERA_CHROMIUM || "/usr/bin/chromium";
+const shotsDir = path.join(here, "screenshots");
+
+const OVERALL_TIMEOUT_MS = 120_000;
+const ADMIN_PASSWORD = "browser-test-admin-pw";
+const WORKER_TOKEN = "browser-test-worker-token";
+const WORKER_NAME = "browser-worker";
+const MODEL_NAME = "all-MiniLM-L6-v2";
+
+const results = [];
+const children = [];
+let browser = null;
+const scratch = fs.mkdtempSync(path.join(os.tmpdir(), "tessera-browser-"));
+
+function log(line) {
+  process.stdout.write(`${line}\n`);
+}
+
+/** Runs one named check; a thrown error or a timeout marks it failed. */
+async function check(name, body) {
+  const started = Date.now();
+  try {
+    await body();
+    results.push({ name, ok: true });
+    log(`ok   ${name} (${Date.now() - started} ms)`);
+  } catch (error) {
+    results.push({ name, ok: false });
+    log(`FAIL ${name}: ${String(error && error.message ? error.message : error).split("\n")[0]}`);
+  }
+}
+
+function skip(name, why) {
+  results.push({ name, ok: false });
+  log(`FAIL ${name}: skipped, ${why}`);
+}
+
+function assert(condition, message) {
+  if (!condition) throw new Error(message);
+}
+
+/** Starts a binary with its output in a log file; resolves once `ready` matches a line. */
+function start(name, bin, args, env, ready) {
+  const logPath = path.join(scratch, `${name}.log`);
+  const out = fs.openSync(logPath, "w");
+  const child = spawn(bin, args, { env: { ...process.env, ...env }, stdio: ["ignore", "pipe", out] });
+  children.push({ name, child, logPath });
+  return new Promise((resolve, reject) => {
+    let buffer = "";
+    const timer = setTimeout(() => reject(new Error(`${name} did not start in 20 s; see ${logPath}`)), 20_000);
+    child.on("error", (error) => {
+      clearTimeout(timer);
+      reject(error);
+    });
+    child.on("exit", (code) => {
+      clearTimeout(timer);
+      reject(new Error(`${name} exited with ${code} before it was ready; see ${logPath}`));
+    });
+    child.stdout.on("data", (chunk) => {
+      fs.appendFileSync(logPath, chunk);
+      buffer += chunk.toString();
+      const match = ready ? buffer.match(ready) : [buffer];
+      if (match) {
+        clearTimeout(timer);
+        resolve(match);
+      }
+    });
+    if (!ready) {
+      clearTimeout(timer);
+      resolve([]);
+    }
+  });
+}
+
+async function cleanup() {
+  if (browser) await browser.close().catch(() => {});
+  for (const { child } of children) {
+    if (child.exitCode === null) child.kill("SIGTERM");
+  }
+  await new Promise((resolve) => setTimeout(resolve, 300));
+  for (const { child } of children) {
+    if (child.exitCode === null) child.kill("SIGKILL");
+  }
+}
+
+function report() {
+  const failed = results.filter((r) => !r.ok).length;
+  if (failed) {
+    for (const { name, logPath } of children) {
+      const tail = fs.existsSync(logPath) ? fs.readFileSync(logPath, "utf8").split("\n").slice(-15).join("\n") : "";
+      log(`--- last lines of the ${name} log ---\n${tail}`);
+    }
+  }
+  fs.rmSync(scratch, { recursive: true, force: true });
+  log(`browser: ${results.length - failed} passed, ${failed} failed`);
+  return failed ? 1 : 0;
+}
+
+const deadline = setTimeout(async () => {
+  results.push({ name: `finishes within ${OVERALL_TIMEOUT_MS / 1000} s`, ok: false });
+  log(`FAIL the run took longer than ${OVERALL_TIMEOUT_MS / 1000} s`);
+  await cleanup();
+  process.exit(report());
+}, OVERALL_TIMEOUT_MS);
+
+process.on("exit", () => {
+  for (const { child } of children) if (child.exitCode === null) child.kill("SIGKILL");
+});
+
+async function main() {
+  fs.mkdirSync(shotsDir, { recursive: true });
+  const shot = (page, name) => page.screenshot({ path: path.join(shotsDir, `${name}.png`), fullPage: true });
+
+  let base = null;
+  await check("server starts", async () => {
+    assert(fs.existsSync(serverBin), `no server binary at ${serverBin}; run cargo build -p tessera-server`);
+    const [, url] = await start(
+      "server",
+      serverBin,
+      ["--data-dir", path.join(scratch, "server"), "--bind", "127.0.0.1:0"],
+      {
+        TESSERA_ADMIN_PASSWORD: ADMIN_PASSWORD,
+        TESSERA_WORKER_TOKEN: WORKER_TOKEN,
+        TESSERA_HEARTBEAT_SECS: "1",
+        RUST_LOG: "info,sqlx=warn",
+      },
+      /listening on (http:\/\/\S+)/,
+    );
+    base = url;
+  });
+  if (!base) return;
+
+  let workerStarted = false;
+  await check("worker starts", async () => {
+    assert(fs.existsSync(workerBin), `no worker binary at ${workerBin}; run cargo build -p tessera-worker`);
+    await start(
+      "worker",
+      workerBin,
+      ["--server", base, "--name", WORKER_NAME, "--data-dir", path.join(scratch, "worker")],
+      { TESSERA_WORKER_TOKEN: WORKER_TOKEN, RUST_LOG: "info" },
+      null,
+    );
+    workerStarted = true;
+  });
+
+  browser = await chromium.launch({
+    executablePath: chromiumPath,
+    headless: true,
+    args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"],
+  });
+  const context = await browser.newContext({ viewport: { width: 1360, height: 900 } });
+  const page = await context.newPage();
+  page.setDefaultTimeout(15_000);
+  const scriptErrors = [];
+  page.on("pageerror", (error) => scriptErrors.push(error.message));
+
+  await check("a page without a session redirects to the login form", async () => {
+    await page.goto(`${base}/models`);
+    assert(new URL(page.url()).pathname === "/login", `landed on ${page.url()}`);
+    await shot(page, "01-login");
+  });
+
+  await check("a wrong password is refused with the reason", async () => {
+    await page.fill('input[name="username"]', "admin");
+    await page.fill('input[name="password"]', "not-the-password");
+    await page.click('button[type="submit"]');
+    await page.getByText("Wrong username or password.").waitFor();
+    await shot(page, "02-login-refused");
+  });
+
+  await check("signing in lands on the models page with its empty state", async () => {
+    await page.fill('input[name="password"]', ADMIN_PASSWORD);
+    await Promise.all([page.waitForURL(`${base}/models`), page.click('button[type="submit"]')]);
+    await page.getByText("No models yet — upload one").waitFor();
+    const cookies = await context.cookies(base);
+    const session = cookies.find((c) => c.name === "tessera_session");
+    assert(session && session.httpOnly && session.sameSite === "Strict", "session cookie must be HttpOnly and SameSite=Strict");
+    await shot(page, "03-models-empty");
+  });
+
+  let uploadSelected = false;
+  await check("picking the model folder keeps 1_Pooling/config.json and lists skipped files", async () => {
+    assert(fs.existsSync(path.join(modelDir, "model.safetensors")), `no model at ${modelDir}; run scripts/fetch-assets.sh`);
+    await page.setInputFiles("#pick-folder", modelDir);
+    const files = await page.locator("#upload-files").innerText();
+    for (const needed of ["1_Pooling/config.json", "config.json", "model.safetensors", "tokenizer.json"]) {
+      assert(files.includes(needed), `${needed} missing from the selection: ${files}`);
+    }
+    const skipped = await page.locator("#upload-skipped").innerText();
+    assert(skipped.includes("data_config.json"), `data_config.json should be skipped: ${skipped}`);
+    assert((await page.inputValue("#upload-name")) === MODEL_NAME, "the folder name becomes the model name");
+    assert(await page.isEnabled("#upload-submit"), "upload button is enabled");
+    uploadSelected = true;
+    await shot(page, "04-upload-selected");
+  });
+
+  await check("uploading shows progress and registers the model", async () => {
+    assert(uploadSelected, "nothing selected");
+    await page.evaluate(() => {
+      window.__progress = [];
+      const node = document.querySelector("#upload-progress-text");
+      new MutationObserver(() => window.__progress.push(node.textContent)).observe(node, { childList: true, characterData: true, subtree: true });
+    });
+    await page.click("#upload-submit");
+    await page.locator("#upload-message .alert-success").waitFor({ timeout: 60_000 });
+    const message = await page.locator("#upload-message").innerText();
+    assert(message.includes(`Registered ${MODEL_NAME}`), message);
+    const progress = await page.evaluate(() => window.__progress);
+    assert(progress.some((text) => /\d+% · [\d.]+ of [\d.]+ MB sent/.test(text)), `no progress shown: ${JSON.stringify(progress)}`);
+  });
+
+  await check("the uploaded model appears in the list", async () => {
+    await page.locator(`tr[data-model="${MODEL_NAME}"]`).waitFor();
+    const row = await page.locator(`tr[data-model="${MODEL_NAME}"]`).innerText();
+    assert(row.includes("BertModel") && row.includes("MiB"), row);
+    await shot(page, "05-models-list");
+  });
+
+  await check("the model page lists its files and digest", async () => {
+    await page.click(`tr[data-model="${MODEL_NAME}"] a`);
+    await page.getByRole("heading", { name: MODEL_NAME }).waitFor();
+    const body = await page.locator("main").innerText();
+    assert(body.includes("1_Pooling/config.json") && body.includes("sha256:"), "files and digest shown");
+    await shot(page, "06-model-detail");
+  });
+  const modelPage = page.url();
+
+  if (workerStarted) {
+    await check("the worker shows as online", async () => {
+      await page.goto(`${base}/workers`);
+      await page.locator(`tr[data-worker="${WORKER_NAME}"] .badge-online`).waitFor({ timeout: 20_000 });
+      await shot(page, "07-workers");
+    });
+
+    await check("a prefetch job submitted from the model page succeeds on the worker", async () => {
+      await page.goto(modelPage);
+      await Promise.all([page.waitForURL(/\/jobs\/[0-9a-f-]{36}$/), page.click('button:has-text("Prefetch to a worker")')]);
+      // The page follows the job live until it ends.
+      await page.locator("#job-detail .badge-succeeded, #job-detail .badge-failed").first().waitFor({ timeout: 45_000 });
+      const state = await page.locator("#job-detail h1 .badge").innerText();
+      await shot(page, "08-job-detail");
+      assert(state === "succeeded", `the job ended ${state}: ${await page.locator("#job-detail").innerText()}`);
+    });
+  } else {
+    skip("the worker shows as online", "the worker did not start");
+    skip("a prefetch job submitted from the model page succeeds on the worker", "the worker did not start");
+  }
+
+  await check("the jobs page lists jobs with state tabs", async () => {
+    await page.goto(`${base}/jobs`);
+    const body = await page.locator("main").innerText();
+    assert(/all\s*\d+/i.test(body), "state tabs with counts");
+    await shot(page, "09-jobs");
+  });
+
+  await check("the API page lists the routes", async () => {
+    await page.goto(`${base}/api/docs`);
+    await page.locator("details.op").first().waitFor();
+    await page.locator("#post-api-v1-models > summary").click();
+    const body = await page.locator("main").innerText();
+    assert(body.includes("/api/v1/models") && body.includes("openapi.json"), "routes listed");
+    await page.screenshot({ path: path.join(shotsDir, "10-api-docs.png") });
+  });
+
+  await check("logging out ends the session", async () => {
+    await Promise.all([page.waitForURL(`${base}/login`), page.click('button:has-text("Log out")')]);
+    await page.goto(`${base}/jobs`);
+    assert(new URL(page.url()).pathname === "/login", `still signed in at ${page.url()}`);
+  });
+
+  await check("no script errors on any page", async () => {
+    assert(scriptErrors.length === 0, scriptErrors.join("; "));
+  });
+}
+
+let exitCode = 1;
+try {
+  await main();
+} catch (error) {
+  results.push({ name: "run", ok: false });
+  log(`FAIL run: ${error && error.stack ? error.stack : error}`);
+} finally {
+  clearTimeout(deadline);
+  await cleanup();
+  exitCode = report();
+}
+process.exit(exitCode);

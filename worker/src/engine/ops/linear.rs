@@ -1,0 +1,389 @@
+//! `y = x Wᵀ + b`, optionally followed by GELU, for the encoder's four projections on CPU.
+//!
+//! The weights never change, so they are packed once at load into the panel layout a GEMM
+//! micro-kernel streams (BLIS's "packed B"), and the bias and activation are applied while the
+//! output tile is still in registers. On the 2-core AVX2 (Zen 3) development machine it
+//! measured 84–91 GFLOP/s per core against a ~100 GFLOP/s FMA peak, where candle's matmul
+//! (the `gemm` crate, which packs both operands on every call and leaves the bias to a
+//! separate pass) measured 60–86; end to end the encoder got about 15% faster.
+//!
+//! Blocking follows BLIS (Van Zee & van de Geijn, "BLIS: A Framework for Rapidly Instantiating
+//! BLAS Functionality", TOMS 2015, §3 and Fig. 2): a 6×16 register tile, a `KC × 16` weight
+//! panel kept in L1, an `MC × KC` block of activations kept in L2. It departs from BLIS in
+//! reading the activations in place rather than packing them (rows are short and contiguous;
+//! packing cost more than it saved here), in parallelising only over row blocks (M is the
+//! token count, large; N is at most a few thousand), and in fusing the bias/GELU epilogue.
+//!
+//! Without AVX2+FMA the op computes the same result with plain loops; the model code uses
+//! candle's matmul there instead (see `layer.rs`).
+
+use super::vector_math::gelu_scalar;
+use super::{contiguous_f32, has_avx2_fma, SharedMut};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Rows and columns of the register tile.
+const MR: usize = 6;
+const NR: usize = 16;
+/// Upper bound on the depth of one packed block (24 KiB of weights per panel, in L1).
+const KC_MAX: usize = 384;
+/// Upper bound on rows per block of activations, which stays in L2 while every weight panel
+/// passes over it (~180 KiB at KC_MAX).
+const MC_MAX: usize = 120;
+
+/// Activation applied in the epilogue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    None,
+    /// Exact (erf) GELU.
+    Gelu,
+}
+
+/// A weight matrix packed for the micro-kernel: for each depth block, for each group of 16
+/// output columns, `kc × 16` values (zero-padded past `n`).
+#[derive(Debug)]
+pub struct PackedWeight {
+    k: usize,
+    n: usize,
+    kc: usize,
+    data: Vec<f32>,
+}
+
+impl PackedWeight {
+    /// Packs a `[out, in]` weight (the checkpoint's `nn.Linear` layout).
+    pub fn new(weight: &Tensor) -> Result<Self> {
+        let (n, k) = weight.dims2()?;
+        let w = weight
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let blocks = k.div_ceil(KC_MAX).max(1);
+        let kc = k.div_ceil(blocks);
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0f32; blocks * panels * kc * NR];
+        for (blk, p0) in (0..k).step_by(kc).enumerate() {
+            let depth = kc.min(k - p0);
+            for panel in 0..panels {
+                let base = (blk * panels + panel) * kc * NR;
+                for kk in 0..depth {
+                    for j in 0..NR.min(n - panel * NR) {
+                        data[base + kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
+                    }
+                }
+            }
+        }
+        Ok(Self { k, n, kc, data })
+    }
+
+    fn panel(&self, block: usize, panel: usize) -> *const f32 {
+        let panels = self.n.div_ceil(NR);
+        self.data[(block * panels + panel) * self.kc * NR..].as_ptr()
+    }
+}
+
+/// `x [M, K] → x Wᵀ + bias [M, N]`, then the activation. Inputs: `x`, `bias [N]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Arc<PackedWeight>,
+    pub activation: Activation,
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let w = &*self.weight;
+        let (m, k) = x_l.shape().dims2()?;
+        if k != w.k {
+            bail!("{name}: input has {k} columns, the weight expects {}", w.k);
+        }
+        let x = contiguous_f32(name, "input", x_s, x_l)?;
+        let bias = contiguous_f32(name, "bias", b_s, b_l)?;
+        if bias.len() != w.n {
+            bail!("{name}: bias has {} values for {} outputs", bias.len(), w.n);
+        }
+        let mut out = vec![0f32; m * w.n];
+        if m > 0 && w.n > 0 {
+            if has_avx2_fma() {
+                #[cfg(target_arch = "x86_64")]
+                gemm_avx2(x, m, w, bias, self.activation, &mut out);
+            } else {
+                gemm_scalar(x, w, bias, self.activation, &mut out);
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((m, w.n))))
+    }
+}
+
+/// Reference path: the same packed weights, plain loops.
+fn gemm_scalar(x: &[f32], w: &PackedWeight, bias: &[f32], act: Activation, out: &mut [f32]) {
+    let (k, n) = (w.k, w.n);
+    out.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
+        row.copy_from_slice(bias);
+        for (blk, p0) in (0..k).step_by(w.kc).enumerate() {
+            for kk in 0..w.kc.min(k - p0) {
+                let a = x[i * k + p0 + kk];
+                for (j, o) in row.iter_mut().enumerate() {
+                    // SAFETY: panel pointers stay inside `data` for kk < kc, j % NR < NR.
+                    *o += a * unsafe { *w.panel(blk, j / NR).add(kk * NR + j % NR) };
+                }
+            }
+        }
+        if act == Activation::Gelu {
+            row.iter_mut().for_each(|v| *v = gelu_scalar(*v));
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+fn gemm_avx2(
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    bias: &[f32],
+    act: Activation,
+    out: &mut [f32],
+) {
+    let (k, n) = (w.k, w.n);
+    // Enough row blocks that both cores get work even for a few hundred tokens.
+    let mc = (m.div_ceil(4).next_multiple_of(MR)).clamp(MR, MC_MAX);
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    let blocks: Vec<usize> = (0..m).step_by(mc).collect();
+    let block_count = k.div_ceil(w.kc);
+    blocks.par_iter().with_max_len(1).for_each(|&i0| {
+        let rows = mc.min(m - i0);
+        for (blk, p0) in (0..k).step_by(w.kc).enumerate() {
+            let tile = TileArgs {
+                first: blk == 0,
+                last: blk + 1 == block_count,
+                act,
+                depth: w.kc.min(k - p0),
+            };
+            for panel in 0..n.div_ceil(NR) {
+                let b = w.panel(blk, panel);
+                let cols = NR.min(n - panel * NR);
+                for ir in (0..rows).step_by(MR) {
+                    let tile_rows = MR.min(rows - ir);
+                    // The activations are read in place, one pointer per tile row; rows past
+                    // the end repeat the last one (their results are never stored).
+                    let a: [*const f32; MR] = std::array::from_fn(|r| {
+                        x[(i0 + ir + r.min(tile_rows - 1)) * k + p0..].as_ptr()
+                    });
+                    // SAFETY: AVX2+FMA detected by the caller; the tile's output rows belong
+                    // to this row block alone; each `a` row has `depth` values from p0.
+                    unsafe {
+                        let c = out_ptr.at((i0 + ir) * n + panel * NR);
+                        let dst = Dst {
+                            c,
+                            ldc: n,
+                            rows: tile_rows,
+                            cols,
+                        };
+                        kernel_6x16(&tile, a, b, &bias[panel * NR..], dst);
+                    }
+                }
+            }
+        }
+    });
+}
+
+struct TileArgs {
+    /// First depth block: start from the bias rather than from the output.
+    first: bool,
+    /// Last depth block: apply the activation before storing.
+    last: bool,
+    act: Activation,
+    depth: usize,
+}
+
+/// Where a tile goes: `rows × cols` (at most 6 × 16) at `c`, row stride `ldc`.
+struct Dst {
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+}
+
+/// C[0..6, 0..16] (+)= A[0..6, 0..depth] · B_panel, 12 accumulators in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel_6x16(t: &TileArgs, a: [*const f32; MR], b: *const f32, bias: &[f32], dst: Dst) {
+    use super::vector_math::avx2::gelu;
+    use std::arch::x86_64::*;
+
+    let full = dst.rows == MR && dst.cols == NR;
+    // A partial tile goes through a 6×16 buffer so the kernel's loads and stores stay whole.
+    let mut buf = std::mem::MaybeUninit::<[f32; MR * NR]>::uninit();
+    let (c, ldc) = if full {
+        (dst.c, dst.ldc)
+    } else {
+        (buf.as_mut_ptr().cast::<f32>(), NR)
+    };
+
+    let mut acc = [_mm256_setzero_ps(); 2 * MR];
+    if t.first {
+        let (b0, b1) = if dst.cols == NR {
+            (
+                _mm256_loadu_ps(bias.as_ptr()),
+                _mm256_loadu_ps(bias.as_ptr().add(8)),
+            )
+        } else {
+            let mut bias_tile = [0f32; NR];
+            bias_tile[..dst.cols].copy_from_slice(&bias[..dst.cols]);
+            (
+                _mm256_loadu_ps(bias_tile.as_ptr()),
+                _mm256_loadu_ps(bias_tile.as_ptr().add(8)),
+            )
+        };
+        for r in 0..MR {
+            acc[2 * r] = b0;
+            acc[2 * r + 1] = b1;
+        }
+    } else {
+        if !full {
+            // Rows and columns past the tile's edge are never stored back; zero them so no
+            // uninitialised value is read.
+            std::ptr::write_bytes(c, 0, MR * NR);
+            for r in 0..dst.rows {
+                std::ptr::copy_nonoverlapping(dst.c.add(r * dst.ldc), c.add(r * NR), dst.cols);
+            }
+        }
+        for r in 0..MR {
+            acc[2 * r] = _mm256_loadu_ps(c.add(r * ldc));
+            acc[2 * r + 1] = _mm256_loadu_ps(c.add(r * ldc + 8));
+        }
+    }
+
+    for kk in 0..t.depth {
+        let b0 = _mm256_loadu_ps(b.add(kk * NR));
+        let b1 = _mm256_loadu_ps(b.add(kk * NR + 8));
+        for r in 0..MR {
+            let av = _mm256_broadcast_ss(&*a[r].add(kk));
+            acc[2 * r] = _mm256_fmadd_ps(av, b0, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(av, b1, acc[2 * r + 1]);
+        }
+    }
+
+    if t.last && t.act == Activation::Gelu {
+        for v in acc.iter_mut() {
+            *v = gelu(*v);
+        }
+    }
+    for r in 0..MR {
+        _mm256_storeu_ps(c.add(r * ldc), acc[2 * r]);
+        _mm256_storeu_ps(c.add(r * ldc + 8), acc[2 * r + 1]);
+    }
+    if !full {
+        for r in 0..dst.rows {
+            std::ptr::copy_nonoverlapping(c.add(r * NR), dst.c.add(r * dst.ldc), dst.cols);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_inputs::{max_abs_diff, Rng};
+    use super::*;
+
+    fn reference(
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        gelu: bool,
+    ) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = b[j] as f64;
+                for p in 0..k {
+                    s += x[i * k + p] as f64 * w[j * k + p] as f64;
+                }
+                if gelu {
+                    s = gelu_scalar(s as f32) as f64;
+                }
+                out[i * n + j] = s;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_a_naive_matmul_on_ragged_shapes() {
+        let mut rng = Rng::new(41);
+        // Rows not a multiple of 6, columns not a multiple of 16, depth split into blocks
+        // with a remainder, and the model's real shapes.
+        for (m, k, n) in [
+            (1, 1, 1),
+            (7, 300, 20),
+            (13, 600, 33),
+            (130, 384, 1152),
+            (64, 1536, 384),
+        ] {
+            let x = rng.tensor(&[m, k], 1.0);
+            let w = rng.tensor(&[n, k], 0.1);
+            let b = rng.tensor(&[n], 0.5);
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for act in [Activation::None, Activation::Gelu] {
+                let op = Linear {
+                    weight: Arc::new(PackedWeight::new(&w).unwrap()),
+                    activation: act,
+                };
+                let got = x.apply_op2_no_bwd(&b, &op).unwrap();
+                assert_eq!(got.dims(), &[m, n]);
+                let want = reference(
+                    &flat(&x),
+                    &flat(&w),
+                    &flat(&b),
+                    m,
+                    k,
+                    n,
+                    act == Activation::Gelu,
+                );
+                let diff = max_abs_diff(&flat(&got), &want);
+                assert!(
+                    diff < 1e-4,
+                    "[{m}, {k}] × [{k}, {n}] {act:?}: max diff {diff}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_path_agrees_with_the_kernel() {
+        let mut rng = Rng::new(42);
+        let (m, k, n) = (11, 520, 40);
+        let x = rng.tensor(&[m, k], 1.0);
+        let w = PackedWeight::new(&rng.tensor(&[n, k], 0.1)).unwrap();
+        let b = rng.tensor(&[n], 0.5).to_vec1::<f32>().unwrap();
+        let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut scalar = vec![0f32; m * n];
+        gemm_scalar(&xs, &w, &b, Activation::Gelu, &mut scalar);
+        let op = Linear {
+            weight: Arc::new(w),
+            activation: Activation::Gelu,
+        };
+        let bias = Tensor::new(b.as_slice(), &candle_core::Device::Cpu).unwrap();
+        let fast = x
+            .apply_op2_no_bwd(&bias, &op)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let want: Vec<f64> = scalar.iter().map(|v| *v as f64).collect();
+        assert!(max_abs_diff(&fast, &want) < 1e-4);
+    }
+}
