@@ -5,6 +5,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use crate::train::{TrainJob, TrainProgress};
+
 /// `queued → leased → running → succeeded | failed | cancelled`; an expired lease puts a
 /// leased or running job back to `queued`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -63,6 +65,8 @@ pub enum JobSpec {
         max_batch_tokens: u32,
         max_batch_requests: u32,
     },
+    /// Train a model (see [`crate::train`]); resumes from the job's latest checkpoint.
+    Train(TrainJob),
 }
 
 impl JobSpec {
@@ -70,6 +74,7 @@ impl JobSpec {
         match self {
             JobSpec::Prefetch { .. } => "prefetch",
             JobSpec::Serve { .. } => "serve",
+            JobSpec::Train(_) => "train",
         }
     }
 }
@@ -100,6 +105,9 @@ pub struct Job {
     pub updated_at: DateTime<Utc>,
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
+    /// Training jobs: the step reached of `max_steps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<TrainProgress>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

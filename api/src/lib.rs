@@ -4,9 +4,11 @@
 //! specs) is defined once here so the two binaries cannot drift apart.
 
 pub mod accounts;
+pub mod datasets;
 pub mod deployments;
 pub mod engine;
 pub mod error;
 pub mod jobs;
 pub mod models;
+pub mod train;
 pub mod workers;

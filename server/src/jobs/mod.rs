@@ -8,6 +8,7 @@ use serde::Deserialize;
 use sqlx::any::AnyRow;
 use sqlx::Row;
 use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, LogLine, MetricPoint};
+use tessera_api::train::TrainProgress;
 use uuid::Uuid;
 
 use crate::app::AppState;
@@ -16,7 +17,7 @@ use crate::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 
 const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \
-     j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, u.username AS owner";
+     j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, j.progress_step, u.username AS owner";
 
 fn parse_uuid(text: &str) -> Result<Uuid> {
     text.parse().map_err(|e| anyhow::anyhow!("bad uuid {text}: {e}").into())
@@ -26,11 +27,20 @@ fn job_from_row(row: &AnyRow) -> Result<Job> {
     let state: String = row.try_get("state")?;
     let spec: String = row.try_get("spec")?;
     let worker: Option<String> = row.try_get("worker_id")?;
+    let spec: JobSpec =
+        serde_json::from_str(&spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?;
+    let progress = match &spec {
+        JobSpec::Train(train) => Some(TrainProgress {
+            step: row.try_get::<Option<i64>, _>("progress_step")?.unwrap_or(0).max(0) as u64,
+            max_steps: train.max_steps,
+        }),
+        _ => None,
+    };
     Ok(Job {
         id: parse_uuid(&row.try_get::<String, _>("id")?)?,
         name: row.try_get("name")?,
         owner: row.try_get("owner")?,
-        spec: serde_json::from_str(&spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?,
+        spec,
         state: JobState::parse(&state).ok_or_else(|| anyhow::anyhow!("bad job state {state}"))?,
         message: row.try_get("message")?,
         attempts: row.try_get::<i64, _>("attempts")? as u32,
@@ -41,6 +51,7 @@ fn job_from_row(row: &AnyRow) -> Result<Job> {
         updated_at: db::time(row.try_get("updated_at")?),
         started_at: db::opt_time(row.try_get("started_at")?),
         finished_at: db::opt_time(row.try_get("finished_at")?),
+        progress,
     })
 }
 

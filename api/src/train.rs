@@ -1,0 +1,551 @@
+//! Training jobs: the spec a user submits, the resolved spec a worker receives, and the
+//! wire types of the training side of the worker protocol (metrics, AutoLRS stage
+//! records, checkpoints).
+//!
+//! The user's body (`POST /api/v1/jobs`) is [`CreateTrainJob`]: `name` plus a
+//! [`TrainSpec`] at the top level. The server checks it, resolves the model and dataset
+//! names to ids, and queues a [`crate::jobs::JobSpec::Train`] holding a [`TrainJob`].
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::datasets::{DatasetColumn, DatasetFormat};
+
+/// A spec mistake, named by its JSON path (`task.validation_split`), so the 422 says
+/// exactly which field to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecError {
+    pub field: String,
+    pub message: String,
+}
+
+impl SpecError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> SpecError {
+        SpecError { field: field.into(), message: message.into() }
+    }
+}
+
+impl std::fmt::Display for SpecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+/// `POST /api/v1/jobs` for training: `name`, the spec's fields at the top level, and
+/// optionally how many lease expiries the job survives.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreateTrainJob {
+    pub name: String,
+    #[serde(flatten)]
+    pub spec: TrainSpec,
+    /// How many times an expired lease may requeue the job before it fails (default 3).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+}
+
+/// A training run as the user writes it (issue 6's example body, without `name`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainSpec {
+    pub model: ModelChoice,
+    /// Dataset id, or the name of one of your datasets.
+    pub dataset: String,
+    pub task: TaskSpec,
+    pub optimizer: OptimizerSpec,
+    pub batch_size: u32,
+    pub max_steps: u64,
+    pub eval_every: u64,
+    pub checkpoint_every: u64,
+    pub lr_schedule: LrSchedule,
+    pub seed: u64,
+}
+
+/// A registered model (id or name) to fine-tune, or a built-in model trained from
+/// scratch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum ModelChoice {
+    Registered(String),
+    Builtin(BuiltinModel),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum BuiltinModel {
+    /// A multi-layer perceptron over the numeric feature columns: ReLU hidden layers of
+    /// the given widths, then a linear head.
+    Mlp { hidden: Vec<u32> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskType {
+    Classification,
+    Regression,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSpec {
+    #[serde(rename = "type")]
+    pub kind: TaskType,
+    pub label_column: String,
+    /// Numeric input columns (MLP). Left out: every number column but the label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature_columns: Option<Vec<String>>,
+    /// The text input column (a registered transformer model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_column: Option<String>,
+    /// Fraction of rows held out for evaluation, in (0, 1).
+    pub validation_split: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum OptimizerSpec {
+    Sgd {
+        #[serde(default)]
+        momentum: f64,
+        #[serde(default)]
+        nesterov: bool,
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    Adamw {
+        #[serde(default = "default_betas")]
+        betas: (f64, f64),
+        #[serde(default = "default_eps")]
+        eps: f64,
+        #[serde(default = "default_adamw_weight_decay")]
+        weight_decay: f64,
+    },
+}
+
+fn default_betas() -> (f64, f64) {
+    (0.9, 0.999)
+}
+
+fn default_eps() -> f64 {
+    1e-8
+}
+
+fn default_adamw_weight_decay() -> f64 {
+    0.01
+}
+
+impl OptimizerSpec {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        match *self {
+            OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => {
+                if !(0.0..1.0).contains(&momentum) {
+                    return Err(SpecError::new("optimizer.momentum", "must be in [0, 1)"));
+                }
+                if nesterov && momentum == 0.0 {
+                    return Err(SpecError::new("optimizer.nesterov", "Nesterov momentum needs a momentum above 0"));
+                }
+                check_weight_decay(weight_decay)
+            }
+            OptimizerSpec::Adamw { betas, eps, weight_decay } => {
+                if !(0.0..1.0).contains(&betas.0) || !(0.0..1.0).contains(&betas.1) {
+                    return Err(SpecError::new("optimizer.betas", "both betas must be in [0, 1)"));
+                }
+                if !(eps > 0.0 && eps.is_finite()) {
+                    return Err(SpecError::new("optimizer.eps", "must be a positive number"));
+                }
+                check_weight_decay(weight_decay)
+            }
+        }
+    }
+}
+
+fn check_weight_decay(weight_decay: f64) -> Result<(), SpecError> {
+    if weight_decay >= 0.0 && weight_decay.is_finite() {
+        Ok(())
+    } else {
+        Err(SpecError::new("optimizer.weight_decay", "must be 0 or a positive number"))
+    }
+}
+
+/// The learning-rate schedule. Wire format and checks only; the schedules themselves
+/// (and AutoLRS, ICLR 2021) are computed by the worker's `train::lr` module.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum LrSchedule {
+    /// `lr` at every step.
+    Constant { lr: f64 },
+    /// `lr · gamma^⌊step / step_size⌋`.
+    Step { lr: f64, step_size: u64, gamma: f64 },
+    /// Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to `min_lr`
+    /// at `max_steps`.
+    Cosine {
+        lr: f64,
+        #[serde(default)]
+        warmup_steps: u64,
+        #[serde(default)]
+        min_lr: f64,
+    },
+    /// Smith's one-cycle policy: from `max_lr/div_factor` up to `max_lr` over
+    /// `pct_start` of the run, then down to `max_lr/(div_factor·final_div_factor)`.
+    Onecycle {
+        max_lr: f64,
+        #[serde(default = "default_pct_start")]
+        pct_start: f64,
+        #[serde(default = "default_div_factor")]
+        div_factor: f64,
+        #[serde(default = "default_final_div_factor")]
+        final_div_factor: f64,
+    },
+    /// AutoLRS: Bayesian optimisation over log-LR in `[min_lr, max_lr]` per stage.
+    /// Defaults from the authors' code: τ' = 100, τ = 1000, k = 10, τ_max = 8000.
+    Autolrs {
+        min_lr: f64,
+        max_lr: f64,
+        #[serde(default = "default_tau_prime")]
+        tau_prime: u64,
+        #[serde(default = "default_tau")]
+        tau: u64,
+        #[serde(default = "default_k")]
+        k: u32,
+        #[serde(default = "default_tau_max")]
+        tau_max: u64,
+    },
+}
+
+fn default_pct_start() -> f64 {
+    0.3
+}
+fn default_div_factor() -> f64 {
+    25.0
+}
+fn default_final_div_factor() -> f64 {
+    1e4
+}
+fn default_tau_prime() -> u64 {
+    100
+}
+fn default_tau() -> u64 {
+    1000
+}
+fn default_k() -> u32 {
+    10
+}
+fn default_tau_max() -> u64 {
+    8000
+}
+
+fn positive_lr(field: &str, lr: f64) -> Result<(), SpecError> {
+    if lr > 0.0 && lr.is_finite() {
+        Ok(())
+    } else {
+        Err(SpecError::new(format!("lr_schedule.{field}"), "must be a positive number"))
+    }
+}
+
+impl LrSchedule {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LrSchedule::Constant { .. } => "constant",
+            LrSchedule::Step { .. } => "step",
+            LrSchedule::Cosine { .. } => "cosine",
+            LrSchedule::Onecycle { .. } => "onecycle",
+            LrSchedule::Autolrs { .. } => "autolrs",
+        }
+    }
+
+    /// Checks the numbers; field names are JSON paths from the job body.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        match *self {
+            LrSchedule::Constant { lr } => positive_lr("lr", lr),
+            LrSchedule::Step { lr, step_size, gamma } => {
+                positive_lr("lr", lr)?;
+                if step_size == 0 {
+                    return Err(SpecError::new("lr_schedule.step_size", "must be at least 1"));
+                }
+                if !(gamma > 0.0 && gamma <= 1.0) {
+                    return Err(SpecError::new("lr_schedule.gamma", "must be in (0, 1]"));
+                }
+                Ok(())
+            }
+            LrSchedule::Cosine { lr, min_lr, .. } => {
+                positive_lr("lr", lr)?;
+                if !(min_lr >= 0.0 && min_lr <= lr) {
+                    return Err(SpecError::new("lr_schedule.min_lr", "must be in [0, lr]"));
+                }
+                Ok(())
+            }
+            LrSchedule::Onecycle { max_lr, pct_start, div_factor, final_div_factor } => {
+                positive_lr("max_lr", max_lr)?;
+                if !(pct_start > 0.0 && pct_start < 1.0) {
+                    return Err(SpecError::new("lr_schedule.pct_start", "must be in (0, 1)"));
+                }
+                if !(div_factor >= 1.0 && div_factor.is_finite()) {
+                    return Err(SpecError::new("lr_schedule.div_factor", "must be at least 1"));
+                }
+                if !(final_div_factor >= 1.0 && final_div_factor.is_finite()) {
+                    return Err(SpecError::new("lr_schedule.final_div_factor", "must be at least 1"));
+                }
+                Ok(())
+            }
+            LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
+                positive_lr("min_lr", min_lr)?;
+                positive_lr("max_lr", max_lr)?;
+                if min_lr >= max_lr {
+                    return Err(SpecError::new("lr_schedule.max_lr", "must be greater than min_lr"));
+                }
+                if tau_prime < 2 {
+                    return Err(SpecError::new("lr_schedule.tau_prime", "must be at least 2 steps"));
+                }
+                if tau <= tau_prime {
+                    return Err(SpecError::new("lr_schedule.tau", "must be greater than tau_prime"));
+                }
+                if k < 1 {
+                    return Err(SpecError::new("lr_schedule.k", "must be at least 1"));
+                }
+                if tau_max < tau {
+                    return Err(SpecError::new("lr_schedule.tau_max", "must be at least tau"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl TrainSpec {
+    /// The checks that need nothing but the spec itself (the server adds those that
+    /// need the model and the dataset).
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if let ModelChoice::Builtin(BuiltinModel::Mlp { hidden }) = &self.model {
+            if hidden.len() > 16 || hidden.iter().any(|&w| w == 0 || w > 65_536) {
+                return Err(SpecError::new("model.hidden", "give at most 16 layer widths, each 1 to 65536"));
+            }
+        }
+        if self.dataset.trim().is_empty() {
+            return Err(SpecError::new("dataset", "give the id or name of one of your datasets"));
+        }
+        if !(self.task.validation_split > 0.0 && self.task.validation_split < 1.0) {
+            return Err(SpecError::new("task.validation_split", "must be in (0, 1)"));
+        }
+        self.optimizer.validate()?;
+        if self.batch_size == 0 || self.batch_size > 65_536 {
+            return Err(SpecError::new("batch_size", "must be 1 to 65536"));
+        }
+        if self.max_steps == 0 || self.max_steps > 100_000_000 {
+            return Err(SpecError::new("max_steps", "must be 1 to 100000000"));
+        }
+        if self.eval_every == 0 {
+            return Err(SpecError::new("eval_every", "must be at least 1"));
+        }
+        if self.checkpoint_every == 0 {
+            return Err(SpecError::new("checkpoint_every", "must be at least 1"));
+        }
+        self.lr_schedule.validate()
+    }
+}
+
+/// The model of a queued job, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TrainModel {
+    Mlp {
+        hidden: Vec<u32>,
+    },
+    /// A registered transformer model; the worker downloads its files like a prefetch.
+    Registered {
+        id: Uuid,
+        name: String,
+        architecture: String,
+        /// Labels of the model's own classification head, when it has one.
+        #[serde(default)]
+        num_labels: Option<u32>,
+    },
+}
+
+/// The dataset of a queued job: enough for the worker to fetch and parse it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainDataset {
+    pub id: Uuid,
+    pub digest: String,
+    pub format: DatasetFormat,
+    pub columns: Vec<DatasetColumn>,
+    pub rows: u64,
+}
+
+/// The task of a queued job: the input columns are always spelled out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainTask {
+    #[serde(rename = "type")]
+    pub kind: TaskType,
+    pub label_column: String,
+    /// Numeric inputs, in order (MLP); empty for a text model.
+    #[serde(default)]
+    pub feature_columns: Vec<String>,
+    /// Text input (registered model).
+    #[serde(default)]
+    pub text_column: Option<String>,
+    pub validation_split: f64,
+}
+
+/// `JobSpec::Train`: the checked, resolved training run a worker claims.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainJob {
+    pub model: TrainModel,
+    pub dataset: TrainDataset,
+    pub task: TrainTask,
+    pub optimizer: OptimizerSpec,
+    pub batch_size: u32,
+    pub max_steps: u64,
+    pub eval_every: u64,
+    pub checkpoint_every: u64,
+    pub lr_schedule: LrSchedule,
+    pub seed: u64,
+}
+
+/// One row of a metric series: the step and the values named at it, e.g.
+/// `{"step": 10, "loss": 0.41, "lr": 0.1}`. The same shape goes up (worker → server)
+/// and comes back (`GET /api/v1/jobs/{id}/metrics`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MetricRow {
+    pub step: u64,
+    #[serde(flatten)]
+    pub values: BTreeMap<String, f64>,
+}
+
+/// `POST /api/v1/agent/jobs/{id}/training-metrics` (worker) and the body of
+/// `GET /api/v1/jobs/{id}/metrics`. `steps` are per training step (`loss`, `lr`,
+/// `throughput` in samples/s, …); `evals` per evaluation (`val_loss`, `accuracy`, …).
+/// A step reported again (a job resumed from a checkpoint) replaces the earlier value,
+/// so the series stays one run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainingMetrics {
+    #[serde(default)]
+    pub steps: Vec<MetricRow>,
+    #[serde(default)]
+    pub evals: Vec<MetricRow>,
+}
+
+/// One AutoLRS candidate: the LR tried for τ' steps from the stage's snapshot, the loss
+/// forecast for step τ, and the loss actually observed at the end of its τ' steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LrCandidate {
+    pub lr: f64,
+    /// `None` when the fit failed (AutoLRS then scores the candidate 1e6).
+    pub forecast_loss: Option<f64>,
+    pub observed_loss: Option<f64>,
+}
+
+/// One AutoLRS stage, reported by the worker when its search ends and again (same
+/// `stage`, replacing it) when its exploitation steps end.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LrStageRecord {
+    /// 0, 1, 2, … in order.
+    pub stage: u32,
+    /// The global step at which the stage's snapshot was taken.
+    pub start_step: u64,
+    pub tau_prime: u64,
+    pub tau: u64,
+    /// `train_loss`, or `val_loss` once τ' has reached τ_max/10.
+    pub metric: String,
+    pub candidates: Vec<LrCandidate>,
+    pub chosen_lr: f64,
+    /// Loss after the τ exploitation steps at `chosen_lr`, once they are done.
+    #[serde(default)]
+    pub observed_loss_after_tau: Option<f64>,
+}
+
+/// A stored stage as `GET /api/v1/jobs/{id}/lr-stages` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LrStage {
+    #[serde(flatten)]
+    pub record: LrStageRecord,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// One file of a checkpoint (e.g. `model.safetensors`, `state.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CheckpointFile {
+    pub name: String,
+    pub digest: String,
+    pub size_bytes: u64,
+}
+
+/// A checkpoint of a training job. The server stores its files as opaque blobs; the
+/// worker decides what goes in them (weights, optimizer, data-loader position, RNG,
+/// LR-tuner state). One per step: uploading the same step again replaces it.
+///
+/// Upload: `POST /api/v1/agent/jobs/{id}/checkpoints` as `multipart/form-data` with a
+/// text field `step` first, then one file part named `files` per file (its filename is
+/// the file's name). Resume: `GET /api/v1/agent/jobs/{id}/checkpoints/latest` (204 when
+/// there is none), then `GET /api/v1/agent/jobs/{id}/checkpoints/{step}/files/{name}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Checkpoint {
+    pub job_id: Uuid,
+    pub step: u64,
+    pub size_bytes: u64,
+    pub files: Vec<CheckpointFile>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Progress of a training job, from its step metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrainProgress {
+    /// The highest step reported so far (0 before the first).
+    pub step: u64,
+    pub max_steps: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"{"name":"digits","model":{"kind":"mlp","hidden":[64]},"dataset":"d1",
+        "task":{"type":"classification","label_column":"label","validation_split":0.2},
+        "optimizer":{"type":"sgd","momentum":0.9},"batch_size":64,"max_steps":3000,
+        "eval_every":100,"checkpoint_every":500,"lr_schedule":{"type":"autolrs","min_lr":1e-4,"max_lr":1},"seed":1}"#;
+
+    #[test]
+    fn the_issue_example_body_parses_and_validates() {
+        let job: CreateTrainJob = serde_json::from_str(EXAMPLE).unwrap();
+        assert_eq!(job.name, "digits");
+        assert_eq!(job.spec.model, ModelChoice::Builtin(BuiltinModel::Mlp { hidden: vec![64] }));
+        assert_eq!(
+            job.spec.lr_schedule,
+            LrSchedule::Autolrs { min_lr: 1e-4, max_lr: 1.0, tau_prime: 100, tau: 1000, k: 10, tau_max: 8000 }
+        );
+        assert_eq!(job.spec.optimizer, OptimizerSpec::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 });
+        job.spec.validate().unwrap();
+    }
+
+    #[test]
+    fn a_registered_model_is_named_by_a_string() {
+        let body = EXAMPLE.replace(r#"{"kind":"mlp","hidden":[64]}"#, r#""minilm""#);
+        let job: CreateTrainJob = serde_json::from_str(&body).unwrap();
+        assert_eq!(job.spec.model, ModelChoice::Registered("minilm".into()));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let mut job: CreateTrainJob = serde_json::from_str(EXAMPLE).unwrap();
+        job.spec.task.validation_split = 1.0;
+        assert_eq!(job.spec.validate().unwrap_err().field, "task.validation_split");
+        job.spec.task.validation_split = 0.2;
+        job.spec.lr_schedule =
+            LrSchedule::Autolrs { min_lr: 1.0, max_lr: 0.1, tau_prime: 100, tau: 1000, k: 10, tau_max: 8000 };
+        assert_eq!(job.spec.validate().unwrap_err().field, "lr_schedule.max_lr");
+        job.spec.lr_schedule = LrSchedule::Constant { lr: 0.1 };
+        job.spec.batch_size = 0;
+        assert_eq!(job.spec.validate().unwrap_err().field, "batch_size");
+    }
+
+    #[test]
+    fn metric_rows_flatten_their_values() {
+        let row: MetricRow = serde_json::from_str(r#"{"step":3,"loss":0.5,"lr":0.1}"#).unwrap();
+        assert_eq!(row.step, 3);
+        assert_eq!(row.values["loss"], 0.5);
+        assert_eq!(serde_json::to_value(&row).unwrap(), serde_json::json!({"step":3,"loss":0.5,"lr":0.1}));
+    }
+}
