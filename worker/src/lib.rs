@@ -7,3 +7,4 @@ pub mod engine;
 pub mod inventory;
 pub mod jobs;
 pub mod serve;
+pub mod train;

@@ -4,6 +4,7 @@
 
 pub mod prefetch;
 pub mod serve;
+pub mod train;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,6 +47,14 @@ pub enum JobError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("dataset: {0}")]
+    Data(#[from] crate::train::data::DataError),
+    #[error(transparent)]
+    Session(#[from] crate::train::session::SessionError),
+    #[error("model: {0}")]
+    Model(#[from] candle_core::Error),
+    #[error("{0}")]
+    Train(String),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -60,6 +69,7 @@ pub async fn run(context: JobContext, spec: JobSpec) {
         JobSpec::Serve { model, max_batch_tokens, max_batch_requests, .. } => {
             serve::run(&context, model, max_batch_tokens as usize, max_batch_requests as usize).await
         }
+        JobSpec::Train(spec) => train::run(&context, spec).await,
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),

@@ -1,0 +1,140 @@
+//! Fine-tuning a registered BERT-family encoder for sequence classification or
+//! regression: candle-transformers' `BertModel` with every weight a trainable `Var`, the
+//! token states mean-pooled over the attention mask (what sentence-transformers models
+//! such as all-MiniLM-L6-v2 are trained for; BERT's CLS pooler is not in their files),
+//! then a linear head initialised from the job's seed. The serving engine in
+//! `crate::engine` is inference-only (packed, no autograd), so training uses this
+//! padded graph. candle's BERT applies no dropout, which keeps runs deterministic.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use candle_transformers::models::bert::{BertModel, Config};
+use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
+
+use super::Network;
+use crate::train::data::{Examples, Inputs, Prepared, TaskKind};
+use crate::train::rng::Rng;
+
+/// Longest input in tokens; longer texts are truncated.
+const MAX_TOKENS: usize = 128;
+
+pub struct BertClassifier {
+    encoder: BertModel,
+    tokenizer: Tokenizer,
+    /// Encoder weights (sorted by name), then `head.weight`, `head.bias`.
+    parameters: Vec<(String, Var)>,
+    device: Device,
+}
+
+fn invalid(what: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(what.to_string())
+}
+
+impl BertClassifier {
+    pub fn load(folder: &Path, data: &Prepared, kind: TaskKind, seed: u64, device: &Device) -> Result<BertClassifier> {
+        let config: Config = serde_json::from_slice(&std::fs::read(folder.join("config.json"))?)
+            .map_err(|e| invalid(format!("config.json is not a BERT config: {e}")))?;
+        let mut tokenizer =
+            Tokenizer::from_file(folder.join("tokenizer.json")).map_err(|e| invalid(format!("tokenizer.json: {e}")))?;
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: MAX_TOKENS.min(config.max_position_embeddings),
+                ..Default::default()
+            }))
+            .map_err(|e| invalid(format!("tokenizer: {e}")))?;
+        tokenizer.with_padding(Some(PaddingParams { pad_id: config.pad_token_id as u32, ..Default::default() }));
+
+        // The file's tensors become the Vars the model is built from, so nothing is left
+        // at a random initial value; a `bert.` prefix (HF task checkpoints) is dropped.
+        let weights = candle_core::safetensors::load(folder.join("model.safetensors"), device)?;
+        let varmap = VarMap::new();
+        {
+            let mut vars = varmap.data().lock().expect("varmap lock");
+            for (name, tensor) in weights {
+                if tensor.dtype().is_float() {
+                    let name = name.strip_prefix("bert.").unwrap_or(&name).to_string();
+                    vars.insert(name, Var::from_tensor(&tensor.to_dtype(DType::F32)?)?);
+                }
+            }
+        }
+        let before: Vec<String> = varmap.data().lock().expect("varmap lock").keys().cloned().collect();
+        let encoder = BertModel::load(VarBuilder::from_varmap(&varmap, DType::F32, device), &config)?;
+        let vars = varmap.data().lock().expect("varmap lock").clone();
+        if let Some(missing) = vars.keys().find(|k| !before.contains(k)) {
+            candle_core::bail!("model.safetensors has no tensor '{missing}'");
+        }
+        let used = encoder_names(&config);
+        let mut parameters: Vec<(String, Var)> =
+            vars.into_iter().filter(|(name, _)| used.iter().any(|u| name == u)).collect();
+        parameters.sort_by(|a, b| a.0.cmp(&b.0));
+
+        let outputs = if kind == TaskKind::Classification { data.classes.len() } else { 1 };
+        let hidden = config.hidden_size;
+        let mut rng = Rng::derive(seed, "init");
+        let bound = 1.0 / (hidden as f64).sqrt();
+        let mut uniform =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect() };
+        parameters.push((
+            "head.weight".into(),
+            Var::from_tensor(&Tensor::from_vec(uniform(outputs * hidden), (outputs, hidden), device)?)?,
+        ));
+        parameters.push(("head.bias".into(), Var::from_tensor(&Tensor::from_vec(uniform(outputs), outputs, device)?)?));
+        Ok(BertClassifier { encoder, tokenizer, parameters, device: device.clone() })
+    }
+}
+
+/// The weight names candle's `BertModel` reads, so stray tensors in the file (a pooler,
+/// an MLM head) are neither trained nor checkpointed.
+fn encoder_names(config: &Config) -> Vec<String> {
+    let mut names: Vec<String> = ["word_embeddings", "position_embeddings", "token_type_embeddings"]
+        .iter()
+        .map(|e| format!("embeddings.{e}.weight"))
+        .chain(["weight", "bias"].iter().map(|p| format!("embeddings.LayerNorm.{p}")))
+        .collect();
+    for layer in 0..config.num_hidden_layers {
+        let prefix = format!("encoder.layer.{layer}");
+        for part in [
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+            "intermediate.dense",
+            "output.dense",
+        ] {
+            names.extend(["weight", "bias"].iter().map(|p| format!("{prefix}.{part}.{p}")));
+        }
+        for norm in ["attention.output.LayerNorm", "output.LayerNorm"] {
+            names.extend(["weight", "bias"].iter().map(|p| format!("{prefix}.{norm}.{p}")));
+        }
+    }
+    names
+}
+
+impl Network for BertClassifier {
+    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+        let Inputs::Text(texts) = &examples.inputs else {
+            candle_core::bail!("a transformer model reads a text column");
+        };
+        let batch: Vec<&str> = rows.iter().map(|&r| texts[r].as_str()).collect();
+        let encodings = self.tokenizer.encode_batch(batch, true).map_err(|e| invalid(format!("tokenizer: {e}")))?;
+        let tensor = |f: &dyn Fn(&tokenizers::Encoding) -> &[u32]| -> Result<Tensor> {
+            let rows = encodings.iter().map(|e| Tensor::new(f(e), &self.device)).collect::<Result<Vec<_>>>()?;
+            Tensor::stack(&rows, 0)
+        };
+        let ids = tensor(&|e| e.get_ids())?;
+        let types = tensor(&|e| e.get_type_ids())?;
+        let mask = tensor(&|e| e.get_attention_mask())?;
+        let states = self.encoder.forward(&ids, &types, Some(&mask))?;
+        let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+        let pooled = states.broadcast_mul(&mask)?.sum(1)?.broadcast_div(&mask.sum(1)?)?;
+        let n = self.parameters.len();
+        let (weight, bias) = (self.parameters[n - 2].1.as_tensor(), self.parameters[n - 1].1.as_tensor());
+        pooled.matmul(&weight.t()?)?.broadcast_add(bias)
+    }
+
+    fn parameters(&self) -> &[(String, Var)] {
+        &self.parameters
+    }
+}

@@ -1,0 +1,99 @@
+//! The built-in multilayer perceptron for tabular data: `Linear → ReLU` per hidden width,
+//! then a linear output layer. Weights start like PyTorch's `nn.Linear` default
+//! (uniform in ±1/√fan_in for weight and bias), drawn from the job's seeded generator so
+//! the same seed builds the same network.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::Network;
+use crate::train::data::{Examples, Inputs};
+use crate::train::rng::Rng;
+
+pub struct Mlp {
+    /// `(weight [out, in], bias [out])` per layer, by index in `parameters`.
+    layers: usize,
+    parameters: Vec<(String, Var)>,
+    device: Device,
+}
+
+impl Mlp {
+    pub fn new(input: usize, hidden: &[usize], output: usize, seed: u64, device: &Device) -> Result<Mlp> {
+        let mut rng = Rng::derive(seed, "init");
+        let widths: Vec<usize> = std::iter::once(input).chain(hidden.iter().copied()).chain([output]).collect();
+        let mut parameters = Vec::new();
+        for (index, pair) in widths.windows(2).enumerate() {
+            let (fan_in, fan_out) = (pair[0], pair[1]);
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            let mut uniform =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect() };
+            let weight = Tensor::from_vec(uniform(fan_in * fan_out), (fan_out, fan_in), device)?;
+            let bias = Tensor::from_vec(uniform(fan_out), fan_out, device)?;
+            parameters.push((format!("layers.{index}.weight"), Var::from_tensor(&weight)?));
+            parameters.push((format!("layers.{index}.bias"), Var::from_tensor(&bias)?));
+        }
+        Ok(Mlp { layers: widths.len() - 1, parameters, device: device.clone() })
+    }
+
+    /// One dense layer. QSync seam: a per-layer precision plan would cast `input` and the
+    /// weight here and cast the output back to f32.
+    fn linear(&self, layer: usize, input: &Tensor) -> Result<Tensor> {
+        let weight = self.parameters[2 * layer].1.as_tensor();
+        let bias = self.parameters[2 * layer + 1].1.as_tensor();
+        input.matmul(&weight.t()?)?.broadcast_add(bias)
+    }
+}
+
+impl Network for Mlp {
+    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+        let Inputs::Dense { dim, values } = &examples.inputs else {
+            candle_core::bail!("the MLP reads numeric feature columns, not text");
+        };
+        let batch: Vec<f32> = rows.iter().flat_map(|&r| values[r * dim..(r + 1) * dim].iter().copied()).collect();
+        let mut x = Tensor::from_vec(batch, (rows.len(), *dim), &self.device)?.to_dtype(DType::F32)?;
+        for layer in 0..self.layers {
+            x = self.linear(layer, &x)?;
+            if layer + 1 < self.layers {
+                x = x.relu()?;
+            }
+        }
+        Ok(x)
+    }
+
+    fn parameters(&self) -> &[(String, Var)] {
+        &self.parameters
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_names_and_seeded_init() {
+        let device = Device::Cpu;
+        let mlp = Mlp::new(3, &[5, 4], 2, 1, &device).unwrap();
+        let names: Vec<&str> = mlp.parameters().iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "layers.0.weight",
+                "layers.0.bias",
+                "layers.1.weight",
+                "layers.1.bias",
+                "layers.2.weight",
+                "layers.2.bias"
+            ]
+        );
+        let examples = Examples {
+            inputs: Inputs::Dense { dim: 3, values: vec![0.5; 6] },
+            targets: crate::train::data::Targets::Values(vec![0.0; 2]),
+        };
+        assert_eq!(mlp.forward(&examples, &[0, 1], true).unwrap().dims(), [2, 2]);
+        let again = Mlp::new(3, &[5, 4], 2, 1, &device).unwrap();
+        let other = Mlp::new(3, &[5, 4], 2, 2, &device).unwrap();
+        let first = |m: &Mlp| m.parameters()[0].1.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(first(&mlp), first(&again));
+        assert_ne!(first(&mlp), first(&other));
+        assert!(first(&mlp).iter().all(|w| w.abs() <= 1.0 / 3f32.sqrt()));
+    }
+}

@@ -1,0 +1,176 @@
+//! The session's learning-rate policies, built from `lr`: a fixed schedule (a function of
+//! the step, nothing to remember) or the AutoLRS stage controller, whose actions
+//! (snapshot, candidate runs, restore, stage steps) this adapter turns into the session's
+//! one-step directives and whose reports it assembles from the losses the session
+//! observes.
+//!
+//! The adapter keeps the running candidate's partial curve in its own state, so a
+//! checkpoint taken in the middle of a candidate's τ' steps resumes that candidate where
+//! it stopped (the controller alone would run it again from the stage snapshot).
+
+use serde::{Deserialize, Serialize};
+use tessera_api::train::{LrSchedule, LrStageRecord};
+
+use super::lr::{Action, AutoLrs, LrPlan, Measure, Report, Schedule};
+use super::session::{Directive, LrPolicy};
+
+/// A fixed schedule: the LR of step `n` (0-based) is `schedule.lr(n)`.
+pub struct Fixed(pub Schedule);
+
+impl LrPolicy for Fixed {
+    fn next(&mut self, step: u64) -> Result<Directive, String> {
+        Ok(Directive::Train { lr: self.0.lr(step) })
+    }
+
+    fn observe_train_loss(&mut self, _loss: f64) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn observe_val_loss(&mut self, _loss: f64) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn take_stage_updates(&mut self) -> Vec<LrStageRecord> {
+        Vec::new()
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+
+    fn restore(&mut self, _state: serde_json::Value) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Where the adapter is within the controller's current action.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+struct Progress {
+    /// A snapshot or restore was directed; the controller hears of it on the next call.
+    awaiting_ack: bool,
+    /// Steps of the current candidate done.
+    steps: u64,
+    /// The current candidate's curve so far.
+    curve: Vec<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct AutoLrsState {
+    tuner: AutoLrs,
+    progress: Progress,
+}
+
+pub struct AutoLrsPolicy {
+    state: AutoLrsState,
+    /// Stage records already handed out (not checkpointed: re-sending one is harmless).
+    sent: Vec<LrStageRecord>,
+}
+
+impl AutoLrsPolicy {
+    pub fn new(tuner: AutoLrs) -> AutoLrsPolicy {
+        AutoLrsPolicy { state: AutoLrsState { tuner, progress: Progress::default() }, sent: Vec::new() }
+    }
+
+    fn report(&mut self, report: Report) -> Result<(), String> {
+        self.state.tuner.report(report).map_err(|e| e.to_string())?;
+        self.state.progress = Progress::default();
+        Ok(())
+    }
+}
+
+impl LrPolicy for AutoLrsPolicy {
+    fn next(&mut self, _step: u64) -> Result<Directive, String> {
+        if self.state.progress.awaiting_ack {
+            let report = match self.state.tuner.action() {
+                Action::Snapshot => Report::SnapshotTaken,
+                Action::Restore => Report::Restored,
+                other => return Err(format!("AutoLRS moved on to {other:?} before its snapshot or restore was done")),
+            };
+            self.report(report)?;
+        }
+        let progress = &mut self.state.progress;
+        Ok(match self.state.tuner.action() {
+            Action::Snapshot => {
+                progress.awaiting_ack = true;
+                Directive::Snapshot
+            }
+            Action::Restore => {
+                progress.awaiting_ack = true;
+                Directive::Restore
+            }
+            // In the validation phase a candidate's curve is its validation loss every
+            // `every` steps.
+            Action::TrainCandidate { measure: Measure::ValidationLoss { every }, .. }
+                if progress.steps > 0
+                    && progress.steps % every == 0
+                    && (progress.curve.len() as u64) < progress.steps / every =>
+            {
+                Directive::Evaluate
+            }
+            Action::TrainCandidate { lr, .. } | Action::TrainStage { lr, .. } => Directive::Train { lr },
+        })
+    }
+
+    fn observe_train_loss(&mut self, loss: f64) -> Result<(), String> {
+        match self.state.tuner.action() {
+            Action::TrainCandidate { steps, measure, .. } => {
+                let progress = &mut self.state.progress;
+                progress.steps += 1;
+                if measure == Measure::TrainingLoss {
+                    progress.curve.push(loss);
+                    if progress.steps == steps {
+                        let curve = std::mem::take(&mut progress.curve);
+                        self.report(Report::CandidateTrained { curve })?;
+                    }
+                }
+                Ok(())
+            }
+            Action::TrainStage { .. } => self.report(Report::StageTrained { steps: 1, loss }),
+            other => Err(format!("a training step was taken while AutoLRS asked for {other:?}")),
+        }
+    }
+
+    fn observe_val_loss(&mut self, loss: f64) -> Result<(), String> {
+        let Action::TrainCandidate { steps, measure: Measure::ValidationLoss { every }, .. } =
+            self.state.tuner.action()
+        else {
+            return Ok(());
+        };
+        let progress = &mut self.state.progress;
+        progress.curve.push(loss);
+        if progress.curve.len() as u64 == steps / every && progress.steps == steps {
+            let curve = std::mem::take(&mut progress.curve);
+            self.report(Report::CandidateTrained { curve })?;
+        }
+        Ok(())
+    }
+
+    fn take_stage_updates(&mut self) -> Vec<LrStageRecord> {
+        let stages = self.state.tuner.stages();
+        let changed: Vec<LrStageRecord> = stages
+            .iter()
+            .enumerate()
+            .filter(|(i, record)| self.sent.get(*i) != Some(record))
+            .map(|(_, r)| r.clone())
+            .collect();
+        self.sent = stages.to_vec();
+        changed
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::to_value(&self.state).expect("AutoLRS state serialises")
+    }
+
+    fn restore(&mut self, state: serde_json::Value) -> Result<(), String> {
+        self.state = serde_json::from_value(state).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+/// The policy a job's `lr_schedule` asks for, for a run of `max_steps`.
+pub fn build(spec: &LrSchedule, max_steps: u64, seed: u64) -> Box<dyn LrPolicy> {
+    match LrPlan::from_spec(spec, max_steps, seed) {
+        LrPlan::Fixed { schedule } => Box::new(Fixed(schedule)),
+        LrPlan::AutoLrs { tuner } => Box::new(AutoLrsPolicy::new(tuner)),
+    }
+}

@@ -1,0 +1,196 @@
+//! A training session: the loop that runs a trainer for `max_steps` optimizer steps as a
+//! learning-rate policy directs it, evaluating every `eval_every` steps and checkpointing
+//! every `checkpoint_every` steps and at the end. It does no I/O: what happens goes out
+//! as [`Event`]s, so the worker job streams them to the server and the benchmark and the
+//! tests just collect them.
+//!
+//! Every optimizer step counts, AutoLRS search steps included: the step number only ever
+//! grows, and a restored stage snapshot rewinds the model, never the step count.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use candle_core::Device;
+use tessera_api::train::{LrStageRecord, MetricRow};
+
+use super::checkpoint::{self, CheckpointError, CheckpointFiles, Restored};
+use super::trainer::{Evaluation, Snapshot, Trainer};
+
+/// What the loop does next.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Directive {
+    /// One optimizer step at this learning rate; the policy is then told its loss.
+    Train { lr: f64 },
+    /// Keep the trainable state as the current stage's starting point.
+    Snapshot,
+    /// Return to the stage's starting point (step count unchanged).
+    Restore,
+    /// Evaluate on the validation split; the policy is then told the loss.
+    Evaluate,
+}
+
+/// A learning-rate policy: a fixed schedule, or a tuner that searches as it goes.
+pub trait LrPolicy: Send {
+    /// What to do before optimizer step `step + 1` (`step` steps are done).
+    fn next(&mut self, step: u64) -> Result<Directive, String>;
+    fn observe_train_loss(&mut self, loss: f64) -> Result<(), String>;
+    fn observe_val_loss(&mut self, loss: f64) -> Result<(), String>;
+    /// Stage records created or changed since the last call.
+    fn take_stage_updates(&mut self) -> Vec<LrStageRecord>;
+    /// Everything needed to continue exactly from here, for a checkpoint.
+    fn state(&self) -> serde_json::Value;
+    fn restore(&mut self, state: serde_json::Value) -> Result<(), String>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_steps: u64,
+    pub eval_every: u64,
+    pub checkpoint_every: u64,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Step(MetricRow),
+    Eval(MetricRow),
+    Stage(LrStageRecord),
+    Checkpoint(CheckpointFiles),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("training failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("the loss became {loss} at step {step}; lower the learning rate")]
+    Diverged { step: u64, loss: f64 },
+    #[error("the LR policy's checkpointed state does not fit: {0}")]
+    PolicyState(String),
+    #[error("the LR policy failed: {0}")]
+    Policy(String),
+    #[error("the LR policy asked to restore before any snapshot")]
+    NoSnapshot,
+    #[error("cancelled")]
+    Cancelled,
+}
+
+pub struct Session {
+    trainer: Trainer,
+    policy: Box<dyn LrPolicy>,
+    limits: Limits,
+    step: u64,
+    stage: Option<Snapshot>,
+}
+
+fn row(step: u64, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
+    MetricRow { step, values: values.into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>() }
+}
+
+pub fn eval_row(step: u64, evaluation: &Evaluation) -> MetricRow {
+    let mut values = vec![("val_loss", evaluation.val_loss)];
+    values.extend(evaluation.accuracy.map(|a| ("accuracy", a)));
+    values.extend(evaluation.rmse.map(|r| ("rmse", r)));
+    row(step, values)
+}
+
+impl Session {
+    pub fn new(trainer: Trainer, policy: Box<dyn LrPolicy>, limits: Limits) -> Session {
+        Session { trainer, policy, limits, step: 0, stage: None }
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    fn parameter_names(&self) -> Vec<String> {
+        self.trainer.network().parameters().iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    pub fn checkpoint(&self) -> Result<CheckpointFiles, SessionError> {
+        let current = self.trainer.snapshot()?;
+        let moment_names = self.trainer.optimizer().names();
+        Ok(checkpoint::encode(
+            self.step,
+            &self.parameter_names(),
+            &moment_names,
+            &current,
+            self.stage.as_ref(),
+            self.policy.state(),
+        )?)
+    }
+
+    /// Continues from checkpoint files (by name) instead of the start.
+    pub fn resume(
+        &mut self,
+        files: &std::collections::HashMap<String, Vec<u8>>,
+        device: &Device,
+    ) -> Result<(), SessionError> {
+        let moment_names = self.trainer.optimizer().names();
+        let Restored { step, current, stage, lr_policy } =
+            checkpoint::decode(files, &self.parameter_names(), &moment_names, device)?;
+        self.trainer.restore(&current)?;
+        self.policy.restore(lr_policy).map_err(SessionError::PolicyState)?;
+        self.stage = stage;
+        self.step = step;
+        Ok(())
+    }
+
+    fn evaluate(&mut self, emit: &mut dyn FnMut(Event)) -> Result<Evaluation, SessionError> {
+        let evaluation = self.trainer.evaluate()?;
+        emit(Event::Eval(eval_row(self.step, &evaluation)));
+        Ok(evaluation)
+    }
+
+    /// Runs to `max_steps` (or until `cancel` is set); returns the final evaluation.
+    pub fn run(&mut self, cancel: &AtomicBool, emit: &mut dyn FnMut(Event)) -> Result<Evaluation, SessionError> {
+        let mut last_eval: Option<(u64, Evaluation)> = None;
+        while self.step < self.limits.max_steps {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(SessionError::Cancelled);
+            }
+            match self.policy.next(self.step).map_err(SessionError::Policy)? {
+                Directive::Snapshot => self.stage = Some(self.trainer.snapshot()?),
+                Directive::Restore => {
+                    let stage = self.stage.as_ref().ok_or(SessionError::NoSnapshot)?;
+                    self.trainer.restore(stage)?;
+                }
+                Directive::Evaluate => {
+                    let evaluation = self.evaluate(emit)?;
+                    self.policy.observe_val_loss(evaluation.val_loss).map_err(SessionError::Policy)?;
+                    last_eval = Some((self.step, evaluation));
+                }
+                Directive::Train { lr } => {
+                    let started = Instant::now();
+                    let loss = self.trainer.step(lr)?;
+                    self.step += 1;
+                    if !loss.is_finite() {
+                        return Err(SessionError::Diverged { step: self.step, loss });
+                    }
+                    let throughput = self.trainer.batch_size() as f64 / started.elapsed().as_secs_f64().max(1e-9);
+                    emit(Event::Step(row(self.step, [("loss", loss), ("lr", lr), ("throughput", throughput)])));
+                    self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
+                    for record in self.policy.take_stage_updates() {
+                        emit(Event::Stage(record));
+                    }
+                    let last = self.step == self.limits.max_steps;
+                    if self.step % self.limits.eval_every == 0 || last {
+                        last_eval = Some((self.step, self.evaluate(emit)?));
+                    }
+                    if self.step % self.limits.checkpoint_every == 0 || last {
+                        emit(Event::Checkpoint(self.checkpoint()?));
+                    }
+                }
+            }
+        }
+        match last_eval {
+            Some((step, evaluation)) if step == self.step => Ok(evaluation),
+            _ => self.evaluate(emit),
+        }
+    }
+}
