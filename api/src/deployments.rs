@@ -41,6 +41,17 @@ pub enum ServingState {
     Failed,
 }
 
+impl ServingState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServingState::Pending => "pending",
+            ServingState::Loading => "loading",
+            ServingState::Ready => "ready",
+            ServingState::Failed => "failed",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Replica {
     pub id: Uuid,
@@ -50,6 +61,9 @@ pub struct Replica {
     pub message: Option<String>,
     /// How many times the replica has been placed.
     pub attempts: u32,
+    /// The worker's engine endpoint the gateway forwards to, once the replica is ready
+    /// (only the server may call it: it wants the worker's engine token).
+    pub endpoint: Option<String>,
     pub updated_at: DateTime<Utc>,
 }
 
@@ -71,4 +85,55 @@ pub struct Deployment {
     pub replica_status: Vec<Replica>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// Latency percentiles, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+}
+
+/// Traffic over one span of time. Latency is the gateway's, from picking a replica to
+/// its answer, over the requests that succeeded; batch figures are the mean, over those
+/// requests, of the batch each was computed in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrafficSummary {
+    pub requests: u64,
+    /// Requests answered with an error (the engine refused them, or no replica could).
+    pub errors: u64,
+    /// Real tokens computed for the requests that succeeded.
+    pub tokens: u64,
+    pub latency_ms: Option<Percentiles>,
+    pub mean_batch_size: Option<f64>,
+    pub mean_batch_tokens: Option<f64>,
+}
+
+/// One slice of the rolling window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TrafficBucket {
+    pub start: DateTime<Utc>,
+    /// Requests per second over this bucket.
+    pub request_rate: f64,
+    #[serde(flatten)]
+    pub traffic: TrafficSummary,
+}
+
+/// What this server has forwarded to a deployment: totals since the server started and
+/// a rolling window of the last minutes, oldest bucket first. Each server of a shared
+/// database counts only the requests that reached it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DeploymentStats {
+    pub deployment: Uuid,
+    /// When this server started counting.
+    pub since: DateTime<Utc>,
+    pub total: TrafficSummary,
+    /// Requests per second over the last minute.
+    pub request_rate: f64,
+    pub window_seconds: u32,
+    pub bucket_seconds: u32,
+    /// The whole window in one summary.
+    pub window: TrafficSummary,
+    pub buckets: Vec<TrafficBucket>,
 }

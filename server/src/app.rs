@@ -14,6 +14,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::auth::cache::AuthCache;
 use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::Config;
@@ -27,6 +28,8 @@ pub struct AppState {
     pub db: Db,
     pub config: Arc<Config>,
     pub sessions: Arc<SessionKeys>,
+    /// Credentials checked recently, so a known token costs no database round trip.
+    pub auth_cache: Arc<AuthCache>,
     pub login_limiter: Arc<LoginLimiter>,
     pub blobs: BlobStore,
     pub metrics: PrometheusHandle,
@@ -61,6 +64,7 @@ impl AppState {
             blobs: BlobStore::open(&config.data_dir)?,
             login_limiter: Arc::new(LoginLimiter::new(config.login_burst, Duration::from_secs(config.login_refill_secs))),
             sessions: Arc::new(sessions),
+            auth_cache: Arc::new(AuthCache::new(Duration::from_secs(config.auth_cache_secs))),
             metrics: telemetry::recorder(),
             registry_lock: Arc::new(tokio::sync::Mutex::new(())),
             openapi: Arc::new(openapi),
@@ -89,6 +93,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::metrics))
         .routes(routes!(deployments::create, deployments::list))
         .routes(routes!(deployments::get, deployments::update, deployments::delete))
+        .routes(routes!(deployments::stats))
         .routes(routes!(workers::list))
         .routes(routes!(workers::agent::register))
         .routes(routes!(workers::agent::heartbeat))

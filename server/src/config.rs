@@ -53,6 +53,12 @@ pub struct Config {
     /// Seconds for one spent login attempt to come back.
     #[arg(long, env = "TESSERA_LOGIN_REFILL_SECS", default_value_t = 6)]
     pub login_refill_secs: u64,
+
+    /// Seconds this server trusts an API token or user it has checked without asking the
+    /// database again. Revoking a token here takes effect at once; with several servers on
+    /// one PostgreSQL database, the others may accept it for up to this long. 0: no cache.
+    #[arg(long, env = "TESSERA_AUTH_CACHE_SECS", default_value_t = 10)]
+    pub auth_cache_secs: u64,
 }
 
 impl Config {
@@ -71,6 +77,7 @@ impl Config {
             heartbeat_secs: 5,
             login_burst: 10,
             login_refill_secs: 6,
+            auth_cache_secs: 10,
         }
     }
 

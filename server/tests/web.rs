@@ -337,3 +337,78 @@ async fn static_assets_are_embedded_with_types_and_cache_headers() {
     let response = http.get(format!("{}/static/missing.js", server.url)).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
 }
+
+/// Posts a dashboard form and returns the response (redirects are not followed).
+async fn post_form(server: &TestServer, http: &Client, cookie: &str, path: &str, form: &[(&str, &str)]) -> Response {
+    http.post(format!("{}{path}", server.url)).header("cookie", cookie).form(form).send().await.unwrap()
+}
+
+#[tokio::test]
+async fn deployments_are_created_scaled_and_deleted_from_the_dashboard() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+
+    let (status, empty) = page(&server, &http, &cookie, "/deployments").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(empty.contains("No deployments yet") && empty.contains("No models to serve yet"), "{empty}");
+    assert!(empty.contains(r#"href="/deployments" class="active""#), "the nav highlights the section");
+
+    let model: Value = upload(&server, &http, &cookie, "tiny-bert").await.json().await.unwrap();
+    let model_id = model["id"].as_str().unwrap();
+    let (_, form) = page(&server, &http, &cookie, "/deployments").await;
+    assert!(form.contains(&format!(r#"<option value="{model_id}""#)), "{form}");
+
+    let response = post_form(&server, &http, &cookie, "/deployments", &[("name", "embedder"), ("model", model_id), ("replicas", "1")]).await;
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let detail = header(&response, LOCATION).to_string();
+    assert!(detail.starts_with("/deployments/") && detail.len() == "/deployments/".len() + 36, "{detail}");
+
+    let (status, body) = page(&server, &http, &cookie, &detail).await;
+    assert_eq!(status, StatusCode::OK);
+    for expected in ["embedder", "tiny-bert", "badge-pending", "waiting for a worker", "not placed yet", "No requests in the last 10 minutes"] {
+        assert!(body.contains(expected), "{expected} missing: {body}");
+    }
+    assert!(body.contains(&format!(r#"data-live="{detail}?fragment=detail""#)), "the page follows itself live");
+    assert!(body.contains(r#"data-figure="p99 latency""#) && body.contains(r#"data-chart="Tokens per batch""#), "{body}");
+
+    let (_, table) = page(&server, &http, &cookie, "/deployments?fragment=table").await;
+    assert!(table.contains(r#"data-deployment="embedder""#) && table.contains("0/1") && !table.contains("<html"), "{table}");
+
+    let response = post_form(&server, &http, &cookie, &format!("{detail}/scale"), &[("replicas", "2")]).await;
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let (_, fragment) = page(&server, &http, &cookie, &format!("{detail}?fragment=detail")).await;
+    assert_eq!(fragment.matches("data-replica=").count(), 2, "{fragment}");
+    assert!(!fragment.contains("<html"));
+
+    let response = post_form(&server, &http, &cookie, &format!("{detail}/scale"), &[("replicas", "100")]).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(response.text().await.unwrap().contains("replicas must be between 0 and 64"));
+    let response = post_form(&server, &http, &cookie, "/deployments", &[("name", "embedder"), ("model", model_id), ("replicas", "1")]).await;
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert!(response.text().await.unwrap().contains("already exists"));
+    let response = post_form(&server, &http, &cookie, "/deployments", &[("name", "other"), ("model", model_id), ("replicas", "two")]).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("replicas must be a whole number") && body.contains(r#"value="other""#), "the form keeps its values: {body}");
+
+    // Another user neither sees it nor can delete it; a post from another site is refused.
+    let admin = server.admin().await;
+    let bob = format!("tessera_session={}", server.user(&admin, "bob").await);
+    assert_eq!(page(&server, &http, &bob, &detail).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(post_form(&server, &http, &bob, &format!("{detail}/delete"), &[]).await.status(), StatusCode::NOT_FOUND);
+    let response = http
+        .post(format!("{}{detail}/delete", server.url))
+        .header("cookie", &cookie)
+        .header("origin", "http://evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+
+    let response = post_form(&server, &http, &cookie, &format!("{detail}/delete"), &[]).await;
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(header(&response, LOCATION), "/deployments");
+    let (_, list) = page(&server, &http, &cookie, "/deployments").await;
+    assert!(list.contains("No deployments yet"), "{list}");
+}

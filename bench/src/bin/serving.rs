@@ -18,6 +18,8 @@
 //!
 //! Run: cargo build --release -p tessera-server -p tessera-worker &&
 //!      cargo run --release -p tessera-bench --bin serving -- [--python VENV/bin/python]
+//! `--only gateway` measures step 4 alone and rewrites only its section (and its goal) in
+//! the result files of an earlier full run, saying when and how it was re-measured.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -30,7 +32,7 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config as BertConfig};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -79,6 +81,15 @@ struct Cli {
     /// Skip the HTTP part (steps 3 and 4).
     #[arg(long)]
     no_http: bool,
+    /// Measure one part alone and update its section of the existing result files.
+    #[arg(long, value_enum, conflicts_with = "no_http")]
+    only: Option<Only>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Only {
+    /// Step 4, the gateway's overhead over calling the worker directly.
+    Gateway,
 }
 
 fn main() -> Result<()> {
@@ -91,6 +102,11 @@ fn main() -> Result<()> {
 
     let engine = EmbeddingModel::load(&model_dir).context("loading the engine")?;
     let workload = Workload::build(&model_dir, &engine, cli.texts, cli.seed)?;
+    if cli.only == Some(Only::Gateway) {
+        drop(engine);
+        run_http(&cli, &model_dir, &workload, &mut report)?;
+        return report.update_gateway(&workspace.join("bench/results"), started.elapsed().as_secs_f64());
+    }
     report.workload(&workload, cli.batch);
 
     let inprocess = InProcess { engine, padded: PaddedBert::load(&model_dir)? };
@@ -104,12 +120,7 @@ fn main() -> Result<()> {
     report.sentence_transformers(sentence_transformers(&cli, &model_dir, &workload));
 
     if !cli.no_http {
-        let bin_dir = match &cli.bin_dir {
-            Some(dir) => dir.clone(),
-            None => std::env::current_exe()?.parent().context("the benchmark's folder")?.to_path_buf(),
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        runtime.block_on(http(&cli, &bin_dir, &model_dir, &workload, &mut report))?;
+        run_http(&cli, &model_dir, &workload, &mut report)?;
     }
 
     report.goals();
@@ -426,6 +437,16 @@ impl CpuMeter {
 
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+/// Steps 3 and 4 (only 4 with `--only gateway`) against the release binaries.
+fn run_http(cli: &Cli, model_dir: &Path, workload: &Workload, report: &mut Report) -> Result<()> {
+    let bin_dir = match &cli.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()?.parent().context("the benchmark's folder")?.to_path_buf(),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(http(cli, &bin_dir, model_dir, workload, report))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -791,7 +812,8 @@ async fn http(cli: &Cli, bin_dir: &Path, model_dir: &Path, workload: &Workload, 
     closed_loop(&target, &warm, 4).await?;
 
     let shared = Arc::new(workload.prefix(workload.texts.len()));
-    for &concurrency in &cli.concurrency {
+    let levels: &[usize] = if cli.only == Some(Only::Gateway) { &[] } else { &cli.concurrency };
+    for &concurrency in levels {
         let level = closed_loop(&target, &shared, concurrency).await?;
         report.level(&level);
     }
@@ -828,6 +850,33 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     sorted.sort_by(f64::total_cmp);
     let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
     sorted[rank - 1]
+}
+
+/// Where, when and how this run happened, for the result files.
+struct RunFacts {
+    cpu: String,
+    cores: usize,
+    date: String,
+    command: String,
+}
+
+impl RunFacts {
+    fn now() -> RunFacts {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+            .unwrap_or_else(|| "unknown CPU".into());
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        RunFacts {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
+            command: format!(
+                "cargo build --release -p tessera-server -p tessera-worker && cargo run --release -p tessera-bench --bin serving{}",
+                if args.is_empty() { String::new() } else { format!(" -- {}", args.join(" ")) }
+            ),
+        }
+    }
 }
 
 fn latency_json(ms: &[f64]) -> Value {
@@ -1186,11 +1235,10 @@ impl Report {
                    "best_of_run": {"tokens_per_s": round(best, 0), "where": place, "background_cores": round(background, 2)}}),
         );
 
-        match self.overhead_ms {
-            Some(api) => {
-                let session = self.overhead_session_ms.unwrap_or(f64::NAN);
-                lines.push(format!("The gateway adds < 1 ms p50 over calling the worker directly: {} — {api:.2} ms with an API token ({} — {session:.2} ms with a session token).", met(api < 1.0), met(session < 1.0)));
-                goals.insert("gateway_p50_overhead_ms".into(), json!({"api_token": round(api, 3), "session_token": round(session, 3), "target_below": 1.0, "met": api < 1.0, "met_with_session_token": session < 1.0}));
+        match self.gateway_goal() {
+            Some((line, value)) => {
+                lines.push(line);
+                goals.insert("gateway_p50_overhead_ms".into(), value);
             }
             None => lines.push("The gateway adds < 1 ms p50: not measured (--no-http).".into()),
         }
@@ -1201,18 +1249,57 @@ impl Report {
         self.md.insert(0, format!("## Goals (issue 3, Performance)\n\n{}\n", lines.iter().map(|l| format!("- {l}")).collect::<Vec<_>>().join("\n")));
     }
 
-    fn write(mut self, dir: &Path, seconds: f64) -> Result<()> {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
-            .unwrap_or_else(|| "unknown CPU".into());
-        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
-        let args: Vec<String> = std::env::args().skip(1).collect();
-        let command = format!(
-            "cargo build --release -p tessera-server -p tessera-worker && cargo run --release -p tessera-bench --bin serving{}",
-            if args.is_empty() { String::new() } else { format!(" -- {}", args.join(" ")) }
+    /// The gateway goal's line and JSON, once the overhead was measured.
+    fn gateway_goal(&self) -> Option<(String, Value)> {
+        let met = |ok: bool| if ok { "met" } else { "NOT met" };
+        let api = self.overhead_ms?;
+        let session = self.overhead_session_ms.unwrap_or(f64::NAN);
+        let line = format!(
+            "The gateway adds < 1 ms p50 over calling the worker directly: {} — {api:.2} ms with an API token ({} — {session:.2} ms with a session token).",
+            met(api < 1.0),
+            met(session < 1.0)
         );
+        let value = json!({"api_token": round(api, 3), "session_token": round(session, 3), "target_below": 1.0, "met": api < 1.0, "met_with_session_token": session < 1.0});
+        Some((line, value))
+    }
+
+    /// `--only gateway`: replaces the gateway section and goal of an earlier full run's
+    /// files, noting when, how and under what load it was measured again.
+    fn update_gateway(mut self, dir: &Path, seconds: f64) -> Result<()> {
+        let (json_path, md_path) = (dir.join("serving.json"), dir.join("serving.md"));
+        let earlier = "--only gateway updates the files of an earlier full run; run the whole benchmark first";
+        let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).context(earlier)?)?;
+        let mut md = std::fs::read_to_string(&md_path).context(earlier)?;
+        let run = RunFacts::now();
+        let load_at_end = load_average();
+        let (goal_line, goal) = self.gateway_goal().context("the gateway was not measured")?;
+        let mut overhead = self.json.remove("gateway_overhead").context("the gateway was not measured")?;
+        overhead["measured_separately"] = json!({"date": run.date, "command": run.command, "run_seconds": round(seconds, 0),
+            "machine": {"nproc": run.cores, "cpu": run.cpu, "load_average_at_start": self.load_at_start, "load_average_at_end": load_at_end}});
+        doc["gateway_overhead"] = overhead;
+        doc["goals"]["gateway_p50_overhead_ms"] = goal;
+        std::fs::write(&json_path, serde_json::to_string_pretty(&doc)? + "\n")?;
+
+        let section = self.md.iter().find(|s| s.starts_with("## Gateway overhead")).context("the gateway section")?;
+        let (heading, body) = section.split_once("\n\n").context("the gateway section's heading")?;
+        let section = format!(
+            "{heading}\n\nMeasured again on its own on {} with `{}` ({:.0} s; load average {} at the start, {load_at_end} at the end); \
+             the other sections are from the full run above.\n\n{body}",
+            run.date, run.command, seconds, self.load_at_start
+        );
+        let start = md.find("## Gateway overhead").context("serving.md has no gateway section")?;
+        let end = md[start + 2..].find("\n## ").map_or(md.len(), |i| start + 2 + i + 1);
+        md.replace_range(start..end, &section);
+        let goal_start = md.find("- The gateway adds").context("serving.md has no gateway goal")?;
+        let goal_end = md[goal_start..].find('\n').map_or(md.len(), |i| goal_start + i);
+        md.replace_range(goal_start..goal_end, &format!("- {goal_line} (Measured again on {}.)", run.date));
+        std::fs::write(&md_path, md)?;
+        println!("updated the gateway section of {} and serving.md", json_path.display());
+        Ok(())
+    }
+
+    fn write(mut self, dir: &Path, seconds: f64) -> Result<()> {
+        let RunFacts { cpu, cores, date, command } = RunFacts::now();
         let mut top = serde_json::Map::new();
         top.insert("benchmark".into(), json!("serving"));
         top.insert("model".into(), json!("all-MiniLM-L6-v2 (f32, max_seq_length 256)"));

@@ -74,7 +74,8 @@ pub async fn list(State(state): State<AppState>, principal: Principal) -> Result
     Ok(ApiJson(rows.iter().map(from_row).collect::<Result<_>>()?))
 }
 
-/// Revoke an API token: it stops working at once.
+/// Revoke an API token: it stops working at once on this server (on other servers of a
+/// shared database within `TESSERA_AUTH_CACHE_SECS`).
 #[utoipa::path(delete, path = "/api/v1/tokens/{id}", tag = "tokens", security(("bearer" = [])),
     params(("id" = Uuid, Path)), responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn revoke(
@@ -82,14 +83,17 @@ pub async fn revoke(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<StatusCode> {
-    let deleted = sqlx::query("DELETE FROM api_tokens WHERE id = $1 AND ($2 IS NULL OR user_id = $2)")
-        .bind(id.to_string())
-        .bind(principal.owner_filter())
-        .execute(state.db.pool())
-        .await?
-        .rows_affected();
-    if deleted == 0 {
+    let deleted: Vec<String> =
+        sqlx::query_scalar("DELETE FROM api_tokens WHERE id = $1 AND ($2 IS NULL OR user_id = $2) RETURNING token_hash")
+            .bind(id.to_string())
+            .bind(principal.owner_filter())
+            .fetch_all(state.db.pool())
+            .await?;
+    if deleted.is_empty() {
         return Err(Error::not_found("Token"));
+    }
+    for digest in &deleted {
+        state.auth_cache.forget_token(digest);
     }
     Ok(StatusCode::NO_CONTENT)
 }

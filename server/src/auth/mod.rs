@@ -1,6 +1,7 @@
 //! Who is calling: session JWTs and personal API tokens for people, per-worker secrets
 //! for agents. Handlers take a `Principal` (or `AgentAuth`) and never parse headers.
 
+pub mod cache;
 pub mod password;
 pub mod rate_limit;
 pub mod secrets;
@@ -61,22 +62,45 @@ impl FromRequestParts<AppState> for Principal {
     }
 }
 
-/// Resolves a session JWT or a personal API token to the user it belongs to.
+/// Resolves a session JWT or a personal API token to the user it belongs to. What the
+/// database said is remembered for a few seconds (see `cache`), so repeated calls with
+/// the same credential cost no round trip; `last_used_at` is written when it is read.
 pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Error> {
     let invalid = || Error::Unauthorized("The token is invalid, expired or revoked; log in again.".into());
+    let cache = &state.auth_cache;
     let user_id = if token.starts_with(secrets::API_TOKEN_PREFIX) {
-        let row = sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
-            .bind(now_ms())
-            .bind(secrets::digest(token))
-            .fetch_optional(state.db.pool())
-            .await?
-            .ok_or_else(invalid)?;
-        row.try_get::<String, _>("user_id")?
+        let digest = secrets::digest(token);
+        match cache.token_user(&digest) {
+            Some(user_id) => user_id,
+            None => {
+                let read_at = cache.generation();
+                let row = sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
+                    .bind(now_ms())
+                    .bind(&digest)
+                    .fetch_optional(state.db.pool())
+                    .await?
+                    .ok_or_else(invalid)?;
+                let user_id = parse_user_id(&row.try_get::<String, _>("user_id")?)?;
+                cache.remember_token(digest, user_id, read_at);
+                user_id
+            }
+        }
     } else {
-        state.sessions.verify(token).ok_or_else(invalid)?
+        let subject = state.sessions.verify(token).ok_or_else(invalid)?;
+        subject.parse::<Uuid>().map_err(|_| invalid())?
     };
-    let user = crate::accounts::find_user(&state.db, &user_id).await?.ok_or_else(invalid)?;
-    Ok(Principal { id: user.id, username: user.username, role: user.role })
+    if let Some(principal) = cache.user(user_id) {
+        return Ok(principal);
+    }
+    let read_at = cache.generation();
+    let user = crate::accounts::find_user(&state.db, &user_id.to_string()).await?.ok_or_else(invalid)?;
+    let principal = Principal { id: user.id, username: user.username, role: user.role };
+    cache.remember_user(principal.clone(), read_at);
+    Ok(principal)
+}
+
+fn parse_user_id(id: &str) -> Result<Uuid, Error> {
+    id.parse().map_err(|e| anyhow::anyhow!("bad user id {id}: {e}").into())
 }
 
 /// A registered worker calling the agent protocol with its own secret.

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use sqlx::any::AnyRow;
 use sqlx::Row;
-use tessera_api::deployments::{CreateDeployment, Deployment, Replica, ServingState, UpdateDeployment};
+use tessera_api::deployments::{CreateDeployment, Deployment, DeploymentStats, Replica, ServingState, UpdateDeployment};
 use tessera_api::jobs::{JobSpec, JobState};
 use uuid::Uuid;
 
@@ -68,7 +68,7 @@ const DEPLOYMENT_COLUMNS: &str = "d.id, d.name, d.model_id, m.name AS model_name
 async fn replicas_of(db: &Db, deployment: &str) -> Result<Vec<Replica>> {
     // Cancelled replicas were scaled away; they are history, not status.
     let rows = sqlx::query(
-        "SELECT id, state, worker_id, message, attempts, updated_at FROM jobs \
+        "SELECT id, state, worker_id, message, attempts, endpoint, updated_at FROM jobs \
          WHERE deployment_id = $1 AND state <> 'cancelled' ORDER BY created_at",
     )
     .bind(deployment)
@@ -84,6 +84,7 @@ async fn replicas_of(db: &Db, deployment: &str) -> Result<Vec<Replica>> {
                 worker_id: worker.as_deref().map(parse_uuid).transpose()?,
                 message: row.try_get("message")?,
                 attempts: row.try_get::<i64, _>("attempts")? as u32,
+                endpoint: row.try_get("endpoint")?,
                 updated_at: db::time(row.try_get("updated_at")?),
             })
         })
@@ -292,7 +293,19 @@ pub async fn delete(State(state): State<AppState>, principal: Principal, ApiPath
     sqlx::query("DELETE FROM jobs WHERE deployment_id = $1").bind(deployment.id.to_string()).execute(&mut *tx).await?;
     sqlx::query("DELETE FROM deployments WHERE id = $1").bind(deployment.id.to_string()).execute(&mut *tx).await?;
     tx.commit().await?;
+    state.gateway.stats.forget(deployment.id);
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Traffic this server forwarded to the deployment: totals since the server started and
+/// the last ten minutes in five-second buckets (request rate, latency percentiles, batch
+/// size, tokens per batch). Kept in memory; each server counts the requests it served.
+#[utoipa::path(get, path = "/api/v1/deployments/{id}/stats", tag = "deployments", security(("bearer" = [])),
+    params(("id" = String, Path, description = "id or name")),
+    responses((status = 200, body = DeploymentStats), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn stats(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<String>) -> Result<ApiJson<DeploymentStats>> {
+    let deployment = resolve(&state.db, &principal, &id).await?;
+    Ok(ApiJson(state.gateway.stats.snapshot(deployment.id)))
 }
 
 #[cfg(test)]
@@ -300,7 +313,15 @@ mod tests {
     use super::*;
 
     fn replica(state: ServingState, message: Option<&str>) -> Replica {
-        Replica { id: Uuid::new_v4(), state, worker_id: None, message: message.map(Into::into), attempts: 1, updated_at: db::time(0) }
+        Replica {
+            id: Uuid::new_v4(),
+            state,
+            worker_id: None,
+            message: message.map(Into::into),
+            attempts: 1,
+            endpoint: None,
+            updated_at: db::time(0),
+        }
     }
 
     #[test]

@@ -1,20 +1,25 @@
 //! The inference gateway: client-facing APIs (OpenAI, KServe v2) forward to the least
 //! loaded ready replica of a deployment. The ready-replica table is cached for a second
 //! so a request costs no database round trip; connections to workers are kept alive.
+//! Everything a request needs that does not change with it (replica URLs, authorization
+//! headers, metric handles) is built once per route, not per request.
 
 pub mod kserve;
 pub mod openai;
+pub mod stats;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use metrics::{Counter, Histogram};
 use sqlx::Row;
 use tessera_api::engine::{EngineError, InferRequest, InferResponse};
 use uuid::Uuid;
 
+use self::stats::{Sample, TrafficStats};
 use crate::auth::Principal;
 use crate::db::Db;
 
@@ -50,19 +55,60 @@ impl From<crate::error::Error> for GatewayError {
     }
 }
 
-#[derive(Clone)]
 struct Target {
     replica: Uuid,
-    endpoint: String,
-    token: String,
+    /// The engine operation's URL on the replica's worker.
+    url: String,
+    /// `Bearer <the worker's engine token>`, marked sensitive so it is never logged.
+    authorization: HeaderValue,
     inflight: Arc<AtomicUsize>,
 }
 
 struct Route {
     fetched: Instant,
+    deployment_id: Uuid,
     owner_id: String,
     model: ModelShape,
     targets: Vec<Target>,
+    metrics: RouteMetrics,
+}
+
+/// The Prometheus series of one deployment, looked up once per route rather than by
+/// name and label on every request.
+struct RouteMetrics {
+    queue: Histogram,
+    tokenization: Histogram,
+    compute: Histogram,
+    batch_size: Histogram,
+    batch_tokens: Histogram,
+    requests: Counter,
+    tokens: Counter,
+}
+
+impl RouteMetrics {
+    fn new(deployment: &str) -> RouteMetrics {
+        let label = [("deployment", deployment.to_string())];
+        RouteMetrics {
+            queue: metrics::histogram!("tessera_inference_queue_seconds", &label),
+            tokenization: metrics::histogram!("tessera_inference_tokenization_seconds", &label),
+            compute: metrics::histogram!("tessera_inference_compute_seconds", &label),
+            batch_size: metrics::histogram!("tessera_inference_batch_size", &label),
+            batch_tokens: metrics::histogram!("tessera_inference_batch_tokens", &label),
+            requests: metrics::counter!("tessera_inference_requests_total", &label),
+            tokens: metrics::counter!("tessera_inference_tokens_total", &label),
+        }
+    }
+
+    fn record(&self, response: &InferResponse) {
+        let t = response.timings;
+        self.queue.record(t.queue_us as f64 / 1e6);
+        self.tokenization.record(t.tokenization_us as f64 / 1e6);
+        self.compute.record(t.inference_us as f64 / 1e6);
+        self.batch_size.record(t.batch_size as f64);
+        self.batch_tokens.record(t.batch_tokens as f64);
+        self.requests.increment(1);
+        self.tokens.increment(response.tokens.iter().map(|&n| n as u64).sum());
+    }
 }
 
 /// What a deployment's model gives back, read from its registered config.
@@ -102,6 +148,8 @@ pub struct Gateway {
     http: reqwest::Client,
     routes: Mutex<HashMap<String, Arc<Route>>>,
     inflight: Mutex<HashMap<Uuid, Arc<AtomicUsize>>>,
+    /// Per-deployment windowed figures for the dashboard and the stats route.
+    pub stats: TrafficStats,
 }
 
 /// Decrements a replica's in-flight count when the forwarded request ends, however it ends.
@@ -120,7 +168,12 @@ impl Default for Gateway {
             .tcp_nodelay(true)
             .build()
             .expect("an HTTP client with default TLS settings builds");
-        Gateway { http, routes: Mutex::new(HashMap::new()), inflight: Mutex::new(HashMap::new()) }
+        Gateway {
+            http,
+            routes: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
+            stats: TrafficStats::default(),
+        }
     }
 }
 
@@ -132,7 +185,7 @@ impl Gateway {
             }
         }
         let rows = sqlx::query(
-            "SELECT d.owner_id, m.architecture, m.config, j.id AS replica, j.endpoint, w.engine_token \
+            "SELECT d.id AS deployment_id, d.owner_id, m.architecture, m.config, j.id AS replica, j.endpoint, w.engine_token \
              FROM deployments d JOIN models m ON m.id = d.model_id \
              LEFT JOIN jobs j ON j.deployment_id = d.id AND j.state = 'running' AND j.endpoint IS NOT NULL \
              LEFT JOIN workers w ON w.id = j.worker_id WHERE d.name = $1",
@@ -144,6 +197,10 @@ impl Gateway {
         let Some(first) = rows.first() else {
             return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
         };
+        let model = ModelShape::from_registry(
+            &first.try_get::<String, _>("architecture").map_err(GatewayError::internal)?,
+            &first.try_get::<String, _>("config").map_err(GatewayError::internal)?,
+        );
         let mut targets = Vec::new();
         for row in &rows {
             let replica: Option<String> = row.try_get("replica").map_err(GatewayError::internal)?;
@@ -155,17 +212,19 @@ impl Gateway {
                 continue;
             };
             let replica: Uuid = replica.parse().map_err(GatewayError::internal)?;
+            let mut authorization = HeaderValue::try_from(format!("Bearer {token}")).map_err(GatewayError::internal)?;
+            authorization.set_sensitive(true);
             let inflight = self.inflight.lock().expect("inflight lock").entry(replica).or_default().clone();
-            targets.push(Target { replica, endpoint, token, inflight });
+            targets.push(Target { replica, url: format!("{endpoint}/{}", model.operation()), authorization, inflight });
         }
+        let deployment_id: String = first.try_get("deployment_id").map_err(GatewayError::internal)?;
         let route = Arc::new(Route {
             fetched: Instant::now(),
+            deployment_id: deployment_id.parse().map_err(GatewayError::internal)?,
             owner_id: first.try_get("owner_id").map_err(GatewayError::internal)?,
-            model: ModelShape::from_registry(
-                &first.try_get::<String, _>("architecture").map_err(GatewayError::internal)?,
-                &first.try_get::<String, _>("config").map_err(GatewayError::internal)?,
-            ),
+            model,
             targets,
+            metrics: RouteMetrics::new(deployment),
         });
         self.routes.lock().expect("routes lock").insert(deployment.to_string(), route.clone());
         Ok(route)
@@ -175,17 +234,22 @@ impl Gateway {
         self.routes.lock().expect("routes lock").remove(deployment);
     }
 
-    /// The deployment if `principal` may call it (its owner, or an admin).
-    pub async fn resolve(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Resolved, GatewayError> {
+    /// The route to a deployment `principal` may call (its owner, or an admin).
+    async fn visible_route(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Arc<Route>, GatewayError> {
         let route = self.route(db, deployment).await?;
         if principal.owner_filter().is_some_and(|owner| owner != route.owner_id) {
             return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
         }
+        Ok(route)
+    }
+
+    /// The deployment if `principal` may call it (its owner, or an admin).
+    pub async fn resolve(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Resolved, GatewayError> {
+        let route = self.visible_route(db, principal, deployment).await?;
         Ok(Resolved { model: route.model.clone(), ready_replicas: route.targets.len() })
     }
 
-    /// Sends `request` to the least loaded ready replica; one that cannot be reached is
-    /// skipped and the next one tried.
+    /// Sends `request` to the least loaded ready replica and records the outcome.
     pub async fn infer(
         &self,
         db: &Db,
@@ -193,10 +257,23 @@ impl Gateway {
         deployment: &str,
         request: &InferRequest,
     ) -> Result<(ModelShape, InferResponse), GatewayError> {
-        self.resolve(db, principal, deployment).await?;
-        let route = self.route(db, deployment).await?;
-        let operation = route.model.operation();
-        let mut targets = route.targets.clone();
+        let route = self.visible_route(db, principal, deployment).await?;
+        let started = Instant::now();
+        let outcome = self.forward(&route, deployment, request).await;
+        match &outcome {
+            Ok(response) => {
+                route.metrics.record(response);
+                self.stats.record(route.deployment_id, Sample::served(started.elapsed(), response));
+            }
+            Err(_) => self.stats.record(route.deployment_id, Sample::Failed),
+        }
+        Ok((route.model.clone(), outcome?))
+    }
+
+    /// One replica after another, least loaded first, until one answers; one that cannot
+    /// be reached is skipped.
+    async fn forward(&self, route: &Route, deployment: &str, request: &InferRequest) -> Result<InferResponse, GatewayError> {
+        let mut targets: Vec<&Target> = route.targets.iter().collect();
         targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
         if targets.is_empty() {
             return Err(GatewayError::new(
@@ -205,13 +282,13 @@ impl Gateway {
                 format!("Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."),
             ));
         }
-        for target in &targets {
+        for target in targets {
             target.inflight.fetch_add(1, Ordering::Relaxed);
             let _guard = InflightGuard(target.inflight.clone());
             let sent = self
                 .http
-                .post(format!("{}/{operation}", target.endpoint))
-                .bearer_auth(&target.token)
+                .post(&target.url)
+                .header(header::AUTHORIZATION, target.authorization.clone())
                 .json(request)
                 .send()
                 .await;
@@ -226,9 +303,7 @@ impl Gateway {
             };
             let status = response.status();
             if status.is_success() {
-                let body: InferResponse = response.json().await.map_err(GatewayError::internal)?;
-                record(deployment, &body);
-                return Ok((route.model.clone(), body));
+                return response.json().await.map_err(GatewayError::internal);
             }
             let error: EngineError = response.json().await.map_err(GatewayError::internal)?;
             return Err(GatewayError::new(status, &error.kind, error.error));
@@ -239,19 +314,6 @@ impl Gateway {
             format!("No replica of '{deployment}' could be reached; retry shortly."),
         ))
     }
-}
-
-fn record(deployment: &str, response: &InferResponse) {
-    let label = [("deployment", deployment.to_string())];
-    let t = response.timings;
-    metrics::histogram!("tessera_inference_queue_seconds", &label).record(t.queue_us as f64 / 1e6);
-    metrics::histogram!("tessera_inference_tokenization_seconds", &label).record(t.tokenization_us as f64 / 1e6);
-    metrics::histogram!("tessera_inference_compute_seconds", &label).record(t.inference_us as f64 / 1e6);
-    metrics::histogram!("tessera_inference_batch_size", &label).record(t.batch_size as f64);
-    metrics::histogram!("tessera_inference_batch_tokens", &label).record(t.batch_tokens as f64);
-    metrics::counter!("tessera_inference_requests_total", &label).increment(1);
-    metrics::counter!("tessera_inference_tokens_total", &label)
-        .increment(response.tokens.iter().map(|&n| n as u64).sum());
 }
 
 /// `x-queue-time`, `x-tokenization-time`, `x-inference-time`, `x-total-time` (ms, as TEI).

@@ -1,6 +1,7 @@
 //! OpenAI-compatible embeddings: `POST /v1/embeddings`, `GET /v1/models`. The official
 //! `openai` client asks for base64 unless told otherwise, so both encodings are served.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use axum::extract::State;
@@ -8,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tessera_api::engine::{EngineInput, InferRequest};
 
@@ -48,6 +49,36 @@ pub struct EmbeddingsRequest {
 
 fn bad_request(message: impl Into<String>) -> GatewayError {
     GatewayError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+/// The response, serialised straight from the engine's vectors (no intermediate JSON
+/// tree, no copy unless `dimensions` shortens them).
+#[derive(Serialize)]
+struct EmbeddingsResponse<'a> {
+    object: &'static str,
+    data: Vec<EmbeddingData<'a>>,
+    model: &'a str,
+    usage: Usage,
+}
+
+#[derive(Serialize)]
+struct EmbeddingData<'a> {
+    object: &'static str,
+    index: usize,
+    embedding: Embedding<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Embedding<'a> {
+    Float(Cow<'a, [f32]>),
+    Base64(String),
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    total_tokens: u64,
 }
 
 /// Keeps the first `dimensions` values and normalises again, as Matryoshka models expect.
@@ -97,31 +128,31 @@ pub async fn embeddings(
                 return Err(bad_request(format!("'dimensions' must be between 1 and {width} for this model.")));
             }
         }
-        let data: Vec<Value> = response
+        let data = response
             .outputs
             .iter()
             .enumerate()
             .map(|(index, vector)| {
                 let vector = match request.dimensions {
-                    Some(d) => shorten(vector.clone(), d),
-                    None => vector.clone(),
+                    Some(d) => Cow::Owned(shorten(vector.clone(), d)),
+                    None => Cow::Borrowed(vector.as_slice()),
                 };
                 let embedding = if base64 {
                     let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                    Embedding::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
                 } else {
-                    json!(vector)
+                    Embedding::Float(vector)
                 };
-                json!({"object": "embedding", "index": index, "embedding": embedding})
+                EmbeddingData { object: "embedding", index, embedding }
             })
             .collect();
         let tokens: u64 = response.tokens.iter().map(|&n| n as u64).sum();
-        let body = json!({
-            "object": "list",
-            "data": data,
-            "model": request.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        });
+        let body = EmbeddingsResponse {
+            object: "list",
+            data,
+            model: &request.model,
+            usage: Usage { prompt_tokens: tokens, total_tokens: tokens },
+        };
         Ok((timing_headers(&response, started), Json(body)).into_response())
     }
     .await;

@@ -71,7 +71,7 @@ pub struct ListQuery {
     fragment: Option<String>,
 }
 
-async fn worker_names(state: &AppState) -> Result<HashMap<Uuid, String>> {
+pub(super) async fn worker_names(state: &AppState) -> Result<HashMap<Uuid, String>> {
     Ok(workers::list_all(state).await?.into_iter().map(|w| (w.id, w.name)).collect())
 }
 
@@ -138,7 +138,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
     user.page(result)
 }
 
-fn worker_label(names: &HashMap<Uuid, String>, id: Uuid) -> String {
+pub(super) fn worker_label(names: &HashMap<Uuid, String>, id: Uuid) -> String {
     names.get(&id).cloned().unwrap_or_else(|| id.to_string()[..8].to_string())
 }
 

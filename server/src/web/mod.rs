@@ -4,6 +4,8 @@
 
 mod api_docs;
 mod assets;
+mod chart;
+mod deployments;
 mod format;
 mod jobs;
 mod models;
@@ -36,6 +38,10 @@ pub fn routes() -> Router<AppState> {
         .route("/jobs/new", get(jobs::new_form).post(jobs::create))
         .route("/jobs/{id}", get(jobs::detail))
         .route("/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/deployments", get(deployments::list).post(deployments::create))
+        .route("/deployments/{id}", get(deployments::detail))
+        .route("/deployments/{id}/scale", post(deployments::scale))
+        .route("/deployments/{id}/delete", post(deployments::delete))
         .route("/workers", get(workers::list))
         .route("/api/docs", get(api_docs::page))
         .route("/static/{name}", get(assets::serve))
@@ -46,7 +52,7 @@ pub fn routes() -> Router<AppState> {
 /// What the shared layout (templates/base.html) needs from every page.
 pub struct Layout {
     pub title: String,
-    /// The nav entry to highlight: `models`, `jobs`, `workers`, `api` or empty.
+    /// The nav entry to highlight: `models`, `deployments`, `jobs`, `workers`, `api` or empty.
     pub section: &'static str,
     pub user: Option<String>,
     /// Hides the nav, for the login form.
