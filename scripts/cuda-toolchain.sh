@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # A CUDA 13.0 build toolchain without a system CUDA install (see shared/GPU.md): nvcc and
-# the CUDA libraries from pinned PyPI wheels in the .cuda/ venv, unversioned link names
-# in .cuda/stubs, and a stub libcuda.so (the real one comes with the driver on the GPU
-# machine). Prints the environment for the build; progress goes to stderr.
+# the CUDA libraries from pinned PyPI wheels in a venv outside the repository
+# ($TESSERA_CUDA_HOME, default ~/.cache/tessera-cuda), unversioned link names and a stub
+# libcuda.so (the real one comes with the driver on the GPU machine) in the toolkit's
+# lib/stubs, where cudarc's build script looks for link-time libraries under $CUDA_ROOT.
+# Prints the environment for the build; progress goes to stderr.
 #
 #   eval "$(scripts/cuda-toolchain.sh)"
 #   cargo build --release -p tessera-worker --features cuda
 #
-# The exported RUSTFLAGS differ from a plain build's, so cargo rebuilds everything for
-# this toolchain; a separate CARGO_TARGET_DIR (e.g. target/cuda) keeps both builds warm.
+# No RUSTFLAGS are set, so a cuda build shares the plain build's compiled dependencies in
+# the same target dir and compiles only what the feature changes (cudarc, candle's CUDA
+# backend and kernels, the worker).
 #
-# Environment: CUDA_COMPUTE_CAP (default 90: H100/H200).
+# Environment: CUDA_COMPUTE_CAP (default 90: H100/H200), TESSERA_CUDA_HOME (the venv).
 # Needs python3 with venv, gcc and nm (binutils), cargo.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$repo/.cuda"
-stubs="$venv/stubs"
+venv="${TESSERA_CUDA_HOME:-$HOME/.cache/tessera-cuda}"
 
 # The GPU machine's driver is CUDA 13.0: PTX from a newer nvcc does not load there
 # ("Unsupported .version"), so every component stays on the 13.0 line, nvvm and crt
@@ -57,6 +59,7 @@ cu="$site/nvidia/cu13"
 "$cu/bin/nvcc" --version | grep -q 'release 13\.0' || die "nvcc is not CUDA 13.0: $("$cu/bin/nvcc" --version | tail -n 2)"
 
 # 2. Link-time names. The wheels ship only versioned sonames; the linker wants libX.so.
+stubs="$cu/lib/stubs"
 mkdir -p "$stubs"
 link_name() {
     local target="$cu/lib/$1"
@@ -113,6 +116,5 @@ export CUDA_ROOT='$cu'
 export CUDA_PATH='$cu'
 export PATH='$cu/bin':"\$PATH"
 export CUDA_COMPUTE_CAP='$compute_cap'
-export RUSTFLAGS='-L $stubs'
 EOF
 log "toolchain ready: nvcc $("$cu/bin/nvcc" --version | grep -oE 'V[0-9.]+'), compute capability $compute_cap"

@@ -39,6 +39,8 @@ have_postgres15 || apt_pkgs+=(postgresql-15)
 have chromium || have chromium-browser || apt_pkgs+=(chromium)
 have python3 || apt_pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
+# scripts/cuda-toolchain.sh puts nvcc's wheels in a venv.
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
 have_node || apt_pkgs+=(nodejs)
 # Debian's nodejs comes without npm; a NodeSource nodejs bundles it (and conflicts with
 # Debian's npm package), so ask for npm only when there is none.

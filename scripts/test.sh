@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: dependencies, demo model, a throwaway PostgreSQL,
-# every Rust test (SQLite and PostgreSQL legs), then the browser test of the dashboard.
+# every Rust test (SQLite and PostgreSQL legs), the CUDA build (compiled, not run: no GPU
+# here), then the browser test of the dashboard.
 #
 #   scripts/test.sh [ARGS...]    ARGS go to `cargo test` (e.g. a test name filter)
 #
@@ -89,6 +90,17 @@ step "cargo test"
 # --no-fail-fast: every test binary runs and prints its "test result" line; the exit
 # status still fails the script if any of them failed.
 cargo test --workspace --no-fail-fast "$@"
+
+step "cargo build --features cuda"
+# The GPU path compiles on every run so it never rots unseen: the CUDA worker binary and the
+# GPU test binaries (cuda_kernels, cuda_embeddings) are built here and run on a GPU machine.
+# nvcc and the CUDA libraries come from pinned wheels (scripts/cuda-toolchain.sh); the
+# same target dir as above, so only what the feature changes is compiled.
+(
+    eval "$(bash scripts/cuda-toolchain.sh)"
+    export CUDA_COMPUTE_CAP=90
+    cargo build -p tessera-worker --features cuda --bins --tests
+)
 
 step "browser test"
 if [[ ! -f tests/browser/run.mjs ]]; then

@@ -41,6 +41,8 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
+    #[cfg(feature = "cuda")]
+    check_gpu()?;
     let inventory = tessera_worker::inventory::detect();
     let name = cli.name.unwrap_or_else(|| inventory.hostname.clone());
     std::fs::create_dir_all(&cli.data_dir)?;
@@ -62,4 +64,23 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// A cuda build on the wrong GPU or driver would fail only at its first kernel launch, with
+/// the driver's terse error: check at start and say what to rebuild.
+#[cfg(feature = "cuda")]
+fn check_gpu() -> anyhow::Result<()> {
+    use tessera_worker::engine::ops::cuda::compute_cap;
+    let report = compute_cap::probe(0).map_err(|reason| anyhow::anyhow!(reason))?;
+    if let Some(advice) = &report.advice {
+        tracing::warn!("{advice}");
+    }
+    tracing::info!(
+        gpu = %report.name,
+        compute_capability = format!("{}.{}", report.compute_cap.0, report.compute_cap.1),
+        driver = report.driver,
+        built_for = compute_cap::built_for(),
+        "CUDA kernels load on this GPU"
+    );
+    Ok(())
 }

@@ -119,6 +119,7 @@ fn packed_batch_matches_the_padded_candle_reference_from_one_token_to_512() {
         &dir,
         &LoadOptions {
             max_input_tokens: Some(512),
+            ..LoadOptions::default()
         },
     )
     .unwrap();

@@ -13,6 +13,7 @@ mod error;
 mod layer;
 mod model;
 pub mod ops;
+pub mod synthetic;
 mod weights;
 
 pub use batch::Batch;

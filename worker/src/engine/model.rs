@@ -8,7 +8,7 @@ use super::config::{EncoderConfig, SentenceConfig};
 use super::error::EngineError;
 use super::ops::{Pooling, SegmentedPool};
 use super::weights::Weights;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use tokenizers::{Tokenizer, TruncationParams};
 
@@ -19,6 +19,12 @@ pub struct LoadOptions {
     /// `max_seq_length` when the folder has one, else the position table's size; never more
     /// than the position table.
     pub max_input_tokens: Option<usize>,
+    /// Where the weights live and the forward pass runs; the CPU when unset. A CUDA device
+    /// needs a build with the `cuda` feature (the ops' `cuda_fwd`).
+    pub device: Option<Device>,
+    /// Element type of the weights and activations; f32 when unset. The CPU kernels compute
+    /// in f32 only; the CUDA ones also take f16 and bf16 (with f32 accumulation).
+    pub dtype: Option<DType>,
 }
 
 /// One text's classification.
@@ -51,10 +57,21 @@ impl EmbeddingModel {
     }
 
     pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<Self, EngineError> {
-        let device = Device::Cpu;
+        let device = options.device.clone().unwrap_or(Device::Cpu);
+        let dtype = options.dtype.unwrap_or(DType::F32);
+        let supported = match device {
+            Device::Cpu => dtype == DType::F32,
+            _ => matches!(dtype, DType::F32 | DType::F16 | DType::BF16),
+        };
+        if !supported {
+            return Err(EngineError::Unsupported(format!(
+                "computing in {dtype:?} on {device:?}: the CPU path computes in f32, a CUDA \
+                 device in f32, f16 or bf16"
+            )));
+        }
         let config = EncoderConfig::from_file(&dir.join("config.json"))?;
         let sentence = SentenceConfig::from_dir(dir)?;
-        let weights = Weights::open(&dir.join("model.safetensors"), &device)?;
+        let weights = Weights::open(&dir.join("model.safetensors"), &device, dtype)?;
         let encoder = Bert::load(&weights, &config, &device)?;
 
         let max_input_tokens = options
@@ -205,7 +222,7 @@ impl EmbeddingModel {
         let (hidden, packing) = self.forward(batch)?;
         let pooled =
             hidden.apply_op2_no_bwd(&packing.cu_seqlens, &SegmentedPool { pooling, normalize })?;
-        Ok(pooled.to_vec2::<f32>()?)
+        Ok(pooled.to_dtype(DType::F32)?.to_vec2::<f32>()?)
     }
 
     /// Every token's last hidden state, `[total_tokens, hidden]` in packed order.
@@ -229,6 +246,7 @@ impl EmbeddingModel {
             .encoder
             .classify(&hidden, &packing)
             .ok_or(EngineError::NoClassifier)??
+            .to_dtype(DType::F32)?
             .to_vec2::<f32>()?;
         Ok(logits
             .into_iter()

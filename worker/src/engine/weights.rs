@@ -1,6 +1,6 @@
 //! Reading a `model.safetensors` file through a memory map: each tensor is checked against the
-//! shape the architecture expects and converted to f32 (the CPU path computes in f32 whether
-//! the file holds f32, f16 or bf16).
+//! shape the architecture expects and converted to the engine's element type (f32 on the CPU,
+//! whatever the file holds; f32, f16 or bf16 on a GPU).
 
 use super::error::EngineError;
 use candle_core::safetensors::MmapedSafetensors;
@@ -11,10 +11,11 @@ pub(crate) struct Weights {
     file: MmapedSafetensors,
     path: PathBuf,
     device: Device,
+    dtype: DType,
 }
 
 impl Weights {
-    pub fn open(path: &Path, device: &Device) -> Result<Self, EngineError> {
+    pub fn open(path: &Path, device: &Device, dtype: DType) -> Result<Self, EngineError> {
         if !path.is_file() {
             return Err(EngineError::Io {
                 path: path.to_owned(),
@@ -28,6 +29,7 @@ impl Weights {
             file,
             path: path.to_owned(),
             device: device.clone(),
+            dtype,
         })
     }
 
@@ -50,7 +52,7 @@ impl Weights {
         }
     }
 
-    /// The tensor `name` as f32, which must have exactly `shape`.
+    /// The tensor `name` in the engine's element type, which must have exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, EngineError> {
         let view = self.file.get(name).map_err(|_| self.missing(name))?;
         if view.shape() != shape {
@@ -64,8 +66,7 @@ impl Weights {
             .load(name, &self.device)
             .map_err(|e| self_invalid(&self.path, e))?;
         match tensor.dtype() {
-            DType::F32 => Ok(tensor),
-            DType::F16 | DType::BF16 | DType::F64 => Ok(tensor.to_dtype(DType::F32)?),
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 => Ok(tensor.to_dtype(self.dtype)?),
             other => Err(EngineError::InvalidModel {
                 path: self.path.clone(),
                 reason: format!("tensor {name} has dtype {other:?}; expected a float type"),

@@ -15,6 +15,17 @@ impl CustomOp2 for BiasGelu {
         "bias-gelu"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        b_s: &candle_core::CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::kernels::bias_gelu(x_s, x_l, b_s, b_l)
+    }
+
     fn cpu_fwd(
         &self,
         x_s: &CpuStorage,

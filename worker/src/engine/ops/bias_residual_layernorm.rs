@@ -19,6 +19,19 @@ impl CustomOp3 for BiasResidualLayerNorm {
         "bias-residual-layernorm"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        r_s: &candle_core::CudaStorage,
+        r_l: &Layout,
+        p_s: &candle_core::CudaStorage,
+        p_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::kernels::bias_residual_layernorm(self, x_s, x_l, r_s, r_l, p_s, p_l)
+    }
+
     fn cpu_fwd(
         &self,
         x_s: &CpuStorage,

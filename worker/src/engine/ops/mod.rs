@@ -6,6 +6,8 @@
 
 pub mod bias_gelu;
 pub mod bias_residual_layernorm;
+pub mod cuda;
+pub mod int8;
 pub mod linear;
 pub mod pooling;
 pub mod varlen_attention;
@@ -13,6 +15,7 @@ mod vector_math;
 
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;
+pub use int8::{DequantizeInt8, Granularity, Int8Scales, QuantizeInt8};
 pub use linear::{Activation, Linear, PackedWeight};
 pub use pooling::{Pooling, SegmentedPool};
 pub use varlen_attention::VarlenAttention;

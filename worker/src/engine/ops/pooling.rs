@@ -32,6 +32,17 @@ impl CustomOp2 for SegmentedPool {
         "segmented-pool"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h_s: &candle_core::CudaStorage,
+        h_l: &Layout,
+        cu_s: &candle_core::CudaStorage,
+        cu_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::kernels::segmented_pool(self, h_s, h_l, cu_s, cu_l)
+    }
+
     fn cpu_fwd(
         &self,
         h_s: &CpuStorage,

@@ -59,6 +59,19 @@ impl CustomOp3 for VarlenAttention {
         "varlen-attention"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qkv_s: &candle_core::CudaStorage,
+        qkv_l: &Layout,
+        bias_s: &candle_core::CudaStorage,
+        bias_l: &Layout,
+        cu_s: &candle_core::CudaStorage,
+        cu_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::kernels::varlen_attention(self, qkv_s, qkv_l, bias_s, bias_l, cu_s, cu_l)
+    }
+
     fn cpu_fwd(
         &self,
         qkv_s: &CpuStorage,
