@@ -6,13 +6,17 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+/// Either a replica count (default 1) or a throughput SLO, which the scheduler turns into
+/// replicas bound to MIG slices with the partition planner.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(try_from = "CreateDeploymentBody")]
 pub struct CreateDeployment {
     /// The name clients call it by (`model` in `/v1/embeddings`, `/v2/models/{name}`).
     pub name: String,
     /// Id or name of a registered model.
     pub model: String,
-    #[serde(default = "one")]
+    /// Replicas to run; not given together with `throughput`.
+    #[schema(default = 1)]
     pub replicas: u32,
     /// Most tokens one batch may hold (default 16384).
     #[serde(default)]
@@ -20,10 +24,57 @@ pub struct CreateDeployment {
     /// Most requests one batch may hold (default 64).
     #[serde(default)]
     pub max_batch_requests: Option<u32>,
+    /// Throughput SLO in requests per second, instead of `replicas`.
+    #[serde(default)]
+    pub throughput: Option<f64>,
+    /// p99 latency SLO in milliseconds (with `throughput`).
+    #[serde(default)]
+    pub latency_ms: Option<f64>,
 }
 
-fn one() -> u32 {
-    1
+/// The body as sent, so that giving both `replicas` and `throughput` can be refused.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateDeploymentBody {
+    name: String,
+    model: String,
+    #[serde(default)]
+    replicas: Option<u32>,
+    #[serde(default)]
+    max_batch_tokens: Option<u32>,
+    #[serde(default)]
+    max_batch_requests: Option<u32>,
+    #[serde(default)]
+    throughput: Option<f64>,
+    #[serde(default)]
+    latency_ms: Option<f64>,
+}
+
+impl TryFrom<CreateDeploymentBody> for CreateDeployment {
+    type Error = String;
+
+    fn try_from(body: CreateDeploymentBody) -> Result<CreateDeployment, String> {
+        let replicas = match (body.replicas, body.throughput) {
+            (Some(_), Some(_)) => {
+                return Err("give either \"replicas\" or a throughput SLO (\"throughput\", \"latency_ms\"), not both".into())
+            }
+            (None, None) if body.latency_ms.is_some() => {
+                return Err("\"latency_ms\" comes with \"throughput\": add the requests per second to meet".into())
+            }
+            (Some(n), None) => n,
+            (None, Some(_)) => 0,
+            (None, None) => 1,
+        };
+        Ok(CreateDeployment {
+            name: body.name,
+            model: body.model,
+            replicas,
+            max_batch_tokens: body.max_batch_tokens,
+            max_batch_requests: body.max_batch_requests,
+            throughput: body.throughput,
+            latency_ms: body.latency_ms,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -61,6 +112,9 @@ pub struct Replica {
     pub message: Option<String>,
     /// How many times the replica has been placed.
     pub attempts: u32,
+    /// The device slice (`MIG-…`/`GPU-…` uuid) the replica is bound to, while placed.
+    #[serde(default)]
+    pub slice: Option<String>,
     /// The worker's engine endpoint the gateway forwards to, once the replica is ready
     /// (only the server may call it: it wants the worker's engine token).
     pub endpoint: Option<String>,
@@ -83,6 +137,9 @@ pub struct Deployment {
     pub max_batch_tokens: u32,
     pub max_batch_requests: u32,
     pub replica_status: Vec<Replica>,
+    /// For a deployment given a throughput SLO: the plan behind its replicas.
+    #[serde(default)]
+    pub slo: Option<crate::mig::SloStatus>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }

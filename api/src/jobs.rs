@@ -67,6 +67,9 @@ pub enum JobSpec {
     },
     /// Train a model (see [`crate::train`]); resumes from the job's latest checkpoint.
     Train(TrainJob),
+    /// Measure a model's throughput and p99 latency per batch size on each kind of slice
+    /// the worker has (the planner's throughput table).
+    Profile { model: Uuid, batch_sizes: Vec<u32> },
 }
 
 impl JobSpec {
@@ -75,6 +78,7 @@ impl JobSpec {
             JobSpec::Prefetch { .. } => "prefetch",
             JobSpec::Serve { .. } => "serve",
             JobSpec::Train(_) => "train",
+            JobSpec::Profile { .. } => "profile",
         }
     }
 }

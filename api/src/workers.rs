@@ -6,6 +6,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::jobs::{JobSpec, JobState, MetricPoint};
+use crate::mig::{Slice, SliceStatus};
 
 /// What a worker host offers.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -15,6 +16,9 @@ pub struct Inventory {
     pub memory_bytes: u64,
     #[serde(default)]
     pub gpus: Vec<Gpu>,
+    /// The slices replicas can be bound to: each MIG instance, or each GPU without MIG.
+    #[serde(default)]
+    pub slices: Vec<Slice>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -44,6 +48,10 @@ pub struct RegisterRequest {
     pub name: String,
     pub version: String,
     pub inventory: Inventory,
+    /// The operator lets the scheduler change this worker's MIG partitions (only
+    /// simulated GPUs are repartitioned today; real ones get "would change" steps).
+    #[serde(default)]
+    pub allow_repartition: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -83,6 +91,9 @@ pub struct Assignment {
     pub spec: JobSpec,
     pub attempt: u32,
     pub lease_expires_at: DateTime<Utc>,
+    /// For a serving replica on a worker with slices: the slice it is bound to.
+    #[serde(default)]
+    pub slice: Option<Slice>,
 }
 
 /// `POST /api/v1/agent/jobs/{id}/status`: only `running`, `succeeded` and `failed`.
@@ -121,6 +132,9 @@ pub struct Worker {
     pub version: String,
     pub status: WorkerStatus,
     pub inventory: Inventory,
+    /// The slices as the server records them, with the replica holding each.
+    pub slices: Vec<SliceStatus>,
+    pub allow_repartition: bool,
     pub registered_at: DateTime<Utc>,
     pub last_seen_at: DateTime<Utc>,
 }

@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::db::Db;
 use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
-use crate::{accounts, deployments, error, jobs, openapi, registry, telemetry, web, workers};
+use crate::{accounts, deployments, error, fleet, jobs, openapi, registry, telemetry, web, workers};
 
 #[derive(Clone)]
 pub struct AppState {
@@ -101,6 +101,8 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(workers::agent::report_status))
         .routes(routes!(workers::agent::append_logs))
         .routes(routes!(workers::agent::record_metrics))
+        .routes(routes!(fleet::profiles::create, fleet::profiles::get))
+        .routes(routes!(fleet::profiles::agent_report))
         .routes(routes!(registry::agent_get))
         .routes(routes!(registry::agent_download))
 }

@@ -9,6 +9,7 @@ pub mod db;
 pub mod deployments;
 pub mod error;
 pub mod gateway;
+pub mod fleet;
 pub mod jobs;
 pub mod openapi;
 pub mod registry;

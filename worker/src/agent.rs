@@ -26,6 +26,8 @@ pub struct AgentConfig {
     /// one slice, the host's thread pool.
     pub replica_slots: usize,
     pub inventory: Inventory,
+    /// Let the server change this worker's MIG partitions (`--allow-repartition`).
+    pub allow_repartition: bool,
     pub endpoint: Arc<Endpoint>,
 }
 
@@ -72,6 +74,7 @@ impl Agent {
             name: self.config.name.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
             inventory: self.config.inventory.clone(),
+            allow_repartition: self.config.allow_repartition,
         };
         let mut backoff = Duration::from_millis(250);
         loop {
@@ -95,7 +98,7 @@ impl Agent {
         let used = |u: Use| running.values().filter(|(kind, _)| *kind == u).count();
         let mut kinds = Vec::new();
         if used(Use::Batch) < self.config.slots {
-            kinds.extend(["prefetch", "train"]);
+            kinds.extend(["prefetch", "train", "profile"]);
         }
         if used(Use::Replica) < self.config.replica_slots {
             kinds.push("serve");
@@ -104,6 +107,7 @@ impl Agent {
     }
 
     async fn work(&self, heartbeat_every: Duration) -> Result<(), ClientError> {
+        let offered = Arc::new(self.config.inventory.slices.clone());
         let mut running: HashMap<Uuid, (Use, tokio::task::AbortHandle)> = HashMap::new();
         let mut tasks: JoinSet<Uuid> = JoinSet::new();
         let mut heartbeat = tokio::time::interval(heartbeat_every);
@@ -129,7 +133,8 @@ impl Agent {
                             job,
                             self.config.data_dir.clone(),
                             self.config.endpoint.clone(),
-                        );
+                        )
+                        .with_slices(assignment.slice.clone(), offered.clone());
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job

@@ -105,6 +105,12 @@ impl Client {
         Ok(())
     }
 
+    /// Stores a profiler job's measurements (the model's throughput table).
+    pub async fn profiles(&self, job: Uuid, reports: &[tessera_api::mig::ProfileReport]) -> Result<(), ClientError> {
+        self.post(&format!("jobs/{job}/profiles"), &reports).await?;
+        Ok(())
+    }
+
     /// Step and eval rows of a training job; re-sent steps replace the stored ones.
     pub async fn training_metrics(&self, job: Uuid, metrics: &TrainingMetrics) -> Result<(), ClientError> {
         self.post(&format!("jobs/{job}/training-metrics"), metrics).await?;

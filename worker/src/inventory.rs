@@ -11,11 +11,13 @@ use tracing::{debug, warn};
 /// Looks at the host once. Never fails: what cannot be read is reported as absent
 /// (no GPUs, 0 bytes of memory) and logged.
 pub fn detect() -> Inventory {
+    let gpus = gpus();
     Inventory {
         hostname: hostname(),
         cpu_cores: cpu_cores(),
         memory_bytes: memory_bytes(),
-        gpus: gpus(),
+        slices: crate::slices::from_gpus(&gpus),
+        gpus,
     }
 }
 
@@ -217,6 +219,7 @@ Buffers:          123456 kB
     #[test]
     fn inventory_round_trips_through_json() {
         let inventory = Inventory {
+            slices: Vec::new(),
             hostname: "gpu-1".into(),
             cpu_cores: 16,
             memory_bytes: 128 << 30,

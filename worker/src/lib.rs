@@ -7,4 +7,5 @@ pub mod engine;
 pub mod inventory;
 pub mod jobs;
 pub mod serve;
+pub mod slices;
 pub mod train;

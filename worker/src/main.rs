@@ -31,6 +31,16 @@ struct Cli {
     /// address); set it when the worker is behind NAT or in a container.
     #[arg(long, env = "TESSERA_WORKER_ADVERTISE_URL")]
     advertise_url: Option<String>,
+    /// Offer simulated GPUs instead of the real ones, e.g.
+    /// `H100-80GB:mig=3g.40gb+2g.20gb+2g.20gb,A100-80GB` (MODEL[:mig=PROFILE+…], a profile
+    /// may carry its start as `3g.40gb@4`). Replicas bound to simulated slices run the CPU
+    /// engine; tests and demos use it to run the MIG flow without a GPU.
+    #[arg(long, env = "TESSERA_SIMULATE_GPUS")]
+    simulate_gpus: Option<String>,
+    /// Let the server's scheduler change this worker's MIG partitions to fit throughput
+    /// SLOs (applied to simulated GPUs; for real GPUs it shows the steps it would take).
+    #[arg(long, env = "TESSERA_ALLOW_REPARTITION")]
+    allow_repartition: bool,
 }
 
 #[tokio::main]
@@ -43,8 +53,15 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     #[cfg(feature = "cuda")]
     check_gpu()?;
-    let inventory = tessera_worker::inventory::detect();
+    let mut inventory = tessera_worker::inventory::detect();
     let name = cli.name.unwrap_or_else(|| inventory.hostname.clone());
+    if let Some(spec) = &cli.simulate_gpus {
+        let (gpus, slices) = tessera_worker::slices::simulate(spec, &name)?;
+        tracing::info!(gpus = gpus.len(), slices = slices.len(), "offering simulated GPUs instead of this host's");
+        (inventory.gpus, inventory.slices) = (gpus, slices);
+    }
+    // One replica per slice; a worker without slices serves one replica on its CPU.
+    let replica_slots = inventory.slices.len().max(1);
     std::fs::create_dir_all(&cli.data_dir)?;
     let endpoint = Endpoint::start(&cli.listen, cli.advertise_url).await?;
     let agent = Agent::new(AgentConfig {
@@ -53,8 +70,9 @@ async fn main() -> anyhow::Result<()> {
         name,
         data_dir: cli.data_dir,
         slots: cli.slots.max(1),
-        replica_slots: 1,
+        replica_slots,
         inventory,
+        allow_repartition: cli.allow_repartition,
         endpoint,
     })?;
     tokio::select! {

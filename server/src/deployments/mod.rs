@@ -17,7 +17,7 @@ use crate::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 
 /// Times a replica may be placed again after its worker vanished before it is failed.
-const REPLICA_MAX_ATTEMPTS: u32 = 20;
+pub(crate) const REPLICA_MAX_ATTEMPTS: u32 = 20;
 const MAX_REPLICAS: u32 = 64;
 pub const DEFAULT_MAX_BATCH_TOKENS: u32 = 16_384;
 pub const DEFAULT_MAX_BATCH_REQUESTS: u32 = 64;
@@ -63,12 +63,12 @@ fn deployment_state(wanted: u32, replicas: &[Replica]) -> (ServingState, Option<
 }
 
 const DEPLOYMENT_COLUMNS: &str = "d.id, d.name, d.model_id, m.name AS model_name, u.username AS owner, d.replicas, \
-     d.max_batch_tokens, d.max_batch_requests, d.created_at, d.updated_at";
+     d.max_batch_tokens, d.max_batch_requests, d.slo, d.created_at, d.updated_at";
 
 async fn replicas_of(db: &Db, deployment: &str) -> Result<Vec<Replica>> {
     // Cancelled replicas were scaled away; they are history, not status.
     let rows = sqlx::query(
-        "SELECT id, state, worker_id, message, attempts, endpoint, updated_at FROM jobs \
+        "SELECT id, state, worker_id, message, attempts, endpoint, slice_uuid, slice_pinned, updated_at FROM jobs \
          WHERE deployment_id = $1 AND state <> 'cancelled' ORDER BY created_at",
     )
     .bind(deployment)
@@ -78,6 +78,9 @@ async fn replicas_of(db: &Db, deployment: &str) -> Result<Vec<Replica>> {
         .map(|row| {
             let state: String = row.try_get("state")?;
             let worker: Option<String> = row.try_get("worker_id")?;
+            // A slice the planner chose is the replica's while it waits; one picked at
+            // claim time only while the replica holds its lease.
+            let bound = row.try_get::<i64, _>("slice_pinned")? != 0 || matches!(state.as_str(), "leased" | "running");
             Ok(Replica {
                 id: parse_uuid(&row.try_get::<String, _>("id")?)?,
                 state: replica_state(JobState::parse(&state).ok_or_else(|| anyhow::anyhow!("bad state {state}"))?),
@@ -85,6 +88,7 @@ async fn replicas_of(db: &Db, deployment: &str) -> Result<Vec<Replica>> {
                 message: row.try_get("message")?,
                 attempts: row.try_get::<i64, _>("attempts")? as u32,
                 endpoint: row.try_get("endpoint")?,
+                slice: if bound { row.try_get("slice_uuid")? } else { None },
                 updated_at: db::time(row.try_get("updated_at")?),
             })
         })
@@ -109,6 +113,7 @@ async fn from_row(db: &Db, row: &AnyRow) -> Result<Deployment> {
         max_batch_tokens: row.try_get::<i64, _>("max_batch_tokens")? as u32,
         max_batch_requests: row.try_get::<i64, _>("max_batch_requests")? as u32,
         replica_status,
+        slo: crate::fleet::slo::from_column(row.try_get("slo")?)?,
         created_at: db::time(row.try_get("created_at")?),
         updated_at: db::time(row.try_get("updated_at")?),
     })
@@ -205,6 +210,9 @@ pub async fn create(
         ));
     }
     check_replicas(request.replicas)?;
+    if let Some(throughput) = request.throughput {
+        crate::fleet::slo::check(throughput, request.latency_ms)?;
+    }
     let max_batch_tokens = request.max_batch_tokens.unwrap_or(DEFAULT_MAX_BATCH_TOKENS);
     let max_batch_requests = request.max_batch_requests.unwrap_or(DEFAULT_MAX_BATCH_REQUESTS);
     if !(512..=1 << 20).contains(&max_batch_tokens) || !(1..=4096).contains(&max_batch_requests) {
@@ -214,6 +222,9 @@ pub async fn create(
         ));
     }
     let model = crate::registry::resolve(&state, &principal, &request.model).await?;
+    if request.throughput.is_some() {
+        crate::fleet::slo::check_table(&state.db, model.id, &model.name).await?;
+    }
     let id = Uuid::new_v4();
     let now = now_ms();
     sqlx::query(
@@ -238,7 +249,10 @@ pub async fn create(
         }
     })?;
     let deployment = resolve(&state.db, &principal, &id.to_string()).await?;
-    reconcile(&state.db, principal.id, &deployment, request.replicas).await?;
+    match request.throughput {
+        Some(throughput) => crate::fleet::slo::place(&state, principal.id, &deployment, throughput, request.latency_ms).await?,
+        None => reconcile(&state.db, principal.id, &deployment, request.replicas).await?,
+    }
     Ok((StatusCode::CREATED, ApiJson(resolve(&state.db, &principal, &id.to_string()).await?)))
 }
 
@@ -269,6 +283,12 @@ pub async fn update(
 ) -> Result<ApiJson<Deployment>> {
     check_replicas(request.replicas)?;
     let deployment = resolve(&state.db, &principal, &id).await?;
+    if deployment.slo.is_some() {
+        return Err(Error::invalid(
+            "slo_deployment",
+            "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
+        ));
+    }
     sqlx::query("UPDATE deployments SET replicas = $1, updated_at = $2 WHERE id = $3")
         .bind(request.replicas as i64)
         .bind(now_ms())
@@ -320,6 +340,7 @@ mod tests {
             message: message.map(Into::into),
             attempts: 1,
             endpoint: None,
+            slice: None,
             updated_at: db::time(0),
         }
     }

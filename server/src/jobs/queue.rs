@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use crate::db::{now_ms, Backend, Db};
 use crate::error::Result;
+use crate::fleet::slices::Free;
 
 pub struct Claimed {
     pub job_id: Uuid,
@@ -16,8 +17,9 @@ pub struct Claimed {
     pub lease_expires_at: i64,
 }
 
-/// Leases the oldest queued job of one of `kinds` to `worker_id`.
-pub async fn claim(db: &Db, worker_id: Uuid, kinds: &[String], lease_ttl_ms: i64) -> Result<Option<Claimed>> {
+/// Leases the oldest queued job of one of `kinds` to `worker_id`, taking only the serve
+/// jobs the worker's free slices allow (see `fleet::slices`).
+pub async fn claim(db: &Db, worker_id: Uuid, kinds: &[String], lease_ttl_ms: i64, slices: &Free) -> Result<Option<Claimed>> {
     if kinds.is_empty() {
         return Ok(None);
     }
@@ -27,17 +29,21 @@ pub async fn claim(db: &Db, worker_id: Uuid, kinds: &[String], lease_ttl_ms: i64
         Backend::Postgres => "FOR UPDATE SKIP LOCKED",
         Backend::Sqlite => "",
     };
+    let (slice_condition, slice_params) = slices.condition(4 + kinds.len());
     let sql = format!(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
          updated_at = $3, message = NULL \
          WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE state = 'queued' AND kind IN ({}) \
-         ORDER BY created_at, id LIMIT 1 {lock}) \
+         AND {slice_condition} ORDER BY created_at, id LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at",
         kind_params.join(", ")
     );
     let mut query = sqlx::query(&sql).bind(worker_id.to_string()).bind(now + lease_ttl_ms).bind(now);
     for kind in kinds {
         query = query.bind(kind);
+    }
+    for slice in slice_params {
+        query = query.bind(slice);
     }
     let Some(row) = query.fetch_optional(db.pool()).await? else {
         return Ok(None);

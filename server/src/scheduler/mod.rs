@@ -1,4 +1,7 @@
-//! Placement decisions made by pure algorithms over plain data. Today: the MIG partition
-//! planner and its transitions (`mig`).
+//! Placement decisions made by pure algorithms over plain data: the MIG partition planner
+//! and its transitions (`mig`), throughput tables with their cost model (`throughput`),
+//! and placing a throughput SLO on the fleet's slices (`fleet`).
 
+pub mod fleet;
 pub mod mig;
+pub mod throughput;

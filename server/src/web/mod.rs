@@ -9,6 +9,7 @@ mod deployments;
 mod format;
 mod jobs;
 mod models;
+mod mig;
 mod session;
 mod workers;
 
@@ -43,6 +44,7 @@ pub fn routes() -> Router<AppState> {
         .route("/deployments/{id}/scale", post(deployments::scale))
         .route("/deployments/{id}/delete", post(deployments::delete))
         .route("/workers", get(workers::list))
+        .route("/mig", get(mig::page))
         .route("/api/docs", get(api_docs::page))
         .route("/static/{name}", get(assets::serve))
         .fallback(not_found)

@@ -82,7 +82,8 @@ pub async fn register(
     .bind(&id)
     .execute(state.db.pool())
     .await?;
-    tracing::info!(worker = %worker_id, name, "worker registered");
+    crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &request.inventory.slices).await?;
+    tracing::info!(worker = %worker_id, name, slices = request.inventory.slices.len(), "worker registered");
     Ok(ApiJson(RegisterResponse {
         worker_id,
         secret,
@@ -116,21 +117,24 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
-    let Some(claimed) = queue::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state)).await? else {
+    let free = crate::fleet::slices::free_for(&state.db, agent.worker_id).await?;
+    let Some(claimed) = queue::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state), &free).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let spec = serde_json::from_str(&claimed.spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?;
+    let slice = crate::fleet::slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
     Ok(ApiJson(Assignment {
         job_id: claimed.job_id,
         spec,
         attempt: claimed.attempt,
         lease_expires_at: db::time(claimed.lease_expires_at),
+        slice,
     })
     .into_response())
 }
 
 /// Fails unless `worker_id` holds the lease on `job`.
-async fn check_lease(state: &AppState, worker_id: Uuid, job: Uuid) -> Result<()> {
+pub(crate) async fn check_lease(state: &AppState, worker_id: Uuid, job: Uuid) -> Result<()> {
     let held: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN ('leased', 'running')",
     )

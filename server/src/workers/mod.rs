@@ -5,7 +5,11 @@ pub mod agent;
 use axum::extract::State;
 use sqlx::any::AnyRow;
 use sqlx::Row;
+use std::collections::HashMap;
+
+use tessera_api::mig::SliceStatus;
 use tessera_api::workers::{Worker, WorkerStatus};
+use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::Principal;
@@ -15,16 +19,19 @@ use crate::error::{ApiJson, Result};
 /// Misses this many heartbeats and a worker is shown offline.
 const MISSED_BEATS_OFFLINE: i64 = 3;
 
-fn worker_from_row(row: &AnyRow, online_since: i64) -> Result<Worker> {
+fn worker_from_row(row: &AnyRow, online_since: i64, slices: &mut HashMap<Uuid, Vec<SliceStatus>>) -> Result<Worker> {
     let id: String = row.try_get("id")?;
     let inventory: String = row.try_get("inventory")?;
     let last_seen: i64 = row.try_get("last_seen_at")?;
+    let id: Uuid = id.parse().map_err(|e| anyhow::anyhow!("bad worker id {id}: {e}"))?;
     Ok(Worker {
-        id: id.parse().map_err(|e| anyhow::anyhow!("bad worker id {id}: {e}"))?,
+        id,
         name: row.try_get("name")?,
         version: row.try_get("version")?,
         status: if last_seen >= online_since { WorkerStatus::Online } else { WorkerStatus::Offline },
         inventory: serde_json::from_str(&inventory).map_err(|e| anyhow::anyhow!("stored inventory unreadable: {e}"))?,
+        slices: slices.remove(&id).unwrap_or_default(),
+        allow_repartition: row.try_get::<i64, _>("allow_repartition")? != 0,
         registered_at: db::time(row.try_get("registered_at")?),
         last_seen_at: db::time(last_seen),
     })
@@ -36,11 +43,14 @@ pub fn online_since(state: &AppState) -> i64 {
 }
 
 pub async fn list_all(state: &AppState) -> Result<Vec<Worker>> {
-    let rows = sqlx::query("SELECT id, name, version, inventory, registered_at, last_seen_at FROM workers ORDER BY name")
-        .fetch_all(state.db.pool())
-        .await?;
+    let rows = sqlx::query(
+        "SELECT id, name, version, inventory, allow_repartition, registered_at, last_seen_at FROM workers ORDER BY name",
+    )
+    .fetch_all(state.db.pool())
+    .await?;
     let since = online_since(state);
-    rows.iter().map(|row| worker_from_row(row, since)).collect()
+    let mut slices = crate::fleet::slices::by_worker(&state.db).await?;
+    rows.iter().map(|row| worker_from_row(row, since, &mut slices)).collect()
 }
 
 pub async fn count_online(state: &AppState) -> Result<i64> {

@@ -3,6 +3,7 @@
 //! `running` when they start; a serving replica reports it once its engine answers.
 
 pub mod prefetch;
+pub mod profile;
 pub mod serve;
 pub mod train;
 
@@ -10,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
+use tessera_api::mig::Slice;
 use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
@@ -21,11 +23,20 @@ pub struct JobContext {
     job: Uuid,
     data_dir: PathBuf,
     endpoint: Arc<Endpoint>,
+    /// The slice a serving replica is bound to (none on a CPU-only worker).
+    slice: Option<Slice>,
+    /// Every slice this worker offers (the profiler measures them).
+    offered: Arc<Vec<Slice>>,
 }
 
 impl JobContext {
     pub fn new(client: Client, job: Uuid, data_dir: PathBuf, endpoint: Arc<Endpoint>) -> JobContext {
-        JobContext { client, job, data_dir, endpoint }
+        JobContext { client, job, data_dir, endpoint, slice: None, offered: Arc::default() }
+    }
+
+    /// The slice the server bound this job to, and the slices the worker offers.
+    pub fn with_slices(self, slice: Option<Slice>, offered: Arc<Vec<Slice>>) -> JobContext {
+        JobContext { slice, offered, ..self }
     }
 
     pub async fn log(&self, line: impl Into<String>) -> Result<(), ClientError> {
@@ -47,6 +58,8 @@ pub enum JobError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("{0}")]
+    Profile(String),
     #[error("dataset: {0}")]
     Data(#[from] crate::train::data::DataError),
     #[error(transparent)]
@@ -69,6 +82,10 @@ pub async fn run(context: JobContext, spec: JobSpec) {
         JobSpec::Serve { model, max_batch_tokens, max_batch_requests, .. } => {
             serve::run(&context, model, max_batch_tokens as usize, max_batch_requests as usize).await
         }
+        JobSpec::Profile { model, batch_sizes } => match context.client.status(job, JobState::Running, None, None).await {
+            Ok(()) => profile::run(&context, model, batch_sizes).await,
+            Err(e) => Err(e.into()),
+        },
         JobSpec::Train(spec) => train::run(&context, spec).await,
     };
     let (state, message) = match outcome {

@@ -13,6 +13,7 @@ use uuid::Uuid;
 use super::{prefetch, JobContext, JobError};
 use crate::engine::{EmbeddingModel, EngineError};
 use crate::serve::batcher::{BatchLimits, Queue, Task};
+use crate::serve::binding::{bind, Binding, GPU_PROCESSES};
 use crate::serve::endpoint::Replica;
 
 /// Requests that may wait per replica, as a multiple of the batch's request cap.
@@ -36,6 +37,16 @@ fn warm_up(model: &EmbeddingModel, task: Task, max_batch_tokens: usize, max_batc
 }
 
 pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, max_batch_requests: usize) -> Result<String, JobError> {
+    let bound = match bind(context.slice.as_ref(), GPU_PROCESSES) {
+        Binding::Cpu { note } => note,
+        // Unreachable until GPU_PROCESSES is true: the per-slice process is the CUDA build's.
+        Binding::Process { env } => {
+            return Err(JobError::Profile(format!("per-slice engine processes ({env:?}) are not built yet")))
+        }
+    };
+    if !bound.is_empty() {
+        context.log(format!("replica {bound}")).await?;
+    }
     let (folder, summary) = prefetch::fetch(context, model_id).await?;
     context.log(summary).await?;
 
@@ -55,6 +66,10 @@ pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, 
     let queue = Queue::start(model.clone(), task, limits);
     let _registration = context.endpoint.add(context.job, Replica { model, model_id, task, queue });
     let url = context.endpoint.replica_url(context.job);
-    context.client.status(context.job, JobState::Running, Some(format!("Serving at {url}.")), Some(url)).await?;
+    let message = match &context.slice {
+        Some(slice) => format!("Serving at {url} on slice {}.", slice.uuid),
+        None => format!("Serving at {url}."),
+    };
+    context.client.status(context.job, JobState::Running, Some(message), Some(url)).await?;
     std::future::pending().await
 }

@@ -2,4 +2,5 @@
 //! queue, reachable through the worker's one engine endpoint at `/replicas/{id}/…`.
 
 pub mod batcher;
+pub mod binding;
 pub mod endpoint;

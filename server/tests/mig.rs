@@ -1,0 +1,272 @@
+//! MIG slices in the platform over real HTTP: workers report slices, replicas are bound
+//! to one slice each, throughput-SLO deployments are planned on the fleet (repartitioning
+//! idle simulated GPUs when allowed, saying what would change otherwise), and the
+//! throughput tables come from profile jobs.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{backends, model_form, tiny_model, TestServer, WORKER_TOKEN};
+
+fn slice(worker: &str, gpu: usize, i: usize, model: &str, profile: Option<&str>) -> Value {
+    json!({
+        "uuid": match profile { Some(_) => format!("MIG-sim-{worker}-{gpu}-{i}"), None => format!("GPU-sim-{worker}-{gpu}") },
+        "gpu_uuid": format!("GPU-sim-{worker}-{gpu}"), "gpu_index": gpu, "gpu_model": model,
+        "profile": profile, "start": null, "memory_bytes": 10u64 << 30, "simulated": true
+    })
+}
+
+/// Registers a worker offering simulated H100 slices with these profiles on GPU 0.
+async fn register(server: &TestServer, name: &str, profiles: &[&str], allow_repartition: bool) -> reqwest::Response {
+    let slices: Vec<Value> = profiles.iter().enumerate().map(|(i, p)| slice(name, 0, i, "H100-80GB", Some(p))).collect();
+    let inventory = json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1024, "slices": slices});
+    server
+        .post(WORKER_TOKEN, "/agent/register", json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": allow_repartition}))
+        .await
+}
+
+async fn secret_of(response: reqwest::Response) -> String {
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    response.json::<Value>().await.unwrap()["secret"].as_str().unwrap().to_string()
+}
+
+async fn upload_tiny(server: &TestServer, token: &str) {
+    let response = server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+}
+
+async fn claim(server: &TestServer, secret: &str, kinds: &[&str]) -> Option<Value> {
+    let response = server.post(secret, "/agent/claim", json!({"kinds": kinds})).await;
+    if response.status() != 200 {
+        return None;
+    }
+    Some(response.json().await.unwrap())
+}
+
+/// Records a measured throughput table for `tiny` through a profile job, as a worker would.
+async fn profile(server: &TestServer, admin: &str, secret: &str, table: &[(&str, f64)]) {
+    let job: Value = server.post(admin, "/models/tiny/profiles", json!({})).await.json().await.unwrap();
+    assert_eq!(job["spec"]["kind"], "profile");
+    assert_eq!(job["spec"]["batch_sizes"], json!([1, 2, 4, 8, 16, 32, 64]));
+    let leased = claim(server, secret, &["profile"]).await.expect("the profile job");
+    let id = leased["job_id"].as_str().unwrap();
+    let reports: Vec<Value> = table
+        .iter()
+        .map(|(profile, throughput)| {
+            json!({"gpu_model": "H100-80GB", "profile": profile, "simulated": true,
+                   "points": [{"batch_size": 1, "throughput": throughput / 4.0, "p99_ms": 5.0},
+                              {"batch_size": 16, "throughput": throughput, "p99_ms": 30.0},
+                              {"batch_size": 64, "throughput": throughput * 1.2, "p99_ms": 120.0}]})
+        })
+        .collect();
+    let response = server.post(secret, &format!("/agent/jobs/{id}/profiles"), json!(reports)).await;
+    assert_eq!(response.status(), 204, "{}", response.text().await.unwrap());
+    server.post(secret, &format!("/agent/jobs/{id}/status"), json!({"state": "succeeded"})).await;
+}
+
+async fn deploy_slo(server: &TestServer, token: &str, name: &str, throughput: f64) -> reqwest::Response {
+    server.post(token, "/deployments", json!({"name": name, "model": "tiny", "throughput": throughput, "latency_ms": 50})).await
+}
+
+async fn error_of(response: reqwest::Response) -> (u16, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    (status, body["error"]["message"].as_str().unwrap_or_default().to_string())
+}
+
+#[tokio::test]
+async fn workers_report_slices_with_legal_starts_and_cpu_workers_have_none() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        secret_of(register(&server, "mig-1", &["2g.20gb", "3g.40gb", "2g.20gb"], false).await).await;
+        server.register_worker("cpu-1").await;
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        let mig = workers.as_array().unwrap().iter().find(|w| w["name"] == "mig-1").unwrap();
+        let slices = mig["slices"].as_array().unwrap();
+        let layout: Vec<(&str, u64)> = slices.iter().map(|s| (s["profile"].as_str().unwrap(), s["start"].as_u64().unwrap())).collect();
+        assert_eq!(layout, vec![("2g.20gb", 0), ("2g.20gb", 2), ("3g.40gb", 4)], "arranged legally (2+2+3), by start");
+        assert!(slices.iter().all(|s| s["simulated"] == true && s["replica"].is_null()));
+        let cpu = workers.as_array().unwrap().iter().find(|w| w["name"] == "cpu-1").unwrap();
+        assert_eq!(cpu["slices"], json!([]));
+
+        let (status, message) = error_of(register(&server, "mig-2", &["4g.40gb", "4g.40gb"], false).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("GPU GPU-sim-mig-2-0: not a legal MIG partition"), "{message}");
+        let (status, message) = error_of(register(&server, "mig-3", &["1g.5gb"], false).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("H100-80GB has no MIG profile \"1g.5gb\""), "{message}");
+    }
+}
+
+#[tokio::test]
+async fn each_replica_is_bound_to_its_own_slice() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        let secret = secret_of(register(&server, "mig-1", &["4g.40gb", "3g.40gb"], false).await).await;
+        let response = server.post(&admin, "/deployments", json!({"name": "e", "model": "tiny", "replicas": 3})).await;
+        assert_eq!(response.status(), 201);
+
+        let first = claim(&server, &secret, &["serve"]).await.unwrap();
+        let second = claim(&server, &secret, &["serve"]).await.unwrap();
+        let bound = [first["slice"]["uuid"].as_str().unwrap(), second["slice"]["uuid"].as_str().unwrap()];
+        assert_ne!(bound[0], bound[1]);
+        assert_eq!(first["slice"]["profile"], "4g.40gb");
+        assert!(claim(&server, &secret, &["serve"]).await.is_none(), "both slices are busy");
+
+        // A CPU-only worker serves the third replica on its CPU.
+        let (_, cpu) = server.register_worker("cpu-1").await;
+        let third = claim(&server, &cpu, &["serve"]).await.unwrap();
+        assert!(third["slice"].is_null());
+
+        let deployment: Value = server.get(&admin, "/deployments/e").await.json().await.unwrap();
+        let mut slices: Vec<String> = deployment["replica_status"].as_array().unwrap().iter().map(|r| r["slice"].to_string()).collect();
+        slices.sort();
+        let mut expected = vec![Value::Null.to_string(), json!(bound[0]).to_string(), json!(bound[1]).to_string()];
+        expected.sort();
+        assert_eq!(slices, expected);
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        let mig = workers.as_array().unwrap().iter().find(|w| w["name"] == "mig-1").unwrap();
+        assert!(mig["slices"].as_array().unwrap().iter().all(|s| s["deployment"] == "e"));
+    }
+}
+
+#[tokio::test]
+async fn an_slo_deployment_is_planned_on_existing_slices_and_its_replicas_wait_for_them() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        let secret = secret_of(register(&server, "mig-1", &["3g.40gb", "2g.20gb", "2g.20gb"], false).await).await;
+        let (_, other) = server.register_worker("cpu-1").await;
+        profile(&server, &admin, &secret, &[("3g.40gb", 540.0), ("2g.20gb", 380.0)]).await;
+
+        let table: Value = server.get(&admin, "/models/tiny/profiles").await.json().await.unwrap();
+        let entries = table["entries"].as_array().unwrap();
+        assert!(entries.iter().any(|e| e["profile"] == "7g.80gb" && e["estimated"] == true));
+        assert!(entries.iter().any(|e| e["profile"] == "3g.40gb" && e["estimated"] == false && e["simulated"] == true));
+
+        let response = deploy_slo(&server, &admin, "bert", 900.0).await;
+        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+        let deployment: Value = response.json().await.unwrap();
+        let slo = &deployment["slo"];
+        assert!(slo["capacity"].as_f64().unwrap() >= 900.0, "{slo}");
+        assert_eq!(slo["applied"], false);
+        assert_eq!(slo["steps"], json!([]));
+        let planned: Vec<&str> = slo["slices"].as_array().unwrap().iter().map(|s| s["slice"].as_str().unwrap()).collect();
+        assert_eq!(planned.len(), 2, "a 2g and the 3g: {slo}");
+        assert_eq!(deployment["replicas"], 2);
+        let pinned: Vec<&str> = deployment["replica_status"].as_array().unwrap().iter().map(|r| r["slice"].as_str().unwrap()).collect();
+        assert_eq!(pinned.len(), 2);
+
+        // Another worker cannot take a replica pinned to this worker's slices.
+        assert!(claim(&server, &other, &["serve"]).await.is_none());
+        let mut bound = Vec::new();
+        while let Some(assignment) = claim(&server, &secret, &["serve"]).await {
+            bound.push(assignment["slice"]["uuid"].as_str().unwrap().to_string());
+        }
+        bound.sort();
+        let mut planned: Vec<String> = planned.into_iter().map(String::from).collect();
+        planned.sort();
+        assert_eq!(bound, planned);
+    }
+}
+
+#[tokio::test]
+async fn an_idle_simulated_gpu_is_repartitioned_when_its_worker_allows_it() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        let secret = secret_of(register(&server, "mig-1", &["7g.80gb"], true).await).await;
+        profile(&server, &admin, &secret, &[("1g.10gb", 200.0), ("7g.80gb", 1000.0)]).await;
+
+        let deployment: Value = deploy_slo(&server, &admin, "bert", 1200.0).await.json().await.unwrap();
+        let slo = &deployment["slo"];
+        assert_eq!(slo["applied"], true, "{slo}");
+        assert!(slo["capacity"].as_f64().unwrap() >= 1200.0);
+        let actions: Vec<&str> = slo["steps"].as_array().unwrap().iter().map(|s| s["action"].as_str().unwrap()).collect();
+        assert_eq!(actions[0], "destroy_slice");
+        assert!(actions.contains(&"create_slice") && actions.contains(&"start_replica"));
+
+        // The worker's recorded partition is the new one, and the replicas wait on it.
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        let slices = workers[0]["slices"].as_array().unwrap();
+        assert!(slices.iter().all(|s| s["profile"] != "7g.80gb"));
+        let planned = slo["slices"].as_array().unwrap();
+        assert!(planned.iter().all(|p| slices.iter().any(|s| s["uuid"] == p["slice"] && s["deployment"] == "bert")));
+        let assignment = claim(&server, &secret, &["serve"]).await.unwrap();
+        assert!(planned.iter().any(|p| p["slice"] == assignment["slice"]["uuid"]));
+
+        // Registering again (a restart) keeps the partition the scheduler applied.
+        secret_of(register(&server, "mig-1", &["7g.80gb"], true).await).await;
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        assert_eq!(workers[0]["slices"].as_array().unwrap().len(), slices.len());
+    }
+}
+
+#[tokio::test]
+async fn without_repartitioning_the_deployment_says_what_would_change() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        let secret = secret_of(register(&server, "mig-1", &["7g.80gb"], false).await).await;
+        profile(&server, &admin, &secret, &[("1g.10gb", 200.0), ("7g.80gb", 1000.0)]).await;
+
+        let deployment: Value = deploy_slo(&server, &admin, "bert", 1200.0).await.json().await.unwrap();
+        let slo = &deployment["slo"];
+        assert_eq!(slo["applied"], false);
+        assert_eq!(slo["capacity"], 1000.0, "it runs on the 7g it has");
+        let steps = slo["steps"].as_array().unwrap();
+        assert!(steps.iter().any(|s| s["action"] == "destroy_slice" && s["profile"] == "7g.80gb"));
+        assert!(steps.iter().any(|s| s["action"] == "start_replica" && s["service"] == "bert"));
+        assert!(slo["note"].as_str().unwrap().contains("--allow-repartition"));
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        assert_eq!(workers[0]["slices"][0]["profile"], "7g.80gb", "nothing was changed");
+    }
+}
+
+#[tokio::test]
+async fn bad_slo_requests_are_refused_with_what_to_fix() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        let body = json!({"name": "b", "model": "tiny", "replicas": 2, "throughput": 100});
+        let (status, message) = error_of(server.post(&admin, "/deployments", body).await).await;
+        assert_eq!(status, 400);
+        assert!(message.contains("either \"replicas\" or a throughput SLO"), "{message}");
+        let (status, message) = error_of(server.post(&admin, "/deployments", json!({"name": "b", "model": "tiny", "latency_ms": 5})).await).await;
+        assert_eq!(status, 400);
+        assert!(message.contains("comes with \"throughput\""), "{message}");
+        let (status, message) = error_of(deploy_slo(&server, &admin, "b", -3.0).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("positive number of requests per second"));
+        let (status, message) = error_of(deploy_slo(&server, &admin, "b", 100.0).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("has no throughput table yet"), "{message}");
+
+        let secret = secret_of(register(&server, "mig-1", &["7g.80gb"], false).await).await;
+        server.post(&admin, "/models/tiny/profiles", json!({})).await;
+        let job = claim(&server, &secret, &["profile"]).await.unwrap();
+        let id = job["job_id"].as_str().unwrap();
+        let report = json!([{"gpu_model": "H100-80GB", "profile": "5g.50gb", "simulated": true,
+                             "points": [{"batch_size": 1, "throughput": 10.0, "p99_ms": 1.0}]}]);
+        let (status, message) = error_of(server.post(&secret, &format!("/agent/jobs/{id}/profiles"), report).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("no MIG profile \"5g.50gb\""), "{message}");
+        let (status, message) = error_of(server.post(&admin, "/models/tiny/profiles", json!({"batch_sizes": [0]})).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("batch_sizes"), "{message}");
+
+        profile(&server, &admin, &secret, &[("7g.80gb", 1000.0)]).await;
+        assert_eq!(deploy_slo(&server, &admin, "ok", 100.0).await.status(), 201);
+        let response = server.http.patch(server.api("/deployments/ok")).bearer_auth(&admin).json(&json!({"replicas": 3})).send().await.unwrap();
+        let (status, message) = error_of(response).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("sized by its throughput SLO"));
+    }
+}

@@ -1,0 +1,232 @@
+//! End to end on CPU with a simulated MIG inventory: the real worker offers a split H100,
+//! a profile job measures MiniLM on its slices, a throughput-SLO deployment is planned
+//! onto the slices, its replicas bind to them and become ready, and embeddings flow
+//! through the gateway.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tessera_tests::{binary, eventually, Process};
+
+const WORKER_TOKEN: &str = "mig-e2e-worker-token";
+const MODEL_FILES: &[&str] = &[
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "1_Pooling/config.json",
+];
+
+fn minilm_dir() -> Option<PathBuf> {
+    let root = std::env::var("TESSERA_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+    let dir = root.join("all-MiniLM-L6-v2");
+    if dir.join("model.safetensors").exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
+        "{} is missing; run scripts/fetch-assets.sh",
+        dir.display()
+    );
+    eprintln!(
+        "skipping: {} is missing; run scripts/fetch-assets.sh",
+        dir.display()
+    );
+    None
+}
+
+async fn json_of(response: reqwest::Response) -> Value {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap();
+    assert!(status.is_success(), "{status}: {body}");
+    body
+}
+
+fn start_server(data_dir: &Path) -> (Process, String) {
+    let mut process = Process::spawn(
+        Command::new(binary("tessera-server"))
+            .args(["--bind", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
+            .env("TESSERA_HEARTBEAT_SECS", "1")
+            .env("TESSERA_LEASE_TTL_SECS", "5")
+            .env_remove("TESSERA_ADMIN_PASSWORD")
+            .env_remove("TESSERA_DATABASE_URL"),
+    );
+    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
+    let url = line.rsplit(' ').next().unwrap().trim().to_string();
+    (process, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
+    let Some(model_dir) = minilm_dir() else {
+        return;
+    };
+    let data = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let (mut server, url) = start_server(&data.path().join("server"));
+    let line = server.wait_for_line("with password: ", Duration::from_secs(5));
+    let password = line.rsplit(' ').next().unwrap().to_string();
+    let login = http
+        .post(format!("{url}/api/v1/auth/login"))
+        .json(&json!({"username": "admin", "password": password}))
+        .send()
+        .await
+        .unwrap();
+    let admin = json_of(login).await["token"].as_str().unwrap().to_string();
+    let mut form = reqwest::multipart::Form::new().text("name", "minilm");
+    for path in MODEL_FILES {
+        let bytes = std::fs::read(model_dir.join(path)).unwrap();
+        form = form.part(
+            "files",
+            reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()),
+        );
+    }
+    json_of(
+        http.post(format!("{url}/api/v1/models"))
+            .bearer_auth(&admin)
+            .multipart(form)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+
+    let worker = Process::spawn(
+        Command::new(binary("tessera-worker"))
+            .args(["--server", &url, "--name", "sim-h100", "--data-dir"])
+            .arg(data.path().join("worker"))
+            .args(["--simulate-gpus", "H100-80GB:mig=3g.40gb+2g.20gb+2g.20gb"])
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
+    );
+    let get = |path: String| {
+        let (http, admin) = (http.clone(), admin.clone());
+        async move { json_of(http.get(path).bearer_auth(admin).send().await.unwrap()).await }
+    };
+    let slices = eventually(
+        "the worker reports its slices",
+        Duration::from_secs(30),
+        || async {
+            let workers = get(format!("{url}/api/v1/workers")).await;
+            let slices = workers[0]["slices"].as_array().cloned().unwrap_or_default();
+            (slices.len() == 3).then_some(slices)
+        },
+    )
+    .await;
+    let layout: Vec<(String, u64)> = slices
+        .iter()
+        .map(|s| {
+            (
+                s["profile"].as_str().unwrap().into(),
+                s["start"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        layout,
+        vec![
+            ("2g.20gb".into(), 0),
+            ("2g.20gb".into(), 2),
+            ("3g.40gb".into(), 4)
+        ]
+    );
+
+    // The profiler measures the CPU engine behind each kind of simulated slice.
+    let response = http
+        .post(format!("{url}/api/v1/models/minilm/profiles"))
+        .bearer_auth(&admin)
+        .json(&json!({"batch_sizes": [1, 4]}))
+        .send()
+        .await
+        .unwrap();
+    let job = json_of(response).await["id"].as_str().unwrap().to_string();
+    eventually(
+        "the profile job succeeds",
+        Duration::from_secs(180),
+        || async {
+            let job = get(format!("{url}/api/v1/jobs/{job}")).await;
+            assert_ne!(job["state"], "failed", "{job}\n{}", worker.output());
+            (job["state"] == "succeeded").then_some(())
+        },
+    )
+    .await;
+    let table = get(format!("{url}/api/v1/models/minilm/profiles")).await;
+    let entries = table["entries"].as_array().unwrap();
+    let measured: Vec<&Value> = entries.iter().filter(|e| e["estimated"] == false).collect();
+    assert_eq!(
+        measured.len(),
+        4,
+        "two slice kinds at two batch sizes: {table}"
+    );
+    assert!(measured
+        .iter()
+        .all(|e| e["simulated"] == true && e["gpu_model"] == "H100-80GB"));
+    assert!(entries
+        .iter()
+        .any(|e| e["profile"] == "7g.80gb" && e["estimated"] == true));
+
+    // An SLO one 2g slice cannot meet alone: the planner binds it to two or more slices.
+    let best_2g = measured
+        .iter()
+        .filter(|e| e["profile"] == "2g.20gb")
+        .map(|e| e["throughput"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(&admin)
+        .json(&json!({"name": "minilm-slo", "model": "minilm", "throughput": best_2g * 1.5, "latency_ms": 60000, "max_batch_tokens": 2048}))
+        .send().await.unwrap();
+    let deployment = json_of(response).await;
+    let planned = deployment["slo"]["slices"].as_array().unwrap().clone();
+    assert!(planned.len() >= 2, "{deployment}");
+    assert!(deployment["slo"]["capacity"].as_f64().unwrap() >= best_2g * 1.5);
+
+    let ready = eventually(
+        "the SLO deployment is ready",
+        Duration::from_secs(180),
+        || async {
+            let d = get(format!("{url}/api/v1/deployments/minilm-slo")).await;
+            assert_ne!(d["state"], "failed", "{d}\n{}", worker.output());
+            (d["state"] == "ready").then_some(d)
+        },
+    )
+    .await;
+    for replica in ready["replica_status"].as_array().unwrap() {
+        assert!(
+            planned.iter().any(|p| p["slice"] == replica["slice"]),
+            "{replica} is bound to a planned slice"
+        );
+        assert!(
+            replica["message"]
+                .as_str()
+                .unwrap()
+                .contains("on slice MIG-sim-sim-h100-0-"),
+            "{replica}"
+        );
+    }
+    assert!(worker.output().contains("the CPU engine serves it"));
+    let workers = get(format!("{url}/api/v1/workers")).await;
+    let bound = workers[0]["slices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["deployment"] == "minilm-slo")
+        .count();
+    assert_eq!(bound, planned.len());
+
+    let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
+        .json(&json!({"model": "minilm-slo", "input": ["a slice of a GPU", "served on the CPU engine"]})).send().await.unwrap();
+    let body = json_of(response).await;
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["embedding"].as_array().unwrap().len(), 384);
+    drop(server);
+}
