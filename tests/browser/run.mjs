@@ -1,7 +1,8 @@
 // Browser test of the Tessera dashboard. Starts the real server and worker binaries on
 // loopback with throwaway data directories, drives the system Chromium through the
 // pages a person uses (sign in, upload the real MiniLM folder, watch the worker come
-// online, prefetch the model onto it), and saves a screenshot of each page.
+// online, prefetch the model onto it, deploy it, watch inference traffic arrive on the
+// deployment page, delete it), and saves a screenshot of each page.
 //
 //   node tests/browser/run.mjs
 //
@@ -26,11 +27,13 @@ const modelDir = path.join(process.env.TESSERA_ASSETS || path.join(repo, ".asset
 const chromiumPath = process.env.TESSERA_CHROMIUM || "/usr/bin/chromium";
 const shotsDir = path.join(here, "screenshots");
 
-const OVERALL_TIMEOUT_MS = 120_000;
+const OVERALL_TIMEOUT_MS = 180_000;
 const ADMIN_PASSWORD = "browser-test-admin-pw";
 const WORKER_TOKEN = "browser-test-worker-token";
 const WORKER_NAME = "browser-worker";
 const MODEL_NAME = "all-MiniLM-L6-v2";
+const DEPLOYMENT_NAME = "minilm";
+const GATEWAY_REQUESTS = 6;
 
 const results = [];
 const children = [];
@@ -265,16 +268,91 @@ async function main() {
       await shot(page, "08-job-detail");
       assert(state === "succeeded", `the job ended ${state}: ${await page.locator("#job-detail").innerText()}`);
     });
+
+    let deploymentPage = null;
+    await check("a deployment created from the dashboard becomes ready on the worker", async () => {
+      await page.goto(`${base}/deployments`);
+      await page.fill('#new-deployment input[name="name"]', DEPLOYMENT_NAME);
+      await page.selectOption('#new-deployment select[name="model"]', { label: MODEL_NAME });
+      await page.fill('#new-deployment input[name="replicas"]', "1");
+      await Promise.all([page.waitForURL(/\/deployments\/[0-9a-f-]{36}$/), page.click('#new-deployment button[type="submit"]')]);
+      deploymentPage = page.url();
+      // The page follows the replica live: pending, loading, then ready once the engine has loaded.
+      await page.locator("#deployment-detail .state-line .badge-ready, #deployment-detail .state-line .badge-failed").first().waitFor({ timeout: 60_000 });
+      const state = await page.locator("#deployment-detail .state-line .badge").innerText();
+      assert(state === "ready", `the deployment is ${state}: ${await page.locator("#deployment-detail").innerText()}`);
+      const replica = await page.locator("#deployment-detail tr[data-replica]").innerText();
+      assert(replica.includes(WORKER_NAME) && replica.includes("http://"), `replica row: ${replica}`);
+    });
+
+    await check("inference requests show up live in the deployment's traffic figures and charts", async () => {
+      assert(deploymentPage, "no deployment");
+      const login = await fetch(`${base}/api/v1/auth/login`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ username: "admin", password: ADMIN_PASSWORD }),
+      });
+      const session = (await login.json()).token;
+      const created = await fetch(`${base}/api/v1/tokens`, {
+        method: "POST",
+        headers: { "content-type": "application/json", authorization: `Bearer ${session}` },
+        body: JSON.stringify({ name: "browser-test" }),
+      });
+      const token = (await created.json()).token;
+      for (let i = 0; i < GATEWAY_REQUESTS; i += 1) {
+        const response = await fetch(`${base}/v1/embeddings`, {
+          method: "POST",
+          headers: { "content-type": "application/json", authorization: `Bearer ${token}` },
+          body: JSON.stringify({ model: DEPLOYMENT_NAME, input: `a sentence to embed, number ${i}` }),
+        });
+        assert(response.ok, `embeddings answered ${response.status}: ${await response.text()}`);
+      }
+      // No reload: the live region picks the figures up on its own.
+      const requests = page.locator('#deployment-detail [data-figure="Requests"] .stat-value');
+      await page.waitForFunction(
+        (expected) => Number(document.querySelector('#deployment-detail [data-figure="Requests"] .stat-value')?.textContent) >= expected,
+        GATEWAY_REQUESTS,
+        { timeout: 15_000 },
+      );
+      assert(Number(await requests.innerText()) === GATEWAY_REQUESTS, `requests shown: ${await requests.innerText()}`);
+      const p50 = await page.locator('#deployment-detail [data-figure="p50 latency"] .stat-value').innerText();
+      assert(/^[\d.]+ ms$/.test(p50), `p50 latency shown: ${p50}`);
+      for (const chart of ["Request rate", "Latency", "Batch size", "Tokens per batch"]) {
+        const drawn = await page.locator(`#deployment-detail [data-chart="${chart}"] svg path`).first().getAttribute("d");
+        assert(drawn && drawn.startsWith("M"), `the ${chart} chart has no line: ${drawn}`);
+      }
+      await shot(page, "09-deployment");
+    });
+
+    await check("the deployments list shows replicas ready and the request rate", async () => {
+      await page.goto(`${base}/deployments`);
+      const row = await page.locator(`tr[data-deployment="${DEPLOYMENT_NAME}"]`).innerText();
+      assert(row.includes("1/1") && row.includes("ready") && row.includes(MODEL_NAME), row);
+      await shot(page, "10-deployments");
+    });
+
+    await check("deleting the deployment from its page stops it", async () => {
+      assert(deploymentPage, "no deployment");
+      await page.goto(deploymentPage);
+      page.once("dialog", (dialog) => dialog.accept());
+      await Promise.all([page.waitForURL(`${base}/deployments`), page.click('button:has-text("Delete")')]);
+      await page.getByText("No deployments yet").waitFor();
+    });
   } else {
-    skip("the worker shows as online", "the worker did not start");
-    skip("a prefetch job submitted from the model page succeeds on the worker", "the worker did not start");
+    for (const name of [
+      "the worker shows as online",
+      "a prefetch job submitted from the model page succeeds on the worker",
+      "a deployment created from the dashboard becomes ready on the worker",
+    ]) {
+      skip(name, "the worker did not start");
+    }
   }
 
   await check("the jobs page lists jobs with state tabs", async () => {
     await page.goto(`${base}/jobs`);
     const body = await page.locator("main").innerText();
     assert(/all\s*\d+/i.test(body), "state tabs with counts");
-    await shot(page, "09-jobs");
+    await shot(page, "11-jobs");
   });
 
   await check("the API page lists the routes", async () => {
@@ -283,7 +361,7 @@ async function main() {
     await page.locator("#post-api-v1-models > summary").click();
     const body = await page.locator("main").innerText();
     assert(body.includes("/api/v1/models") && body.includes("openapi.json"), "routes listed");
-    await page.screenshot({ path: path.join(shotsDir, "10-api-docs.png") });
+    await page.screenshot({ path: path.join(shotsDir, "12-api-docs.png") });
   });
 
   await check("logging out ends the session", async () => {

@@ -6,6 +6,8 @@
 /// The drawing box; the SVG stretches it to the card's width.
 const WIDTH: f64 = 300.0;
 const HEIGHT: f64 = 80.0;
+/// Width of the dash that draws a lone value.
+const DASH: f64 = 4.0;
 
 pub struct Line {
     /// Legend text, e.g. `p95`.
@@ -37,7 +39,7 @@ fn round_up(value: f64) -> f64 {
 }
 
 /// Path data for `values` (oldest first) on a y axis from 0 to `top`. An isolated value
-/// becomes a zero-length segment, which a round line cap draws as a dot.
+/// (a bucket between two empty ones) becomes a short dash, so it stays visible.
 fn path(values: &[Option<f64>], top: f64) -> String {
     let step = WIDTH / (values.len().max(2) - 1) as f64;
     let mut out = String::new();
@@ -50,11 +52,15 @@ fn path(values: &[Option<f64>], top: f64) -> String {
         let (x, y) = (i as f64 * step, HEIGHT - (v / top).clamp(0.0, 1.0) * HEIGHT);
         let continues = drawing;
         drawing = true;
+        let separator = if out.is_empty() { "" } else { " " };
+        let isolated = values.get(i + 1).copied().flatten().is_none();
         if continues {
             out.push_str(&format!(" L{x:.1} {y:.1}"));
+        } else if isolated {
+            let start = (x - DASH / 2.0).clamp(0.0, WIDTH - DASH);
+            out.push_str(&format!("{separator}M{start:.1} {y:.1} h{DASH}"));
         } else {
-            let isolated = values.get(i + 1).copied().flatten().is_none();
-            out.push_str(&format!("{}M{x:.1} {y:.1}{}", if out.is_empty() { "" } else { " " }, if isolated { " l0 0" } else { "" }));
+            out.push_str(&format!("{separator}M{x:.1} {y:.1}"));
         }
     }
     out
@@ -95,9 +101,9 @@ mod tests {
     }
 
     #[test]
-    fn gaps_break_the_line_and_lone_points_are_dots() {
+    fn gaps_break_the_line_and_lone_values_are_dashes() {
         let values = [Some(0.0), Some(10.0), None, Some(5.0), None];
-        assert_eq!(path(&values, 10.0), "M0.0 80.0 L75.0 0.0 M225.0 40.0 l0 0");
+        assert_eq!(path(&values, 10.0), "M0.0 80.0 L75.0 0.0 M223.0 40.0 h4");
         assert_eq!(path(&[None, None], 1.0), "");
     }
 
