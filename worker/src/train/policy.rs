@@ -165,6 +165,10 @@ impl LrPolicy for AutoLrsPolicy {
         self.state = serde_json::from_value(state).map_err(|e| e.to_string())?;
         Ok(())
     }
+
+    fn searching(&self) -> bool {
+        matches!(self.state.tuner.action(), Action::TrainCandidate { .. })
+    }
 }
 
 /// The policy a job's `lr_schedule` asks for, for a run of `max_steps`.

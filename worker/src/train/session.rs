@@ -41,6 +41,11 @@ pub trait LrPolicy: Send {
     /// Everything needed to continue exactly from here, for a checkpoint.
     fn state(&self) -> serde_json::Value;
     fn restore(&mut self, state: serde_json::Value) -> Result<(), String>;
+    /// Whether the current steps are a search from a snapshot that will be restored, so a
+    /// loss that blows up is a finding (AutoLRS scores it 1e6), not the end of the run.
+    fn searching(&self) -> bool {
+        false
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,11 +174,16 @@ impl Session {
                     let started = Instant::now();
                     let loss = self.trainer.step(lr)?;
                     self.step += 1;
-                    if !loss.is_finite() {
+                    if !loss.is_finite() && !self.policy.searching() {
                         return Err(SessionError::Diverged { step: self.step, loss });
                     }
                     let throughput = self.trainer.batch_size() as f64 / started.elapsed().as_secs_f64().max(1e-9);
-                    emit(Event::Step(row(self.step, [("loss", loss), ("lr", lr), ("throughput", throughput)])));
+                    // JSON has no NaN: a diverged search step is recorded without its loss.
+                    let loss_value = Some(("loss", loss)).filter(|_| loss.is_finite());
+                    emit(Event::Step(row(
+                        self.step,
+                        loss_value.into_iter().chain([("lr", lr), ("throughput", throughput)]),
+                    )));
                     self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
                     for record in self.policy.take_stage_updates() {
                         emit(Event::Stage(record));
