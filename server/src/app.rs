@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::db::Db;
 use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
-use crate::{accounts, deployments, error, fleet, jobs, openapi, registry, telemetry, web, workers};
+use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
 
 #[derive(Clone)]
 pub struct AppState {
@@ -90,21 +90,34 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::get))
         .routes(routes!(jobs::cancel))
         .routes(routes!(jobs::logs))
-        .routes(routes!(jobs::metrics))
+        .routes(routes!(training::routes::job_metrics))
+        .routes(routes!(training::routes::job_lr_stages))
+        .routes(routes!(training::routes::job_checkpoints))
+        .routes(routes!(training::routes::checkpoint_file))
+        .routes(without_body_limit(routes!(datasets::upload, datasets::list)))
+        .routes(routes!(datasets::get, datasets::delete))
+        .routes(routes!(datasets::download))
         .routes(routes!(deployments::create, deployments::list))
         .routes(routes!(deployments::get, deployments::update, deployments::delete))
         .routes(routes!(deployments::stats))
         .routes(routes!(workers::list))
+        .routes(routes!(fleet::profiles::create, fleet::profiles::get))
+        .routes(routes!(fleet::profiles::agent_report))
         .routes(routes!(workers::agent::register))
         .routes(routes!(workers::agent::heartbeat))
         .routes(routes!(workers::agent::claim))
         .routes(routes!(workers::agent::report_status))
         .routes(routes!(workers::agent::append_logs))
         .routes(routes!(workers::agent::record_metrics))
-        .routes(routes!(fleet::profiles::create, fleet::profiles::get))
-        .routes(routes!(fleet::profiles::agent_report))
         .routes(routes!(registry::agent_get))
         .routes(routes!(registry::agent_download))
+        .routes(routes!(datasets::agent_get))
+        .routes(routes!(datasets::agent_download))
+        .routes(routes!(training::routes::agent_metrics))
+        .routes(routes!(training::routes::agent_lr_stage))
+        .routes(without_body_limit(routes!(training::routes::agent_upload_checkpoint)))
+        .routes(routes!(training::routes::agent_latest_checkpoint))
+        .routes(routes!(training::routes::agent_checkpoint_file))
 }
 
 /// Uploads are capped by the registry while they stream, not by axum's body limit

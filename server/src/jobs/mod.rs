@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 use sqlx::any::AnyRow;
 use sqlx::Row;
-use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, LogLine, MetricPoint};
+use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, LogLine};
 use tessera_api::train::TrainProgress;
 use uuid::Uuid;
 
@@ -68,7 +68,9 @@ async fn resolve_spec(state: &AppState, principal: &Principal, spec: serde_json:
         }
         _ => Err(Error::invalid(
             "invalid_spec",
-            format!("Unknown job kind {kind:?}; the spec's \"kind\" must be one of: prefetch."),
+            format!(
+                "Unknown job kind {kind:?}; the spec's \"kind\" must be prefetch (a training job puts its fields at the top level, without \"spec\")."
+            ),
         )),
     }
 }
@@ -127,14 +129,38 @@ pub async fn list_visible(db: &Db, principal: &Principal, state: Option<JobState
     rows.iter().map(job_from_row).collect()
 }
 
-/// Submit a job to the queue.
-#[utoipa::path(post, path = "/api/v1/jobs", tag = "jobs", security(("bearer" = [])), request_body = CreateJob,
+/// A job body: the generic `{"name", "spec": {"kind", …}}` form, or a training job's
+/// fields at the top level (see `tessera_api::train::CreateTrainJob`). Only for the
+/// OpenAPI document: the handler tells the two apart by the `spec` field, so each gets
+/// error messages of its own.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub enum SubmitJob {
+    Generic(CreateJob),
+    Train(tessera_api::train::CreateTrainJob),
+}
+
+/// Submit a job to the queue: a training job (its spec's fields at the top level), or
+/// another kind as `{"name", "spec": {"kind": …}}`.
+#[utoipa::path(post, path = "/api/v1/jobs", tag = "jobs", security(("bearer" = [])), request_body = SubmitJob,
     responses((status = 201, body = Job), (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
-    ApiJson(request): ApiJson<CreateJob>,
+    ApiJson(body): ApiJson<serde_json::Value>,
 ) -> Result<(StatusCode, ApiJson<Job>)> {
+    let id = if body.get("spec").is_some() {
+        let request: CreateJob = serde_json::from_value(body)
+            .map_err(|e| Error::BadRequest(format!("The request body does not fit a job: {e}")))?;
+        submit(&state, &principal, request).await?
+    } else {
+        crate::training::spec::submit(&state, &principal, body).await?
+    };
+    Ok((StatusCode::CREATED, ApiJson(get_visible(&state.db, &principal, id).await?)))
+}
+
+/// Queues a job of a generic kind (`{"name", "spec": {"kind": …}}`); returns its id.
+pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob) -> Result<Uuid> {
     let name = request.name.trim();
     if name.is_empty() || name.len() > 200 {
         return Err(Error::invalid("invalid_name", "A job name has 1 to 200 characters."));
@@ -143,9 +169,8 @@ pub async fn create(
     if !(1..=100).contains(&max_attempts) {
         return Err(Error::invalid("invalid_spec", "max_attempts must be between 1 and 100."));
     }
-    let spec = resolve_spec(&state, &principal, request.spec).await?;
-    let id = insert(&state.db, principal.id, name, &spec, max_attempts, None).await?;
-    Ok((StatusCode::CREATED, ApiJson(get_visible(&state.db, &principal, id).await?)))
+    let spec = resolve_spec(state, principal, request.spec).await?;
+    insert(&state.db, principal.id, name, &spec, max_attempts, None).await
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -231,31 +256,4 @@ pub async fn read_logs(db: &Db, job: Uuid, after: i64, limit: i64) -> Result<Vec
     rows.iter()
         .map(|r| Ok(LogLine { seq: r.try_get("seq")?, at: db::time(r.try_get("at")?), line: r.try_get("line")? }))
         .collect()
-}
-
-/// A job's metric points, by name and step.
-#[utoipa::path(get, path = "/api/v1/jobs/{id}/metrics", tag = "jobs", security(("bearer" = [])),
-    params(("id" = Uuid, Path)), responses((status = 200, body = Vec<MetricPoint>)))]
-pub async fn metrics(
-    State(state): State<AppState>,
-    principal: Principal,
-    ApiPath(id): ApiPath<Uuid>,
-) -> Result<ApiJson<Vec<MetricPoint>>> {
-    get_visible(&state.db, &principal, id).await?;
-    let rows = sqlx::query("SELECT name, step, value, at FROM job_metrics WHERE job_id = $1 ORDER BY name, step")
-        .bind(id.to_string())
-        .fetch_all(state.db.pool())
-        .await?;
-    let points = rows
-        .iter()
-        .map(|r| {
-            Ok(MetricPoint {
-                name: r.try_get("name")?,
-                step: r.try_get("step")?,
-                value: r.try_get("value")?,
-                at: Some(db::time(r.try_get("at")?)),
-            })
-        })
-        .collect::<Result<_>>()?;
-    Ok(ApiJson(points))
 }

@@ -35,7 +35,8 @@ fn model_digest(staged: &Staged) -> String {
     format!("sha256:{}", hex::encode(hasher.finalize()))
 }
 
-fn check_name(name: Option<&str>) -> Result<String> {
+/// Names of models and datasets: safe in URLs and file names.
+pub(crate) fn check_name(name: Option<&str>, what: &str) -> Result<String> {
     let name = name.unwrap_or_default();
     let ok = (1..=128).contains(&name.len())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
@@ -45,14 +46,14 @@ fn check_name(name: Option<&str>) -> Result<String> {
     } else {
         Err(Error::invalid(
             "invalid_name",
-            "Give the model a 'name' of 1 to 128 letters, digits, '_', '-' or '.', not starting with '.'.",
+            format!("Give the {what} a 'name' of 1 to 128 letters, digits, '_', '-' or '.', not starting with '.'."),
         ))
     }
 }
 
 /// Validates staged files and registers them as a model owned by `owner`.
 pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Result<Model> {
-    let name = check_name(staged.name.as_deref())?;
+    let name = check_name(staged.name.as_deref(), "model")?;
     if find_by_name(state, &owner.id.to_string(), &name).await?.is_some() {
         return Err(Error::Conflict(format!("You already have a model named '{name}'; delete it or pick another name.")));
     }
@@ -133,13 +134,19 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
     })
 }
 
-/// Removes blobs no model references any more. Call with the registry lock held.
-async fn collect_garbage(state: &AppState, digests: Vec<String>) -> Result<()> {
+/// Removes blobs nothing references any more: no model file, dataset or checkpoint
+/// file (they share the store, so the same bytes are kept once). Call with the
+/// registry lock held.
+pub(crate) async fn collect_garbage(state: &AppState, digests: Vec<String>) -> Result<()> {
     for digest in digests {
-        let used: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM model_files WHERE digest = $1")
-            .bind(&digest)
-            .fetch_one(state.db.pool())
-            .await?;
+        let used: i64 = sqlx::query_scalar(
+            "SELECT (SELECT COUNT(*) FROM model_files WHERE digest = $1) \
+             + (SELECT COUNT(*) FROM datasets WHERE digest = $1) \
+             + (SELECT COUNT(*) FROM checkpoint_files WHERE digest = $1)",
+        )
+        .bind(&digest)
+        .fetch_one(state.db.pool())
+        .await?;
         if used == 0 {
             state.blobs.remove(&digest).await?;
         }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use axum::extract::multipart::Field;
 use axum::extract::Multipart;
 use tokio::io::AsyncReadExt;
 
@@ -32,6 +33,32 @@ pub struct Validated {
     pub pooling: Option<Pooling>,
 }
 
+const TOO_LARGE: &str = "The model is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).";
+
+/// Takes `bytes` from what an upload may still send; `too_large` is the 413's sentence.
+fn spend(budget: &mut u64, bytes: usize, too_large: &str) -> Result<()> {
+    *budget = budget.checked_sub(bytes as u64).ok_or_else(|| Error::PayloadTooLarge(too_large.into()))?;
+    Ok(())
+}
+
+/// Streams one multipart part into a temp blob, hashing as it goes and stopping with a
+/// 413 once `budget` is spent. Shared by every upload (models, datasets, checkpoints);
+/// the blob is deleted if the caller drops it without committing it.
+pub async fn stream_to_blob(
+    field: &mut Field<'_>,
+    blobs: &BlobStore,
+    budget: &mut u64,
+    too_large: &str,
+) -> Result<(TempBlob, String)> {
+    let mut blob = blobs.begin().await?;
+    while let Some(chunk) = field.chunk().await? {
+        spend(budget, chunk.len(), too_large)?;
+        blob.write(&chunk).await?;
+    }
+    let digest = blob.finish().await?;
+    Ok((blob, digest))
+}
+
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid("invalid_model", message)
 }
@@ -54,10 +81,7 @@ impl Staged {
     }
 
     fn spend(&mut self, bytes: usize) -> Result<()> {
-        self.budget = self.budget.checked_sub(bytes as u64).ok_or_else(|| {
-            Error::PayloadTooLarge("The model is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).".into())
-        })?;
-        Ok(())
+        spend(&mut self.budget, bytes, TOO_LARGE)
     }
 
     /// Reads `multipart/form-data`: a text field `name` and one `files` part per file,
@@ -75,12 +99,7 @@ impl Staged {
                         Error::BadRequest("Each 'files' part needs a filename: the file's path in the model folder.".into())
                     })?;
                     let role = staged.check_new_path(&path)?;
-                    let mut blob = blobs.begin().await?;
-                    while let Some(chunk) = field.chunk().await? {
-                        staged.spend(chunk.len())?;
-                        blob.write(&chunk).await?;
-                    }
-                    let digest = blob.finish().await?;
+                    let (blob, digest) = stream_to_blob(&mut field, blobs, &mut staged.budget, TOO_LARGE).await?;
                     staged.files.insert(path, StagedFile { role, blob, digest });
                 }
                 other => {

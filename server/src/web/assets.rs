@@ -13,6 +13,8 @@ const FILES: &[(&str, &str, &str)] = &[
     ("app.css", "text/css; charset=utf-8", include_str!("../../../web/app.css")),
     ("app.js", "text/javascript; charset=utf-8", include_str!("../../../web/app.js")),
     ("favicon.svg", "image/svg+xml", include_str!("../../../web/favicon.svg")),
+    ("train.css", "text/css; charset=utf-8", include_str!("../../../web/train.css")),
+    ("train.js", "text/javascript; charset=utf-8", include_str!("../../../web/train.js")),
 ];
 
 static VERSION: LazyLock<String> = LazyLock::new(|| {

@@ -12,11 +12,12 @@ use axum::Form;
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, MetricPoint};
+use tessera_api::train::{TrainModel, TrainingMetrics};
 use uuid::Uuid;
 
-use super::{format, render, with_status, Layout, WebUser};
+use super::{format, render, training, with_status, Layout, WebUser};
 use crate::app::AppState;
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{ApiPath, Error, Result};
 use crate::{jobs, registry, workers};
 
 /// The log lines a job page shows: the latest ones, which is what a person follows.
@@ -36,6 +37,8 @@ struct JobRow {
     created_at: String,
     updated_ago: String,
     updated_at: String,
+    /// Training jobs: step of max_steps, ETA and best evaluation.
+    progress: Option<training::ProgressView>,
 }
 
 struct StateTab {
@@ -99,7 +102,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
             count: all.iter().filter(|j| j.state == s).count(),
             active: filter == Some(s),
         }));
-        let rows: Vec<JobRow> = all
+        let mut rows: Vec<JobRow> = all
             .iter()
             .filter(|job| filter.is_none_or(|s| job.state == s))
             .map(|job| JobRow {
@@ -114,8 +117,13 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
                 created_at: format::instant(job.created_at),
                 updated_ago: format::ago(job.updated_at, now),
                 updated_at: format::instant(job.updated_at),
+                progress: None,
             })
             .collect();
+        let shown = all.iter().filter(|job| filter.is_none_or(|s| job.state == s));
+        for (row, job) in rows.iter_mut().zip(shown) {
+            row.progress = training::progress(&state, job).await?;
+        }
         let filter_name = filter.map(JobState::as_str).unwrap_or("");
         if query.fragment.is_some() {
             let table = JobsTable { tabs, rows, filter: filter_name, total: all.len() };
@@ -171,6 +179,28 @@ struct MetricSeries {
     sparkline: String,
 }
 
+/// Points per metric the summary reads (downsampled: a long training run has 100k).
+const SUMMARY_POINTS: usize = 400;
+
+/// The rows of a metrics report as points ordered by name, then step.
+fn metric_points(recorded: &TrainingMetrics) -> Vec<MetricPoint> {
+    let mut points: Vec<MetricPoint> = recorded
+        .steps
+        .iter()
+        .chain(&recorded.evals)
+        .flat_map(|row| {
+            row.values.iter().map(|(name, value)| MetricPoint {
+                name: name.clone(),
+                step: row.step as i64,
+                value: *value,
+                at: None,
+            })
+        })
+        .collect();
+    points.sort_by(|a, b| a.name.cmp(&b.name).then(a.step.cmp(&b.step)));
+    points
+}
+
 /// Groups points (ordered by name, then step) into one series per metric.
 fn series(points: &[MetricPoint]) -> Vec<MetricSeries> {
     points
@@ -212,6 +242,8 @@ struct JobView {
     metrics: Vec<MetricView>,
     /// A refused action (cancelling an ended job) shown above the details.
     alert: Option<String>,
+    /// Training jobs: progress, checkpoints and the AutoLRS panel.
+    training: Option<training::TrainingView>,
 }
 
 #[derive(Template)]
@@ -234,13 +266,23 @@ fn timing(label: &'static str, at: Option<DateTime<Utc>>, now: DateTime<Utc>) ->
 async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView> {
     let now = Utc::now();
     let (model, purpose) = match &job.spec {
-        JobSpec::Prefetch { model } => (*model, String::new()),
-        JobSpec::Serve { model, deployment, .. } => (*model, format!(" for deployment {}", &deployment.to_string()[..8])),
+        JobSpec::Prefetch { model } => (Some(*model), String::new()),
+        JobSpec::Profile { model, .. } => (Some(*model), " (profiled)".to_string()),
+        JobSpec::Serve { model, deployment, .. } => {
+            (Some(*model), format!(" for deployment {}", &deployment.to_string()[..8]))
+        }
+        JobSpec::Train(train) => match &train.model {
+            TrainModel::Registered { id, .. } => (Some(*id), " (fine-tuned)".to_string()),
+            TrainModel::Mlp { hidden } => (None, format!("MLP {hidden:?}")),
+        },
     };
-    let (target_label, target_href) = match registry::resolve(state, &user.0, &model.to_string()).await {
-        Ok(found) => (format!("model {}{purpose}", found.name), Some(format!("/models/{}", found.id))),
-        Err(Error::NotFound(_)) => (format!("model {model} (deleted){purpose}"), None),
-        Err(error) => return Err(error),
+    let (target_label, target_href) = match model {
+        None => (purpose, None),
+        Some(model) => match registry::resolve(state, &user.0, &model.to_string()).await {
+            Ok(found) => (format!("model {}{purpose}", found.name), Some(format!("/models/{}", found.id))),
+            Err(Error::NotFound(_)) => (format!("model {model} (deleted){purpose}"), None),
+            Err(error) => return Err(error),
+        },
     };
     let worker = match job.worker_id {
         Some(id) => Some(worker_label(&worker_names(state).await?, id)),
@@ -271,7 +313,7 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
         .drain(logs_skipped..)
         .map(|l| LogView { seq: l.seq, at: l.at.format("%H:%M:%S").to_string(), line: l.line })
         .collect();
-    let ApiJson(points) = jobs::metrics(State(state.clone()), user.0.clone(), ApiPath(job.id)).await?;
+    let points = metric_points(&crate::training::metrics::read(&state.db, job.id, Some(SUMMARY_POINTS)).await?);
     let series = series(&points);
     let metrics = points
         .into_iter()
@@ -282,7 +324,9 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
             at: p.at.map(format::instant).unwrap_or_default(),
         })
         .collect();
+    let training = training::view(state, &job).await?;
     Ok(JobView {
+        training,
         id: job.id.to_string(),
         name: job.name,
         owner: job.owner,
@@ -436,7 +480,8 @@ async fn submit(state: &AppState, user: &WebUser, form: &NewJobForm) -> Result<J
         spec: serde_json::json!({"kind": "prefetch", "model": form.model}),
         max_attempts,
     };
-    let (_, ApiJson(job)) = jobs::create(State(state.clone()), user.0.clone(), ApiJson(request)).await?;
+    let id = jobs::submit(state, &user.0, request).await?;
+    let job = jobs::get_visible(&state.db, &user.0, id).await?;
     tracing::info!(job = %job.id, user = %user.0.username, "job submitted from the dashboard");
     Ok(job)
 }

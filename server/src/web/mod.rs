@@ -5,12 +5,14 @@
 mod api_docs;
 mod assets;
 mod chart;
+mod datasets;
 mod deployments;
 mod format;
 mod jobs;
-mod models;
 mod mig;
+mod models;
 mod session;
+mod training;
 mod workers;
 
 use askama::Template;
@@ -37,7 +39,14 @@ pub fn routes() -> Router<AppState> {
         .route("/models/{id}/delete", post(models::delete))
         .route("/jobs", get(jobs::list))
         .route("/jobs/new", get(jobs::new_form).post(jobs::create))
+        .route("/jobs/compare", get(training::compare))
         .route("/jobs/{id}", get(jobs::detail))
+        .route("/jobs/{id}/series", get(training::series))
+        .route("/jobs/{id}/checkpoints/{step}/files/{name}", get(training::checkpoint_file))
+        .route("/datasets", get(datasets::list))
+        // Uploads are capped while streaming, as on the API route.
+        .route("/datasets/upload", post(datasets::upload).layer(DefaultBodyLimit::disable()))
+        .route("/datasets/{id}/delete", post(datasets::delete))
         .route("/jobs/{id}/cancel", post(jobs::cancel))
         .route("/deployments", get(deployments::list).post(deployments::create))
         .route("/deployments/{id}", get(deployments::detail))

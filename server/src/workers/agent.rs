@@ -19,6 +19,7 @@ use crate::auth::{secrets, AgentAuth};
 use crate::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::jobs::queue;
+use crate::training::metrics;
 
 fn check_join_token(state: &AppState, headers: &HeaderMap) -> Result<()> {
     let expected = state.config.worker_token.as_deref().ok_or_else(|| {
@@ -121,8 +122,8 @@ pub async fn claim(
     let Some(claimed) = queue::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state), &free).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
-    let spec = serde_json::from_str(&claimed.spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?;
     let slice = crate::fleet::slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
+    let spec = serde_json::from_str(&claimed.spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?;
     Ok(ApiJson(Assignment {
         job_id: claimed.job_id,
         spec,
@@ -218,7 +219,8 @@ pub async fn append_logs(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Record metric points of a leased job.
+/// Record metric points of a leased job (one per name and step: a point reported again
+/// replaces the earlier one). Training jobs report through `training-metrics`.
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/metrics", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = MetricBatch, responses((status = 204)))]
 pub async fn record_metrics(
@@ -228,21 +230,18 @@ pub async fn record_metrics(
     ApiJson(batch): ApiJson<MetricBatch>,
 ) -> Result<StatusCode> {
     check_lease(&state, agent.worker_id, job).await?;
-    if batch.points.iter().any(|p| !p.value.is_finite() || p.name.is_empty() || p.name.len() > 200) {
-        return Err(Error::invalid("invalid_metric", "Metric names have 1 to 200 characters and values are finite."));
-    }
-    let mut tx = state.db.pool().begin().await?;
     let now = now_ms();
-    for point in &batch.points {
-        sqlx::query("INSERT INTO job_metrics (job_id, name, step, value, at) VALUES ($1, $2, $3, $4, $5)")
-            .bind(job.to_string())
-            .bind(&point.name)
-            .bind(point.step)
-            .bind(point.value)
-            .bind(point.at.map(|t| t.timestamp_millis()).unwrap_or(now))
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
+    let points = batch
+        .points
+        .into_iter()
+        .map(|p| metrics::Point {
+            series: metrics::Series::Step,
+            name: p.name,
+            step: p.step,
+            value: p.value,
+            at: p.at.map(|t| t.timestamp_millis()).unwrap_or(now),
+        })
+        .collect();
+    metrics::store(&state.db, job, points).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -1,0 +1,283 @@
+//! Reads an uploaded dataset once, start to end, to check it and learn its shape: the
+//! columns (in file order) with their types, and the number of rows. Pure: it sees a
+//! reader, not the request or the database.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Read};
+
+use serde::de::{Deserializer, MapAccess, Visitor};
+use tessera_api::datasets::{ColumnType, DatasetColumn, DatasetFormat};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub columns: Vec<DatasetColumn>,
+    pub rows: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    /// A mistake in the file, with the 1-based line where it was found.
+    #[error("line {line}: {message}")]
+    Invalid { line: u64, message: String },
+    #[error("{0}")]
+    Empty(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+fn invalid(line: u64, message: impl Into<String>) -> InspectError {
+    InspectError::Invalid { line, message: message.into() }
+}
+
+const MAX_COLUMNS: usize = 10_000;
+const MAX_NAME_LEN: usize = 200;
+
+/// What the values of one column have been so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    number: bool,
+    text: bool,
+}
+
+impl Seen {
+    fn kind(self) -> ColumnType {
+        if self.number && !self.text {
+            ColumnType::Number
+        } else {
+            ColumnType::String
+        }
+    }
+}
+
+fn check_names(names: &[String], line: u64) -> Result<(), InspectError> {
+    if names.is_empty() {
+        return Err(invalid(line, "there are no columns"));
+    }
+    if names.len() > MAX_COLUMNS {
+        return Err(invalid(line, format!("there are {} columns; at most {MAX_COLUMNS} are allowed", names.len())));
+    }
+    let mut unique = HashSet::new();
+    for name in names {
+        if name.trim().is_empty() || name.len() > MAX_NAME_LEN {
+            return Err(invalid(line, format!("column names have 1 to {MAX_NAME_LEN} characters; found {name:?}")));
+        }
+        if !unique.insert(name.as_str()) {
+            return Err(invalid(line, format!("the column {name:?} appears twice")));
+        }
+    }
+    Ok(())
+}
+
+fn summary(names: Vec<String>, seen: Vec<Seen>, rows: u64) -> Result<Summary, InspectError> {
+    if rows == 0 {
+        return Err(InspectError::Empty("The dataset has no data rows.".into()));
+    }
+    let columns = names.into_iter().zip(seen).map(|(name, seen)| DatasetColumn { name, kind: seen.kind() }).collect();
+    Ok(Summary { columns, rows })
+}
+
+pub fn inspect(format: DatasetFormat, reader: impl Read) -> Result<Summary, InspectError> {
+    match format {
+        DatasetFormat::Csv => inspect_csv(reader),
+        DatasetFormat::Jsonl => inspect_jsonl(reader),
+    }
+}
+
+/// CSV with a header row: every record has as many fields as the header, the bytes are
+/// UTF-8. A column is a number column when every non-empty field parses as a finite
+/// number; empty fields are missing values.
+fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
+    let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(reader);
+    let names: Vec<String> = csv.headers().map_err(csv_error)?.iter().map(str::to_string).collect();
+    if names.len() == 1 && names[0].is_empty() {
+        return Err(InspectError::Empty("The file is empty; a CSV dataset starts with a header row.".into()));
+    }
+    check_names(&names, 1)?;
+    let mut seen = vec![Seen::default(); names.len()];
+    let mut rows = 0u64;
+    let mut record = csv::StringRecord::new();
+    while csv.read_record(&mut record).map_err(csv_error)? {
+        for (field, seen) in record.iter().zip(seen.iter_mut()) {
+            let field = field.trim();
+            if field.is_empty() {
+                continue;
+            }
+            match field.parse::<f64>() {
+                Ok(value) if value.is_finite() => seen.number = true,
+                _ => seen.text = true,
+            }
+        }
+        rows += 1;
+    }
+    summary(names, seen, rows)
+}
+
+fn csv_error(error: csv::Error) -> InspectError {
+    let line = error.position().map(|p| p.line()).unwrap_or(0);
+    match error.into_kind() {
+        csv::ErrorKind::Io(io) => InspectError::Io(io),
+        csv::ErrorKind::Utf8 { err, .. } => {
+            invalid(line, format!("field {} is not valid UTF-8; save the file as UTF-8", err.field() + 1))
+        }
+        csv::ErrorKind::UnequalLengths { expected_len, len, .. } => {
+            invalid(line, format!("this row has {len} fields but the header has {expected_len}"))
+        }
+        other => invalid(line, format!("{other:?}")),
+    }
+}
+
+/// One JSONL line: a flat object, keys in the order written.
+struct FlatObject(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for FlatObject {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<FlatObject, D::Error> {
+        struct ObjectVisitor;
+        impl<'de> Visitor<'de> for ObjectVisitor {
+            type Value = FlatObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<FlatObject, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, serde_json::Value>()? {
+                    entries.push(entry);
+                }
+                Ok(FlatObject(entries))
+            }
+        }
+        deserializer.deserialize_map(ObjectVisitor)
+    }
+}
+
+/// JSONL: one flat JSON object per line, every line with the same keys. Values are
+/// numbers, strings, booleans (read as strings) or null (missing); a key holding numbers
+/// on some lines and strings on others is refused, so a column has one type.
+fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
+    let mut reader = BufReader::new(reader);
+    let mut names: Option<Vec<String>> = None;
+    let mut seen: Vec<Seen> = Vec::new();
+    let mut rows = 0u64;
+    let mut line = String::new();
+    let mut number = 0u64;
+    loop {
+        line.clear();
+        number += 1;
+        let read = reader.read_line(&mut line).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => invalid(number, "the line is not valid UTF-8; save the file as UTF-8"),
+            _ => InspectError::Io(e),
+        })?;
+        if read == 0 {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let FlatObject(entries) =
+            serde_json::from_str(&line).map_err(|e| invalid(number, format!("not a JSON object ({e})")))?;
+        let keys: Vec<String> = entries.iter().map(|(k, _)| k.clone()).collect();
+        let names = match &names {
+            Some(names) => names,
+            None => {
+                check_names(&keys, number)?;
+                seen = vec![Seen::default(); keys.len()];
+                names.insert(keys.clone())
+            }
+        };
+        if keys.len() != names.len() || keys.iter().collect::<HashSet<_>>() != names.iter().collect::<HashSet<_>>() {
+            let missing: Vec<&String> = names.iter().filter(|n| !keys.contains(n)).collect();
+            let extra: Vec<&String> = keys.iter().filter(|k| !names.contains(k)).collect();
+            return Err(invalid(
+                number,
+                format!("the keys differ from the first line's (missing {missing:?}, extra {extra:?}); every line needs the same keys"),
+            ));
+        }
+        for (key, value) in &entries {
+            let index = names.iter().position(|n| n == key).expect("keys checked above");
+            let slot = &mut seen[index];
+            match value {
+                serde_json::Value::Null => {}
+                serde_json::Value::Number(_) => slot.number = true,
+                serde_json::Value::String(_) | serde_json::Value::Bool(_) => slot.text = true,
+                _ => {
+                    return Err(invalid(
+                        number,
+                        format!("the value of {key:?} is nested; each line must be a flat object"),
+                    ))
+                }
+            }
+            if slot.number && slot.text {
+                return Err(invalid(number, format!("{key:?} holds both numbers and strings; give a column one type")));
+            }
+        }
+        rows += 1;
+    }
+    let Some(names) = names else {
+        return Err(InspectError::Empty("The file has no JSON lines.".into()));
+    };
+    summary(names, seen, rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn columns(summary: &Summary) -> Vec<(&str, ColumnType)> {
+        summary.columns.iter().map(|c| (c.name.as_str(), c.kind)).collect()
+    }
+
+    #[test]
+    fn csv_columns_are_typed_and_rows_counted() {
+        let text = "x,y,label\n1,2.5,cat\n3,,dog\n-1e3,4,\"a, b\"\n";
+        let summary = inspect(DatasetFormat::Csv, text.as_bytes()).unwrap();
+        assert_eq!(summary.rows, 3);
+        assert_eq!(
+            columns(&summary),
+            [("x", ColumnType::Number), ("y", ColumnType::Number), ("label", ColumnType::String)]
+        );
+    }
+
+    #[test]
+    fn csv_row_with_a_missing_field_names_its_line() {
+        let error = inspect(DatasetFormat::Csv, "a,b\n1,2\n3\n".as_bytes()).unwrap_err();
+        assert!(matches!(error, InspectError::Invalid { line: 3, .. }), "{error}");
+        assert!(error.to_string().contains("1 fields but the header has 2"), "{error}");
+    }
+
+    #[test]
+    fn csv_that_is_not_utf8_is_refused() {
+        let error = inspect(DatasetFormat::Csv, &b"a,b\n1,\xff\xfe\n"[..]).unwrap_err();
+        assert!(error.to_string().contains("UTF-8"), "{error}");
+    }
+
+    #[test]
+    fn csv_with_a_duplicate_or_empty_header_is_refused() {
+        assert!(inspect(DatasetFormat::Csv, "a,a\n1,2\n".as_bytes()).unwrap_err().to_string().contains("twice"));
+        assert!(inspect(DatasetFormat::Csv, "a,\n1,2\n".as_bytes()).is_err());
+        assert!(matches!(inspect(DatasetFormat::Csv, "a,b\n".as_bytes()), Err(InspectError::Empty(_))));
+        assert!(matches!(inspect(DatasetFormat::Csv, "".as_bytes()), Err(InspectError::Empty(_))));
+    }
+
+    #[test]
+    fn jsonl_keeps_key_order_and_types() {
+        let text = "{\"text\":\"hi\",\"score\":1,\"ok\":true}\n\n{\"score\":null,\"ok\":false,\"text\":\"yo\"}\n";
+        let summary = inspect(DatasetFormat::Jsonl, text.as_bytes()).unwrap();
+        assert_eq!(summary.rows, 2);
+        assert_eq!(
+            columns(&summary),
+            [("text", ColumnType::String), ("score", ColumnType::Number), ("ok", ColumnType::String)]
+        );
+    }
+
+    #[test]
+    fn jsonl_lines_must_be_flat_objects_with_the_same_keys() {
+        let differ = inspect(DatasetFormat::Jsonl, "{\"a\":1}\n{\"b\":1}\n".as_bytes()).unwrap_err();
+        assert!(matches!(differ, InspectError::Invalid { line: 2, .. }), "{differ}");
+        let nested = inspect(DatasetFormat::Jsonl, "{\"a\":[1]}\n".as_bytes()).unwrap_err();
+        assert!(nested.to_string().contains("flat"), "{nested}");
+        let array = inspect(DatasetFormat::Jsonl, "[1,2]\n".as_bytes()).unwrap_err();
+        assert!(array.to_string().contains("not a JSON object"), "{array}");
+        let mixed = inspect(DatasetFormat::Jsonl, "{\"a\":1}\n{\"a\":\"x\"}\n".as_bytes()).unwrap_err();
+        assert!(mixed.to_string().contains("one type"), "{mixed}");
+        assert!(matches!(inspect(DatasetFormat::Jsonl, "\n\n".as_bytes()), Err(InspectError::Empty(_))));
+    }
+}

@@ -1,0 +1,346 @@
+//! Datasets: CSV or JSONL files uploaded for training, checked once on the way in
+//! (see `inspect`), stored in the registry's content-addressed blob store and listed
+//! per owner. Workers download them for the training jobs they hold.
+
+pub mod inspect;
+
+use axum::body::Body;
+use axum::extract::{Multipart, State};
+use axum::http::{header, StatusCode};
+use axum::response::Response;
+use sqlx::any::AnyRow;
+use sqlx::Row;
+use tessera_api::datasets::{Dataset, DatasetColumn, DatasetFormat};
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::auth::{AgentAuth, Principal};
+use crate::db::{self, now_ms};
+use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::registry::{self, blobs::TempBlob, staging};
+use inspect::InspectError;
+
+const TOO_LARGE: &str = "The dataset is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).";
+
+const COLUMNS: &str =
+    "d.id, d.name, d.digest, d.format, d.columns, d.num_rows, d.size_bytes, d.created_at, u.username AS owner";
+
+fn from_row(row: &AnyRow) -> Result<Dataset> {
+    let id: String = row.try_get("id")?;
+    let format: String = row.try_get("format")?;
+    let columns: String = row.try_get("columns")?;
+    Ok(Dataset {
+        id: id.parse().map_err(|e| anyhow::anyhow!("bad dataset id {id}: {e}"))?,
+        name: row.try_get("name")?,
+        digest: row.try_get("digest")?,
+        format: DatasetFormat::parse(&format).ok_or_else(|| anyhow::anyhow!("bad dataset format {format}"))?,
+        columns: serde_json::from_str::<Vec<DatasetColumn>>(&columns)
+            .map_err(|e| anyhow::anyhow!("stored dataset columns unreadable: {e}"))?,
+        rows: row.try_get::<i64, _>("num_rows")? as u64,
+        size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
+        owner: row.try_get("owner")?,
+        created_at: db::time(row.try_get("created_at")?),
+    })
+}
+
+/// A dataset by id; `None` for the principal means no ownership check (workers).
+async fn get_visible(state: &AppState, principal: Option<&Principal>, id: Uuid) -> Result<Dataset> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.id = $1 AND ($2 IS NULL OR d.owner_id = $2)"
+    ))
+    .bind(id.to_string())
+    .bind(principal.and_then(Principal::owner_filter))
+    .fetch_optional(state.db.pool())
+    .await?
+    .ok_or_else(|| Error::not_found("Dataset"))?;
+    from_row(&row)
+}
+
+async fn find_by_name(state: &AppState, owner: Uuid, name: &str) -> Result<Option<Dataset>> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.owner_id = $1 AND d.name = $2"
+    ))
+    .bind(owner.to_string())
+    .bind(name)
+    .fetch_optional(state.db.pool())
+    .await?;
+    row.as_ref().map(from_row).transpose()
+}
+
+/// A dataset the principal may use, by id, or by name among the principal's own.
+pub async fn resolve(state: &AppState, principal: &Principal, id_or_name: &str) -> Result<Dataset> {
+    if let Ok(id) = id_or_name.parse::<Uuid>() {
+        return get_visible(state, Some(principal), id).await;
+    }
+    find_by_name(state, principal.id, id_or_name)
+        .await?
+        .ok_or_else(|| Error::not_found(&format!("Dataset '{id_or_name}'")))
+}
+
+pub async fn list_visible(state: &AppState, principal: &Principal) -> Result<Vec<Dataset>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id \
+         WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.created_at DESC"
+    ))
+    .bind(principal.owner_filter())
+    .fetch_all(state.db.pool())
+    .await?;
+    rows.iter().map(from_row).collect()
+}
+
+/// The format from the file name, else from the first byte (`{` starts a JSONL line).
+fn detect_format(file_name: &str, first_byte: Option<u8>) -> DatasetFormat {
+    let lower = file_name.to_ascii_lowercase();
+    if lower.ends_with(".csv") {
+        DatasetFormat::Csv
+    } else if lower.ends_with(".jsonl") || lower.ends_with(".ndjson") {
+        DatasetFormat::Jsonl
+    } else if first_byte == Some(b'{') {
+        DatasetFormat::Jsonl
+    } else {
+        DatasetFormat::Csv
+    }
+}
+
+/// An upload received but not yet checked or stored.
+pub struct Received {
+    pub name: Option<String>,
+    pub file: Option<(String, TempBlob, String)>,
+}
+
+/// Reads `multipart/form-data`: a text field `name` and one file part `file`, which
+/// streams to a temp blob (deleted unless the dataset is stored).
+pub async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<Received> {
+    let mut received = Received { name: None, file: None };
+    let mut budget = state.config.max_upload_bytes;
+    while let Some(mut field) = multipart.next_field().await? {
+        match field.name() {
+            Some("name") => received.name = Some(field.text().await?.trim().to_string()),
+            Some("file") => {
+                if received.file.is_some() {
+                    return Err(Error::BadRequest("Send one part named 'file'; this upload has two.".into()));
+                }
+                let file_name = field.file_name().unwrap_or_default().to_string();
+                let (blob, digest) = staging::stream_to_blob(&mut field, &state.blobs, &mut budget, TOO_LARGE).await?;
+                received.file = Some((file_name, blob, digest));
+            }
+            other => {
+                return Err(Error::BadRequest(format!(
+                    "Unexpected form field {:?}; send a text field 'name' and one file part named 'file'.",
+                    other.unwrap_or("")
+                )))
+            }
+        }
+    }
+    Ok(received)
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid("invalid_dataset", message)
+}
+
+/// Checks a received upload and registers it as a dataset owned by `owner`.
+pub async fn register(state: &AppState, owner: &Principal, received: Received) -> Result<Dataset> {
+    let name = registry::check_name(received.name.as_deref(), "dataset")?;
+    let (file_name, blob, digest) = received
+        .file
+        .ok_or_else(|| invalid("Attach the data as a file part named 'file' (CSV with a header row, or JSONL)."))?;
+    if find_by_name(state, owner.id, &name).await?.is_some() {
+        return Err(Error::Conflict(format!(
+            "You already have a dataset named '{name}'; delete it or pick another name."
+        )));
+    }
+    let (blob, checked) = tokio::task::spawn_blocking(move || {
+        let checked = (|| {
+            let mut file = std::fs::File::open(blob.path())?;
+            let mut first = [0u8; 1];
+            let first = std::io::Read::read(&mut file, &mut first).map(|n| (n == 1).then_some(first[0]))?;
+            let format = detect_format(&file_name, first);
+            let file = std::fs::File::open(blob.path())?;
+            Ok::<_, InspectError>((format, inspect::inspect(format, std::io::BufReader::with_capacity(1 << 20, file))?))
+        })();
+        (blob, checked)
+    })
+    .await
+    .map_err(|e| Error::Internal(e.into()))?;
+    let (format, summary) = checked.map_err(|e| match e {
+        InspectError::Io(io) => Error::Io(io),
+        other => invalid(format!("The {} file is not valid: {other}", "dataset")),
+    })?;
+
+    let id = Uuid::new_v4();
+    let size_bytes = blob.size();
+    let created_at = now_ms();
+    // The blob goes in place before the row that references it; the registry lock keeps
+    // a concurrent delete from collecting it in between.
+    let _guard = state.registry_lock.lock().await;
+    state.blobs.commit(blob).await?;
+    let inserted = sqlx::query(
+        "INSERT INTO datasets (id, owner_id, name, digest, format, columns, num_rows, size_bytes, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(id.to_string())
+    .bind(owner.id.to_string())
+    .bind(&name)
+    .bind(&digest)
+    .bind(format.as_str())
+    .bind(serde_json::to_string(&summary.columns).map_err(|e| anyhow::anyhow!(e))?)
+    .bind(summary.rows as i64)
+    .bind(size_bytes as i64)
+    .bind(created_at)
+    .execute(state.db.pool())
+    .await;
+    if let Err(e) = inserted {
+        registry::collect_garbage(state, vec![digest]).await?;
+        return Err(if db::is_unique_violation(&e) {
+            Error::Conflict(format!("You already have a dataset named '{name}'; delete it or pick another name."))
+        } else {
+            e.into()
+        });
+    }
+    Ok(Dataset {
+        id,
+        name,
+        digest,
+        format,
+        columns: summary.columns,
+        rows: summary.rows,
+        size_bytes,
+        owner: owner.username.clone(),
+        created_at: db::time(created_at),
+    })
+}
+
+/// Deletes a dataset no unfinished job reads; its file goes unless shared.
+pub async fn delete_visible(state: &AppState, principal: &Principal, id: Uuid) -> Result<()> {
+    let dataset = get_visible(state, Some(principal), id).await?;
+    let _guard = state.registry_lock.lock().await;
+    let in_use: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN ('queued', 'leased', 'running')",
+    )
+    .bind(id.to_string())
+    .fetch_one(state.db.pool())
+    .await?;
+    if in_use > 0 {
+        return Err(Error::Conflict(format!(
+            "{in_use} unfinished training job(s) read this dataset; cancel them or wait until they end."
+        )));
+    }
+    sqlx::query("DELETE FROM datasets WHERE id = $1").bind(id.to_string()).execute(state.db.pool()).await?;
+    registry::collect_garbage(state, vec![dataset.digest]).await
+}
+
+/// Upload a dataset as `multipart/form-data`: a text field `name` and one file part
+/// `file`, CSV with a header row or JSONL (one flat object per line). The format comes
+/// from the file name (`.csv`, `.jsonl`), else from the first byte.
+#[utoipa::path(post, path = "/api/v1/datasets", tag = "datasets", security(("bearer" = [])),
+    request_body(content_type = "multipart/form-data", description = "field `name`, part `file`"),
+    responses((status = 201, body = Dataset), (status = 409, body = tessera_api::error::ErrorBody),
+              (status = 413, body = tessera_api::error::ErrorBody), (status = 422, body = tessera_api::error::ErrorBody)))]
+pub async fn upload(
+    State(state): State<AppState>,
+    principal: Principal,
+    mut multipart: Multipart,
+) -> Result<(StatusCode, ApiJson<Dataset>)> {
+    let received = receive(&mut multipart, &state).await?;
+    let dataset = register(&state, &principal, received).await?;
+    tracing::info!(dataset = %dataset.id, name = %dataset.name, rows = dataset.rows, "dataset registered");
+    Ok((StatusCode::CREATED, ApiJson(dataset)))
+}
+
+/// List datasets, newest first (yours; an admin sees all).
+#[utoipa::path(get, path = "/api/v1/datasets", tag = "datasets", security(("bearer" = [])),
+    responses((status = 200, body = Vec<Dataset>)))]
+pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<Dataset>>> {
+    Ok(ApiJson(list_visible(&state, &principal).await?))
+}
+
+#[utoipa::path(get, path = "/api/v1/datasets/{id}", tag = "datasets", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), responses((status = 200, body = Dataset), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<ApiJson<Dataset>> {
+    Ok(ApiJson(get_visible(&state, Some(&principal), id).await?))
+}
+
+/// Delete a dataset (refused while an unfinished job reads it).
+#[utoipa::path(delete, path = "/api/v1/datasets/{id}", tag = "datasets", security(("bearer" = [])),
+    params(("id" = Uuid, Path)),
+    responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody), (status = 409, body = tessera_api::error::ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<StatusCode> {
+    delete_visible(&state, &principal, id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> {
+    let path =
+        state.blobs.path(&dataset.digest).ok_or_else(|| anyhow::anyhow!("malformed digest {}", dataset.digest))?;
+    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(path).await?);
+    let content_type = match dataset.format {
+        DatasetFormat::Csv => "text/csv; charset=utf-8",
+        DatasetFormat::Jsonl => "application/jsonl",
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, content_type)
+        .header(header::CONTENT_LENGTH, dataset.size_bytes)
+        .header(header::ETAG, format!("\"{}\"", dataset.digest))
+        .body(Body::from_stream(stream))
+        .map_err(|e| Error::Internal(e.into()))
+}
+
+/// Download a dataset's file, byte for byte as uploaded.
+#[utoipa::path(get, path = "/api/v1/datasets/{id}/file", tag = "datasets", security(("bearer" = [])),
+    params(("id" = Uuid, Path)),
+    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn download(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<Response> {
+    let dataset = get_visible(&state, Some(&principal), id).await?;
+    file_response(&state, &dataset).await
+}
+
+/// A dataset's metadata for a worker (any dataset: workers run every user's jobs).
+#[utoipa::path(get, path = "/api/v1/agent/datasets/{id}", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)), responses((status = 200, body = Dataset), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_get(
+    State(state): State<AppState>,
+    _agent: AgentAuth,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<ApiJson<Dataset>> {
+    Ok(ApiJson(get_visible(&state, None, id).await?))
+}
+
+/// A worker downloading a dataset's file for a training job; check it against the
+/// `digest` in the job spec.
+#[utoipa::path(get, path = "/api/v1/agent/datasets/{id}/file", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)),
+    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_download(
+    State(state): State<AppState>,
+    _agent: AgentAuth,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<Response> {
+    let dataset = get_visible(&state, None, id).await?;
+    file_response(&state, &dataset).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_comes_from_the_extension_then_the_first_byte() {
+        assert_eq!(detect_format("wine.CSV", Some(b'{')), DatasetFormat::Csv);
+        assert_eq!(detect_format("a.jsonl", None), DatasetFormat::Jsonl);
+        assert_eq!(detect_format("data", Some(b'{')), DatasetFormat::Jsonl);
+        assert_eq!(detect_format("data", Some(b'x')), DatasetFormat::Csv);
+    }
+}

@@ -1,0 +1,217 @@
+//! A submitted training job: the body is read field by field so a mistake is reported
+//! with its JSON path, then checked against the dataset and model it names, and
+//! resolved into the `JobSpec::Train` a worker receives.
+
+use serde_json::Value;
+use sqlx::Row;
+use tessera_api::datasets::{ColumnType, Dataset, DatasetColumn};
+use tessera_api::jobs::JobSpec;
+use tessera_api::train::{
+    BuiltinModel, ModelChoice, SpecError, TaskType, TrainDataset, TrainJob, TrainModel, TrainSpec, TrainTask,
+};
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::auth::Principal;
+use crate::error::{Error, Result};
+use crate::{datasets, jobs, registry};
+
+/// Top-level fields of a training job body.
+const FIELDS: [&str; 12] = [
+    "name",
+    "model",
+    "dataset",
+    "task",
+    "optimizer",
+    "batch_size",
+    "max_steps",
+    "eval_every",
+    "checkpoint_every",
+    "lr_schedule",
+    "seed",
+    "max_attempts",
+];
+
+fn spec_error(error: SpecError) -> Error {
+    Error::invalid("invalid_spec", error.to_string())
+}
+
+fn field_error(field: &str, message: impl Into<String>) -> Error {
+    spec_error(SpecError::new(field, message))
+}
+
+/// Queues a training job from the body of `POST /api/v1/jobs`; returns its id.
+pub async fn submit(state: &AppState, principal: &Principal, body: Value) -> Result<Uuid> {
+    let Value::Object(mut fields) = body else {
+        return Err(Error::BadRequest("The request body must be a JSON object.".into()));
+    };
+    if let Some(unknown) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(field_error(unknown, format!("unknown field; a training job has {}", FIELDS.join(", "))));
+    }
+    let name = match fields.remove("name") {
+        Some(Value::String(name)) if (1..=200).contains(&name.trim().len()) => name.trim().to_string(),
+        _ => return Err(field_error("name", "give the job a name of 1 to 200 characters")),
+    };
+    let max_attempts = match fields.remove("max_attempts") {
+        None | Some(Value::Null) => 3,
+        Some(value) => match value.as_u64() {
+            Some(n @ 1..=100) => n as u32,
+            _ => return Err(field_error("max_attempts", "must be a whole number from 1 to 100")),
+        },
+    };
+    let spec: TrainSpec = serde_path_to_error::deserialize(Value::Object(fields)).map_err(|e| {
+        let path = e.path().to_string();
+        if path.starts_with("model") {
+            field_error("model", "give a registered model's id or name, or {\"kind\":\"mlp\",\"hidden\":[…]}")
+        } else if path == "." {
+            // A missing field: serde's sentence names it.
+            Error::invalid("invalid_spec", e.inner().to_string())
+        } else {
+            field_error(&path, e.inner().to_string())
+        }
+    })?;
+    let (train, dataset) = resolve(state, principal, &spec).await?;
+    let id = jobs::insert(&state.db, principal.id, &name, &JobSpec::Train(train), max_attempts, None).await?;
+    sqlx::query("UPDATE jobs SET dataset_id = $1 WHERE id = $2")
+        .bind(dataset.to_string())
+        .bind(id.to_string())
+        .execute(state.db.pool())
+        .await?;
+    tracing::info!(job = %id, user = %principal.username, "training job queued");
+    Ok(id)
+}
+
+fn column<'a>(dataset: &'a Dataset, name: &str, field: &str) -> Result<&'a DatasetColumn> {
+    dataset.columns.iter().find(|c| c.name == name).ok_or_else(|| {
+        let names: Vec<&str> = dataset.columns.iter().map(|c| c.name.as_str()).collect();
+        field_error(field, format!("the dataset has no column {name:?}; its columns are {}", names.join(", ")))
+    })
+}
+
+/// Checks the spec against its dataset and model and spells out what the worker needs.
+/// Returns the resolved job and the dataset's id.
+pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) -> Result<(TrainJob, Uuid)> {
+    spec.validate().map_err(spec_error)?;
+    let dataset = match datasets::resolve(state, principal, spec.dataset.trim()).await {
+        Ok(dataset) => dataset,
+        Err(Error::NotFound(_)) => {
+            return Err(field_error("dataset", format!("no dataset {:?} among yours; upload it first", spec.dataset)))
+        }
+        Err(other) => return Err(other),
+    };
+    let task = &spec.task;
+    let held_out = (dataset.rows as f64 * task.validation_split).floor() as u64;
+    if held_out == 0 || held_out >= dataset.rows {
+        return Err(field_error(
+            "task.validation_split",
+            format!("leaves no validation or no training rows of the dataset's {}", dataset.rows),
+        ));
+    }
+    let label = column(&dataset, &task.label_column, "task.label_column")?;
+    if task.kind == TaskType::Regression && label.kind != ColumnType::Number {
+        return Err(field_error(
+            "task.label_column",
+            format!("regression needs a number column; {:?} holds strings", label.name),
+        ));
+    }
+    let (model, feature_columns, text_column) = match &spec.model {
+        ModelChoice::Builtin(BuiltinModel::Mlp { hidden }) => {
+            if task.text_column.is_some() {
+                return Err(field_error("task.text_column", "an MLP reads numeric feature_columns, not text"));
+            }
+            let features = match &task.feature_columns {
+                Some(names) => {
+                    for (i, name) in names.iter().enumerate() {
+                        let field = format!("task.feature_columns[{i}]");
+                        let found = column(&dataset, name, &field)?;
+                        if found.kind != ColumnType::Number {
+                            return Err(field_error(
+                                &field,
+                                format!("{name:?} holds strings; an MLP needs number columns"),
+                            ));
+                        }
+                        if *name == task.label_column || names[..i].contains(name) {
+                            return Err(field_error(&field, format!("{name:?} is the label or listed twice")));
+                        }
+                    }
+                    names.clone()
+                }
+                None => dataset
+                    .columns
+                    .iter()
+                    .filter(|c| c.kind == ColumnType::Number && c.name != task.label_column)
+                    .map(|c| c.name.clone())
+                    .collect(),
+            };
+            if features.is_empty() {
+                return Err(field_error(
+                    "task.feature_columns",
+                    "the MLP needs at least one number column besides the label",
+                ));
+            }
+            (TrainModel::Mlp { hidden: hidden.clone() }, features, None)
+        }
+        ModelChoice::Registered(id_or_name) => {
+            let model = match registry::resolve(state, principal, id_or_name).await {
+                Ok(model) => model,
+                Err(Error::NotFound(_)) => {
+                    return Err(field_error("model", format!("no model {id_or_name:?} among yours; upload it first")))
+                }
+                Err(other) => return Err(other),
+            };
+            if task.feature_columns.is_some() {
+                return Err(field_error(
+                    "task.feature_columns",
+                    "a transformer model reads text_column, not feature columns",
+                ));
+            }
+            let text = task
+                .text_column
+                .as_deref()
+                .ok_or_else(|| field_error("task.text_column", "name the column holding the text to fine-tune on"))?;
+            if column(&dataset, text, "task.text_column")?.kind != ColumnType::String {
+                return Err(field_error("task.text_column", format!("{text:?} holds numbers, not text")));
+            }
+            if text == task.label_column {
+                return Err(field_error("task.text_column", "the text column cannot be the label"));
+            }
+            let config: String = sqlx::query("SELECT config FROM models WHERE id = $1")
+                .bind(model.id.to_string())
+                .fetch_one(state.db.pool())
+                .await?
+                .try_get("config")?;
+            let num_labels = serde_json::from_str::<Value>(&config)
+                .ok()
+                .and_then(|c| c.get("num_labels").and_then(Value::as_u64))
+                .map(|n| n as u32);
+            let model =
+                TrainModel::Registered { id: model.id, name: model.name, architecture: model.architecture, num_labels };
+            (model, Vec::new(), Some(text.to_string()))
+        }
+    };
+    let job = TrainJob {
+        model,
+        dataset: TrainDataset {
+            id: dataset.id,
+            digest: dataset.digest.clone(),
+            format: dataset.format,
+            columns: dataset.columns.clone(),
+            rows: dataset.rows,
+        },
+        task: TrainTask {
+            kind: task.kind,
+            label_column: task.label_column.clone(),
+            feature_columns,
+            text_column,
+            validation_split: task.validation_split,
+        },
+        optimizer: spec.optimizer.clone(),
+        batch_size: spec.batch_size,
+        max_steps: spec.max_steps,
+        eval_every: spec.eval_every,
+        checkpoint_every: spec.checkpoint_every,
+        lr_schedule: spec.lr_schedule.clone(),
+        seed: spec.seed,
+    };
+    Ok((job, dataset.id))
+}

@@ -1,0 +1,118 @@
+//! Dataset pages: the list with a plain upload form (no script needed: the browser
+//! posts `multipart/form-data`, which streams through the same code as
+//! `POST /api/v1/datasets`), and delete.
+
+use askama::Template;
+use axum::extract::{Multipart, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
+use chrono::Utc;
+
+use super::{format, render, with_status, Layout, WebUser};
+use crate::app::AppState;
+use crate::datasets;
+use crate::error::{Error, Result};
+
+struct DatasetRow {
+    id: String,
+    name: String,
+    format: &'static str,
+    columns: String,
+    rows: u64,
+    size: String,
+    owner: String,
+    created_ago: String,
+    created_at: String,
+}
+
+#[derive(Template)]
+#[template(path = "datasets.html")]
+struct DatasetsPage {
+    layout: Layout,
+    rows: Vec<DatasetRow>,
+    max_upload: String,
+    /// The outcome of the last upload or delete, shown above the form.
+    notice: Option<String>,
+    error: Option<String>,
+}
+
+async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: Option<String>) -> Result<DatasetsPage> {
+    let now = Utc::now();
+    let rows = datasets::list_visible(state, &user.0)
+        .await?
+        .into_iter()
+        .map(|d| DatasetRow {
+            id: d.id.to_string(),
+            name: d.name,
+            format: d.format.as_str(),
+            columns: d
+                .columns
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{} ({})",
+                        c.name,
+                        if c.kind == tessera_api::datasets::ColumnType::Number { "number" } else { "string" }
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            rows: d.rows,
+            size: format::bytes(d.size_bytes),
+            owner: d.owner,
+            created_ago: format::ago(d.created_at, now),
+            created_at: format::instant(d.created_at),
+        })
+        .collect();
+    Ok(DatasetsPage {
+        layout: user.layout("Datasets", "datasets"),
+        rows,
+        max_upload: format::bytes(state.config.max_upload_bytes),
+        notice,
+        error,
+    })
+}
+
+pub async fn list(State(state): State<AppState>, user: WebUser) -> Response {
+    let result = async { Ok(render(&page(&state, &user, None, None).await?)?.into_response()) }.await;
+    user.page(result)
+}
+
+pub async fn upload(State(state): State<AppState>, user: WebUser, mut multipart: Multipart) -> Response {
+    let result = async {
+        let outcome = match datasets::receive(&mut multipart, &state).await {
+            Ok(received) => datasets::register(&state, &user.0, received).await,
+            Err(error) => Err(error),
+        };
+        match outcome {
+            Ok(dataset) => {
+                let notice =
+                    format!("Uploaded '{}': {} rows, {} columns.", dataset.name, dataset.rows, dataset.columns.len());
+                Ok(render(&page(&state, &user, Some(notice), None).await?)?.into_response())
+            }
+            Err(error) if error.status().is_client_error() => {
+                let status = error.status();
+                with_status(status, render(&page(&state, &user, None, Some(error.public_message())).await?))
+            }
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}
+
+pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
+    let result = async {
+        let id = id.parse().map_err(|_| Error::not_found("Dataset"))?;
+        match datasets::delete_visible(&state, &user.0, id).await {
+            Ok(()) => Ok(Redirect::to("/datasets").into_response()),
+            Err(error @ Error::Conflict(_)) => with_status(
+                StatusCode::CONFLICT,
+                render(&page(&state, &user, None, Some(error.public_message())).await?),
+            ),
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}

@@ -1,0 +1,304 @@
+//! Training views: progress with ETA and best metric (job list and job page), the job
+//! page's checkpoints and AutoLRS panel, the JSON the charts read (cookie-authenticated,
+//! downsampled server-side), and the compare page. Charts are drawn by web/train.js.
+
+use askama::Template;
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use chrono::Utc;
+use serde::Deserialize;
+use sqlx::Row;
+use tessera_api::jobs::{Job, JobSpec};
+use tessera_api::train::{LrSchedule, LrStage, TrainingMetrics};
+use uuid::Uuid;
+
+use super::{format, render, Layout, WebUser};
+use crate::app::AppState;
+use crate::error::{ApiJson, Error, Result};
+use crate::jobs;
+use crate::training::{checkpoints, lr_stages, metrics};
+
+/// Progress of a training job as the list and the job page show it.
+pub struct ProgressView {
+    pub percent: u32,
+    pub label: String,
+    /// Time left at the rate so far, or empty when it cannot be told.
+    pub eta: String,
+    /// The best evaluation so far, e.g. `accuracy 0.9412 @ 2400`.
+    pub best: String,
+}
+
+/// `None` for jobs that are not training jobs.
+pub async fn progress(state: &AppState, job: &Job) -> Result<Option<ProgressView>> {
+    let Some(progress) = &job.progress else {
+        return Ok(None);
+    };
+    let fraction = (progress.step as f64 / progress.max_steps.max(1) as f64).min(1.0);
+    let eta = match (job.started_at, job.state.is_terminal()) {
+        (Some(started), false) if progress.step > 0 => {
+            let elapsed = (Utc::now() - started).num_seconds().max(0) as f64;
+            let left = elapsed / progress.step as f64 * progress.max_steps.saturating_sub(progress.step) as f64;
+            format!("{} left", format::span(left as i64))
+        }
+        _ => String::new(),
+    };
+    Ok(Some(ProgressView {
+        percent: (fraction * 100.0).round() as u32,
+        label: format!("{} / {}", progress.step, progress.max_steps),
+        eta,
+        best: best_eval(state, job.id).await?,
+    }))
+}
+
+/// Highest accuracy if the job reports one, else lowest validation loss.
+async fn best_eval(state: &AppState, job: Uuid) -> Result<String> {
+    for (name, order) in [("accuracy", "DESC"), ("val_loss", "ASC")] {
+        let row = sqlx::query(&format!(
+            "SELECT step, value FROM job_metrics WHERE job_id = $1 AND series = 'eval' AND name = $2 ORDER BY value {order} LIMIT 1"
+        ))
+        .bind(job.to_string())
+        .bind(name)
+        .fetch_optional(state.db.pool())
+        .await?;
+        if let Some(row) = row {
+            let step: i64 = row.try_get("step")?;
+            return Ok(format!("{name} {} @ {step}", format::number(row.try_get("value")?)));
+        }
+    }
+    Ok(String::new())
+}
+
+pub struct CheckpointRow {
+    pub step: u64,
+    pub size: String,
+    pub created_ago: String,
+    pub files: Vec<(String, String)>,
+}
+
+pub struct CandidateRow {
+    pub lr: String,
+    pub forecast: String,
+    pub observed: String,
+    pub chosen: bool,
+}
+
+pub struct StageRow {
+    pub stage: u32,
+    pub start_step: u64,
+    pub tau_prime: u64,
+    pub tau: u64,
+    pub metric: String,
+    pub chosen_lr: String,
+    pub after: String,
+    pub candidates: Vec<CandidateRow>,
+    /// An inline SVG plot: forecast (circles) vs observed (squares) loss over log-LR.
+    pub plot: String,
+}
+
+/// What the job page adds for a training job.
+pub struct TrainingView {
+    pub progress: ProgressView,
+    pub schedule: String,
+    pub autolrs: bool,
+    pub checkpoints: Vec<CheckpointRow>,
+    pub stages: Vec<StageRow>,
+}
+
+fn describe(schedule: &LrSchedule) -> String {
+    match schedule {
+        LrSchedule::Constant { lr } => format!("constant lr {lr}"),
+        LrSchedule::Step { lr, step_size, gamma } => format!("step: lr {lr} × {gamma} every {step_size} steps"),
+        LrSchedule::Cosine { lr, warmup_steps, min_lr } => {
+            format!("cosine: lr {lr} → {min_lr}, {warmup_steps} warm-up steps")
+        }
+        LrSchedule::Onecycle { max_lr, pct_start, .. } => format!("one-cycle: max lr {max_lr}, peak at {pct_start}"),
+        LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
+            format!("AutoLRS over [{min_lr}, {max_lr}]: k = {k}, τ' = {tau_prime}, τ = {tau}, τ_max = {tau_max}")
+        }
+    }
+}
+
+fn optional(value: Option<f64>) -> String {
+    value.map(format::number).unwrap_or_else(|| "—".into())
+}
+
+/// Forecast vs observed loss of one stage's candidates, x = log10(lr).
+fn stage_plot(stage: &LrStage) -> String {
+    let (w, h, pad) = (220.0, 90.0, 8.0);
+    let points: Vec<(f64, Option<f64>, Option<f64>)> =
+        stage.record.candidates.iter().map(|c| (c.lr.log10(), c.forecast_loss, c.observed_loss)).collect();
+    let ys: Vec<f64> = points.iter().flat_map(|p| [p.1, p.2]).flatten().filter(|v| v.is_finite()).collect();
+    if ys.is_empty() {
+        return String::new();
+    }
+    let (x0, x1) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (y0, y1) = ys.iter().fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+    let sx = |x: f64| pad + if x1 > x0 { (x - x0) / (x1 - x0) * (w - 2.0 * pad) } else { (w - 2.0 * pad) / 2.0 };
+    let sy = |y: f64| h - pad - if y1 > y0 { (y - y0) / (y1 - y0) * (h - 2.0 * pad) } else { (h - 2.0 * pad) / 2.0 };
+    let chosen = stage.record.chosen_lr.log10();
+    let mut svg = format!(
+        "<svg class=\"stage-plot\" viewBox=\"0 0 {w} {h}\" role=\"img\" aria-label=\"Stage {} candidates\">\
+         <line class=\"chosen\" x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"0\" y2=\"{h}\"/>",
+        stage.record.stage,
+        x = sx(chosen)
+    );
+    for (x, forecast, observed) in &points {
+        if let (Some(f), Some(o)) = (forecast, observed) {
+            svg.push_str(&format!(
+                "<line class=\"gap\" x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{:.1}\"/>",
+                sy(*f),
+                sy(*o),
+                x = sx(*x)
+            ));
+        }
+        if let Some(f) = forecast {
+            svg.push_str(&format!("<circle class=\"forecast\" cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\"/>", sx(*x), sy(*f)));
+        }
+        if let Some(o) = observed {
+            svg.push_str(&format!(
+                "<rect class=\"observed\" x=\"{:.1}\" y=\"{:.1}\" width=\"5\" height=\"5\"/>",
+                sx(*x) - 2.5,
+                sy(*o) - 2.5
+            ));
+        }
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+pub async fn view(state: &AppState, job: &Job) -> Result<Option<TrainingView>> {
+    let JobSpec::Train(train) = &job.spec else {
+        return Ok(None);
+    };
+    let progress = progress(state, job).await?.expect("training jobs have progress");
+    let now = Utc::now();
+    let checkpoints = checkpoints::list(state, job.id)
+        .await?
+        .into_iter()
+        .rev()
+        .map(|c| CheckpointRow {
+            step: c.step,
+            size: format::bytes(c.size_bytes),
+            created_ago: format::ago(c.created_at, now),
+            files: c
+                .files
+                .iter()
+                .map(|f| (f.name.clone(), format!("/jobs/{}/checkpoints/{}/files/{}", job.id, c.step, f.name)))
+                .collect(),
+        })
+        .collect();
+    let stages = lr_stages::read(&state.db, job.id)
+        .await?
+        .iter()
+        .map(|s| StageRow {
+            stage: s.record.stage,
+            start_step: s.record.start_step,
+            tau_prime: s.record.tau_prime,
+            tau: s.record.tau,
+            metric: s.record.metric.clone(),
+            chosen_lr: format::number(s.record.chosen_lr),
+            after: optional(s.record.observed_loss_after_tau),
+            candidates: s
+                .record
+                .candidates
+                .iter()
+                .map(|c| CandidateRow {
+                    lr: format::number(c.lr),
+                    forecast: optional(c.forecast_loss),
+                    observed: optional(c.observed_loss),
+                    chosen: c.lr == s.record.chosen_lr,
+                })
+                .collect(),
+            plot: stage_plot(s),
+        })
+        .collect();
+    Ok(Some(TrainingView {
+        progress,
+        schedule: describe(&train.lr_schedule),
+        autolrs: matches!(train.lr_schedule, LrSchedule::Autolrs { .. }),
+        checkpoints,
+        stages,
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SeriesQuery {
+    max_points: Option<usize>,
+}
+
+/// `GET /jobs/{id}/series`: the API's metrics for the charts, with the session cookie.
+pub async fn series(
+    State(state): State<AppState>,
+    user: WebUser,
+    Path(id): Path<String>,
+    Query(query): Query<SeriesQuery>,
+) -> Result<ApiJson<TrainingMetrics>> {
+    let id: Uuid = id.parse().map_err(|_| Error::not_found("Job"))?;
+    jobs::get_visible(&state.db, &user.0, id).await?;
+    let max_points = query.max_points.unwrap_or(1000).clamp(4, 20_000);
+    Ok(ApiJson(metrics::read(&state.db, id, Some(max_points)).await?))
+}
+
+/// `GET /jobs/{id}/checkpoints/{step}/files/{name}`: a checkpoint download from the page.
+pub async fn checkpoint_file(
+    State(state): State<AppState>,
+    user: WebUser,
+    Path((id, step, name)): Path<(String, u64, String)>,
+) -> Response {
+    let result = async {
+        let id: Uuid = id.parse().map_err(|_| Error::not_found("Job"))?;
+        jobs::get_visible(&state.db, &user.0, id).await?;
+        checkpoints::file_response(&state, id, step, &name).await
+    }
+    .await;
+    user.page(result)
+}
+
+struct CompareRow {
+    id: String,
+    name: String,
+    state: &'static str,
+    schedule: String,
+    checked: bool,
+}
+
+#[derive(Template)]
+#[template(path = "compare.html")]
+struct ComparePage {
+    layout: Layout,
+    rows: Vec<CompareRow>,
+    /// Comma-separated ids of the jobs to draw, for the script.
+    selected: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct CompareQuery {
+    /// Comma-separated job ids.
+    #[serde(default)]
+    ids: String,
+}
+
+/// `GET /jobs/compare?ids=a,b`: several training jobs' curves on one chart.
+pub async fn compare(State(state): State<AppState>, user: WebUser, Query(query): Query<CompareQuery>) -> Response {
+    let result = async {
+        let wanted: Vec<&str> = query.ids.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        let rows: Vec<CompareRow> = jobs::list_visible(&state.db, &user.0, None)
+            .await?
+            .into_iter()
+            .filter_map(|job| match &job.spec {
+                JobSpec::Train(train) => Some(CompareRow {
+                    checked: wanted.contains(&job.id.to_string().as_str()),
+                    id: job.id.to_string(),
+                    name: job.name.clone(),
+                    state: job.state.as_str(),
+                    schedule: train.lr_schedule.kind().to_string(),
+                }),
+                _ => None,
+            })
+            .collect();
+        let selected = rows.iter().filter(|r| r.checked).map(|r| r.id.clone()).collect::<Vec<_>>().join(",");
+        Ok(render(&ComparePage { layout: user.layout("Compare runs", "jobs"), rows, selected })?.into_response())
+    }
+    .await;
+    user.page(result)
+}

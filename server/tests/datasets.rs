@@ -1,0 +1,161 @@
+//! Dataset uploads over real HTTP on SQLite and PostgreSQL: CSV and JSONL are checked
+//! and typed, broken files are refused with a 4xx naming the line and leave nothing
+//! behind, ownership holds, and workers can download what they train on.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{backends, TestServer};
+
+/// Files under the blob store and temp area.
+fn stored_files(server: &TestServer) -> usize {
+    let blobs = std::fs::read_dir(server.dir.join("blobs/sha256")).map(|d| d.count()).unwrap_or(0);
+    blobs + server.state.blobs.temp_files()
+}
+
+async fn upload(server: &TestServer, token: &str, name: &str, file_name: &str, bytes: &[u8]) -> reqwest::Response {
+    let form = reqwest::multipart::Form::new()
+        .text("name", name.to_string())
+        .part("file", reqwest::multipart::Part::bytes(bytes.to_vec()).file_name(file_name.to_string()));
+    server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap()
+}
+
+/// Uploads and expects `status`, a message mentioning `needle`, and no new files.
+async fn assert_rejected(server: &TestServer, token: &str, file_name: &str, bytes: &[u8], status: u16, needle: &str) {
+    let before = stored_files(server);
+    let response = upload(server, token, "broken", file_name, bytes).await;
+    let got = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(got, status, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains(needle), "message {message:?} should mention {needle:?}");
+    assert_eq!(stored_files(server), before, "a rejected upload left files behind");
+    let datasets: Vec<Value> = server.get(token, "/datasets").await.json().await.unwrap();
+    assert!(datasets.iter().all(|d| d["name"] != "broken"));
+}
+
+const WINE: &str = "fixed_acidity,alcohol,colour,quality\n7.4,9.4,red,5\n7.8,9.8,red,5\n6.3,10.5,white,6\n";
+
+#[tokio::test]
+async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let response = upload(&server, &token, "wine", "wine.csv", WINE.as_bytes()).await;
+        assert_eq!(response.status(), 201, "{backend:?}");
+        let wine: Value = response.json().await.unwrap();
+        assert_eq!(wine["format"], "csv");
+        assert_eq!(wine["rows"], 3);
+        assert_eq!(wine["size_bytes"], WINE.len());
+        assert!(wine["digest"].as_str().unwrap().starts_with("sha256:"));
+        assert_eq!(
+            wine["columns"],
+            json!([{"name": "fixed_acidity", "type": "number"}, {"name": "alcohol", "type": "number"},
+                   {"name": "colour", "type": "string"}, {"name": "quality", "type": "number"}])
+        );
+        for key in ["id", "name", "created_at"] {
+            assert!(wine.get(key).is_some(), "{key} missing from {wine}");
+        }
+
+        let jsonl = "{\"text\":\"great film\",\"label\":\"pos\"}\n{\"text\":\"dull\",\"label\":\"neg\"}\n";
+        let reviews: Value =
+            upload(&server, &token, "reviews", "reviews.jsonl", jsonl.as_bytes()).await.json().await.unwrap();
+        assert_eq!(reviews["format"], "jsonl");
+        assert_eq!(reviews["rows"], 2);
+        assert_eq!(reviews["columns"][0], json!({"name": "text", "type": "string"}));
+
+        let listed: Vec<Value> = server.get(&token, "/datasets").await.json().await.unwrap();
+        assert_eq!(listed.len(), 2);
+        let id = wine["id"].as_str().unwrap();
+        let fetched: Value = server.get(&token, &format!("/datasets/{id}")).await.json().await.unwrap();
+        assert_eq!(fetched["digest"], wine["digest"]);
+        let bytes = server.get(&token, &format!("/datasets/{id}/file")).await.bytes().await.unwrap();
+        assert_eq!(&bytes[..], WINE.as_bytes());
+
+        // Same bytes under another name share one blob; deleting one keeps the other's.
+        let twin: Value = upload(&server, &token, "wine-copy", "w.csv", WINE.as_bytes()).await.json().await.unwrap();
+        assert_eq!(twin["digest"], wine["digest"]);
+        let blobs = stored_files(&server);
+        assert_eq!(server.delete(&token, &format!("/datasets/{id}")).await.status(), 204);
+        assert_eq!(stored_files(&server), blobs);
+        assert_eq!(server.get(&token, &format!("/datasets/{id}")).await.status(), 404);
+        let twin_id = twin["id"].as_str().unwrap();
+        assert_eq!(server.delete(&token, &format!("/datasets/{twin_id}")).await.status(), 204);
+        assert_eq!(stored_files(&server), blobs - 1, "the last reference's blob is collected ({backend:?})");
+    }
+}
+
+#[tokio::test]
+async fn broken_files_are_refused_naming_the_line_and_leave_nothing_behind() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        assert_rejected(&server, &token, "a.csv", b"a,b\n1,2\n3\n", 422, "line 3").await;
+        assert_rejected(&server, &token, "a.csv", b"a,b\n1,\xff\n", 422, "UTF-8").await;
+        assert_rejected(&server, &token, "a.csv", b"a,a\n1,2\n", 422, "twice").await;
+        assert_rejected(&server, &token, "a.csv", b"a,b\n", 422, "no data rows").await;
+        assert_rejected(&server, &token, "a.jsonl", b"{\"a\":1}\n{\"b\":2}\n", 422, "line 2").await;
+        assert_rejected(&server, &token, "a.jsonl", b"{\"a\":{\"x\":1}}\n", 422, "flat").await;
+        assert_rejected(&server, &token, "a.jsonl", b"{\"a\":1}\nnot json\n", 422, "line 2").await;
+        assert_rejected(&server, &token, "a.jsonl", b"{\"a\":1}\n{\"a\":\"x\"}\n", 422, "one type").await;
+
+        // No file part, a bad name, an unknown field.
+        let form = reqwest::multipart::Form::new().text("name", "nofile");
+        let response =
+            server.http.post(server.api("/datasets")).bearer_auth(&token).multipart(form).send().await.unwrap();
+        assert_eq!(response.status(), 422);
+        let response = upload(&server, &token, "bad name!", "a.csv", WINE.as_bytes()).await;
+        assert_eq!(response.status(), 422);
+        assert_eq!(stored_files(&server), 0, "{backend:?}");
+        let form = reqwest::multipart::Form::new().text("name", "x").text("colour", "red");
+        let response =
+            server.http.post(server.api("/datasets")).bearer_auth(&token).multipart(form).send().await.unwrap();
+        assert_eq!(response.status(), 400);
+        assert_eq!(stored_files(&server), 0, "{backend:?}");
+    }
+}
+
+#[tokio::test]
+async fn uploads_over_the_size_cap_are_refused_with_413_and_leave_nothing() {
+    let server = TestServer::start_tweaked(support::Backend::Sqlite, |c| c.max_upload_bytes = 64).await;
+    let token = server.admin().await;
+    let big = format!("a,b\n{}", "1,2\n".repeat(100));
+    assert_rejected(&server, &token, "big.csv", big.as_bytes(), 413, "upload limit").await;
+}
+
+#[tokio::test]
+async fn datasets_are_private_to_their_owner_and_a_duplicate_name_conflicts() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        let bob = server.user(&admin, "bob").await;
+        let mine: Value = upload(&server, &alice, "wine", "wine.csv", WINE.as_bytes()).await.json().await.unwrap();
+        let id = mine["id"].as_str().unwrap();
+        assert_eq!(upload(&server, &alice, "wine", "wine.csv", WINE.as_bytes()).await.status(), 409);
+        assert_eq!(server.get(&bob, &format!("/datasets/{id}")).await.status(), 404);
+        assert_eq!(server.get(&bob, &format!("/datasets/{id}/file")).await.status(), 404);
+        assert_eq!(server.delete(&bob, &format!("/datasets/{id}")).await.status(), 404);
+        let bobs: Vec<Value> = server.get(&bob, "/datasets").await.json().await.unwrap();
+        assert!(bobs.is_empty());
+        // Bob may use the same name for his own.
+        assert_eq!(upload(&server, &bob, "wine", "wine.csv", WINE.as_bytes()).await.status(), 201);
+        let all: Vec<Value> = server.get(&admin, "/datasets").await.json().await.unwrap();
+        assert_eq!(all.len(), 2, "an admin sees every dataset ({backend:?})");
+        assert_eq!(server.get(&admin, &format!("/datasets/{id}")).await.status(), 200);
+    }
+}
+
+#[tokio::test]
+async fn a_worker_downloads_a_dataset_and_users_cannot_use_the_agent_route() {
+    let server = TestServer::start(support::Backend::Sqlite).await;
+    let token = server.admin().await;
+    let wine: Value = upload(&server, &token, "wine", "wine.csv", WINE.as_bytes()).await.json().await.unwrap();
+    let id = wine["id"].as_str().unwrap();
+    let (_, secret) = server.register_worker("w1").await;
+    let meta: Value = server.get(&secret, &format!("/agent/datasets/{id}")).await.json().await.unwrap();
+    assert_eq!(meta["rows"], 3);
+    let bytes = server.get(&secret, &format!("/agent/datasets/{id}/file")).await.bytes().await.unwrap();
+    assert_eq!(&bytes[..], WINE.as_bytes());
+    assert_eq!(server.get(&token, &format!("/agent/datasets/{id}/file")).await.status(), 401);
+}
