@@ -71,6 +71,16 @@ impl Db {
     pub fn backend(&self) -> Backend {
         self.backend
     }
+
+    /// Begins a transaction that may write. On SQLite it takes the write lock at once
+    /// (`BEGIN IMMEDIATE`): a deferred transaction that reads and then writes cannot wait
+    /// for another writer and fails with "database is locked" instead.
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
+        match self.backend {
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+            Backend::Postgres => self.pool.begin().await,
+        }
+    }
 }
 
 /// Milliseconds since the Unix epoch, the unit every time column uses.

@@ -64,6 +64,17 @@ async fn profile(server: &TestServer, admin: &str, secret: &str, table: &[(&str,
     server.post(secret, &format!("/agent/jobs/{id}/status"), json!({"state": "succeeded"})).await;
 }
 
+/// The dashboard's MIG page, signed in as admin through the form.
+async fn mig_page(server: &TestServer) -> String {
+    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let form = [("username", "admin"), ("password", support::ADMIN_PASSWORD), ("next", "/")];
+    let response = http.post(format!("{}/login", server.url)).form(&form).send().await.unwrap();
+    let cookie = response.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
+    let response = http.get(format!("{}/mig", server.url)).header("cookie", cookie).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap()
+}
+
 async fn deploy_slo(server: &TestServer, token: &str, name: &str, throughput: f64) -> reqwest::Response {
     server.post(token, "/deployments", json!({"name": name, "model": "tiny", "throughput": throughput, "latency_ms": 50})).await
 }
@@ -199,6 +210,12 @@ async fn an_idle_simulated_gpu_is_repartitioned_when_its_worker_allows_it() {
         assert!(planned.iter().all(|p| slices.iter().any(|s| s["uuid"] == p["slice"] && s["deployment"] == "bert")));
         let assignment = claim(&server, &secret, &["serve"]).await.unwrap();
         assert!(planned.iter().any(|p| p["slice"] == assignment["slice"]["uuid"]));
+
+        // The MIG page draws the new slices in the deployment's colour, with the steps.
+        let html = mig_page(&server).await;
+        let drawn = html.matches("data-service=\"bert\"").count();
+        assert_eq!(drawn, planned.len() + 1, "one box per planned slice, and the SLO row");
+        assert!(html.contains("Steps applied") && html.contains("destroy slice"), "{html}");
 
         // Registering again (a restart) keeps the partition the scheduler applied.
         secret_of(register(&server, "mig-1", &["7g.80gb"], true).await).await;

@@ -7,6 +7,7 @@ use std::collections::HashSet;
 
 use support::{backends, Backend, TestServer};
 use tessera_api::jobs::JobSpec;
+use tessera_server::fleet::slices::Free;
 use tessera_server::jobs::{self, queue};
 use uuid::Uuid;
 
@@ -60,7 +61,7 @@ async fn many_workers_claiming_at_once_never_double_claim(backend: Backend) {
         let db = server.state.db.clone();
         tasks.push(tokio::spawn(async move {
             let mut mine = Vec::new();
-            while let Some(claimed) = queue::claim(&db, worker, &kinds(), 60_000).await.unwrap() {
+            while let Some(claimed) = queue::claim(&db, worker, &kinds(), 60_000, &Free::default()).await.unwrap() {
                 mine.push(claimed.job_id);
             }
             mine
@@ -91,8 +92,8 @@ async fn claim_takes_oldest_job_of_a_kind_the_worker_runs() {
         let server = TestServer::start(backend).await;
         let jobs = enqueue(&server, 2, 3).await;
         let worker = workers(&server, 1).await[0];
-        assert!(queue::claim(&server.state.db, worker, &["train".into()], 1000).await.unwrap().is_none());
-        let first = queue::claim(&server.state.db, worker, &kinds(), 1000).await.unwrap().unwrap();
+        assert!(queue::claim(&server.state.db, worker, &["train".into()], 1000, &Free::default()).await.unwrap().is_none());
+        let first = queue::claim(&server.state.db, worker, &kinds(), 1000, &Free::default()).await.unwrap().unwrap();
         assert_eq!(first.job_id, jobs[0]);
         assert_eq!(first.attempt, 1);
         assert_eq!(state_of(&server, jobs[0]).await, ("leased".into(), 1));
@@ -106,14 +107,14 @@ async fn lease_expires_and_job_is_requeued() {
         let server = TestServer::start(backend).await;
         let job = enqueue(&server, 1, 3).await[0];
         let worker = workers(&server, 2).await;
-        queue::claim(&server.state.db, worker[0], &kinds(), 1).await.unwrap().unwrap();
+        queue::claim(&server.state.db, worker[0], &kinds(), 1, &Free::default()).await.unwrap().unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 1);
         assert_eq!(state_of(&server, job).await, ("queued".into(), 1));
         // The first worker's renewal now fails: it must stop.
         let lost = queue::renew(&server.state.db, worker[0], &[job], 60_000).await.unwrap();
         assert_eq!(lost, vec![job]);
-        let again = queue::claim(&server.state.db, worker[1], &kinds(), 60_000).await.unwrap().unwrap();
+        let again = queue::claim(&server.state.db, worker[1], &kinds(), 60_000, &Free::default()).await.unwrap().unwrap();
         assert_eq!((again.job_id, again.attempt), (job, 2));
     }
 }
@@ -124,7 +125,7 @@ async fn renewed_lease_does_not_expire() {
         let server = TestServer::start(backend).await;
         let job = enqueue(&server, 1, 3).await[0];
         let worker = workers(&server, 1).await[0];
-        queue::claim(&server.state.db, worker, &kinds(), 1).await.unwrap().unwrap();
+        queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
         assert!(queue::renew(&server.state.db, worker, &[job], 60_000).await.unwrap().is_empty());
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 0);
@@ -139,12 +140,12 @@ async fn job_fails_when_its_last_attempt_expires() {
         let job = enqueue(&server, 1, 2).await[0];
         let worker = workers(&server, 1).await[0];
         for attempt in 1..=2 {
-            let claimed = queue::claim(&server.state.db, worker, &kinds(), 1).await.unwrap().unwrap();
+            let claimed = queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
             assert_eq!(claimed.attempt, attempt);
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             queue::expire_leases(&server.state.db).await.unwrap();
         }
         assert_eq!(state_of(&server, job).await, ("failed".into(), 2));
-        assert!(queue::claim(&server.state.db, worker, &kinds(), 1000).await.unwrap().is_none());
+        assert!(queue::claim(&server.state.db, worker, &kinds(), 1000, &Free::default()).await.unwrap().is_none());
     }
 }

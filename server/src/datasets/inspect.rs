@@ -89,7 +89,7 @@ pub fn inspect(format: DatasetFormat, reader: impl Read) -> Result<Summary, Insp
 fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
     let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(reader);
     let names: Vec<String> = csv.headers().map_err(csv_error)?.iter().map(str::to_string).collect();
-    if names.len() == 1 && names[0].is_empty() {
+    if names.iter().all(String::is_empty) && names.len() <= 1 {
         return Err(InspectError::Empty("The file is empty; a CSV dataset starts with a header row.".into()));
     }
     check_names(&names, 1)?;

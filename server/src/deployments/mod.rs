@@ -99,7 +99,12 @@ async fn from_row(db: &Db, row: &AnyRow) -> Result<Deployment> {
     let id: String = row.try_get("id")?;
     let replicas = row.try_get::<i64, _>("replicas")? as u32;
     let replica_status = replicas_of(db, &id).await?;
-    let (state, reason) = deployment_state(replicas, &replica_status);
+    let slo = crate::fleet::slo::from_column(row.try_get("slo")?)?;
+    let (state, mut reason) = deployment_state(replicas, &replica_status);
+    // An SLO deployment the fleet could give no slice says why, not "scaled to zero".
+    if let Some(slo) = slo.as_ref().filter(|_| replicas == 0) {
+        reason = Some(slo.note.clone());
+    }
     Ok(Deployment {
         id: parse_uuid(&id)?,
         name: row.try_get("name")?,
@@ -113,7 +118,7 @@ async fn from_row(db: &Db, row: &AnyRow) -> Result<Deployment> {
         max_batch_tokens: row.try_get::<i64, _>("max_batch_tokens")? as u32,
         max_batch_requests: row.try_get::<i64, _>("max_batch_requests")? as u32,
         replica_status,
-        slo: crate::fleet::slo::from_column(row.try_get("slo")?)?,
+        slo,
         created_at: db::time(row.try_get("created_at")?),
         updated_at: db::time(row.try_get("updated_at")?),
     })
@@ -309,7 +314,7 @@ pub async fn update(
     responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn delete(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<String>) -> Result<StatusCode> {
     let deployment = resolve(&state.db, &principal, &id).await?;
-    let mut tx = state.db.pool().begin().await?;
+    let mut tx = state.db.begin().await?;
     sqlx::query("DELETE FROM jobs WHERE deployment_id = $1").bind(deployment.id.to_string()).execute(&mut *tx).await?;
     sqlx::query("DELETE FROM deployments WHERE id = $1").bind(deployment.id.to_string()).execute(&mut *tx).await?;
     tx.commit().await?;

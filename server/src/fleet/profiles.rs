@@ -170,7 +170,7 @@ pub async fn agent_report(
     };
     reports.iter().try_for_each(check_report)?;
     let now = now_ms();
-    let mut tx = state.db.pool().begin().await?;
+    let mut tx = state.db.begin().await?;
     for report in &reports {
         let gpu = GpuModel::parse(&report.gpu_model)
             .expect("checked above")

@@ -126,7 +126,7 @@ pub async fn record(
     slices: &[Slice],
 ) -> Result<()> {
     let slices = with_starts(slices)?;
-    let mut tx = db.pool().begin().await?;
+    let mut tx = db.begin().await?;
     sqlx::query("UPDATE workers SET allow_repartition = $1 WHERE id = $2")
         .bind(allow_repartition as i64)
         .bind(worker.to_string())

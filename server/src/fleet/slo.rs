@@ -192,7 +192,7 @@ pub async fn place(
     let fleet = fleet(state).await?;
     let plan = plan_slo(&fleet, &want, &others(db, deployment.id).await?);
 
-    let mut tx = db.pool().begin().await?;
+    let mut tx = db.begin().await?;
     // A repartition first: the chosen slices it creates get their uuids here.
     let mut created: BTreeMap<(usize, u8), String> = BTreeMap::new();
     if plan.applied {

@@ -88,7 +88,7 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         state.blobs.commit(file.blob).await?;
     }
     let created_at = now_ms();
-    let mut tx = state.db.pool().begin().await?;
+    let mut tx = state.db.begin().await?;
     let inserted = sqlx::query(
         "INSERT INTO models (id, owner_id, name, digest, architecture, config, size_bytes, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",

@@ -103,7 +103,7 @@ pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> R
         state.blobs.commit(blob).await?;
     }
     let mut released = digests_where(state, &job_id, "step = $2", step).await?;
-    let mut tx = state.db.pool().begin().await?;
+    let mut tx = state.db.begin().await?;
     sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step = $2")
         .bind(&job_id)
         .bind(step)

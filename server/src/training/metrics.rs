@@ -89,7 +89,7 @@ pub async fn store(db: &Db, job: Uuid, points: Vec<Point>) -> Result<()> {
     }
     let unique: Vec<&Point> = latest.into_values().collect();
     let job_id = job.to_string();
-    let mut tx = db.pool().begin().await?;
+    let mut tx = db.begin().await?;
     for chunk in unique.chunks(ROWS_PER_STATEMENT) {
         let values: Vec<String> = (0..chunk.len())
             .map(|i| {

@@ -199,7 +199,7 @@ pub async fn append_logs(
     if batch.lines.len() > 10_000 {
         return Err(Error::PayloadTooLarge("Send at most 10000 log lines per request.".into()));
     }
-    let mut tx = state.db.pool().begin().await?;
+    let mut tx = state.db.begin().await?;
     let last: Option<i64> = sqlx::query_scalar("SELECT MAX(seq) FROM job_logs WHERE job_id = $1")
         .bind(job.to_string())
         .fetch_one(&mut *tx)

@@ -212,7 +212,10 @@ pub fn tiny_model() -> Vec<(String, Vec<u8>)> {
         ("config.json".into(), serde_json::to_vec(&config).unwrap()),
         ("model.safetensors".into(), safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 4])])),
         ("tokenizer.json".into(), tiny_tokenizer()),
-        ("1_Pooling/config.json".into(), br#"{"word_embedding_dimension": 4, "pooling_mode_mean_tokens": true}"#.to_vec()),
+        (
+            "1_Pooling/config.json".into(),
+            br#"{"word_embedding_dimension": 4, "pooling_mode_mean_tokens": true}"#.to_vec(),
+        ),
     ]
 }
 
@@ -222,7 +225,8 @@ pub fn safetensors_bytes(tensors: &[(&str, &str, Vec<u64>)]) -> Vec<u8> {
     let mut offset = 0u64;
     for (name, dtype, shape) in tensors {
         let size = shape.iter().product::<u64>() * 4;
-        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}));
+        header
+            .insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}));
         offset += size;
     }
     let header = serde_json::to_vec(&Value::Object(header)).unwrap();

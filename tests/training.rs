@@ -1,0 +1,245 @@
+//! End to end, training: the real server and worker binaries train the built-in MLP on
+//! scikit-learn's digits, stream metrics and checkpoints, and a job whose worker is
+//! killed mid-run resumes on the next worker from its last checkpoint with one
+//! continuous metrics series.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tessera_tests::{binary, eventually, Process};
+
+const WORKER_TOKEN: &str = "e2e-training-token";
+
+fn start_server(data_dir: &Path) -> (Process, String) {
+    let mut process = Process::spawn(
+        Command::new(binary("tessera-server"))
+            .args(["--bind", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
+            .env("TESSERA_HEARTBEAT_SECS", "1")
+            .env("TESSERA_LEASE_TTL_SECS", "3")
+            .env_remove("TESSERA_ADMIN_PASSWORD")
+            .env_remove("TESSERA_DATABASE_URL"),
+    );
+    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
+    let url = line.rsplit(' ').next().unwrap().trim().to_string();
+    (process, url)
+}
+
+fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
+    Process::spawn(
+        Command::new(binary("tessera-worker"))
+            .args(["--server", server, "--name", name, "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
+    )
+}
+
+fn digits_csv() -> Option<Vec<u8>> {
+    let root = std::env::var("TESSERA_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+    let path = root.join("datasets/digits.csv");
+    match std::fs::read(&path) {
+        Ok(bytes) => Some(bytes),
+        Err(_) => {
+            assert!(
+                std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
+                "{} is missing; run scripts/fetch-datasets.sh",
+                path.display()
+            );
+            eprintln!("skipping: {} is missing; run scripts/fetch-datasets.sh", path.display());
+            None
+        }
+    }
+}
+
+struct User {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl User {
+    async fn login(server: &mut Process, url: &str) -> User {
+        let line = server.wait_for_line("with password: ", Duration::from_secs(5));
+        let password = line.rsplit(' ').next().unwrap().to_string();
+        let http = reqwest::Client::new();
+        let response = http
+            .post(format!("{url}/api/v1/auth/login"))
+            .json(&json!({"username": "admin", "password": password}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let token = response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string();
+        User { http, url: url.to_string(), token }
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let response =
+            self.http.get(format!("{}/api/v1{path}", self.url)).bearer_auth(&self.token).send().await.unwrap();
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    async fn upload_dataset(&self, bytes: Vec<u8>) -> String {
+        let form = reqwest::multipart::Form::new()
+            .text("name", "digits")
+            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("digits.csv"));
+        let response = self
+            .http
+            .post(format!("{}/api/v1/datasets", self.url))
+            .bearer_auth(&self.token)
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+    }
+
+    async fn submit(&self, body: Value) -> String {
+        let response = self
+            .http
+            .post(format!("{}/api/v1/jobs", self.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }
+
+    async fn finished(&self, job: &str, worker: &Process, timeout: Duration) -> Value {
+        let job = eventually("the training job ends", timeout, || async {
+            let job = self.get(&format!("/jobs/{job}")).await;
+            ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()).then_some(job)
+        })
+        .await;
+        assert_eq!(job["state"], "succeeded", "{job}\n{}", worker.output());
+        job
+    }
+}
+
+/// The example job, shorter.
+fn example(dataset: &str, max_steps: u64, lr_schedule: Value) -> Value {
+    json!({
+        "name": "digits", "model": {"kind": "mlp", "hidden": [64]}, "dataset": dataset,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.2},
+        "optimizer": {"type": "sgd", "momentum": 0.9}, "batch_size": 64, "max_steps": max_steps,
+        "eval_every": 50, "checkpoint_every": 100, "lr_schedule": lr_schedule, "seed": 1
+    })
+}
+
+/// Every step from 1 to `max_steps` exactly once, each with loss, lr (cosine ends at 0) and throughput.
+fn assert_one_continuous_series(metrics: &Value, max_steps: u64) {
+    let steps = metrics["steps"].as_array().unwrap();
+    let numbers: Vec<u64> = steps.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, (1..=max_steps).collect::<Vec<_>>());
+    for row in steps {
+        let complete = row["loss"].as_f64().is_some_and(f64::is_finite)
+            && row["lr"].as_f64().is_some_and(|lr| lr >= 0.0)
+            && row["throughput"].as_f64().is_some_and(|t| t > 0.0);
+        assert!(complete, "a step without a finite loss, an lr or a throughput: {row}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autolrs_job_trains_digits_with_metrics_stages_and_checkpoints() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"));
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let worker = start_worker(&url, &data.path().join("worker"), "trainer-1");
+
+    // τ' = 20, k = 10: a 400-step first stage (200 search + 200 exploitation).
+    let schedule = json!({"type": "autolrs", "min_lr": 1e-4, "max_lr": 1, "tau_prime": 20, "tau": 200});
+    let job = user.submit(example(&dataset, 500, schedule)).await;
+    let finished = user.finished(&job, &worker, Duration::from_secs(240)).await;
+    assert_eq!(finished["attempts"], 1);
+    assert!(finished["message"].as_str().unwrap().contains("accuracy"), "{finished}");
+
+    let metrics = user.get(&format!("/jobs/{job}/metrics")).await;
+    assert_one_continuous_series(&metrics, 500);
+    let evals = metrics["evals"].as_array().unwrap();
+    assert!(evals.iter().any(|e| e["step"] == 500));
+    let accuracy = evals.iter().find(|e| e["step"] == 500).unwrap()["accuracy"].as_f64().unwrap();
+    assert!(accuracy > 0.9, "final validation accuracy {accuracy}");
+
+    let stages = user.get(&format!("/jobs/{job}/lr-stages")).await;
+    let first = &stages[0];
+    assert_eq!(first["candidates"].as_array().unwrap().len(), 10);
+    assert!(first["observed_loss_after_tau"].as_f64().is_some(), "{stages}");
+    // The LR actually used during exploitation is the chosen one.
+    let chosen = first["chosen_lr"].as_f64().unwrap();
+    assert!(metrics["steps"].as_array().unwrap()[200..400].iter().all(|r| r["lr"].as_f64().unwrap() == chosen));
+
+    let checkpoints = user.get(&format!("/jobs/{job}/checkpoints")).await;
+    let steps: Vec<u64> = checkpoints.as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [100, 200, 300, 400, 500]);
+    let names: Vec<&str> =
+        checkpoints[4]["files"].as_array().unwrap().iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"model.safetensors") && names.contains(&"state.json"), "{names:?}");
+    let state = user
+        .http
+        .get(format!("{url}/api/v1/jobs/{job}/checkpoints/500/files/state.json"))
+        .bearer_auth(&user.token)
+        .send()
+        .await
+        .unwrap();
+    let state: Value = state.json().await.unwrap();
+    assert_eq!(state["step"], 500);
+    assert!(state["lr_policy"]["tuner"].is_object(), "the tuner's state is checkpointed: {state}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_s_job_resumes_from_its_checkpoint_on_another_worker() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"));
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let mut first = start_worker(&url, &data.path().join("worker-1"), "trainer-1");
+
+    let max_steps = 3000;
+    let job =
+        user.submit(example(&dataset, max_steps, json!({"type": "cosine", "lr": 0.1, "warmup_steps": 100}))).await;
+    let checkpoint = eventually("a checkpoint is uploaded", Duration::from_secs(120), || async {
+        let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
+        list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
+    })
+    .await;
+    first.kill();
+    assert!(checkpoint < max_steps, "the job must still be running when its worker dies");
+    let reported_before = user.get(&format!("/jobs/{job}/metrics")).await["steps"].as_array().unwrap().len() as u64;
+
+    let second = start_worker(&url, &data.path().join("worker-2"), "trainer-2");
+    let finished = user.finished(&job, &second, Duration::from_secs(240)).await;
+    assert_eq!(finished["attempts"], 2, "{finished}");
+    let logs = user.get(&format!("/jobs/{job}/logs")).await;
+    let resumed_from: u64 = logs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|l| {
+            l["line"]
+                .as_str()
+                .unwrap()
+                .strip_prefix("resuming from the checkpoint at step ")
+                .map(|s| s.parse().unwrap())
+        })
+        .expect("the second worker logs where it resumed");
+    assert!(
+        resumed_from >= checkpoint && resumed_from < max_steps,
+        "resumed at {resumed_from}, first checkpoint seen {checkpoint}"
+    );
+    assert!(reported_before >= resumed_from, "at most the steps since the checkpoint are redone");
+    assert_one_continuous_series(&user.get(&format!("/jobs/{job}/metrics")).await, max_steps);
+}
