@@ -194,7 +194,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         Duration::from_secs(180),
         || async {
             let d = get(format!("{url}/api/v1/deployments/minilm-slo")).await;
-            assert_ne!(d["state"], "failed", "{d}\n{}", worker.output());
+            assert_ne!(d["state"], "failed", "{d}\n{}\n{}", worker.output(), server.output());
             (d["state"] == "ready").then_some(d)
         },
     )

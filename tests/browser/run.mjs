@@ -2,7 +2,9 @@
 // loopback with throwaway data directories, drives the system Chromium through the
 // pages a person uses (sign in, upload the real MiniLM folder, watch the worker come
 // online, prefetch the model onto it, deploy it, watch inference traffic arrive on the
-// deployment page, delete it), and saves a screenshot of each page.
+// deployment page, delete it; upload the digits dataset, train an AutoLRS and a constant-LR
+// job and read their charts, stages, checkpoints and the compare view), and saves a
+// screenshot of each page.
 //
 //   node tests/browser/run.mjs
 //
@@ -24,16 +26,18 @@ const targetDir = process.env.CARGO_TARGET_DIR ? path.resolve(repo, process.env.
 const serverBin = process.env.TESSERA_SERVER_BIN || path.join(targetDir, "debug", "tessera-server");
 const workerBin = process.env.TESSERA_WORKER_BIN || path.join(targetDir, "debug", "tessera-worker");
 const modelDir = path.join(process.env.TESSERA_ASSETS || path.join(repo, ".assets"), "all-MiniLM-L6-v2");
+const digitsCsv = path.join(process.env.TESSERA_ASSETS || path.join(repo, ".assets"), "datasets", "digits.csv");
 const chromiumPath = process.env.TESSERA_CHROMIUM || "/usr/bin/chromium";
 const shotsDir = path.join(here, "screenshots");
 
-const OVERALL_TIMEOUT_MS = 180_000;
+const OVERALL_TIMEOUT_MS = 300_000;
 const ADMIN_PASSWORD = "browser-test-admin-pw";
 const WORKER_TOKEN = "browser-test-worker-token";
 const WORKER_NAME = "browser-worker";
 const MODEL_NAME = "all-MiniLM-L6-v2";
 const DEPLOYMENT_NAME = "minilm";
 const GATEWAY_REQUESTS = 6;
+const TRAIN_STEPS = 120;
 
 const results = [];
 const children = [];
@@ -99,6 +103,8 @@ function start(name, bin, args, env, ready) {
   });
 }
 
+let base = null;
+
 async function cleanup() {
   if (browser) await browser.close().catch(() => {});
   for (const { child } of children) {
@@ -134,11 +140,21 @@ process.on("exit", () => {
   for (const { child } of children) if (child.exitCode === null) child.kill("SIGKILL");
 });
 
+/** Signs in over the API as the admin; resolves to the session token. */
+async function apiLogin() {
+  const login = await fetch(`${base}/api/v1/auth/login`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ username: "admin", password: ADMIN_PASSWORD }),
+  });
+  assert(login.ok, `login answered ${login.status}`);
+  return (await login.json()).token;
+}
+
 async function main() {
   fs.mkdirSync(shotsDir, { recursive: true });
   const shot = (page, name) => page.screenshot({ path: path.join(shotsDir, `${name}.png`), fullPage: true });
 
-  let base = null;
   await check("server starts", async () => {
     assert(fs.existsSync(serverBin), `no server binary at ${serverBin}; run cargo build -p tessera-server`);
     const [, url] = await start(
@@ -287,12 +303,7 @@ async function main() {
 
     await check("inference requests show up live in the deployment's traffic figures and charts", async () => {
       assert(deploymentPage, "no deployment");
-      const login = await fetch(`${base}/api/v1/auth/login`, {
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify({ username: "admin", password: ADMIN_PASSWORD }),
-      });
-      const session = (await login.json()).token;
+      const session = await apiLogin();
       const created = await fetch(`${base}/api/v1/tokens`, {
         method: "POST",
         headers: { "content-type": "application/json", authorization: `Bearer ${session}` },
@@ -338,6 +349,80 @@ async function main() {
       await Promise.all([page.waitForURL(`${base}/deployments`), page.click('button:has-text("Delete")')]);
       await page.getByText("No deployments yet").waitFor();
     });
+
+    let datasetId = null;
+    await check("a dataset uploaded from the datasets page is checked and listed with its rows and columns", async () => {
+      assert(fs.existsSync(digitsCsv), `no dataset at ${digitsCsv}; run scripts/fetch-datasets.sh`);
+      await page.goto(`${base}/datasets`);
+      await page.fill('#dataset-form input[name="name"]', "digits");
+      await page.setInputFiles('#dataset-form input[name="file"]', digitsCsv);
+      await page.click('#dataset-form button[type="submit"]');
+      await page.getByText("Uploaded 'digits': 1797 rows").waitFor({ timeout: 30_000 });
+      const row = await page.locator('tr[data-dataset="digits"]').innerText();
+      assert(row.includes("1797") && row.includes("label") && row.includes("csv"), row);
+      datasetId = (await page.locator('tr[data-dataset="digits"] code').innerText()).trim();
+      await shot(page, "11-datasets");
+    });
+
+    const trainingJobs = [];
+    await check("an AutoLRS training job's page shows its loss, LR and eval charts, stages and checkpoints", async () => {
+      assert(datasetId, "no dataset");
+      const token = await apiLogin();
+      const job = (name, lr_schedule) => ({
+        name, model: { kind: "mlp", hidden: [32] }, dataset: datasetId,
+        task: { type: "classification", label_column: "label", validation_split: 0.2 },
+        optimizer: { type: "sgd", momentum: 0.9 }, batch_size: 32, max_steps: TRAIN_STEPS,
+        eval_every: 20, checkpoint_every: 60, lr_schedule, seed: 1,
+      });
+      for (const body of [
+        job("digits-autolrs", { type: "autolrs", min_lr: 1e-3, max_lr: 0.3, tau_prime: 5, tau: 50 }),
+        job("digits-constant", { type: "constant", lr: 0.05 }),
+      ]) {
+        const response = await fetch(`${base}/api/v1/jobs`, {
+          method: "POST",
+          headers: { "content-type": "application/json", authorization: `Bearer ${token}` },
+          body: JSON.stringify(body),
+        });
+        const text = await response.text();
+        assert(response.status === 201, `job submission answered ${response.status}: ${text}`);
+        trainingJobs.push(JSON.parse(text).id);
+      }
+      await page.goto(`${base}/jobs/${trainingJobs[0]}`);
+      await page.locator("#job-detail .badge-succeeded, #job-detail .badge-failed").first().waitFor({ timeout: 60_000 });
+      const state = await page.locator("#job-detail h1 .badge").innerText();
+      assert(state === "succeeded", `the job ended ${state}: ${await page.locator("#job-detail").innerText()}`);
+      // Reload for the final page: every chart drawn from the downsampled series.
+      await page.reload();
+      for (const [chart, line] of [["steps:loss", "loss"], ["steps:lr", "lr"], ["steps:throughput", "throughput"], ["evals:*", "accuracy"]]) {
+        const legend = page.locator(`[data-chart="${chart}"] .chart-legend`);
+        await legend.getByText(new RegExp(`^${line} \\(\\d+ pts\\)$`)).waitFor();
+        const points = Number((await legend.innerText()).match(new RegExp(`${line} \\((\\d+) pts`))[1]);
+        assert(points > 0, `the ${chart} chart has no points`);
+      }
+      const candidates = await page.locator("#lr-stages .stage").first().locator("tbody tr").count();
+      assert(candidates === 10, `the first AutoLRS stage lists ${candidates} candidates`);
+      assert((await page.locator("#lr-stages .stage tr.chosen").count()) >= 1, "the chosen LR is marked");
+      const checkpoints = await page.locator("#checkpoints tbody tr").count();
+      assert(checkpoints >= 2, `${checkpoints} checkpoints listed`);
+      await shot(page, "12-training-job");
+    });
+
+    await check("the jobs list shows the training jobs' progress and best metric, and the compare view draws both", async () => {
+      assert(trainingJobs.length === 2, "no training jobs");
+      await page.goto(`${base}/jobs/${trainingJobs[1]}`);
+      await page.locator("#job-detail .badge-succeeded, #job-detail .badge-failed").first().waitFor({ timeout: 60_000 });
+      await page.goto(`${base}/jobs`);
+      const row = await page.locator("tr", { hasText: "digits-autolrs" }).first().innerText();
+      assert(row.includes("100%") && row.includes("best"), `jobs list row: ${row}`);
+      await page.goto(`${base}/jobs/compare?ids=${trainingJobs.join(",")}`);
+      const legend = page.locator("[data-compare] .chart-legend");
+      for (const name of ["digits-autolrs", "digits-constant"]) {
+        await legend.getByText(new RegExp(`^${name} \\(\\d+ pts\\)$`)).waitFor();
+      }
+      await page.check("[data-compare] [data-control=log]");
+      assert((await legend.locator(".legend-item").count()) === 2, "two curves after switching to log scale");
+      await shot(page, "13-compare");
+    });
   } else {
     for (const name of [
       "the worker shows as online",
@@ -352,7 +437,7 @@ async function main() {
     await page.goto(`${base}/jobs`);
     const body = await page.locator("main").innerText();
     assert(/all\s*\d+/i.test(body), "state tabs with counts");
-    await shot(page, "11-jobs");
+    await shot(page, "14-jobs");
   });
 
   await check("the API page lists the routes", async () => {
@@ -361,7 +446,7 @@ async function main() {
     await page.locator("#post-api-v1-models > summary").click();
     const body = await page.locator("main").innerText();
     assert(body.includes("/api/v1/models") && body.includes("openapi.json"), "routes listed");
-    await page.screenshot({ path: path.join(shotsDir, "12-api-docs.png") });
+    await page.screenshot({ path: path.join(shotsDir, "15-api-docs.png") });
   });
 
   await check("logging out ends the session", async () => {
