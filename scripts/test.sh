@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: dependencies, demo model, a throwaway PostgreSQL,
-# every Rust test (SQLite and PostgreSQL legs), the CUDA build (compiled, not run: no GPU
-# here), then the browser test of the dashboard.
+# every Rust test (SQLite and PostgreSQL legs), the browser test of the dashboard, then the
+# CUDA build (compiled, not run: no GPU here).
 #
 #   scripts/test.sh [ARGS...]    ARGS go to `cargo test` (e.g. a test name filter)
 #
@@ -91,22 +91,23 @@ step "cargo test"
 # status still fails the script if any of them failed.
 cargo test --workspace --no-fail-fast "$@"
 
-step "cargo build --features cuda"
-# The GPU path compiles on every run so it never rots unseen: the CUDA worker binary and the
-# GPU test binaries (cuda_kernels, cuda_embeddings) are built here and run on a GPU machine.
-# nvcc and the CUDA libraries come from pinned wheels (scripts/cuda-toolchain.sh); the
-# same target dir as above, so only what the feature changes is compiled.
-(
-    eval "$(bash scripts/cuda-toolchain.sh)"
-    export CUDA_COMPUTE_CAP=90
-    cargo build -p tessera-worker --features cuda --bins --tests
-)
-
 step "browser test"
 if [[ ! -f tests/browser/run.mjs ]]; then
     echo "tests/browser/run.mjs is missing: the browser test did not run" >&2
     exit 1
 fi
 node tests/browser/run.mjs
+
+step "cargo build --features cuda"
+# The GPU path compiles on every run so it never rots unseen: the CUDA worker binary and
+# the GPU test binaries (cuda_kernels, cuda_embeddings) are built here and run on a GPU
+# machine. nvcc and the CUDA libraries come from pinned wheels (scripts/cuda-toolchain.sh).
+# Its own target dir: the CUDA tessera-worker (which refuses to start without a GPU) must
+# not replace the debug binary the end-to-end and browser tests run.
+(
+    eval "$(bash scripts/cuda-toolchain.sh)"
+    export CUDA_COMPUTE_CAP=90
+    cargo build -p tessera-worker --features cuda --bins --tests --target-dir "$target_dir/cuda"
+)
 
 finish_step

@@ -16,18 +16,7 @@ struct Server {
 }
 
 fn start_server(data_dir: &Path) -> Server {
-    let mut process = Process::spawn(
-        Command::new(binary("tessera-server"))
-            .args(["--bind", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
-            .env("TESSERA_HEARTBEAT_SECS", "1")
-            .env("TESSERA_LEASE_TTL_SECS", "5")
-            .env_remove("TESSERA_ADMIN_PASSWORD")
-            .env_remove("TESSERA_DATABASE_URL"),
-    );
-    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
-    let url = line.rsplit(' ').next().unwrap().trim().to_string();
+    let (process, url) = tessera_tests::start_server(data_dir, WORKER_TOKEN, 5);
     Server { process, url }
 }
 

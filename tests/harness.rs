@@ -21,6 +21,25 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Starts `tessera-server` on a free loopback port with its own data dir (SQLite), the
+/// given worker token, 1 s heartbeats and `lease_ttl_secs` leases; the generated admin
+/// password is in its output. Returns the process and the server's URL.
+pub fn start_server(data_dir: &Path, worker_token: &str, lease_ttl_secs: u64) -> (Process, String) {
+    let mut process = Process::spawn(
+        Command::new(binary("tessera-server"))
+            .args(["--bind", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", worker_token)
+            .env("TESSERA_HEARTBEAT_SECS", "1")
+            .env("TESSERA_LEASE_TTL_SECS", lease_ttl_secs.to_string())
+            .env_remove("TESSERA_ADMIN_PASSWORD")
+            .env_remove("TESSERA_DATABASE_URL"),
+    );
+    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
+    let url = line.rsplit(' ').next().unwrap().trim().to_string();
+    (process, url)
+}
+
 /// A running child process whose stdout and stderr lines are collected.
 pub struct Process {
     child: Child,

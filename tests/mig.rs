@@ -3,12 +3,12 @@
 //! onto the slices, its replicas bind to them and become ready, and embeddings flow
 //! through the gateway.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, Process};
+use tessera_tests::{binary, eventually, start_server, Process};
 
 const WORKER_TOKEN: &str = "mig-e2e-worker-token";
 const MODEL_FILES: &[&str] = &[
@@ -51,22 +51,6 @@ async fn json_of(response: reqwest::Response) -> Value {
     body
 }
 
-fn start_server(data_dir: &Path) -> (Process, String) {
-    let mut process = Process::spawn(
-        Command::new(binary("tessera-server"))
-            .args(["--bind", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
-            .env("TESSERA_HEARTBEAT_SECS", "1")
-            .env("TESSERA_LEASE_TTL_SECS", "5")
-            .env_remove("TESSERA_ADMIN_PASSWORD")
-            .env_remove("TESSERA_DATABASE_URL"),
-    );
-    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
-    let url = line.rsplit(' ').next().unwrap().trim().to_string();
-    (process, url)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     let Some(model_dir) = minilm_dir() else {
@@ -74,7 +58,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     };
     let data = tempfile::tempdir().unwrap();
     let http = reqwest::Client::new();
-    let (mut server, url) = start_server(&data.path().join("server"));
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 5);
     let line = server.wait_for_line("with password: ", Duration::from_secs(5));
     let password = line.rsplit(' ').next().unwrap().to_string();
     let login = http

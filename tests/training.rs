@@ -8,25 +8,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, Process};
+use tessera_tests::{binary, eventually, start_server, Process};
 
 const WORKER_TOKEN: &str = "e2e-training-token";
-
-fn start_server(data_dir: &Path) -> (Process, String) {
-    let mut process = Process::spawn(
-        Command::new(binary("tessera-server"))
-            .args(["--bind", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
-            .env("TESSERA_HEARTBEAT_SECS", "1")
-            .env("TESSERA_LEASE_TTL_SECS", "3")
-            .env_remove("TESSERA_ADMIN_PASSWORD")
-            .env_remove("TESSERA_DATABASE_URL"),
-    );
-    let line = process.wait_for_line("listening on http://", Duration::from_secs(60));
-    let url = line.rsplit(' ').next().unwrap().trim().to_string();
-    (process, url)
-}
 
 fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
     Process::spawn(
@@ -154,7 +138,7 @@ fn assert_one_continuous_series(metrics: &Value, max_steps: u64) {
 async fn autolrs_job_trains_digits_with_metrics_stages_and_checkpoints() {
     let Some(csv) = digits_csv() else { return };
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"));
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
     let worker = start_worker(&url, &data.path().join("worker"), "trainer-1");
@@ -203,7 +187,7 @@ async fn autolrs_job_trains_digits_with_metrics_stages_and_checkpoints() {
 async fn a_killed_worker_s_job_resumes_from_its_checkpoint_on_another_worker() {
     let Some(csv) = digits_csv() else { return };
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"));
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
     let mut first = start_worker(&url, &data.path().join("worker-1"), "trainer-1");

@@ -299,13 +299,14 @@ fn main() -> anyhow::Result<()> {
         }));
     }
     let date = chrono::Utc::now().to_rfc3339();
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results");
     std::fs::create_dir_all(&out)?;
     let document = json!({"benchmark": "lr_schedules", "machine": machine(), "date": date, "command": command, "seeds": seeds, "problems": results});
     std::fs::write(out.join("lr_schedules.json"), serde_json::to_string_pretty(&document)? + "\n")?;
     let header = format!(
-        "# Learning-rate schedules: AutoLRS vs constant, cosine, one-cycle\n\nMachine: {}. Date: {date}. Command: `{command}` (release build).\n\nSteps to target count every optimizer step, AutoLRS's candidate (search) steps included; a run reaches the target at the first evaluation (every {EVAL_EVERY} steps) whose validation metric meets it, whichever model produced it (for AutoLRS that may be a candidate's model during a search). \"default\" schedules use the usual peak LR {DEFAULT_LR} for SGD with momentum; \"grid\" tries peak LRs {GRID:?}; a configuration's mean steps are over the seeds that reached the target, and configurations are ranked by seeds reached, then mean steps.\n\n",
+        "# Learning-rate schedules: AutoLRS vs constant, cosine, one-cycle\n\nMachine: {}. Date: {date}. Command: `{command}` ({profile} build).\n\nSteps to target count every optimizer step, AutoLRS's candidate (search) steps included; a run reaches the target at the first evaluation (every {EVAL_EVERY} steps) whose validation metric meets it, whichever model produced it (for AutoLRS that may be a candidate's model during a search). \"default\" schedules use the usual peak LR {DEFAULT_LR} for SGD with momentum; \"grid\" tries peak LRs {GRID:?}; a configuration's mean steps are over the seeds that reached the target, and configurations are ranked by seeds reached, then mean steps.\n\n",
         machine()
     );
     std::fs::write(out.join("lr_schedules.md"), header + &markdown)?;
