@@ -86,11 +86,11 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     )
     .await;
 
-    let worker = Process::spawn(
+    let mut worker = Process::spawn(
         Command::new(binary("tessera-worker"))
             .args(["--server", &url, "--name", "sim-h100", "--data-dir"])
             .arg(data.path().join("worker"))
-            .args(["--simulate-gpus", "H100-80GB:mig=3g.40gb+2g.20gb+2g.20gb"])
+            .args(["--simulate-gpus", "H100-80GB:mig=3g.40gb+2g.20gb+2g.20gb", "--slice-processes"])
             .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
     );
     let get = |path: String| {
@@ -196,7 +196,23 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
             "{replica}"
         );
     }
-    assert!(worker.output().contains("the CPU engine serves it"));
+    // One engine process per slice, each on its own port: the per-slice process path
+    // the cuda build takes for real slices, here on the CPU.
+    let pids: std::collections::HashSet<&str> = ready["replica_status"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["message"].as_str().unwrap().split("(engine process ").nth(1).expect("an engine process pid"))
+        .collect();
+    assert_eq!(pids.len(), planned.len(), "{ready}");
+    let ports: std::collections::HashSet<&str> = ready["replica_status"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["endpoint"].as_str().unwrap().split('/').nth(2).unwrap())
+        .collect();
+    assert_eq!(ports.len(), planned.len(), "{ready}");
+    assert!(worker.output().contains("its own CPU engine process serves it"));
     let workers = get(format!("{url}/api/v1/workers")).await;
     let bound = workers[0]["slices"]
         .as_array()
@@ -212,5 +228,23 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 2);
     assert_eq!(data[0]["embedding"].as_array().unwrap().len(), 384);
+
+    // A worker that dies takes its engine processes with it (they serve only while the
+    // worker holds their stdin), so nothing keeps a slice busy behind the scheduler's back.
+    let engines: Vec<String> = pids.iter().map(|pid| format!("/proc/{}", pid.trim_end_matches(").").trim())).collect();
+    assert!(engines.iter().all(|proc_dir| is_running(proc_dir)), "{engines:?} run while their worker does");
+    worker.kill();
+    eventually("the engine processes exit with their worker", Duration::from_secs(20), || async {
+        engines.iter().all(|proc_dir| !is_running(proc_dir)).then_some(())
+    })
+    .await;
     drop(server);
+}
+
+/// Whether `/proc/PID` names a live process (not gone, not a zombie awaiting its parent).
+fn is_running(proc_dir: &str) -> bool {
+    std::fs::read_to_string(format!("{proc_dir}/stat")).is_ok_and(|stat| {
+        let state = stat.rsplit(')').next().unwrap_or("").split_whitespace().next().unwrap_or("");
+        state != "Z" && state != "X"
+    })
 }

@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
 use crate::jobs::{self, JobContext};
+use crate::serve::binding::Policy;
 use crate::serve::endpoint::Endpoint;
 
 pub struct AgentConfig {
@@ -29,6 +30,8 @@ pub struct AgentConfig {
     /// Let the server change this worker's MIG partitions (`--allow-repartition`).
     pub allow_repartition: bool,
     pub endpoint: Arc<Endpoint>,
+    /// How replicas bound to slices run (`serve::binding`).
+    pub binding: Policy,
 }
 
 /// Jobs by how they use the host: a replica holds a device slice until it is stopped,
@@ -134,7 +137,7 @@ impl Agent {
                             self.config.data_dir.clone(),
                             self.config.endpoint.clone(),
                         )
-                        .with_slices(assignment.slice.clone(), offered.clone());
+                        .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding);
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job

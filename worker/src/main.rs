@@ -2,7 +2,9 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use tessera_worker::agent::{Agent, AgentConfig};
+use tessera_worker::serve::binding::Policy;
 use tessera_worker::serve::endpoint::Endpoint;
+use tessera_worker::serve::process::{run_engine, EngineArgs};
 
 /// Tessera worker: offers this host's devices to a Tessera server and runs the work it leases.
 #[derive(Debug, Parser)]
@@ -41,6 +43,19 @@ struct Cli {
     /// SLOs (applied to simulated GPUs; for real GPUs it shows the steps it would take).
     #[arg(long, env = "TESSERA_ALLOW_REPARTITION")]
     allow_repartition: bool,
+    /// Run each replica bound to a simulated slice in its own CPU engine process, as the
+    /// cuda build runs replicas on real slices (the flow tests and demos exercise).
+    #[arg(long, env = "TESSERA_SLICE_PROCESSES")]
+    slice_processes: bool,
+}
+
+/// `tessera-worker engine …`: one replica's engine, started by a worker for a slice
+/// (`serve::process`); not meant to be run by hand.
+#[derive(Debug, Parser)]
+#[command(name = "tessera-worker engine")]
+struct EngineCli {
+    #[command(flatten)]
+    args: EngineArgs,
 }
 
 #[tokio::main]
@@ -50,6 +65,10 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
+    if std::env::args().nth(1).as_deref() == Some("engine") {
+        let engine = EngineCli::parse_from(std::env::args().skip(1));
+        return run_engine(engine.args).await;
+    }
     let cli = Cli::parse();
     #[cfg(feature = "cuda")]
     check_gpu()?;
@@ -74,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
         inventory,
         allow_repartition: cli.allow_repartition,
         endpoint,
+        binding: Policy::of_build(cli.slice_processes),
     })?;
     tokio::select! {
         result = agent.run() => result,

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
 use crate::engine::EngineError;
+use crate::serve::binding::Policy;
 use crate::serve::endpoint::Endpoint;
 
 pub struct JobContext {
@@ -27,16 +28,19 @@ pub struct JobContext {
     slice: Option<Slice>,
     /// Every slice this worker offers (the profiler measures them).
     offered: Arc<Vec<Slice>>,
+    /// How replicas bound to slices run.
+    binding: Policy,
 }
 
 impl JobContext {
     pub fn new(client: Client, job: Uuid, data_dir: PathBuf, endpoint: Arc<Endpoint>) -> JobContext {
-        JobContext { client, job, data_dir, endpoint, slice: None, offered: Arc::default() }
+        JobContext { client, job, data_dir, endpoint, slice: None, offered: Arc::default(), binding: Policy::default() }
     }
 
-    /// The slice the server bound this job to, and the slices the worker offers.
-    pub fn with_slices(self, slice: Option<Slice>, offered: Arc<Vec<Slice>>) -> JobContext {
-        JobContext { slice, offered, ..self }
+    /// The slice the server bound this job to, the slices the worker offers, and how
+    /// replicas bound to slices run.
+    pub fn with_slices(self, slice: Option<Slice>, offered: Arc<Vec<Slice>>, binding: Policy) -> JobContext {
+        JobContext { slice, offered, binding, ..self }
     }
 
     pub async fn log(&self, line: impl Into<String>) -> Result<(), ClientError> {
@@ -68,6 +72,8 @@ pub enum JobError {
     Model(#[from] candle_core::Error),
     #[error("{0}")]
     Train(String),
+    #[error("{0}")]
+    Process(String),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,

@@ -2,15 +2,13 @@
 //!
 //! The design (DESIGN.md, "one engine per device slice") is one engine process per GPU
 //! slice, started with `CUDA_VISIBLE_DEVICES=<slice uuid>` (`MIG-…` for a MIG instance,
-//! `GPU-…` for a whole GPU) so CUDA in that process sees exactly that slice as device 0.
-//! This worker runs every engine in its own process on the CPU today: the serving
-//! engine has no GPU path yet. When the CUDA build serves, a replica bound to a real
-//! slice will be started as a child process (`tessera-worker` re-executed with the
-//! environment below, its engine endpoint proxied by this one), one per slice, so that
-//! CUDA contexts never share a slice and a crash stays in its slice. Until then such a
-//! replica runs the CPU engine and says so in its status, and the planner's throughput
-//! for it comes only from measurements of that engine (the profiler never records a CPU
-//! measurement under a real GPU profile).
+//! `GPU-…` for a whole GPU) so CUDA in that process sees exactly that slice as device 0:
+//! CUDA contexts never share a slice and a crash stays in its slice. The CUDA build runs
+//! a replica bound to a real slice that way (`serve::process`). A build without CUDA
+//! serves such a replica with the CPU engine and says so. Replicas on simulated slices run
+//! in the worker's process on the CPU, or each in its own CPU engine process when the
+//! worker is started with `--slice-processes` (so tests and demos exercise the process
+//! path without a GPU).
 
 use tessera_api::mig::Slice;
 
@@ -22,8 +20,25 @@ pub enum Binding {
         /// Why, for the replica's log and status ("" when there is no slice at all).
         note: String,
     },
-    /// A child process per slice with this environment.
-    Process { env: Vec<(String, String)> },
+    /// A child engine process confined to one slice with this environment, computing on
+    /// the slice's GPU (`gpu`) or on the CPU (a simulated slice).
+    Process { env: Vec<(String, String)>, gpu: bool, note: String },
+}
+
+/// What this build and this worker can do with slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Policy {
+    /// The build serves on GPUs (the `cuda` feature): real slices get GPU processes.
+    pub gpu_processes: bool,
+    /// Simulated slices get their own (CPU) engine process too.
+    pub simulated_processes: bool,
+}
+
+impl Policy {
+    /// This build, with the worker's `--slice-processes` choice.
+    pub fn of_build(simulated_processes: bool) -> Policy {
+        Policy { gpu_processes: cfg!(feature = "cuda"), simulated_processes }
+    }
 }
 
 /// The environment that confines a CUDA process to `slice`.
@@ -31,19 +46,31 @@ pub fn slice_env(slice: &Slice) -> Vec<(String, String)> {
     vec![("CUDA_VISIBLE_DEVICES".to_string(), slice.uuid.clone())]
 }
 
-/// Chooses how to run a replica bound to `slice` (none on a CPU-only worker), on a build
-/// that can (`gpu_processes`) or cannot start per-slice GPU engine processes.
-pub fn bind(slice: Option<&Slice>, gpu_processes: bool) -> Binding {
+/// Chooses how to run a replica bound to `slice` (none on a CPU-only worker).
+pub fn bind(slice: Option<&Slice>, policy: Policy) -> Binding {
     match slice {
         None => Binding::Cpu { note: String::new() },
+        Some(slice) if slice.simulated && policy.simulated_processes => Binding::Process {
+            env: slice_env(slice),
+            gpu: false,
+            note: format!(
+                "bound to simulated slice {} ({}); its own CPU engine process serves it",
+                slice.uuid,
+                describe(slice)
+            ),
+        },
         Some(slice) if slice.simulated => Binding::Cpu {
             note: format!("bound to simulated slice {} ({}); the CPU engine serves it", slice.uuid, describe(slice)),
         },
-        Some(slice) if gpu_processes => Binding::Process { env: slice_env(slice) },
+        Some(slice) if policy.gpu_processes => Binding::Process {
+            env: slice_env(slice),
+            gpu: true,
+            note: format!("bound to {} ({}); a GPU engine process serves it", slice.uuid, describe(slice)),
+        },
         Some(slice) => Binding::Cpu {
             note: format!(
                 "bound to {} ({}); this build has no GPU serving engine, so the CPU engine serves it \
-                 (a GPU build runs it as a process with CUDA_VISIBLE_DEVICES={})",
+                 (the cuda build runs it as a process with CUDA_VISIBLE_DEVICES={})",
                 slice.uuid,
                 describe(slice),
                 slice.uuid
@@ -51,9 +78,6 @@ pub fn bind(slice: Option<&Slice>, gpu_processes: bool) -> Binding {
         },
     }
 }
-
-/// Whether this build starts per-slice GPU engine processes (not yet: see the module doc).
-pub const GPU_PROCESSES: bool = false;
 
 fn describe(slice: &Slice) -> String {
     let model = slice.gpu_model.as_deref().unwrap_or("GPU");
@@ -87,15 +111,14 @@ mod tests {
             Some("1g.10gb"),
             false,
         );
-        assert_eq!(
-            bind(Some(&mig), true),
-            Binding::Process {
-                env: vec![(
-                    "CUDA_VISIBLE_DEVICES".into(),
-                    "MIG-4f1c2a9e-0000-5d6e-8a2b-1c3d5e7f9a0b".into()
-                )]
+        let gpu = Policy { gpu_processes: true, simulated_processes: false };
+        match bind(Some(&mig), gpu) {
+            Binding::Process { env, gpu: true, note } => {
+                assert_eq!(env, [("CUDA_VISIBLE_DEVICES".into(), "MIG-4f1c2a9e-0000-5d6e-8a2b-1c3d5e7f9a0b".into())]);
+                assert!(note.contains("H100-80GB MIG 1g.10gb") && note.contains("GPU engine process"), "{note}");
             }
-        );
+            other => panic!("{other:?}"),
+        }
         let whole = slice("GPU-9d8c", None, false);
         assert_eq!(
             slice_env(&whole),
@@ -107,14 +130,15 @@ mod tests {
     fn simulated_slices_and_cpu_workers_run_in_process() {
         let simulated = slice("MIG-sim-w-0-0", Some("3g.40gb"), true);
         for gpu_processes in [false, true] {
-            match bind(Some(&simulated), gpu_processes) {
+            let policy = Policy { gpu_processes, simulated_processes: false };
+            match bind(Some(&simulated), policy) {
                 Binding::Cpu { note } => {
                     assert!(note.contains("simulated slice MIG-sim-w-0-0 (H100-80GB MIG 3g.40gb)"))
                 }
                 other => panic!("{other:?}"),
             }
             assert_eq!(
-                bind(None, gpu_processes),
+                bind(None, policy),
                 Binding::Cpu {
                     note: String::new()
                 }
@@ -125,12 +149,26 @@ mod tests {
     #[test]
     fn a_real_slice_on_a_build_without_gpu_processes_says_it_runs_on_the_cpu() {
         let mig = slice("MIG-abc", Some("2g.20gb"), false);
-        match bind(Some(&mig), false) {
+        match bind(Some(&mig), Policy::default()) {
             Binding::Cpu { note } => {
                 assert!(note.contains("no GPU serving engine"));
                 assert!(note.contains("CUDA_VISIBLE_DEVICES=MIG-abc"));
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn with_slice_processes_a_simulated_slice_gets_its_own_cpu_process() {
+        let simulated = slice("MIG-sim-w-0-1", Some("2g.20gb"), true);
+        let policy = Policy { gpu_processes: false, simulated_processes: true };
+        match bind(Some(&simulated), policy) {
+            Binding::Process { env, gpu: false, note } => {
+                assert_eq!(env, [("CUDA_VISIBLE_DEVICES".into(), "MIG-sim-w-0-1".into())]);
+                assert!(note.contains("own CPU engine process"), "{note}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(bind(None, policy), Binding::Cpu { note: String::new() });
     }
 }

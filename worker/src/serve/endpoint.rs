@@ -73,6 +73,11 @@ impl Endpoint {
         *self.token.write().expect("token lock") = token;
     }
 
+    /// The current engine token (a per-slice engine process is started with it).
+    pub fn token(&self) -> String {
+        self.token.read().expect("token lock").clone()
+    }
+
     pub fn add(self: &Arc<Self>, id: Uuid, replica: Replica) -> Registration {
         self.replicas.write().expect("replicas lock").insert(id, Arc::new(replica));
         Registration { endpoint: self.clone(), id }

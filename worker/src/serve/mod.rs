@@ -1,6 +1,86 @@
 //! Serving replicas on this worker: each replica is a loaded model behind a batching
-//! queue, reachable through the worker's one engine endpoint at `/replicas/{id}/…`.
+//! queue, reachable through the worker's engine endpoint at `/replicas/{id}/…`, or
+//! through its own engine process's endpoint when it is bound to a slice (`process`).
 
 pub mod batcher;
 pub mod binding;
 pub mod endpoint;
+pub mod process;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use uuid::Uuid;
+
+use crate::engine::{EmbeddingModel, EngineError, LoadOptions};
+use batcher::{BatchLimits, Queue, Task};
+use endpoint::Replica;
+
+/// Requests that may wait per replica, as a multiple of the batch's request cap.
+const QUEUED_BATCHES: usize = 8;
+
+/// What loading a replica took, for its log.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct LoadReport {
+    pub task: String,
+    pub load_secs: f64,
+    pub warmup_tokens: usize,
+    pub warmup_secs: f64,
+}
+
+impl LoadReport {
+    pub fn lines(&self) -> [String; 2] {
+        [
+            format!("loaded in {:.2} s; serving {}", self.load_secs, self.task),
+            format!("warm-up batch of {} tokens took {:.2} s", self.warmup_tokens, self.warmup_secs),
+        ]
+    }
+
+    pub fn warmup_tokens_per_s(&self) -> f64 {
+        self.warmup_tokens as f64 / self.warmup_secs.max(1e-9)
+    }
+}
+
+fn joined<T>(result: Result<Result<T, EngineError>, tokio::task::JoinError>) -> Result<T, EngineError> {
+    result.map_err(|e| EngineError::Unsupported(format!("the loading thread panicked: {e}")))?
+}
+
+/// Runs one batch as large as the budget allows, of the longest inputs the model takes.
+fn warm_up(model: &EmbeddingModel, task: Task, max_batch_tokens: usize, max_batch_requests: usize) -> Result<usize, EngineError> {
+    let text = "warm up ".repeat(model.max_input_tokens());
+    let longest = model.tokenize(&text, true)?;
+    let count = (max_batch_tokens / longest.len()).clamp(1, max_batch_requests);
+    let batch = model.pack(&vec![longest.as_slice(); count], true)?;
+    match task {
+        Task::Embed => model.embed_batch(&batch).map(|_| ()),
+        Task::Classify => model.classify_batch(&batch).map(|_| ()),
+    }?;
+    Ok(batch.total_tokens())
+}
+
+/// Loads the model in `folder`, warms it up with a full batch (so a model too big for the
+/// batch budget fails now, not under load) and puts it behind a batching queue.
+pub async fn load_replica(
+    folder: PathBuf,
+    options: LoadOptions,
+    model_id: Uuid,
+    max_batch_tokens: usize,
+    max_batch_requests: usize,
+) -> Result<(Replica, LoadReport), EngineError> {
+    let started = Instant::now();
+    let model = Arc::new(joined(tokio::task::spawn_blocking(move || EmbeddingModel::load_with(&folder, &options)).await)?);
+    let task = if model.labels().is_some() { Task::Classify } else { Task::Embed };
+    let load_secs = started.elapsed().as_secs_f64();
+
+    let started = Instant::now();
+    let warm = model.clone();
+    let warmup_tokens =
+        joined(tokio::task::spawn_blocking(move || warm_up(&warm, task, max_batch_tokens, max_batch_requests)).await)?;
+    let report =
+        LoadReport { task: format!("{task:?}"), load_secs, warmup_tokens, warmup_secs: started.elapsed().as_secs_f64() };
+
+    let limits = BatchLimits { max_batch_tokens, max_batch_requests, queue_capacity: QUEUED_BATCHES * max_batch_requests };
+    let queue = Queue::start(model.clone(), task, limits);
+    Ok((Replica { model, model_id, task, queue }, report))
+}

@@ -1,0 +1,226 @@
+//! One replica's engine in its own process, confined to one slice (see `binding`).
+//!
+//! The worker re-executes itself as `tessera-worker engine …` with the slice's
+//! environment (`CUDA_VISIBLE_DEVICES`) and the engine token in `TESSERA_ENGINE_TOKEN`.
+//! The child loads and warms the model, serves it on its own endpoint (a free port on the
+//! worker's listen host, same routes and token as the worker's), and prints one
+//! `TESSERA_ENGINE_READY {json}` line with its URL. It lives as long as its stdin is
+//! open: the serve job holds the pipe, so an aborted job, a stopped or crashed worker all
+//! end the engine too. The child's other output goes to the worker's log.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, Command};
+use uuid::Uuid;
+
+use super::endpoint::Endpoint;
+use super::{load_replica, LoadReport};
+use crate::engine::LoadOptions;
+use crate::jobs::JobError;
+
+/// The line prefix the engine process announces itself with.
+const READY: &str = "TESSERA_ENGINE_READY ";
+/// The environment variable the engine token is passed in (never on the command line).
+pub const TOKEN_ENV: &str = "TESSERA_ENGINE_TOKEN";
+/// Lines of the child's output kept for the error message when it dies.
+const LAST_WORDS: usize = 8;
+
+/// `tessera-worker engine`: serve one replica in this process.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// The model folder.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The model's registry id (reported by `/info`).
+    #[arg(long)]
+    pub model_id: Uuid,
+    /// The replica (serve job) id: the engine answers at `/replicas/{id}/…`.
+    #[arg(long)]
+    pub replica: Uuid,
+    #[arg(long)]
+    pub max_batch_tokens: usize,
+    #[arg(long)]
+    pub max_batch_requests: usize,
+    /// Compute on CUDA device 0 (the slice `CUDA_VISIBLE_DEVICES` names) in f16; the CPU
+    /// in f32 otherwise.
+    #[arg(long)]
+    pub gpu: bool,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_batch_tokens: usize,
+    pub max_batch_requests: usize,
+}
+
+/// What the serve job starts an engine process with.
+pub struct Spawn {
+    pub folder: PathBuf,
+    pub model_id: Uuid,
+    pub replica: Uuid,
+    pub limits: Limits,
+    pub gpu: bool,
+    pub env: Vec<(String, String)>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Ready {
+    url: String,
+    report: LoadReport,
+}
+
+fn load_options(gpu: bool) -> anyhow::Result<LoadOptions> {
+    if !gpu {
+        return Ok(LoadOptions::default());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let device = candle_core::Device::new_cuda(0)?;
+        Ok(LoadOptions { device: Some(device), dtype: Some(candle_core::DType::F16), ..LoadOptions::default() })
+    }
+    #[cfg(not(feature = "cuda"))]
+    anyhow::bail!("this tessera-worker was built without the cuda feature; it cannot serve on a GPU")
+}
+
+/// The child's side: load, announce, serve until stdin closes.
+pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
+    let token = std::env::var(TOKEN_ENV).map_err(|_| anyhow::anyhow!("{TOKEN_ENV} is not set"))?;
+    let options = load_options(args.gpu)?;
+    let endpoint = Endpoint::start(&args.listen, None).await?;
+    endpoint.set_token(token);
+    let (replica, report) = load_replica(
+        args.model,
+        options,
+        args.model_id,
+        args.max_batch_tokens,
+        args.max_batch_requests,
+    )
+    .await?;
+    let _registration = endpoint.add(args.replica, replica);
+    let ready = Ready { url: endpoint.replica_url(args.replica), report };
+    println!("{READY}{}", serde_json::to_string(&ready)?);
+    // Serve until the worker closes the pipe (or dies).
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    while stdin.next_line().await?.is_some() {}
+    tracing::info!(replica = %args.replica, "the worker closed the engine's stdin; stopping");
+    Ok(())
+}
+
+/// The worker's side: a running engine process, killed when dropped.
+pub struct EngineProcess {
+    child: Child,
+    /// Held open: closing it tells the engine to stop.
+    _stdin: ChildStdin,
+    pub pid: u32,
+    pub url: String,
+    pub report: LoadReport,
+    last: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl EngineProcess {
+    /// Starts the engine process and waits until it serves (or fails to start).
+    pub async fn start(endpoint: &Endpoint, spawn: Spawn) -> Result<EngineProcess, JobError> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .arg("engine")
+            .arg("--model")
+            .arg(&spawn.folder)
+            .args(["--model-id", &spawn.model_id.to_string(), "--replica", &spawn.replica.to_string()])
+            .args(["--max-batch-tokens", &spawn.limits.max_batch_tokens.to_string()])
+            .args(["--max-batch-requests", &spawn.limits.max_batch_requests.to_string()])
+            .args(["--listen", &format!("{}:0", listen_host(&endpoint.url))])
+            .args(spawn.gpu.then_some("--gpu"))
+            .envs(spawn.env)
+            .env(TOKEN_ENV, endpoint.token())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let pid = child.id().unwrap_or_default();
+        let stdin = child.stdin.take().expect("piped stdin");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let last = Arc::new(Mutex::new(VecDeque::new()));
+        tokio::spawn(forward(BufReader::new(child.stderr.take().expect("piped stderr")).lines(), spawn.replica, last.clone()));
+
+        let ready = loop {
+            match stdout.next_line().await? {
+                Some(line) => match line.strip_prefix(READY) {
+                    Some(json) => {
+                        break serde_json::from_str::<Ready>(json)
+                            .map_err(|e| JobError::Process(format!("the engine process announced itself oddly: {e}")))?
+                    }
+                    None => keep(&last, spawn.replica, line),
+                },
+                None => {
+                    let status = child.wait().await?;
+                    let words = last_words(&last);
+                    return Err(JobError::Process(format!("the engine process exited ({status}) before serving; {words}")));
+                }
+            }
+        };
+        // Keep draining its output, or a full pipe would stall it.
+        tokio::spawn(forward(stdout, spawn.replica, last.clone()));
+        Ok(EngineProcess { child, _stdin: stdin, pid, url: ready.url, report: ready.report, last })
+    }
+
+    /// Waits until the engine process exits on its own.
+    pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        self.child.wait().await
+    }
+
+    /// Its last lines of output, for an error message.
+    pub fn last_words(&self) -> String {
+        last_words(&self.last)
+    }
+}
+
+/// The host part of the worker's endpoint URL (`http://HOST:PORT`): engine processes
+/// listen on the same host, each on a free port.
+fn listen_host(url: &str) -> &str {
+    let authority = url.split("://").nth(1).unwrap_or(url);
+    authority.rsplit_once(':').map_or(authority, |(host, _)| host)
+}
+
+fn keep(last: &Mutex<VecDeque<String>>, replica: Uuid, line: String) {
+    tracing::info!(%replica, "engine: {line}");
+    let mut last = last.lock().expect("engine output lock");
+    if last.len() == LAST_WORDS {
+        last.pop_front();
+    }
+    last.push_back(line);
+}
+
+async fn forward<R: AsyncRead + Unpin>(mut lines: Lines<BufReader<R>>, replica: Uuid, last: Arc<Mutex<VecDeque<String>>>) {
+    while let Ok(Some(line)) = lines.next_line().await {
+        keep(&last, replica, line);
+    }
+}
+
+fn last_words(last: &Mutex<VecDeque<String>>) -> String {
+    let last = last.lock().expect("engine output lock");
+    if last.is_empty() {
+        "it printed nothing".into()
+    } else {
+        format!("its last output: {}", last.iter().cloned().collect::<Vec<_>>().join(" | "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_processes_listen_on_the_worker_s_host() {
+        assert_eq!(listen_host("http://127.0.0.1:40123"), "127.0.0.1");
+        assert_eq!(listen_host("http://worker-3:9000"), "worker-3");
+        assert_eq!(listen_host("http://[::1]:9000"), "[::1]");
+    }
+}
