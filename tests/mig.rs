@@ -144,6 +144,15 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         },
     )
     .await;
+    // Measured as replicas run there: in an engine process on a slice of each kind.
+    let logs = get(format!("{url}/api/v1/jobs/{job}/logs")).await;
+    let measured_in_processes = logs
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["line"].as_str().unwrap().contains("req/s, p99") && l["line"].as_str().unwrap().contains("CPU engine process"))
+        .count();
+    assert_eq!(measured_in_processes, 4, "{logs}");
     let table = get(format!("{url}/api/v1/models/minilm/profiles")).await;
     let entries = table["entries"].as_array().unwrap();
     let measured: Vec<&Value> = entries.iter().filter(|e| e["estimated"] == false).collect();
