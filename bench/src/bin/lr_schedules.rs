@@ -17,6 +17,7 @@ use candle_core::Device;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_api::train::LrSchedule;
+use tessera_bench::machine;
 use tessera_worker::train::data::{prepare, Prepared, Table, TaskColumns, TaskKind};
 use tessera_worker::train::model::mlp::Mlp;
 use tessera_worker::train::optim::OptimizerKind;
@@ -156,19 +157,6 @@ fn mean(values: &[f64]) -> f64 {
 fn rank_key(steps: &[Option<u64>]) -> (usize, f64) {
     let reached: Vec<f64> = steps.iter().flatten().map(|&s| s as f64).collect();
     (steps.len() - reached.len(), if reached.is_empty() { f64::INFINITY } else { mean(&reached) })
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    format!("{cpu}, {cores} cores available")
 }
 
 fn main() -> anyhow::Result<()> {

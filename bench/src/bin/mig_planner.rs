@@ -15,6 +15,7 @@ use std::time::Instant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
+use tessera_bench::machine;
 use tessera_server::scheduler::mig::{best_homogeneous, plan, Algorithm, GpuModel, Options, Outcome, Problem, Service};
 
 /// How a model's throughput grows with compute slices 1, 2, 3, 4, 7, relative to 1g.
@@ -131,19 +132,6 @@ fn timed(problem: &Problem, algorithm: Algorithm, repeats: usize) -> (Outcome, f
 
 fn pct(a: usize, b: usize) -> f64 {
     100.0 * (b as f64 - a as f64) / b as f64
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    format!("{cpu}, {cores} cores available")
 }
 
 fn main() {
