@@ -128,6 +128,15 @@ impl Uplink<'_> {
     }
 }
 
+/// Where training runs: the first visible GPU in a cuda build that finds one, else the CPU.
+fn training_device() -> Device {
+    #[cfg(feature = "cuda")]
+    if let Ok(device) = Device::new_cuda(0) {
+        return device;
+    }
+    Device::Cpu
+}
+
 pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobError> {
     context.client.status(context.job, JobState::Running, None, None).await?;
     let bytes = context.client.dataset(spec.dataset.id, &spec.dataset.digest).await?;
@@ -143,7 +152,8 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
         context.log(format!("resuming from the checkpoint at step {step}")).await?;
     }
 
-    let device = Device::Cpu;
+    let device = training_device();
+    context.log(format!("training on {}", if device.is_cuda() { "CUDA device 0" } else { "the CPU" })).await?;
     let columns = task_columns(&spec);
     let setup_spec = spec.clone();
     let session = tokio::task::spawn_blocking(move || -> Result<Session, JobError> {
