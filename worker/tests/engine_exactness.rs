@@ -1,7 +1,8 @@
 //! The padding-free engine against two references on the real all-MiniLM-L6-v2:
 //! candle-transformers' padded `BertModel` (same weights, masked attention, mean pooling done
 //! the same way) and sentence-transformers' own embeddings, committed as a fixture by
-//! `scripts/make-embedding-fixture.py`. Every text must reach cosine ≥ 0.9999.
+//! `scripts/make-embedding-fixture.py`. Every text must reach cosine ≥ 0.9999, with the
+//! GEMMs in f32 and, on a CPU with AVX512-BF16, in bf16 (the default there).
 //!
 //! The model is read from `$TESSERA_ASSETS/all-MiniLM-L6-v2` (default `<repo>/.assets`); the
 //! tests skip with a note when it is missing, unless `TESSERA_REQUIRE_ASSETS=1`.
@@ -10,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use serde::Deserialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tessera_worker::engine::{Batch, EmbeddingModel, EngineError, LoadOptions, Pooling};
 
 const MIN_COSINE: f32 = 0.9999;
@@ -34,6 +35,30 @@ fn model_dir() -> Option<PathBuf> {
         dir.display()
     );
     None
+}
+
+/// The engine with each GEMM precision this CPU has: f32, and bf16 where the CPU has
+/// AVX512-BF16 (what `EmbeddingModel::load` picks there).
+fn engines(dir: &Path, max_input_tokens: Option<usize>) -> Vec<EmbeddingModel> {
+    let mut engines = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let options = LoadOptions {
+            dtype: Some(dtype),
+            max_input_tokens,
+            ..LoadOptions::default()
+        };
+        match EmbeddingModel::load_with(dir, &options) {
+            Ok(engine) => engines.push(engine),
+            Err(EngineError::Unsupported(why)) => eprintln!("not tested here: {why}"),
+            Err(e) => panic!("loading with {dtype:?} GEMMs: {e}"),
+        }
+    }
+    assert_eq!(
+        EmbeddingModel::load(dir).unwrap().gemm_dtype(),
+        engines.last().unwrap().gemm_dtype(),
+        "by default the CPU computes in the fastest precision it has"
+    );
+    engines
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f32 {
@@ -115,16 +140,14 @@ fn typical_texts() -> Vec<String> {
 #[test]
 fn packed_batch_matches_the_padded_candle_reference_from_one_token_to_512() {
     let Some(dir) = model_dir() else { return };
-    let engine = EmbeddingModel::load_with(
-        &dir,
-        &LoadOptions {
-            max_input_tokens: Some(512),
-            ..LoadOptions::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(engine.max_input_tokens(), 512);
     let reference = PaddedReference::load(&dir);
+    for engine in engines(&dir, Some(512)) {
+        packed_matches_padded(&engine, &reference);
+    }
+}
+
+fn packed_matches_padded(engine: &EmbeddingModel, reference: &PaddedReference) {
+    assert_eq!(engine.max_input_tokens(), 512);
 
     let texts = typical_texts();
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
@@ -152,12 +175,15 @@ fn packed_batch_matches_the_padded_candle_reference_from_one_token_to_512() {
         .zip(&want)
         .map(|(g, w)| cosine(g, w))
         .fold(1.0, f32::min);
-    eprintln!("lowest cosine against the padded reference, lengths {lengths:?}: {worst}");
+    let gemm = engine.gemm_dtype();
+    eprintln!(
+        "{gemm} GEMMs: lowest cosine against the padded reference, lengths {lengths:?}: {worst}"
+    );
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let c = cosine(g, w);
         assert!(
             c >= MIN_COSINE,
-            "sequence {i} ({} tokens): cosine {c}",
+            "{gemm} GEMMs, sequence {i} ({} tokens): cosine {c}",
             lengths[i]
         );
         let norm = g.iter().map(|x| x * x).sum::<f32>().sqrt();
@@ -171,17 +197,19 @@ fn packed_batch_matches_the_padded_candle_reference_from_one_token_to_512() {
 #[test]
 fn a_text_embeds_the_same_alone_and_inside_a_mixed_batch() {
     let Some(dir) = model_dir() else { return };
-    let engine = EmbeddingModel::load(&dir).unwrap();
     let texts = typical_texts();
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-    let together = engine.embed(&refs).unwrap();
-    for (i, text) in refs.iter().enumerate() {
-        let alone = engine.embed(&[text]).unwrap();
-        let c = cosine(&alone[0], &together[i]);
-        assert!(
-            c >= 0.99999,
-            "text {i}: cosine {c} between alone and batched"
-        );
+    for engine in engines(&dir, None) {
+        let together = engine.embed(&refs).unwrap();
+        for (i, text) in refs.iter().enumerate() {
+            let alone = engine.embed(&[text]).unwrap();
+            let c = cosine(&alone[0], &together[i]);
+            assert!(
+                c >= 0.99999,
+                "{} GEMMs, text {i}: cosine {c} between alone and batched",
+                engine.gemm_dtype()
+            );
+        }
     }
 }
 
@@ -207,7 +235,12 @@ fn fixture() -> Fixture {
 #[test]
 fn embeddings_match_sentence_transformers() {
     let Some(dir) = model_dir() else { return };
-    let engine = EmbeddingModel::load(&dir).unwrap();
+    for engine in engines(&dir, None) {
+        matches_sentence_transformers(&engine);
+    }
+}
+
+fn matches_sentence_transformers(engine: &EmbeddingModel) {
     let fixture = fixture();
     assert_eq!(engine.max_input_tokens(), fixture.max_seq_length);
     assert_eq!(engine.pooling(), Pooling::Mean);
@@ -228,13 +261,14 @@ fn embeddings_match_sentence_transformers() {
         .zip(&fixture.texts)
         .map(|(g, w)| cosine(g, &w.embedding))
         .fold(1.0, f32::min);
-    eprintln!("lowest cosine against sentence-transformers: {worst}");
+    let gemm = engine.gemm_dtype();
+    eprintln!("{gemm} GEMMs: lowest cosine against sentence-transformers: {worst}");
     for (i, (g, want)) in got.iter().zip(&fixture.texts).enumerate() {
         assert_eq!(g.len(), engine.dimension());
         let c = cosine(g, &want.embedding);
         assert!(
             c >= MIN_COSINE,
-            "text {i} ({} tokens): cosine {c}",
+            "{gemm} GEMMs, text {i} ({} tokens): cosine {c}",
             want.input_ids.len()
         );
     }

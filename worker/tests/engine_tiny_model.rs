@@ -7,7 +7,7 @@ use candle_nn::{Module, VarBuilder};
 use candle_transformers::models::bert::{BertModel, Config};
 use std::collections::HashMap;
 use std::path::Path;
-use tessera_worker::engine::{EmbeddingModel, EngineError, Pooling};
+use tessera_worker::engine::{EmbeddingModel, EngineError, LoadOptions, Pooling};
 
 const HIDDEN: usize = 64;
 const HEADS: usize = 4;
@@ -202,6 +202,17 @@ fn texts() -> Vec<&'static str> {
     ]
 }
 
+/// The engine with f32 GEMMs: these tests compare the model code with an f32 reference to
+/// 1e-4 (the bf16 kernel has its own tests, and engine_exactness.rs runs the real model both
+/// ways).
+fn load_f32(dir: &Path) -> EmbeddingModel {
+    let options = LoadOptions {
+        dtype: Some(DType::F32),
+        ..LoadOptions::default()
+    };
+    EmbeddingModel::load_with(dir, &options).unwrap()
+}
+
 fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (k, (g, w)) in got.iter().zip(want).enumerate() {
@@ -216,7 +227,7 @@ fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
 fn classifier_logits_match_the_padded_reference_and_name_the_labels() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &random_weights("bert."), DType::F32);
-    let engine = EmbeddingModel::load(dir.path()).unwrap();
+    let engine = load_f32(dir.path());
     assert_eq!(engine.labels().unwrap(), LABELS);
     // Without sentence-transformers files: the position table is the limit, mean pooling.
     assert_eq!(engine.max_input_tokens(), MAX_POSITIONS);
@@ -250,7 +261,7 @@ fn classifier_logits_match_the_padded_reference_and_name_the_labels() {
 fn f16_checkpoint_matches_the_reference_on_the_same_rounded_weights() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &random_weights(""), DType::F16);
-    let engine = EmbeddingModel::load(dir.path()).unwrap();
+    let engine = load_f32(dir.path());
     let texts = texts();
     let ids = engine.tokenize_all(&texts, true).unwrap();
     let got = engine.embed(&texts).unwrap();
@@ -293,7 +304,7 @@ fn sentence_transformers_cls_pooling_and_normalisation_are_applied() {
     )
     .unwrap();
 
-    let engine = EmbeddingModel::load(dir.path()).unwrap();
+    let engine = load_f32(dir.path());
     assert_eq!(
         (engine.pooling(), engine.normalizes()),
         (Pooling::Cls, true)

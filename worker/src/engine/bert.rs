@@ -7,7 +7,7 @@ use super::batch::Batch;
 use super::config::EncoderConfig;
 use super::error::EngineError;
 use super::layer::{EncoderLayer, LayerTensors, Packing};
-use super::ops::{BiasResidualLayerNorm, Pooling, SegmentedPool};
+use super::ops::{BiasResidualLayerNorm, GemmInputs, Pooling, SegmentedPool};
 use super::weights::Weights;
 use candle_core::{Device, Tensor};
 
@@ -33,7 +33,12 @@ struct ClassificationHead {
 }
 
 impl Bert {
-    pub fn load(w: &Weights, c: &EncoderConfig, device: &Device) -> Result<Self, EngineError> {
+    pub fn load(
+        w: &Weights,
+        c: &EncoderConfig,
+        device: &Device,
+        gemm: GemmInputs,
+    ) -> Result<Self, EngineError> {
         let prefix = ["", "bert."]
             .into_iter()
             .find(|p| w.contains(&format!("{p}embeddings.word_embeddings.weight")))
@@ -71,9 +76,9 @@ impl Bert {
             };
             layers.push(EncoderLayer::new(
                 tensors,
-                c.num_attention_heads,
-                c.head_dim(),
+                (c.num_attention_heads, c.head_dim()),
                 c.layer_norm_eps,
+                gemm,
             )?);
         }
 

@@ -7,7 +7,7 @@
 //! candle's matmul and the biases ride on the fused ops that follow.
 
 use super::ops::{
-    has_avx2_fma, Activation, BiasGelu, BiasResidualLayerNorm, Linear, PackedWeight,
+    has_avx2_fma, Activation, BiasGelu, BiasResidualLayerNorm, GemmInputs, Linear, PackedWeight,
     VarlenAttention,
 };
 use candle_core::{Result, Tensor};
@@ -71,7 +71,14 @@ enum Projections {
 }
 
 impl EncoderLayer {
-    pub fn new(t: LayerTensors, num_heads: usize, head_dim: usize, eps: f64) -> Result<Self> {
+    /// `gemm` says what the CPU kernel multiplies (bf16 needs AVX512-BF16); the GEMMs of
+    /// other devices follow the weights' dtype.
+    pub fn new(
+        t: LayerTensors,
+        (num_heads, head_dim): (usize, usize),
+        eps: f64,
+        gemm: GemmInputs,
+    ) -> Result<Self> {
         let qkv = Tensor::cat(&[&t.query.0, &t.key.0, &t.value.0], 0)?;
         let qkv_bias = Tensor::cat(&[&t.query.1, &t.key.1, &t.value.1], 0)?;
         let attention_norm = Tensor::stack(
@@ -80,10 +87,11 @@ impl EncoderLayer {
         )?;
         let ffn_norm = Tensor::stack(&[&t.ffn_out.1, &t.ffn_norm.0, &t.ffn_norm.1], 0)?;
 
-        let projections = if qkv.device().is_cpu() && has_avx2_fma() {
+        let packed_kernel = gemm == GemmInputs::Bf16 || has_avx2_fma();
+        let projections = if qkv.device().is_cpu() && packed_kernel {
             let packed = |w: &Tensor, activation| -> Result<Linear> {
                 Ok(Linear {
-                    weight: Arc::new(PackedWeight::new(w)?),
+                    weight: Arc::new(PackedWeight::new(w, gemm)?),
                     activation,
                 })
             };

@@ -19,7 +19,7 @@ use tessera_api::mig::{ProfilePoint, ProfileReport};
 use uuid::Uuid;
 
 use super::{prefetch, JobContext, JobError};
-use crate::engine::{EmbeddingModel, EngineError};
+use crate::engine::{EmbeddingModel, EngineError, LoadOptions};
 use crate::serve::binding::{bind, Binding};
 use crate::serve::process::{EngineProcess, Limits, Spawn};
 
@@ -130,13 +130,15 @@ pub async fn run(context: &JobContext, model_id: Uuid, batch_sizes: Vec<u32>) ->
         let bench = match bind(Some(&slice), context.binding) {
             Binding::Process { env, gpu, .. } => {
                 let limits = Limits { max_batch_tokens: max_batch * 512, max_batch_requests: max_batch };
-                let spawn = Spawn { folder: folder.clone(), model_id, replica: context.job, limits, gpu, env };
+                let cpu_precision = context.binding.cpu_precision;
+                let spawn = Spawn { folder: folder.clone(), model_id, replica: context.job, limits, gpu, cpu_precision, env };
                 Bench::Process(EngineProcess::start(&context.endpoint, spawn).await?)
             }
             Binding::Cpu { .. } => {
                 if in_process.is_none() {
                     let folder = folder.clone();
-                    let model = tokio::task::spawn_blocking(move || EmbeddingModel::load(&folder))
+                    let options = LoadOptions { dtype: context.binding.cpu_precision.dtype(), ..LoadOptions::default() };
+                    let model = tokio::task::spawn_blocking(move || EmbeddingModel::load_with(&folder, &options))
                         .await
                         .map_err(|e| JobError::Profile(format!("the loading thread panicked: {e}")))??;
                     in_process = Some(Arc::new(model));

@@ -24,10 +24,12 @@ pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, 
     context.log(summary).await?;
 
     let limits = process::Limits { max_batch_tokens, max_batch_requests };
+    let cpu_precision = context.binding.cpu_precision;
+    let cpu_options = LoadOptions { dtype: cpu_precision.dtype(), ..LoadOptions::default() };
     match binding {
         Binding::Cpu { .. } => {
             let (replica, report) =
-                load_replica(folder, LoadOptions::default(), model_id, max_batch_tokens, max_batch_requests).await?;
+                load_replica(folder, cpu_options, model_id, max_batch_tokens, max_batch_requests).await?;
             report_loaded(context, &report).await?;
             let _registration = context.endpoint.add(context.job, replica);
             let url = context.endpoint.replica_url(context.job);
@@ -35,7 +37,7 @@ pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, 
             std::future::pending().await
         }
         Binding::Process { env, gpu, .. } => {
-            let spawn = process::Spawn { folder, model_id, replica: context.job, limits, gpu, env };
+            let spawn = process::Spawn { folder, model_id, replica: context.job, limits, gpu, cpu_precision, env };
             let mut engine = process::EngineProcess::start(&context.endpoint, spawn).await?;
             report_loaded(context, &engine.report).await?;
             let url = engine.url.clone();

@@ -25,19 +25,51 @@ pub enum Binding {
     Process { env: Vec<(String, String)>, gpu: bool, note: String },
 }
 
-/// What this build and this worker can do with slices.
+/// What this build and this worker can do with slices, and how its CPU engines compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Policy {
     /// The build serves on GPUs (the `cuda` feature): real slices get GPU processes.
     pub gpu_processes: bool,
     /// Simulated slices get their own (CPU) engine process too.
     pub simulated_processes: bool,
+    pub cpu_precision: CpuPrecision,
 }
 
 impl Policy {
-    /// This build, with the worker's `--slice-processes` choice.
-    pub fn of_build(simulated_processes: bool) -> Policy {
-        Policy { gpu_processes: cfg!(feature = "cuda"), simulated_processes }
+    /// This build, with the worker's `--slice-processes` and `--cpu-precision` choices.
+    pub fn of_build(simulated_processes: bool, cpu_precision: CpuPrecision) -> Policy {
+        Policy { gpu_processes: cfg!(feature = "cuda"), simulated_processes, cpu_precision }
+    }
+}
+
+/// What the CPU engine's GEMMs multiply in (they accumulate in f32 either way; see
+/// `engine::LoadOptions::dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CpuPrecision {
+    /// bf16 where the CPU has AVX512-BF16, else f32.
+    #[default]
+    Auto,
+    F32,
+    /// Refused at load on a CPU without AVX512-BF16.
+    Bf16,
+}
+
+impl CpuPrecision {
+    pub fn dtype(self) -> Option<candle_core::DType> {
+        match self {
+            CpuPrecision::Auto => None,
+            CpuPrecision::F32 => Some(candle_core::DType::F32),
+            CpuPrecision::Bf16 => Some(candle_core::DType::BF16),
+        }
+    }
+
+    /// The value of `--cpu-precision` that asks for this.
+    pub fn arg(self) -> &'static str {
+        match self {
+            CpuPrecision::Auto => "auto",
+            CpuPrecision::F32 => "f32",
+            CpuPrecision::Bf16 => "bf16",
+        }
     }
 }
 
@@ -111,7 +143,7 @@ mod tests {
             Some("1g.10gb"),
             false,
         );
-        let gpu = Policy { gpu_processes: true, simulated_processes: false };
+        let gpu = Policy { gpu_processes: true, simulated_processes: false, ..Policy::default() };
         match bind(Some(&mig), gpu) {
             Binding::Process { env, gpu: true, note } => {
                 assert_eq!(env, [("CUDA_VISIBLE_DEVICES".into(), "MIG-4f1c2a9e-0000-5d6e-8a2b-1c3d5e7f9a0b".into())]);
@@ -130,7 +162,7 @@ mod tests {
     fn simulated_slices_and_cpu_workers_run_in_process() {
         let simulated = slice("MIG-sim-w-0-0", Some("3g.40gb"), true);
         for gpu_processes in [false, true] {
-            let policy = Policy { gpu_processes, simulated_processes: false };
+            let policy = Policy { gpu_processes, simulated_processes: false, ..Policy::default() };
             match bind(Some(&simulated), policy) {
                 Binding::Cpu { note } => {
                     assert!(note.contains("simulated slice MIG-sim-w-0-0 (H100-80GB MIG 3g.40gb)"))
@@ -161,7 +193,7 @@ mod tests {
     #[test]
     fn with_slice_processes_a_simulated_slice_gets_its_own_cpu_process() {
         let simulated = slice("MIG-sim-w-0-1", Some("2g.20gb"), true);
-        let policy = Policy { gpu_processes: false, simulated_processes: true };
+        let policy = Policy { gpu_processes: false, simulated_processes: true, ..Policy::default() };
         match bind(Some(&simulated), policy) {
             Binding::Process { env, gpu: false, note } => {
                 assert_eq!(env, [("CUDA_VISIBLE_DEVICES".into(), "MIG-sim-w-0-1".into())]);

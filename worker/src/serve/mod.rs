@@ -24,6 +24,8 @@ const QUEUED_BATCHES: usize = 8;
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct LoadReport {
     pub task: String,
+    /// What the GEMMs multiply in (`EmbeddingModel::gemm_dtype`).
+    pub gemm_dtype: String,
     pub load_secs: f64,
     pub warmup_tokens: usize,
     pub warmup_secs: f64,
@@ -32,7 +34,7 @@ pub struct LoadReport {
 impl LoadReport {
     pub fn lines(&self) -> [String; 2] {
         [
-            format!("loaded in {:.2} s; serving {}", self.load_secs, self.task),
+            format!("loaded in {:.2} s; serving {}; GEMMs in {}", self.load_secs, self.task, self.gemm_dtype),
             format!("warm-up batch of {} tokens took {:.2} s", self.warmup_tokens, self.warmup_secs),
         ]
     }
@@ -78,7 +80,7 @@ pub async fn load_replica(
     let warmup_tokens =
         joined(tokio::task::spawn_blocking(move || warm_up(&warm, task, max_batch_tokens, max_batch_requests)).await)?;
     let report =
-        LoadReport { task: format!("{task:?}"), load_secs, warmup_tokens, warmup_secs: started.elapsed().as_secs_f64() };
+        LoadReport { task: format!("{task:?}"), gemm_dtype: model.gemm_dtype().into(), load_secs, warmup_tokens, warmup_secs: started.elapsed().as_secs_f64() };
 
     let limits = BatchLimits { max_batch_tokens, max_batch_requests, queue_capacity: QUEUED_BATCHES * max_batch_requests };
     let queue = Queue::start(model.clone(), task, limits);

@@ -19,6 +19,7 @@ use uuid::Uuid;
 
 use super::endpoint::Endpoint;
 use super::{load_replica, LoadReport};
+use super::binding::CpuPrecision;
 use crate::engine::LoadOptions;
 use crate::jobs::JobError;
 
@@ -46,9 +47,12 @@ pub struct EngineArgs {
     #[arg(long)]
     pub max_batch_requests: usize,
     /// Compute on CUDA device 0 (the slice `CUDA_VISIBLE_DEVICES` names) in f16; the CPU
-    /// in f32 otherwise.
+    /// otherwise.
     #[arg(long)]
     pub gpu: bool,
+    /// The CPU engine's GEMM inputs (the worker's `--cpu-precision`).
+    #[arg(long, value_enum, default_value_t = CpuPrecision::Auto)]
+    pub cpu_precision: CpuPrecision,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
@@ -67,6 +71,7 @@ pub struct Spawn {
     pub replica: Uuid,
     pub limits: Limits,
     pub gpu: bool,
+    pub cpu_precision: CpuPrecision,
     pub env: Vec<(String, String)>,
 }
 
@@ -76,9 +81,9 @@ struct Ready {
     report: LoadReport,
 }
 
-fn load_options(gpu: bool) -> anyhow::Result<LoadOptions> {
+fn load_options(gpu: bool, cpu_precision: CpuPrecision) -> anyhow::Result<LoadOptions> {
     if !gpu {
-        return Ok(LoadOptions::default());
+        return Ok(LoadOptions { dtype: cpu_precision.dtype(), ..LoadOptions::default() });
     }
     #[cfg(feature = "cuda")]
     {
@@ -92,7 +97,7 @@ fn load_options(gpu: bool) -> anyhow::Result<LoadOptions> {
 /// The child's side: load, announce, serve until stdin closes.
 pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
     let token = std::env::var(TOKEN_ENV).map_err(|_| anyhow::anyhow!("{TOKEN_ENV} is not set"))?;
-    let options = load_options(args.gpu)?;
+    let options = load_options(args.gpu, args.cpu_precision)?;
     let endpoint = Endpoint::start(&args.listen, None).await?;
     endpoint.set_token(token);
     let (replica, report) = load_replica(
@@ -137,6 +142,7 @@ impl EngineProcess {
             .args(["--max-batch-requests", &spawn.limits.max_batch_requests.to_string()])
             .args(["--listen", &format!("{}:0", listen_host(&endpoint.url))])
             .args(spawn.gpu.then_some("--gpu"))
+            .args(["--cpu-precision", spawn.cpu_precision.arg()])
             .envs(spawn.env)
             .env(TOKEN_ENV, endpoint.token())
             .stdin(Stdio::piped())

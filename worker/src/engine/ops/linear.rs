@@ -18,10 +18,12 @@
 //! candle's matmul there instead (see `layer.rs`).
 
 use super::vector_math::gelu_scalar;
-use super::{contiguous_f32, has_avx2_fma, SharedMut};
+use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, SharedMut};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
+
+mod bf16;
 
 /// Rows and columns of the register tile.
 const MR: usize = 6;
@@ -40,46 +42,91 @@ pub enum Activation {
     Gelu,
 }
 
-/// A weight matrix packed for the micro-kernel: for each depth block, for each group of 16
-/// output columns, `kc × 16` values (zero-padded past `n`).
+/// What the packed GEMM multiplies; it always accumulates in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmInputs {
+    F32,
+    /// Weights and activations rounded to bf16 (see `bf16`); CPUs with AVX512-BF16 only.
+    Bf16,
+}
+
+impl GemmInputs {
+    /// bf16 where the CPU multiplies it natively, else f32.
+    pub fn fastest() -> Self {
+        if has_avx512_bf16() {
+            Self::Bf16
+        } else {
+            Self::F32
+        }
+    }
+}
+
+/// A weight matrix packed once, at load, for one of the micro-kernels.
 #[derive(Debug)]
 pub struct PackedWeight {
     k: usize,
     n: usize,
-    kc: usize,
-    data: Vec<f32>,
+    panels: Panels,
+}
+
+#[derive(Debug)]
+enum Panels {
+    /// For each depth block, for each group of 16 output columns, `kc × 16` values
+    /// (zero-padded past `n`).
+    F32 {
+        kc: usize,
+        data: Vec<f32>,
+    },
+    Bf16(bf16::Panels),
 }
 
 impl PackedWeight {
-    /// Packs a `[out, in]` weight (the checkpoint's `nn.Linear` layout).
-    pub fn new(weight: &Tensor) -> Result<Self> {
+    /// Packs a `[out, in]` weight (the checkpoint's `nn.Linear` layout). bf16 inputs need a
+    /// CPU with AVX512-BF16.
+    pub fn new(weight: &Tensor, inputs: GemmInputs) -> Result<Self> {
         let (n, k) = weight.dims2()?;
         let w = weight
             .to_dtype(candle_core::DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let blocks = k.div_ceil(KC_MAX).max(1);
-        let kc = k.div_ceil(blocks);
-        let panels = n.div_ceil(NR);
-        let mut data = vec![0f32; blocks * panels * kc * NR];
-        for (blk, p0) in (0..k).step_by(kc).enumerate() {
-            let depth = kc.min(k - p0);
-            for panel in 0..panels {
-                let base = (blk * panels + panel) * kc * NR;
-                for kk in 0..depth {
-                    for j in 0..NR.min(n - panel * NR) {
-                        data[base + kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
-                    }
+        let panels = match inputs {
+            GemmInputs::F32 => pack_f32(&w, n, k),
+            GemmInputs::Bf16 if has_avx512_bf16() => Panels::Bf16(bf16::Panels::new(&w, n, k)),
+            GemmInputs::Bf16 => bail!("this CPU has no AVX512-BF16 for bf16 GEMMs; use f32"),
+        };
+        Ok(Self { k, n, panels })
+    }
+
+    pub fn inputs(&self) -> GemmInputs {
+        match self.panels {
+            Panels::F32 { .. } => GemmInputs::F32,
+            Panels::Bf16(_) => GemmInputs::Bf16,
+        }
+    }
+}
+
+fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
+    let blocks = k.div_ceil(KC_MAX).max(1);
+    let kc = k.div_ceil(blocks);
+    let panels = n.div_ceil(NR);
+    let mut data = vec![0f32; blocks * panels * kc * NR];
+    for (blk, p0) in (0..k).step_by(kc).enumerate() {
+        let depth = kc.min(k - p0);
+        for panel in 0..panels {
+            let base = (blk * panels + panel) * kc * NR;
+            for kk in 0..depth {
+                for j in 0..NR.min(n - panel * NR) {
+                    data[base + kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
                 }
             }
         }
-        Ok(Self { k, n, kc, data })
     }
+    Panels::F32 { kc, data }
+}
 
-    fn panel(&self, block: usize, panel: usize) -> *const f32 {
-        let panels = self.n.div_ceil(NR);
-        self.data[(block * panels + panel) * self.kc * NR..].as_ptr()
-    }
+/// The f32 weights' panel for one depth block and group of 16 columns.
+fn f32_panel(data: &[f32], kc: usize, n: usize, block: usize, panel: usize) -> *const f32 {
+    data[(block * n.div_ceil(NR) + panel) * kc * NR..].as_ptr()
 }
 
 /// `x [M, K] → x Wᵀ + bias [M, N]`, then the activation. Inputs: `x`, `bias [N]`.
@@ -113,29 +160,48 @@ impl CustomOp2 for Linear {
             bail!("{name}: bias has {} values for {} outputs", bias.len(), w.n);
         }
         let mut out = vec![0f32; m * w.n];
-        if m > 0 && w.n > 0 {
-            if has_avx2_fma() {
-                #[cfg(target_arch = "x86_64")]
-                gemm_avx2(x, m, w, bias, self.activation, &mut out);
-            } else {
-                gemm_scalar(x, w, bias, self.activation, &mut out);
+        if m == 0 || w.n == 0 {
+            return Ok((CpuStorage::F32(out), Shape::from((m, w.n))));
+        }
+        let shape = (m, k, w.n);
+        match &w.panels {
+            #[cfg(target_arch = "x86_64")]
+            Panels::F32 { kc, data } if has_avx2_fma() => {
+                gemm_avx2(x, shape, (data, *kc), bias, self.activation, &mut out)
             }
+            Panels::F32 { kc, data } => {
+                gemm_scalar(x, shape, (data, *kc), bias, self.activation, &mut out)
+            }
+            // SAFETY: bf16 panels are only packed on a CPU with AVX512-BF16.
+            #[cfg(target_arch = "x86_64")]
+            Panels::Bf16(panels) => unsafe {
+                bf16::gemm(x, shape, panels, bias, self.activation, &mut out)
+            },
+            #[cfg(not(target_arch = "x86_64"))]
+            Panels::Bf16(_) => unreachable!("bf16 panels need AVX512-BF16"),
         }
         Ok((CpuStorage::F32(out), Shape::from((m, w.n))))
     }
 }
 
 /// Reference path: the same packed weights, plain loops.
-fn gemm_scalar(x: &[f32], w: &PackedWeight, bias: &[f32], act: Activation, out: &mut [f32]) {
-    let (k, n) = (w.k, w.n);
+fn gemm_scalar(
+    x: &[f32],
+    (_, k, n): (usize, usize, usize),
+    (data, kc): (&[f32], usize),
+    bias: &[f32],
+    act: Activation,
+    out: &mut [f32],
+) {
     out.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
         row.copy_from_slice(bias);
-        for (blk, p0) in (0..k).step_by(w.kc).enumerate() {
-            for kk in 0..w.kc.min(k - p0) {
+        for (blk, p0) in (0..k).step_by(kc).enumerate() {
+            for kk in 0..kc.min(k - p0) {
                 let a = x[i * k + p0 + kk];
                 for (j, o) in row.iter_mut().enumerate() {
+                    let b = f32_panel(data, kc, n, blk, j / NR);
                     // SAFETY: panel pointers stay inside `data` for kk < kc, j % NR < NR.
-                    *o += a * unsafe { *w.panel(blk, j / NR).add(kk * NR + j % NR) };
+                    *o += a * unsafe { *b.add(kk * NR + j % NR) };
                 }
             }
         }
@@ -148,29 +214,28 @@ fn gemm_scalar(x: &[f32], w: &PackedWeight, bias: &[f32], act: Activation, out: 
 #[cfg(target_arch = "x86_64")]
 fn gemm_avx2(
     x: &[f32],
-    m: usize,
-    w: &PackedWeight,
+    (m, k, n): (usize, usize, usize),
+    (data, kc): (&[f32], usize),
     bias: &[f32],
     act: Activation,
     out: &mut [f32],
 ) {
-    let (k, n) = (w.k, w.n);
     // Enough row blocks that both cores get work even for a few hundred tokens.
     let mc = (m.div_ceil(4).next_multiple_of(MR)).clamp(MR, MC_MAX);
     let out_ptr = SharedMut(out.as_mut_ptr());
     let blocks: Vec<usize> = (0..m).step_by(mc).collect();
-    let block_count = k.div_ceil(w.kc);
+    let block_count = k.div_ceil(kc);
     blocks.par_iter().with_max_len(1).for_each(|&i0| {
         let rows = mc.min(m - i0);
-        for (blk, p0) in (0..k).step_by(w.kc).enumerate() {
+        for (blk, p0) in (0..k).step_by(kc).enumerate() {
             let tile = TileArgs {
                 first: blk == 0,
                 last: blk + 1 == block_count,
                 act,
-                depth: w.kc.min(k - p0),
+                depth: kc.min(k - p0),
             };
             for panel in 0..n.div_ceil(NR) {
-                let b = w.panel(blk, panel);
+                let b = f32_panel(data, kc, n, blk, panel);
                 let cols = NR.min(n - panel * NR);
                 for ir in (0..rows).step_by(MR) {
                     let tile_rows = MR.min(rows - ir);
@@ -320,15 +385,28 @@ mod tests {
         out
     }
 
+    /// The inputs this CPU can multiply in, each with what it does to an input value.
+    fn available_inputs() -> Vec<(GemmInputs, fn(f32) -> f32)> {
+        let mut inputs: Vec<(GemmInputs, fn(f32) -> f32)> = vec![(GemmInputs::F32, |v| v)];
+        if has_avx512_bf16() {
+            inputs.push((GemmInputs::Bf16, |v| bf16::from_bf16(bf16::to_bf16(v))));
+        } else {
+            eprintln!("no AVX512-BF16 on this CPU: the bf16 kernel is not tested");
+        }
+        inputs
+    }
+
     #[test]
     fn matches_a_naive_matmul_on_ragged_shapes() {
         let mut rng = Rng::new(41);
-        // Rows not a multiple of 6, columns not a multiple of 16, depth split into blocks
-        // with a remainder, and the model's real shapes.
+        // Rows not a multiple of the tile's, columns not a multiple of 16 or 32, odd depths,
+        // depth split into blocks with a remainder, and the model's real shapes.
         for (m, k, n) in [
             (1, 1, 1),
             (7, 300, 20),
+            (9, 301, 45),
             (13, 600, 33),
+            (17, 769, 70),
             (130, 384, 1152),
             (64, 1536, 384),
         ] {
@@ -336,27 +414,23 @@ mod tests {
             let w = rng.tensor(&[n, k], 0.1);
             let b = rng.tensor(&[n], 0.5);
             let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for act in [Activation::None, Activation::Gelu] {
-                let op = Linear {
-                    weight: Arc::new(PackedWeight::new(&w).unwrap()),
-                    activation: act,
-                };
-                let got = x.apply_op2_no_bwd(&b, &op).unwrap();
-                assert_eq!(got.dims(), &[m, n]);
-                let want = reference(
-                    &flat(&x),
-                    &flat(&w),
-                    &flat(&b),
-                    m,
-                    k,
-                    n,
-                    act == Activation::Gelu,
-                );
-                let diff = max_abs_diff(&flat(&got), &want);
-                assert!(
-                    diff < 1e-4,
-                    "[{m}, {k}] × [{k}, {n}] {act:?}: max diff {diff}"
-                );
+            for (inputs, round) in available_inputs() {
+                let rounded = |t: &Tensor| flat(t).into_iter().map(round).collect::<Vec<_>>();
+                for act in [Activation::None, Activation::Gelu] {
+                    let op = Linear {
+                        weight: Arc::new(PackedWeight::new(&w, inputs).unwrap()),
+                        activation: act,
+                    };
+                    let got = x.apply_op2_no_bwd(&b, &op).unwrap();
+                    assert_eq!(got.dims(), &[m, n]);
+                    let gelu = act == Activation::Gelu;
+                    let want = reference(&rounded(&x), &rounded(&w), &flat(&b), m, k, n, gelu);
+                    let diff = max_abs_diff(&flat(&got), &want);
+                    assert!(
+                        diff < 1e-4,
+                        "{inputs:?} [{m}, {k}] × [{k}, {n}] {act:?}: max diff {diff}"
+                    );
+                }
             }
         }
     }
@@ -366,11 +440,21 @@ mod tests {
         let mut rng = Rng::new(42);
         let (m, k, n) = (11, 520, 40);
         let x = rng.tensor(&[m, k], 1.0);
-        let w = PackedWeight::new(&rng.tensor(&[n, k], 0.1)).unwrap();
+        let w = PackedWeight::new(&rng.tensor(&[n, k], 0.1), GemmInputs::F32).unwrap();
         let b = rng.tensor(&[n], 0.5).to_vec1::<f32>().unwrap();
         let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut scalar = vec![0f32; m * n];
-        gemm_scalar(&xs, &w, &b, Activation::Gelu, &mut scalar);
+        let Panels::F32 { kc, data } = &w.panels else {
+            unreachable!("packed as f32")
+        };
+        gemm_scalar(
+            &xs,
+            (m, k, n),
+            (data, *kc),
+            &b,
+            Activation::Gelu,
+            &mut scalar,
+        );
         let op = Linear {
             weight: Arc::new(w),
             activation: Activation::Gelu,
@@ -385,5 +469,24 @@ mod tests {
             .unwrap();
         let want: Vec<f64> = scalar.iter().map(|v| *v as f64).collect();
         assert!(max_abs_diff(&fast, &want) < 1e-4);
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        let ulp = 2f32.powi(-7);
+        assert_eq!(
+            bf16::to_bf16(1.0 + ulp / 2.0),
+            bf16::to_bf16(1.0),
+            "tie to even, down"
+        );
+        let odd = 1.0 + ulp;
+        assert_eq!(
+            bf16::from_bf16(bf16::to_bf16(odd + ulp / 2.0)),
+            1.0 + 2.0 * ulp,
+            "tie to even, up"
+        );
+        assert_eq!(bf16::from_bf16(bf16::to_bf16(1.0 + ulp * 0.6)), odd);
+        assert!(bf16::from_bf16(bf16::to_bf16(f32::NAN)).is_nan());
+        assert_eq!(bf16::from_bf16(bf16::to_bf16(f32::INFINITY)), f32::INFINITY);
     }
 }

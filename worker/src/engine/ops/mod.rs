@@ -16,7 +16,7 @@ mod vector_math;
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;
 pub use int8::{DequantizeInt8, Granularity, Int8Scales, QuantizeInt8};
-pub use linear::{Activation, Linear, PackedWeight};
+pub use linear::{Activation, GemmInputs, Linear, PackedWeight};
 pub use pooling::{Pooling, SegmentedPool};
 pub use varlen_attention::VarlenAttention;
 
@@ -85,6 +85,22 @@ pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the bf16 GEMM kernel may run on this CPU (AVX512F with AVX512-BF16, and AVX2+FMA
+/// for its epilogue).
+#[inline]
+pub(crate) fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
