@@ -91,6 +91,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
             .args(["--server", &url, "--name", "sim-h100", "--data-dir"])
             .arg(data.path().join("worker"))
             .args(["--simulate-gpus", "H100-80GB:mig=3g.40gb+2g.20gb+2g.20gb", "--slice-processes"])
+            .args(["--cpu-precision", "f32"])
             .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
     );
     let get = |path: String| {
@@ -222,6 +223,12 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         .collect();
     assert_eq!(ports.len(), planned.len(), "{ready}");
     assert!(worker.output().contains("its own CPU engine process serves it"));
+    // The worker's --cpu-precision reaches its engine processes.
+    for replica in ready["replica_status"].as_array().unwrap() {
+        let logs = get(format!("{url}/api/v1/jobs/{}/logs", replica["id"].as_str().unwrap())).await;
+        let lines: Vec<&str> = logs.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap()).collect();
+        assert!(lines.iter().any(|l| l.ends_with("GEMMs in f32")), "{lines:?}");
+    }
     let workers = get(format!("{url}/api/v1/workers")).await;
     let bound = workers[0]["slices"]
         .as_array()
