@@ -1057,20 +1057,27 @@ impl Report {
     }
 
     fn sweep(&mut self, batch: usize, w: &Workload, c: &Comparison) {
-        for e in &c.engines {
-            println!(
-                "in-process batch {batch} ({} texts): engine ({} GEMMs) {:.0} tokens/s (batch p50 {:.1} ms, p99 {:.1} ms), padded {:.0} tokens/s (batch p50 {:.1} ms, p99 {:.1} ms), {:.2}× (background {:.2} cores)",
-                w.texts.len(),
-                e.gemm,
-                e.timed.tokens_per_s(),
-                percentile(&e.timed.batch_ms, 50.0),
-                percentile(&e.timed.batch_ms, 99.0),
-                c.padded.tokens_per_s(),
-                percentile(&c.padded.batch_ms, 50.0),
-                percentile(&c.padded.batch_ms, 99.0),
-                c.ratio(e),
-                c.background_cores
-            );
+        // One table row per engine; stdout gets the same rows.
+        let rows: Vec<String> = c
+            .engines
+            .iter()
+            .map(|e| {
+                format!(
+                    "| {batch} | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.2} |\n",
+                    e.gemm,
+                    e.timed.tokens_per_s(),
+                    percentile(&e.timed.batch_ms, 50.0),
+                    percentile(&e.timed.batch_ms, 99.0),
+                    c.padded.tokens_per_s(),
+                    percentile(&c.padded.batch_ms, 50.0),
+                    percentile(&c.padded.batch_ms, 99.0),
+                    c.ratio(e),
+                    c.background_cores
+                )
+            })
+            .collect();
+        for row in &rows {
+            print!("in-process sweep, {} texts (n | GEMMs | engine tokens/s | engine batch p50 / p99 ms | padded tokens/s | padded batch p50 / p99 ms | engine / padded | background cores): {row}", w.texts.len());
         }
         let default = c.default_engine();
         self.engine_figure(default.timed.tokens_per_s(), format!("in process at batch {batch}"), c.background_cores);
@@ -1087,20 +1094,7 @@ impl Report {
             ));
         }
         let section = self.md.last_mut().expect("the section was just added");
-        for e in &c.engines {
-            section.push_str(&format!(
-                "| {batch} | {} | {:.0} | {:.1} / {:.1} | {:.0} | {:.1} / {:.1} | {:.2}× | {:.2} |\n",
-                e.gemm,
-                e.timed.tokens_per_s(),
-                percentile(&e.timed.batch_ms, 50.0),
-                percentile(&e.timed.batch_ms, 99.0),
-                c.padded.tokens_per_s(),
-                percentile(&c.padded.batch_ms, 50.0),
-                percentile(&c.padded.batch_ms, 99.0),
-                c.ratio(e),
-                c.background_cores
-            ));
-        }
+        rows.iter().for_each(|row| section.push_str(row));
     }
 
     fn sentence_transformers(&mut self, result: Result<Value, String>) {

@@ -279,6 +279,29 @@ struct Dst {
     cols: usize,
 }
 
+impl Dst {
+    /// Copies the tile into `buf`, a whole tile with rows of `nr` (a partial tile's kernel
+    /// accumulates there).
+    ///
+    /// # Safety
+    /// `buf` holds at least `rows × nr` floats and `c` the tile.
+    unsafe fn copy_to(&self, buf: *mut f32, nr: usize) {
+        for r in 0..self.rows {
+            std::ptr::copy_nonoverlapping(self.c.add(r * self.ldc), buf.add(r * nr), self.cols);
+        }
+    }
+
+    /// Copies the tile's part of `buf` back (the inverse of `copy_to`).
+    ///
+    /// # Safety
+    /// As `copy_to`.
+    unsafe fn copy_from(&self, buf: *const f32, nr: usize) {
+        for r in 0..self.rows {
+            std::ptr::copy_nonoverlapping(buf.add(r * nr), self.c.add(r * self.ldc), self.cols);
+        }
+    }
+}
+
 /// C[0..6, 0..16] (+)= A[0..6, 0..depth] · B_panel, 12 accumulators in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -319,9 +342,7 @@ unsafe fn kernel_6x16(t: &TileArgs, a: [*const f32; MR], b: *const f32, bias: &[
             // Rows and columns past the tile's edge are never stored back; zero them so no
             // uninitialised value is read.
             std::ptr::write_bytes(c, 0, MR * NR);
-            for r in 0..dst.rows {
-                std::ptr::copy_nonoverlapping(dst.c.add(r * dst.ldc), c.add(r * NR), dst.cols);
-            }
+            dst.copy_to(c, NR);
         }
         for r in 0..MR {
             acc[2 * r] = _mm256_loadu_ps(c.add(r * ldc));
@@ -349,9 +370,7 @@ unsafe fn kernel_6x16(t: &TileArgs, a: [*const f32; MR], b: *const f32, bias: &[
         _mm256_storeu_ps(c.add(r * ldc + 8), acc[2 * r + 1]);
     }
     if !full {
-        for r in 0..dst.rows {
-            std::ptr::copy_nonoverlapping(c.add(r * NR), dst.c.add(r * dst.ldc), dst.cols);
-        }
+        dst.copy_from(c, NR);
     }
 }
 

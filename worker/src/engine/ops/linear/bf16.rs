@@ -186,9 +186,7 @@ unsafe fn kernel_8x32(t: &TileArgs, a: [*const u32; MR], b: *const u16, bias: &[
         }
     } else {
         if !full {
-            for r in 0..dst.rows {
-                std::ptr::copy_nonoverlapping(dst.c.add(r * dst.ldc), c.add(r * NR), dst.cols);
-            }
+            dst.copy_to(c, NR);
         }
         for r in 0..MR {
             acc[2 * r] = _mm512_loadu_ps(c.add(r * ldc));
@@ -219,8 +217,6 @@ unsafe fn kernel_8x32(t: &TileArgs, a: [*const u32; MR], b: *const u16, bias: &[
         }
     }
     if !full {
-        for r in 0..dst.rows {
-            std::ptr::copy_nonoverlapping(c.add(r * NR), dst.c.add(r * dst.ldc), dst.cols);
-        }
+        dst.copy_from(c, NR);
     }
 }
