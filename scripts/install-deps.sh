@@ -45,7 +45,8 @@ have_node || apt_pkgs+=(nodejs)
 # Debian's nodejs comes without npm; a NodeSource nodejs bundles it (and conflicts with
 # Debian's npm package), so ask for npm only when there is none.
 have npm || apt_pkgs+=(npm)
-have cc || apt_pkgs+=(build-essential)
+# cc for crates that build C; c++ for the CUDA emulator test (worker/tests/cuda_emulator)
+{ have cc && have c++; } || apt_pkgs+=(build-essential)
 have pkg-config || apt_pkgs+=(pkg-config)
 
 if ((${#apt_pkgs[@]})); then

@@ -9,6 +9,15 @@
 
 #define FULL_MASK 0xffffffffu
 
+// The launch's dynamic shared memory (its shared_mem_bytes) as an array of T named NAME. The
+// CPU emulator of worker/tests/cuda_emulator cannot declare an extern array per kernel, so it
+// hands out a pointer instead.
+#ifdef __CUDACC__
+#define DYNAMIC_SHARED(T, NAME) extern __shared__ T NAME[]
+#else
+#define DYNAMIC_SHARED(T, NAME) T* const NAME = emu::dynamic_shared<T>()
+#endif
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -9,7 +9,7 @@ __device__ __forceinline__ void bias_residual_layernorm(const T* __restrict__ x,
                                                         const T* __restrict__ residual,
                                                         const T* __restrict__ params,
                                                         T* __restrict__ out, int cols, float eps) {
-    extern __shared__ float row_s[];  // cols values, then 32 for the reductions
+    DYNAMIC_SHARED(float, row_s);  // cols values, then 32 for the reductions
     float* scratch = row_s + cols;
     const size_t base = (size_t)blockIdx.x * cols;
     const T* bias = params;

@@ -13,7 +13,7 @@ __device__ __forceinline__ void segmented_pool(const T* __restrict__ hidden,
                                                const uint32_t* __restrict__ cu_seqlens,
                                                T* __restrict__ out, int cols, int mode,
                                                int normalize) {
-    extern __shared__ float pooled_s[];  // cols values, then 32 for the reduction
+    DYNAMIC_SHARED(float, pooled_s);  // cols values, then 32 for the reduction
     float* scratch = pooled_s + cols;
     const int seq = blockIdx.x;
     const int start = cu_seqlens[seq], end = cu_seqlens[seq + 1];

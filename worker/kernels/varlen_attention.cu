@@ -156,7 +156,7 @@ __device__ __forceinline__ void attention_short(const T* __restrict__ qkv,
                                                 const uint32_t* __restrict__ cu_seqlens,
                                                 T* __restrict__ out, int hidden,
                                                 float scale_log2) {
-    extern __shared__ float4 smem_f4[];
+    DYNAMIC_SHARED(float4, smem_f4);
     float* smem = reinterpret_cast<float*>(smem_f4);
     const int seq = blockIdx.z, head = blockIdx.y;
     const int row0 = cu_seqlens[seq], len = cu_seqlens[seq + 1] - row0;
@@ -188,7 +188,7 @@ __device__ __forceinline__ void attention_tiled(const T* __restrict__ qkv,
                                                 T* __restrict__ out, int hidden,
                                                 float scale_log2) {
     constexpr int TILE = KeyTile<T>::value;
-    extern __shared__ float4 smem_f4[];
+    DYNAMIC_SHARED(float4, smem_f4);
     float* smem = reinterpret_cast<float*>(smem_f4);
     const int seq = blockIdx.z, head = blockIdx.y;
     const int row0 = cu_seqlens[seq], len = cu_seqlens[seq + 1] - row0;

@@ -76,7 +76,7 @@ pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: Tol) {
     }
     if let Some((i, _)) = worst {
         panic!(
-            "{what}: element {i} of {:?} is {} on the GPU, {} on the CPU (tolerance {tol:?})",
+            "{what}: element {i} of {:?} is {} from the kernel, {} on the CPU (tolerance {tol:?})",
             got.dims(),
             g[i],
             w[i]
