@@ -68,7 +68,7 @@ impl AppState {
             metrics: telemetry::recorder(),
             registry_lock: Arc::new(tokio::sync::Mutex::new(())),
             openapi: Arc::new(openapi),
-            gateway: Arc::new(Gateway::default()),
+            gateway: Arc::new(Gateway::new(Duration::from_secs(config.inference_timeout_secs))),
             config: Arc::new(config),
             db,
         })

@@ -59,6 +59,11 @@ pub struct Config {
     /// one PostgreSQL database, the others may accept it for up to this long. 0: no cache.
     #[arg(long, env = "TESSERA_AUTH_CACHE_SECS", default_value_t = 10)]
     pub auth_cache_secs: u64,
+
+    /// Seconds the gateway waits for a replica to answer an inference request before it
+    /// gives the client a 504, so a hung worker cannot hold requests forever.
+    #[arg(long, env = "TESSERA_INFERENCE_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub inference_timeout_secs: u64,
 }
 
 impl Config {
@@ -78,6 +83,7 @@ impl Config {
             login_burst: 10,
             login_refill_secs: 6,
             auth_cache_secs: 10,
+            inference_timeout_secs: 60,
         }
     }
 

@@ -12,17 +12,35 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::app::AppState;
 use crate::error::Result;
 
+/// Latency buckets, 0.5 ms to 10 s: an HTTP request, or one stage of an inference.
+const SECONDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// Requests in one engine batch.
+const BATCH_SIZE: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+/// Tokens in one engine batch, up to the largest token budgets.
+const BATCH_TOKENS: &[f64] =
+    &[16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0];
+
+/// Every histogram gets buckets: without them the exporter writes a summary, whose
+/// quantiles cannot be aggregated across servers or deployments.
+const BUCKETS: &[(&str, &[f64])] = &[
+    ("http_request_duration_seconds", SECONDS),
+    ("tessera_inference_queue_seconds", SECONDS),
+    ("tessera_inference_tokenization_seconds", SECONDS),
+    ("tessera_inference_compute_seconds", SECONDS),
+    ("tessera_inference_batch_size", BATCH_SIZE),
+    ("tessera_inference_batch_tokens", BATCH_TOKENS),
+];
+
 /// The recorder is process-global; tests start many servers in one process.
 pub fn recorder() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Full("http_request_duration_seconds".into()),
-                    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0],
-                )
-                .expect("bucket list is not empty")
+            BUCKETS
+                .iter()
+                .fold(PrometheusBuilder::new(), |builder, (name, buckets)| {
+                    builder.set_buckets_for_metric(Matcher::Full((*name).into()), buckets).expect("bucket list is not empty")
+                })
                 .install_recorder()
                 .expect("no other metrics recorder is installed")
         })

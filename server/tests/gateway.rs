@@ -1,12 +1,17 @@
-//! The gateway over real HTTP, in front of a stand-in engine endpoint (a loopback HTTP
-//! server speaking the worker's engine protocol): requests feed the per-deployment stats
-//! route, which only the owner and admins may read, and an API token stops working the
-//! moment it is revoked even though the server remembers verified tokens.
+//! The gateway over real HTTP, in front of stand-in engine endpoints (loopback HTTP
+//! servers speaking the worker's engine protocol): requests feed the per-deployment stats
+//! route, which only the owner and admins may read, and Prometheus histograms; the least
+//! loaded replica gets the next request and an unreachable one is skipped; a replica that
+//! never answers gets the client a 504; an API token stops working the moment it is
+//! revoked even though the server remembers verified tokens.
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
@@ -14,36 +19,94 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use support::{backends, model_form, tiny_model, Backend, TestServer};
 use tessera_api::engine::{EngineInput, InferRequest, InferResponse, Timings};
+use tokio::sync::Semaphore;
 
-/// Answers every embed with a fixed vector and batch figures; `"overload"` gets the 429
-/// a full queue gives.
-async fn stand_in_engine() -> String {
-    let embed = |Json(request): Json<InferRequest>| async move {
-        if request.inputs.contains(&EngineInput::Text("overload".into())) {
-            let body = json!({"error": "The queue is full; retry shortly.", "kind": "overloaded"});
-            return (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
-        }
-        let n = request.inputs.len();
-        let timings = Timings { queue_us: 10, tokenization_us: 5, inference_us: 100, batch_size: 3, batch_tokens: 42 };
-        Json(InferResponse { outputs: vec![vec![0.6, 0.8]; n], tokens: vec![2; n], labels: vec![], timings }).into_response()
-    };
+/// A stand-in engine. It answers every embed with its own `vector` and fixed batch
+/// figures; `"overload"` gets the 429 a full queue gives; `"hold"` waits for a permit on
+/// `gate`, which stays shut until the test opens it.
+#[derive(Clone)]
+struct StandIn {
+    url: String,
+    vector: Vec<f32>,
+    /// Requests waiting at the gate now.
+    held: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+}
+
+impl StandIn {
+    async fn start(vector: Vec<f32>) -> StandIn {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let engine = StandIn {
+            url: format!("http://{address}/replica"),
+            vector,
+            held: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+        };
+        let app = Router::new().route("/replica/embed", post(stand_in_embed)).with_state(engine.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        engine
+    }
+
+    /// Lets every held request through.
+    fn release(&self) {
+        self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+}
+
+async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<InferRequest>) -> axum::response::Response {
+    if request.inputs.contains(&EngineInput::Text("overload".into())) {
+        let body = json!({"error": "The queue is full; retry shortly.", "kind": "overloaded"});
+        return (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
+    }
+    if request.inputs.contains(&EngineInput::Text("hold".into())) {
+        engine.held.fetch_add(1, Ordering::SeqCst);
+        let _permit = engine.gate.acquire().await.unwrap();
+        engine.held.fetch_sub(1, Ordering::SeqCst);
+    }
+    let n = request.inputs.len();
+    let timings = Timings { queue_us: 10, tokenization_us: 5, inference_us: 100, batch_size: 3, batch_tokens: 42 };
+    Json(InferResponse { outputs: vec![engine.vector.clone(); n], tokens: vec![2; n], labels: vec![], timings }).into_response()
+}
+
+/// An engine URL nothing listens on.
+async fn unreachable_endpoint() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, Router::new().route("/replica/embed", post(embed))).await.unwrap() });
+    drop(listener);
     format!("http://{address}/replica")
 }
 
-/// `alice` owns a deployment `embedder` whose one replica is ready at the stand-in engine.
+/// `owner` gets a model and a deployment, both called `name`, with one ready replica at
+/// each of `endpoints`.
+async fn deployment_at(server: &TestServer, owner: &str, name: &str, endpoints: &[String]) {
+    let response = server.http.post(server.api("/models")).bearer_auth(owner).multipart(model_form(name, tiny_model())).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    let response = server.post(owner, "/deployments", json!({"name": name, "model": name, "replicas": endpoints.len()})).await;
+    assert_eq!(response.status(), 201);
+    let (_, secret) = server.register_worker(&format!("{name}-box")).await;
+    for endpoint in endpoints {
+        let claimed: Value = server.post(&secret, "/agent/claim", json!({"kinds": ["serve"]})).await.json().await.unwrap();
+        let job = claimed["job_id"].as_str().unwrap();
+        let report = json!({"state": "running", "endpoint": endpoint});
+        assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/status"), report).await.status(), 204);
+    }
+}
+
+/// `alice` owns a deployment `embedder` whose one replica is ready at a stand-in engine.
 async fn ready_deployment(server: &TestServer, alice: &str) {
-    let response = server.http.post(server.api("/models")).bearer_auth(alice).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    let response = server.post(alice, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": 1})).await;
-    assert_eq!(response.status(), 201);
-    let (_, secret) = server.register_worker("serving-box").await;
-    let claimed: Value = server.post(&secret, "/agent/claim", json!({"kinds": ["serve"]})).await.json().await.unwrap();
-    let job = claimed["job_id"].as_str().unwrap();
-    let report = json!({"state": "running", "endpoint": stand_in_engine().await});
-    assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/status"), report).await.status(), 204);
+    deployment_at(server, alice, "embedder", &[StandIn::start(vec![0.6, 0.8]).await.url]).await;
+}
+
+/// Polls until `done` holds; a test that waits for a background request to arrive.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
 }
 
 async fn api_token(server: &TestServer, session: &str) -> (String, String) {
@@ -52,8 +115,21 @@ async fn api_token(server: &TestServer, session: &str) -> (String, String) {
 }
 
 async fn embed(server: &TestServer, token: &str, input: &str) -> reqwest::Response {
-    let body = json!({"model": "embedder", "input": input});
-    server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(token).json(&body).send().await.unwrap()
+    embed_with(server, token, "embedder", input).await
+}
+
+/// An OpenAI embeddings request; the client gives up after 30 s so a hung gateway fails
+/// the test instead of stalling it.
+async fn embed_with(server: &TestServer, token: &str, model: &str, input: &str) -> reqwest::Response {
+    let body = json!({"model": model, "input": input});
+    let request = server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(token).json(&body);
+    request.timeout(Duration::from_secs(30)).send().await.unwrap()
+}
+
+async fn embedding_of(response: reqwest::Response) -> Value {
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    body["data"][0]["embedding"].clone()
 }
 
 #[tokio::test]
@@ -91,6 +167,21 @@ async fn gateway_requests_feed_the_owner_checked_stats_route() {
         assert_eq!((stats["window_seconds"].as_u64(), stats["bucket_seconds"].as_u64()), (Some(600), Some(5)));
         let buckets = stats["buckets"].as_array().unwrap();
         assert_eq!(buckets.iter().map(|b| b["requests"].as_u64().unwrap()).sum::<u64>(), 6);
+
+        // Prometheus gets histograms (bucketed, so they aggregate), not summaries.
+        let metrics = server.http.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap();
+        for name in [
+            "tessera_inference_queue_seconds",
+            "tessera_inference_tokenization_seconds",
+            "tessera_inference_compute_seconds",
+            "tessera_inference_batch_size",
+            "tessera_inference_batch_tokens",
+        ] {
+            assert!(metrics.contains(&format!("{name}_bucket{{deployment=\"embedder\",le=")), "{name} has no buckets:\n{metrics}");
+            assert!(!metrics.contains(&format!("{name}{{deployment=\"embedder\",quantile=")), "{name} is a summary");
+        }
+        assert!(metrics.contains("tessera_inference_batch_size_bucket{deployment=\"embedder\",le=\"256\"}"), "{metrics}");
+        assert!(metrics.contains("tessera_inference_batch_tokens_bucket{deployment=\"embedder\",le=\"32768\"}"), "{metrics}");
 
         assert_eq!(server.get(&bob, "/deployments/embedder/stats").await.status(), 404, "only the owner sees it");
         assert_eq!(server.get(&admin, "/deployments/embedder/stats").await.status(), 200, "and admins");
@@ -130,4 +221,84 @@ async fn a_token_deleted_by_another_server_stops_working_within_the_cache_ttl() 
     sqlx::query("DELETE FROM api_tokens").execute(server.state.db.pool()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(server.get(&token, "/auth/me").await.status(), 401);
+}
+
+#[tokio::test]
+async fn the_least_loaded_ready_replica_gets_the_next_request() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let (first, second) = (StandIn::start(vec![1.0, 0.0]).await, StandIn::start(vec![0.0, 1.0]).await);
+        deployment_at(&server, &admin, "pair", &[first.url.clone(), second.url.clone()]).await;
+        let (_, token) = api_token(&server, &admin).await;
+
+        // One replica is busy with a request that has not finished...
+        let held = tokio::spawn({
+            let (server_url, token) = (server.url.clone(), token.clone());
+            async move {
+                let body = json!({"model": "pair", "input": "hold"});
+                reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
+            }
+        });
+        until("a replica holds the request", || first.held.load(Ordering::SeqCst) + second.held.load(Ordering::SeqCst) == 1).await;
+        let (busy, idle) = if first.held.load(Ordering::SeqCst) == 1 { (&first, &second) } else { (&second, &first) };
+
+        // ...so every request meanwhile goes to the other one.
+        for _ in 0..4 {
+            assert_eq!(embedding_of(embed_with(&server, &token, "pair", "hello").await).await, json!(idle.vector));
+        }
+        busy.release();
+        assert_eq!(embedding_of(held.await.unwrap()).await, json!(busy.vector), "the held request finishes where it started");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let live = StandIn::start(vec![1.0, 0.0]).await;
+    deployment_at(&server, &admin, "patchy", &[unreachable_endpoint().await, live.url.clone()]).await;
+    deployment_at(&server, &admin, "gone", &[unreachable_endpoint().await]).await;
+    let (_, token) = api_token(&server, &admin).await;
+
+    // With a request held on the live replica, the unreachable one is the least loaded and
+    // is tried first; the request still reaches the live one.
+    let held = tokio::spawn({
+        let (server_url, token) = (server.url.clone(), token.clone());
+        async move {
+            let body = json!({"model": "patchy", "input": "hold"});
+            reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
+        }
+    });
+    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
+    assert_eq!(embedding_of(embed_with(&server, &token, "patchy", "hello").await).await, json!(live.vector));
+    live.release();
+    assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
+
+    let response = embed_with(&server, &token, "gone", "hello").await;
+    assert_eq!(response.status(), 503);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("No replica of 'gone' could be reached"), "{body}");
+}
+
+#[tokio::test]
+async fn a_replica_that_never_answers_gets_the_client_a_504_on_both_apis() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| config.inference_timeout_secs = 1).await;
+    let admin = server.admin().await;
+    // Every request below says "hold", and this engine's gate is never opened.
+    deployment_at(&server, &admin, "stuck", &[StandIn::start(vec![1.0, 0.0]).await.url]).await;
+    let (_, token) = api_token(&server, &admin).await;
+
+    let response = embed_with(&server, &token, "stuck", "hold").await;
+    assert_eq!(response.status(), 504);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "timeout", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("'stuck' did not answer within 1 s"), "{body}");
+
+    let request = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hold"]}]});
+    let response = server.http.post(format!("{}/v2/models/stuck/infer", server.url)).bearer_auth(&token).json(&request)
+        .timeout(Duration::from_secs(30)).send().await.unwrap();
+    assert_eq!(response.status(), 504);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].as_str().unwrap().contains("'stuck' did not answer within 1 s"), "{body}");
 }

@@ -84,6 +84,21 @@ async fn bad_paths_configs_and_tokenizers_are_rejected() {
     assert_rejected(&server, &token, twice, 422, "twice").await;
 }
 
+/// A RoBERTa-family config is well formed, but the engine would refuse it on every replica;
+/// the upload is refused instead, naming what the engine runs.
+#[tokio::test]
+async fn a_model_type_the_engine_cannot_run_is_refused_with_the_supported_ones() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    for model_type in ["roberta", "xlm-roberta", "distilbert", "camembert"] {
+        let mut config: Value = serde_json::from_slice(&tiny_model()[0].1).unwrap();
+        config["model_type"] = json!(model_type);
+        let files = with_file("config.json", serde_json::to_vec(&config).unwrap());
+        let needle = format!("`model_type` `{model_type}`, which the serving engine cannot run; it runs `model_type` `bert` only");
+        assert_rejected(&server, &token, files, 422, &needle).await;
+    }
+}
+
 #[tokio::test]
 async fn oversized_upload_is_refused_with_413() {
     let server = TestServer::start_tweaked(Backend::Sqlite, |config| config.max_upload_bytes = 64).await;

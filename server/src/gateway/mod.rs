@@ -1,6 +1,7 @@
 //! The inference gateway: client-facing APIs (OpenAI, KServe v2) forward to the least
 //! loaded ready replica of a deployment. The ready-replica table is cached for a second
 //! so a request costs no database round trip; connections to workers are kept alive.
+//! A replica that does not answer within the inference timeout gets the client a 504.
 //! Everything a request needs that does not change with it (replica URLs, authorization
 //! headers, metric handles) is built once per route, not per request.
 
@@ -25,6 +26,10 @@ use crate::db::Db;
 
 /// How long the ready-replica table of a deployment is trusted.
 const ROUTE_TTL: Duration = Duration::from_secs(1);
+
+/// A worker that takes longer than this to accept a connection is treated as unreachable,
+/// and the next replica is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A failure, with the status the client should see and a sentence for it.
 #[derive(Debug)]
@@ -146,6 +151,8 @@ pub struct Resolved {
 
 pub struct Gateway {
     http: reqwest::Client,
+    /// The longest a replica may take over one request, connecting included.
+    timeout: Duration,
     routes: Mutex<HashMap<String, Arc<Route>>>,
     inflight: Mutex<HashMap<Uuid, Arc<AtomicUsize>>>,
     /// Per-deployment windowed figures for the dashboard and the stats route.
@@ -161,23 +168,25 @@ impl Drop for InflightGuard {
     }
 }
 
-impl Default for Gateway {
-    fn default() -> Gateway {
+impl Gateway {
+    /// A gateway that gives up on a replica after `timeout` (`--inference-timeout-secs`).
+    pub fn new(timeout: Duration) -> Gateway {
         let http = reqwest::Client::builder()
             .pool_idle_timeout(Duration::from_secs(90))
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(timeout)
             .tcp_nodelay(true)
             .build()
             .expect("an HTTP client with default TLS settings builds");
         Gateway {
             http,
+            timeout,
             routes: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
             stats: TrafficStats::default(),
         }
     }
-}
 
-impl Gateway {
     async fn route(&self, db: &Db, deployment: &str) -> Result<Arc<Route>, GatewayError> {
         if let Some(route) = self.routes.lock().expect("routes lock").get(deployment) {
             if route.fetched.elapsed() < ROUTE_TTL {
@@ -271,7 +280,9 @@ impl Gateway {
     }
 
     /// One replica after another, least loaded first, until one answers; one that cannot
-    /// be reached is skipped.
+    /// be reached is skipped. One that was reached but does not answer in time is not
+    /// retried elsewhere: it may still be working on the request, and the client has
+    /// waited the whole timeout already.
     async fn forward(&self, route: &Route, deployment: &str, request: &InferRequest) -> Result<InferResponse, GatewayError> {
         let mut targets: Vec<&Target> = route.targets.iter().collect();
         targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
@@ -299,13 +310,13 @@ impl Gateway {
                     self.forget(deployment);
                     continue;
                 }
-                Err(error) => return Err(GatewayError::internal(error)),
+                Err(error) => return Err(self.failed(target, deployment, error)),
             };
             let status = response.status();
             if status.is_success() {
-                return response.json().await.map_err(GatewayError::internal);
+                return response.json().await.map_err(|error| self.failed(target, deployment, error));
             }
-            let error: EngineError = response.json().await.map_err(GatewayError::internal)?;
+            let error: EngineError = response.json().await.map_err(|error| self.failed(target, deployment, error))?;
             return Err(GatewayError::new(status, &error.kind, error.error));
         }
         Err(GatewayError::new(
@@ -313,6 +324,22 @@ impl Gateway {
             "unavailable",
             format!("No replica of '{deployment}' could be reached; retry shortly."),
         ))
+    }
+
+    /// What the client hears when a reached replica fails it: 504 when it ran out of time.
+    fn failed(&self, target: &Target, deployment: &str, error: reqwest::Error) -> GatewayError {
+        if !error.is_timeout() {
+            return GatewayError::internal(error);
+        }
+        tracing::warn!(replica = %target.replica, timeout_s = self.timeout.as_secs_f64(), "replica did not answer in time");
+        GatewayError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout",
+            format!(
+                "Deployment '{deployment}' did not answer within {} s; it may be overloaded, retry shortly or send fewer inputs at once.",
+                self.timeout.as_secs_f64()
+            ),
+        )
     }
 }
 
