@@ -236,7 +236,10 @@ fn the_emulator_refuses_what_a_gpu_would_not_run() {
     let out = Buffer::output(DType::F32, 64);
     e.launch("one_float_per_thread", (2, 1, 1), 64, 256, &[out.arg()])
         .expect("64 floats fit 256 bytes");
-    assert_eq!(out.to_tensor(DType::F32, &[64]).to_vec1::<f32>().unwrap(), vec![1.0; 64]);
+    assert_eq!(
+        out.to_tensor(DType::F32, &[64]).to_vec1::<f32>().unwrap(),
+        vec![1.0; 64]
+    );
 
     let refusals = [
         ("misaligned_barriers", 64, 0, "never line up"),

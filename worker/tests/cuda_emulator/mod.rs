@@ -30,11 +30,10 @@ type FreeFn = unsafe extern "C" fn(*mut u8, usize);
 type KernelFn = unsafe extern "C" fn(u64, u64, u64, u64, u64, u64, f32);
 
 pub struct Emulator {
-    _library: libloading::Library,
+    library: libloading::Library,
     launch: LaunchFn,
     alloc: AllocFn,
     free: FreeFn,
-    kernels: libloading::Library,
 }
 
 /// The compiled emulator, built on first use.
@@ -81,7 +80,14 @@ fn build() -> PathBuf {
     let partial = out.with_extension(format!("{}.tmp", std::process::id()));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let status = Command::new(&cxx)
-        .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas"])
+        .args([
+            "-std=c++20",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            "-Wno-unknown-pragmas",
+        ])
         .arg("-I")
         .arg(&include)
         .args(["-include", "cuda_runtime.hpp", "-x", "c++"])
@@ -103,13 +109,11 @@ impl Emulator {
             let launch = *library.get::<LaunchFn>(b"tessera_emu_launch").unwrap();
             let alloc = *library.get::<AllocFn>(b"tessera_emu_alloc").unwrap();
             let free = *library.get::<FreeFn>(b"tessera_emu_free").unwrap();
-            let kernels = libloading::Library::new(path).unwrap();
             Self {
-                _library: library,
+                library,
                 launch,
                 alloc,
                 free,
-                kernels,
             }
         }
     }
@@ -153,7 +157,7 @@ impl Emulator {
 
     fn kernel(&self, name: &str) -> Result<KernelFn, String> {
         // SAFETY: called only through `Call`, with the kernel's own arguments.
-        unsafe { self.kernels.get::<KernelFn>(name.as_bytes()) }
+        unsafe { self.library.get::<KernelFn>(name.as_bytes()) }
             .map(|symbol| *symbol)
             .map_err(|_| format!("no kernel named {name} in worker/kernels"))
     }
@@ -216,7 +220,10 @@ impl Buffer {
         let e = emulator();
         // SAFETY: plain allocation; freed in Drop with the same size.
         let ptr = unsafe { (e.alloc)(bytes, align) };
-        assert!(!ptr.is_null(), "cannot map {bytes} bytes for a kernel buffer");
+        assert!(
+            !ptr.is_null(),
+            "cannot map {bytes} bytes for a kernel buffer"
+        );
         Self { ptr, bytes }
     }
 

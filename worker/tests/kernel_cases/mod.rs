@@ -21,10 +21,8 @@ use tessera_worker::engine::ops::{
 /// Where the kernels run. Inputs are CPU tensors already in the storage type (`cu_seqlens`
 /// u32, `q` u8, scales f32); results come back as CPU tensors.
 pub trait Kernels {
-    fn attention(&self, op: &VarlenAttention, qkv: &Tensor, bias: &Tensor, cu: &Tensor)
-        -> Tensor;
-    fn layernorm(&self, op: &BiasResidualLayerNorm, x: &Tensor, r: &Tensor, p: &Tensor)
-        -> Tensor;
+    fn attention(&self, op: &VarlenAttention, qkv: &Tensor, bias: &Tensor, cu: &Tensor) -> Tensor;
+    fn layernorm(&self, op: &BiasResidualLayerNorm, x: &Tensor, r: &Tensor, p: &Tensor) -> Tensor;
     fn bias_gelu(&self, x: &Tensor, b: &Tensor) -> Tensor;
     fn pool(&self, op: &SegmentedPool, h: &Tensor, cu: &Tensor) -> Tensor;
     fn int8_scales(&self, op: &Int8Scales, x: &Tensor) -> Tensor;
