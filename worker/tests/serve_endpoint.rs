@@ -1,0 +1,195 @@
+//! The worker's engine endpoint over real HTTP on a loopback port, serving a tiny random
+//! BERT the test writes itself (`engine::synthetic`), so no model is downloaded.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use tempfile::TempDir;
+use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
+use tessera_worker::engine::synthetic::RandomBert;
+use tessera_worker::engine::LoadOptions;
+use tessera_worker::serve::batcher::{BatchLimits, Job, Queue, SubmitError, Task};
+use tessera_worker::serve::endpoint::{Endpoint, Registration, Replica};
+use tessera_worker::serve::load_replica;
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+const TOKEN: &str = "engine-token-from-the-server";
+const HIDDEN: usize = 16;
+const MAX_POSITIONS: usize = 16;
+const WORDS: &[&str] = &["the", "cat", "sat", "on", "a", "mat"];
+
+/// A word-level tokenizer: `[PAD]` 0, `[UNK]` 1, `[CLS]` 2, `[SEP]` 3, then `WORDS`.
+fn write_tokenizer(dir: &Path) {
+    let mut vocab = serde_json::Map::new();
+    for (id, token) in ["[PAD]", "[UNK]", "[CLS]", "[SEP]"].iter().chain(WORDS).enumerate() {
+        vocab.insert(token.to_string(), id.into());
+    }
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                           "rstrip": false, "normalized": false, "special": true})
+    };
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(0, "[PAD]"), special(1, "[UNK]"), special(2, "[CLS]"), special(3, "[SEP]")],
+        "normalizer": {"type": "Lowercase"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+}
+
+fn tiny_model() -> TempDir {
+    let tokenizer = tempfile::tempdir().unwrap();
+    write_tokenizer(tokenizer.path());
+    let model = tempfile::tempdir().unwrap();
+    let shape = RandomBert { hidden: HIDDEN, layers: 1, heads: 2, intermediate: 32, vocab: WORDS.len() + 4, max_positions: MAX_POSITIONS };
+    shape.write(model.path(), 3, tokenizer.path()).unwrap();
+    model
+}
+
+async fn endpoint_with_token() -> Arc<Endpoint> {
+    let endpoint = Endpoint::start("127.0.0.1:0", None).await.unwrap();
+    endpoint.set_token(TOKEN.into());
+    endpoint
+}
+
+/// An endpoint serving the tiny model as replica `id`, with its real batching queue.
+async fn serving() -> (Arc<Endpoint>, Registration, Uuid, TempDir) {
+    let folder = tiny_model();
+    let endpoint = endpoint_with_token().await;
+    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    let id = Uuid::new_v4();
+    let registration = endpoint.add(id, replica);
+    (endpoint, registration, id, folder)
+}
+
+fn texts(texts: &[&str]) -> InferRequest {
+    InferRequest { inputs: texts.iter().map(|t| EngineInput::Text(t.to_string())).collect(), truncate: true }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+}
+
+#[tokio::test]
+async fn the_engine_endpoint_refuses_callers_without_the_worker_s_engine_token() {
+    let (endpoint, _registration, id, _folder) = serving().await;
+    let url = endpoint.replica_url(id);
+    let http = http();
+    for authorization in [None, Some("Bearer not-the-token".to_string()), Some(format!("Basic {TOKEN}")), Some(format!("Bearer {TOKEN}x"))] {
+        let mut embed = http.post(format!("{url}/embed")).json(&texts(&["the cat"]));
+        let mut info = http.get(format!("{url}/info"));
+        if let Some(value) = &authorization {
+            embed = embed.header("authorization", value);
+            info = info.header("authorization", value);
+        }
+        let response = embed.send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "embed with {authorization:?}");
+        assert_eq!(response.json::<WireError>().await.unwrap().kind, "unauthorized");
+        assert_eq!(info.send().await.unwrap().status(), StatusCode::UNAUTHORIZED, "info with {authorization:?}");
+    }
+}
+
+#[tokio::test]
+async fn before_the_server_hands_out_a_token_the_endpoint_refuses_everyone() {
+    let folder = tiny_model();
+    let endpoint = Endpoint::start("127.0.0.1:0", None).await.unwrap();
+    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    let id = Uuid::new_v4();
+    let _registration = endpoint.add(id, replica);
+    let response = http()
+        .post(format!("{}/embed", endpoint.replica_url(id)))
+        .header("authorization", "Bearer ")
+        .json(&texts(&["the cat"]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn the_engine_endpoint_answers_a_caller_with_the_engine_token() {
+    let (endpoint, _registration, id, _folder) = serving().await;
+    let url = endpoint.replica_url(id);
+    let http = http();
+    let response = http.post(format!("{url}/embed")).bearer_auth(TOKEN).json(&texts(&["the cat sat", "a mat"])).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let answer: InferResponse = response.json().await.unwrap();
+    assert_eq!(answer.tokens, vec![5, 4], "[CLS] and [SEP] around each text");
+    assert_eq!(answer.outputs.len(), 2);
+    assert!(answer.outputs.iter().all(|v| v.len() == HIDDEN && v.iter().all(|x| x.is_finite())));
+
+    let info = http.get(format!("{url}/info")).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(info.status(), StatusCode::OK);
+    let info: EngineInfo = info.json().await.unwrap();
+    assert_eq!((info.dimensions, info.max_input_tokens), (HIDDEN as u32, MAX_POSITIONS as u32));
+}
+
+#[tokio::test]
+async fn load_replica_runs_a_full_warm_up_batch_before_it_returns_the_replica() {
+    let folder = tiny_model();
+    // Room for three of the longest inputs (and a bit), under a cap of eight requests.
+    let max_batch_tokens = 3 * MAX_POSITIONS + 1;
+    let (replica, report) =
+        load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), max_batch_tokens, 8).await.unwrap();
+    assert_eq!(report.warmup_tokens, 3 * MAX_POSITIONS);
+    assert_eq!(replica.task, Task::Embed);
+}
+
+#[tokio::test]
+async fn a_full_replica_queue_is_answered_429() {
+    let folder = tiny_model();
+    let endpoint = endpoint_with_token().await;
+    let (loaded, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    // The same model, behind a queue whose compute thread holds its first batch until the
+    // test ends, so the queue fills and stays full.
+    let (started, mut computing) = mpsc::unbounded_channel();
+    let (_release, mut gate) = mpsc::unbounded_channel::<()>();
+    let limits = BatchLimits { max_batch_tokens: 256, max_batch_requests: 1, queue_capacity: 1 };
+    let queue = Queue::with_compute(limits, move |sequences: &[&[u32]]| {
+        let _ = started.send(());
+        let _ = gate.blocking_recv();
+        Ok(vec![vec![0.0; HIDDEN]; sequences.len()])
+    });
+    let job = || {
+        let (reply, answer) = oneshot::channel();
+        (Job { sequences: vec![vec![2, 4, 3]], tokenization_us: 0, enqueued: Instant::now(), reply }, answer)
+    };
+    let mut answers = Vec::new();
+    let (first, answer) = job();
+    queue.submit(first).unwrap();
+    answers.push(answer);
+    computing.recv().await.unwrap();
+    // Fill it: the batch after the computing one, then the queue's one place.
+    while answers.len() < 8 {
+        let (next, answer) = job();
+        match queue.submit(next) {
+            Ok(()) => answers.push(answer),
+            Err(SubmitError::QueueFull) => break,
+            Err(e) => panic!("{e}"),
+        }
+        for _ in 0..32 {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert_eq!(answers.len(), 3, "one batch computes, one waits, one request queues");
+
+    let id = Uuid::new_v4();
+    let _registration = endpoint.add(id, Replica { model: loaded.model.clone(), model_id: loaded.model_id, task: loaded.task, queue });
+    let response = http()
+        .post(format!("{}/embed", endpoint.replica_url(id)))
+        .bearer_auth(TOKEN)
+        .json(&texts(&["the cat"]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.json::<WireError>().await.unwrap().kind, "overloaded");
+}
