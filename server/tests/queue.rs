@@ -24,7 +24,7 @@ async fn enqueue(server: &TestServer, n: usize, max_attempts: u32) -> Vec<Uuid> 
     let mut ids = Vec::new();
     for i in 0..n {
         let spec = JobSpec::Prefetch { model: Uuid::new_v4() };
-        ids.push(jobs::insert(&server.state.db, owner, &format!("job {i}"), &spec, max_attempts, None).await.unwrap());
+        ids.push(jobs::insert(&server.state.db, owner, &format!("job {i}"), &spec, max_attempts, Default::default()).await.unwrap());
     }
     ids
 }

@@ -174,7 +174,8 @@ async fn reconcile(db: &Db, owner: Uuid, deployment: &Deployment, wanted: u32) -
         };
         for _ in live_count..wanted {
             let name = format!("replica of {}", deployment.name);
-            crate::jobs::insert(db, owner, &name, &spec, REPLICA_MAX_ATTEMPTS, Some(deployment.id)).await?;
+            let links = crate::jobs::JobLinks { deployment: Some(deployment.id), ..Default::default() };
+            crate::jobs::insert(db, owner, &name, &spec, REPLICA_MAX_ATTEMPTS, links).await?;
         }
     } else if live_count > wanted {
         let mut victims = live;

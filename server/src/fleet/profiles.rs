@@ -81,7 +81,7 @@ pub async fn create(
         &format!("profile {}", model.name),
         &spec,
         PROFILE_MAX_ATTEMPTS,
-        None,
+        crate::jobs::JobLinks::default(),
     )
     .await?;
     Ok((

@@ -75,20 +75,29 @@ async fn resolve_spec(state: &AppState, principal: &Principal, spec: serde_json:
     }
 }
 
-/// Queues a job; `deployment` ties a serving replica to its deployment.
+/// What a job belongs to besides its owner, written with the job in one statement.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct JobLinks {
+    /// The deployment a serving replica belongs to.
+    pub deployment: Option<Uuid>,
+    /// The dataset a training job reads (a dataset in use cannot be deleted).
+    pub dataset: Option<Uuid>,
+}
+
+/// Queues a job.
 pub async fn insert(
     db: &Db,
     owner: Uuid,
     name: &str,
     spec: &JobSpec,
     max_attempts: u32,
-    deployment: Option<Uuid>,
+    links: JobLinks,
 ) -> Result<Uuid> {
     let id = Uuid::new_v4();
     let now = now_ms();
     sqlx::query(
         "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
-         deployment_id) VALUES ($1, $2, $3, $4, $5, 'queued', 0, $6, $7, $7, $8)",
+         deployment_id, dataset_id) VALUES ($1, $2, $3, $4, $5, 'queued', 0, $6, $7, $7, $8, $9)",
     )
     .bind(id.to_string())
     .bind(owner.to_string())
@@ -97,7 +106,8 @@ pub async fn insert(
     .bind(serde_json::to_string(spec).map_err(|e| anyhow::anyhow!(e))?)
     .bind(max_attempts as i64)
     .bind(now)
-    .bind(deployment.map(|d| d.to_string()))
+    .bind(links.deployment.map(|d| d.to_string()))
+    .bind(links.dataset.map(|d| d.to_string()))
     .execute(db.pool())
     .await?;
     Ok(id)
@@ -170,7 +180,7 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
         return Err(Error::invalid("invalid_spec", "max_attempts must be between 1 and 100."));
     }
     let spec = resolve_spec(state, principal, request.spec).await?;
-    insert(&state.db, principal.id, name, &spec, max_attempts, None).await
+    insert(&state.db, principal.id, name, &spec, max_attempts, JobLinks::default()).await
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

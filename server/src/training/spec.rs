@@ -71,12 +71,8 @@ pub async fn submit(state: &AppState, principal: &Principal, body: Value) -> Res
         }
     })?;
     let (train, dataset) = resolve(state, principal, &spec).await?;
-    let id = jobs::insert(&state.db, principal.id, &name, &JobSpec::Train(train), max_attempts, None).await?;
-    sqlx::query("UPDATE jobs SET dataset_id = $1 WHERE id = $2")
-        .bind(dataset.to_string())
-        .bind(id.to_string())
-        .execute(state.db.pool())
-        .await?;
+    let links = jobs::JobLinks { dataset: Some(dataset), ..Default::default() };
+    let id = jobs::insert(&state.db, principal.id, &name, &JobSpec::Train(train), max_attempts, links).await?;
     tracing::info!(job = %id, user = %principal.username, "training job queued");
     Ok(id)
 }
