@@ -8,6 +8,7 @@ use candle_transformers::models::bert::{BertModel, Config};
 use std::collections::HashMap;
 use std::path::Path;
 use tessera_worker::engine::{EmbeddingModel, EngineError, LoadOptions, Pooling};
+use tessera_worker::engine::synthetic::word_level_tokenizer;
 
 const HIDDEN: usize = 64;
 const HEADS: usize = 4;
@@ -36,33 +37,6 @@ fn config_json() -> serde_json::Value {
         "layer_norm_eps": 1e-12,
         "pad_token_id": 0,
         "id2label": LABELS.iter().enumerate().map(|(i, l)| (i.to_string(), *l)).collect::<HashMap<_, _>>(),
-    })
-}
-
-/// A word-level tokenizer: `[PAD]`=0, `[UNK]`=1, `[CLS]`=2, `[SEP]`=3, then `WORDS`.
-fn tokenizer_json() -> serde_json::Value {
-    let mut vocab: HashMap<String, usize> = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i))
-        .collect();
-    for (i, w) in WORDS.iter().enumerate() {
-        vocab.insert(w.to_string(), i + 4);
-    }
-    let special = |id: usize, content: &str| {
-        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                           "rstrip": false, "normalized": false, "special": true})
-    };
-    serde_json::json!({
-        "version": "1.0",
-        "truncation": {"max_length": 8, "strategy": "LongestFirst", "stride": 0},
-        "padding": null,
-        "added_tokens": [special(0, "[PAD]"), special(1, "[UNK]"), special(2, "[CLS]"), special(3, "[SEP]")],
-        "normalizer": {"type": "Lowercase"},
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": {"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]},
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
     })
 }
 
@@ -139,7 +113,7 @@ fn random_weights(prefix: &str) -> HashMap<String, Tensor> {
 
 fn write_model(dir: &Path, weights: &HashMap<String, Tensor>, dtype: DType) {
     std::fs::write(dir.join("config.json"), config_json().to_string()).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer(WORDS, Some(8)).to_string()).unwrap();
     let converted: HashMap<String, Tensor> = weights
         .iter()
         .map(|(k, v)| (k.clone(), v.to_dtype(dtype).unwrap()))

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use tempfile::TempDir;
 use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
-use tessera_worker::engine::synthetic::RandomBert;
+use tessera_worker::engine::synthetic::{word_level_tokenizer, RandomBert};
 use tessera_worker::engine::LoadOptions;
 use tessera_worker::serve::batcher::{BatchLimits, Job, Queue, SubmitError, Task};
 use tessera_worker::serve::endpoint::{Endpoint, Registration, Replica};
@@ -21,27 +21,8 @@ const HIDDEN: usize = 16;
 const MAX_POSITIONS: usize = 16;
 const WORDS: &[&str] = &["the", "cat", "sat", "on", "a", "mat"];
 
-/// A word-level tokenizer: `[PAD]` 0, `[UNK]` 1, `[CLS]` 2, `[SEP]` 3, then `WORDS`.
 fn write_tokenizer(dir: &Path) {
-    let mut vocab = serde_json::Map::new();
-    for (id, token) in ["[PAD]", "[UNK]", "[CLS]", "[SEP]"].iter().chain(WORDS).enumerate() {
-        vocab.insert(token.to_string(), id.into());
-    }
-    let special = |id: u32, content: &str| {
-        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                           "rstrip": false, "normalized": false, "special": true})
-    };
-    let tokenizer = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [special(0, "[PAD]"), special(1, "[UNK]"), special(2, "[CLS]"), special(3, "[SEP]")],
-        "normalizer": {"type": "Lowercase"},
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": {"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]},
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
-    });
+    let tokenizer = word_level_tokenizer(WORDS, None);
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
 }
 

@@ -205,3 +205,37 @@ mod tests {
         assert_ne!(ea[0], ea[1]);
     }
 }
+
+/// A word-level `tokenizer.json` for tiny models: `[PAD]` 0, `[UNK]` 1, `[CLS]` 2, `[SEP]` 3,
+/// then `words`; lowercases, splits on whitespace and puts `[CLS] … [SEP]` around each text,
+/// truncating to `max_length` tokens when given. A real tokenizer, with no vocabulary file.
+pub fn word_level_tokenizer(words: &[&str], max_length: Option<usize>) -> serde_json::Value {
+    let specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"];
+    let vocab: serde_json::Map<String, serde_json::Value> = specials
+        .iter()
+        .chain(words)
+        .enumerate()
+        .map(|(id, token)| (token.to_string(), id.into()))
+        .collect();
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(id, content)| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let truncation = max_length
+        .map(|n| serde_json::json!({"max_length": n, "strategy": "LongestFirst", "stride": 0}));
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": truncation,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Lowercase"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    })
+}
