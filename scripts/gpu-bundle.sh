@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Builds, here, everything the GPU machine runs for the CUDA path (it has the NVIDIA driver,
 # PyTorch and transformers, but no Rust toolchain and no network) into .gpu-bundle/ (ignored
-# by git): release builds of the kernel tests (worker/tests/cuda_kernels.rs), the end-to-end
-# test (cuda_embeddings.rs), the GPU benchmark (bench gpu_serving) and the worker, each
-# xz-compressed, and all-MiniLM-L6-v2 with its weights stored as f16 so the bundle fits the
-# 64 MiB the device tool carries (both sides of every comparison load the same f16 weights).
+# by git): release builds of the worker, the kernel tests (worker/tests/cuda_kernels.rs),
+# the end-to-end test (cuda_embeddings.rs) and the GPU benchmark (bench gpu_serving), each
+# stripped and xz-compressed; all-MiniLM-L6-v2 with its weights stored as f16 (both sides of
+# every comparison load the same f16 weights), as one assets.tar.xz; and build-info.json
+# (git commit, uncommitted changes, date, toolchain) for the results' provenance.
+# The device tool carries at most 64 MiB, the tree included: the script fails, naming what
+# to leave out, when the bundle passes 60 MiB or bundle and tree together pass 64.
 # scripts/gpu-run.sh runs it all there in one call; bench/README.md has the exact call.
 #
 #   bash scripts/gpu-bundle.sh
 #
-# Environment: CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (else CARGO_TARGET_DIR),
-# TESSERA_ASSETS.
+# Environment: CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (default
+# $CARGO_TARGET_DIR/cuda or target/cuda, the dir scripts/test.sh's CUDA build uses),
+# TESSERA_ASSETS, TESSERA_GPU_BUNDLE_SKIP (names of binaries to leave out, e.g.
+# "gpu_serving" for a tests-only bundle).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,43 +23,66 @@ cd "$repo"
 bundle="$repo/.gpu-bundle"
 assets="${TESSERA_ASSETS:-$repo/.assets}"
 minilm="$assets/all-MiniLM-L6-v2"
+skip=" ${TESSERA_GPU_BUNDLE_SKIP:-} "
+limit_mib=60   # the bundle alone; the tree travels too, within 64 MiB in all
+carry_mib=64
 log() { printf 'gpu-bundle: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+wanted() { [[ "$skip" != *" $1 "* ]]; }
 
-[[ -f "$minilm/model.safetensors" ]] || { log "no $minilm/model.safetensors: run scripts/fetch-assets.sh"; exit 1; }
-eval "$(bash scripts/cuda-toolchain.sh)"
-export CARGO_TARGET_DIR="${TESSERA_CUDA_TARGET_DIR:-${CARGO_TARGET_DIR:-$repo/target}}"
+[[ -f "$minilm/model.safetensors" ]] || die "no $minilm/model.safetensors: run scripts/fetch-assets.sh"
+for tool in xz strip tar; do
+    command -v "$tool" >/dev/null || die "$tool is required"
+done
+export CARGO_TARGET_DIR="${TESSERA_CUDA_TARGET_DIR:-${CARGO_TARGET_DIR:-$repo/target}/cuda}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+eval "$(bash scripts/cuda-toolchain.sh)"
 
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/assets"
+mkdir -p "$bundle/bin" "$bundle/stage/all-MiniLM-L6-v2/1_Pooling"
+
+worker_targets=()
+wanted tessera-worker && worker_targets+=(--bin tessera-worker)
+wanted cuda_kernels && worker_targets+=(--test cuda_kernels)
+wanted cuda_embeddings && worker_targets+=(--test cuda_embeddings)
+log "building ${worker_targets[*]:-no worker targets}$(wanted gpu_serving && echo ' and the GPU benchmark') (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
 # Test binaries have hashed names: take them from cargo's own report of what it built.
-executables() {
-    python3 -c '
+# Diagnostics are rendered to stderr; stdout carries only the JSON messages.
+built="$bundle/stage/built.txt"
+{
+    if ((${#worker_targets[@]})); then
+        cargo build --release -p tessera-worker --features cuda "${worker_targets[@]}" \
+            --message-format=json-render-diagnostics
+    fi
+    if wanted gpu_serving; then
+        cargo build --release -p tessera-bench --features cuda --bin gpu_serving \
+            --message-format=json-render-diagnostics
+    fi
+} | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"], m["executable"])
-'
-}
-log "building the worker, its GPU tests and the GPU benchmark (release, compute capability $CUDA_COMPUTE_CAP)"
-{
-    cargo build --release -p tessera-worker --features cuda --bin tessera-worker \
-        --test cuda_kernels --test cuda_embeddings --message-format=json
-    cargo build --release -p tessera-bench --features cuda --bin gpu_serving --message-format=json
-} | executables | while read -r name path; do
-    xz -T2 -6 -c "$path" >"$bundle/bin/$name.xz"
-    log "$name: $(du -h "$path" | cut -f1) → $(du -h "$bundle/bin/$name.xz" | cut -f1)"
-done
+' >"$built"
+
+while read -r name path; do
+    stripped="$bundle/stage/$name"
+    strip --strip-all -o "$stripped" "$path"
+    xz -9e -T2 -c "$stripped" >"$bundle/bin/$name.xz"
+    log "$name: $(mib "$(stat -c %s "$path")") → stripped $(mib "$(stat -c %s "$stripped")") → xz $(mib "$(stat -c %s "$bundle/bin/$name.xz")")"
+    rm -f "$stripped"
+done <"$built"
 
 log "all-MiniLM-L6-v2 with f16 weights"
-mkdir -p "$bundle/assets/all-MiniLM-L6-v2/1_Pooling"
+out_model="$bundle/stage/all-MiniLM-L6-v2"
 for f in config.json tokenizer.json tokenizer_config.json special_tokens_map.json vocab.txt \
     modules.json sentence_bert_config.json config_sentence_transformers.json 1_Pooling/config.json; do
-    [[ -f "$minilm/$f" ]] && cp "$minilm/$f" "$bundle/assets/all-MiniLM-L6-v2/$f"
+    [[ -f "$minilm/$f" ]] && cp "$minilm/$f" "$out_model/$f"
 done
 python="$(bash scripts/python-clients.sh)"  # a Python with numpy
-"$python" - "$minilm/model.safetensors" "$bundle/assets/all-MiniLM-L6-v2/model.safetensors" <<'PY'
+"$python" - "$minilm/model.safetensors" "$out_model/model.safetensors" <<'PY'
 # safetensors: u64 header length, JSON header (dtype, shape, data_offsets per tensor), data.
 import json, struct, sys
 import numpy as np
@@ -80,4 +108,45 @@ head += b" " * (-len(head) % 8)
 with open(dst, "wb") as f:
     f.write(struct.pack("<Q", len(head)) + head + b"".join(parts))
 PY
-log "bundle: $(du -sh "$bundle" | cut -f1) in $bundle (the device tool carries at most 64 MiB with the tree)"
+# f16 weights shrink only about 10% under xz, but every MiB counts here.
+tar -C "$bundle/stage" -cf - all-MiniLM-L6-v2 | xz -9e -T2 >"$bundle/assets.tar.xz"
+log "assets.tar.xz: $(mib "$(stat -c %s "$bundle/assets.tar.xz")")"
+
+# Provenance for the results (gpu_serving copies this file into gpu_serving.json).
+GIT_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
+GIT_STATUS="$(git status --porcelain 2>/dev/null || true)" \
+NVCC="$(nvcc --version | grep -oE 'V[0-9.]+' | head -n 1)" \
+RUSTC="$(rustc --version)" \
+BUILT="$(cut -d' ' -f1 "$built")" \
+    python3 - "$bundle/build-info.json" <<'PY'
+import datetime, json, os, sys
+dirty = os.environ["GIT_STATUS"].splitlines()
+json.dump({
+    "git_commit": os.environ["GIT_COMMIT"],
+    "git_dirty": bool(dirty),
+    "git_dirty_files": [line[3:] for line in dirty][:100],
+    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    "compute_capability": os.environ["CUDA_COMPUTE_CAP"],
+    "nvcc": os.environ["NVCC"],
+    "rustc": os.environ["RUSTC"],
+    "profile": "release",
+    "binaries": os.environ["BUILT"].split(),
+}, open(sys.argv[1], "w"), indent=1)
+PY
+rm -rf "$bundle/stage"
+
+# What travels: the tree (tracked and untracked-not-ignored files) plus the bundle.
+bundle_bytes="$(du -sb "$bundle" | cut -f1)"
+tree_bytes="$(git ls-files -z --cached --others --exclude-standard | python3 -c '
+import os, sys
+print(sum(os.lstat(p).st_size for p in sys.stdin.read().split("\0") if os.path.lexists(p)))')"
+log "bundle: $(mib "$bundle_bytes") in $bundle; with the tree ($(mib "$tree_bytes")): $(mib $((bundle_bytes + tree_bytes))) of the $carry_mib MiB the device tool carries"
+if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib * 1048576)); then
+    log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
+    (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
+    log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
+    log "  TESSERA_GPU_BUNDLE_SKIP=gpu_serving bash scripts/gpu-bundle.sh                 (tests only: gpu-run.sh tests)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_embeddings' bash scripts/gpu-bundle.sh   (benchmark only: gpu-run.sh bench)"
+    log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
+    exit 1
+fi

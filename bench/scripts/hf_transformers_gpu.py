@@ -8,15 +8,17 @@ the host before timing, copied to the GPU, run, pooled, and copied back.
 
 Input:  --model DIR (config.json + model.safetensors), --workload FILE written by
         gpu_serving ({"configs": [{"name": str, "sequences": [[ids...], ...]}, ...]}).
-Output: one JSON line on stdout:
-        {"torch", "transformers", "device", "dtype",
-         "configs": [{"name", "padded_tokens", "ms": [per call], "check": [[emb], [emb]]}]}
-        "check" holds the embeddings of the batch's first two sequences, so the benchmark
-        can confirm both sides compute the same thing.
+Output: JSON lines on stdout, each flushed as soon as it is known, so the benchmark records
+        every finished config even if the run is cut short:
+        first {"torch", "transformers", "device", "dtype", "attention"},
+        then one {"name", "padded_tokens", "ms": [per call], "check": [[emb], [emb]]} per
+        config, in the workload's order. "check" holds the embeddings of the batch's first
+        two sequences, so the benchmark can confirm both sides compute the same thing.
 """
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -24,6 +26,18 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import BertModel
+
+
+def dtype_keyword():
+    """transformers 4.56 renamed `torch_dtype=` to `dtype=` (5.x warns on the old name)."""
+    found = re.match(r"(\d+)\.(\d+)", transformers.__version__)
+    if found and (int(found[1]), int(found[2])) < (4, 56):
+        return "torch_dtype"
+    return "dtype"
+
+
+def emit(record):
+    print(json.dumps(record), flush=True)
 
 
 def padded(sequences):
@@ -74,7 +88,7 @@ def main():
     model = (
         BertModel.from_pretrained(
             args.model,
-            torch_dtype=getattr(torch, args.dtype),
+            **{dtype_keyword(): getattr(torch, args.dtype)},
             attn_implementation="sdpa",
             add_pooling_layer=False,
         )
@@ -82,13 +96,21 @@ def main():
         .eval()
     )
 
-    results = []
+    emit(
+        {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name(0),
+            "dtype": args.dtype,
+            "attention": "sdpa",
+        }
+    )
     for config in workload["configs"]:
         sequences = config["sequences"]
         ids, mask = padded(sequences)
         ms = timed(model, ids, mask, args.warmup, args.min_seconds, args.min_iters)
         check = embed(model, ids[:2], mask[:2]).tolist()
-        results.append(
+        emit(
             {
                 "name": config["name"],
                 "padded_tokens": int(ids.numel()),
@@ -97,20 +119,6 @@ def main():
             }
         )
         print(f"hf {config['name']}: median {sorted(ms)[len(ms) // 2]:.3f} ms", file=sys.stderr)
-
-    print(
-        json.dumps(
-            {
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "device": torch.cuda.get_device_name(0),
-                "dtype": args.dtype,
-                "attention": "sdpa",
-                "configs": results,
-            }
-        )
-    )
-
 
 if __name__ == "__main__":
     main()

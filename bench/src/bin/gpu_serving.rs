@@ -2,37 +2,49 @@
 //! state:
 //!
 //! 1. this engine on CUDA: packed batches (no padding anywhere), our kernels, cuBLAS GEMMs;
-//! 2. our own padded path: candle-transformers' `BertModel` on the same GPU, each batch
-//!    padded to its longest sequence, masked mean pooling and L2 normalisation;
+//! 2. our own padded path: candle-transformers' `BertEncoder` under our own embeddings and
+//!    attention mask (see [`PaddedBert`]) on the same GPU, each batch padded to its longest
+//!    sequence, masked mean pooling and L2 normalisation;
 //! 3. HF `transformers` on PyTorch, fp16, SDPA attention, padded to the longest in batch
 //!    (bench/scripts/hf_transformers_gpu.py, a subprocess), when a Python with them is found;
 //! 4. the GEMMs alone: the encoder's four projections per layer at each batch's token count,
-//!    to say what share of the GPU's bf16 dense peak they reach.
+//!    in the benchmark's dtype, as a share of the GPU's dense bf16 tensor peak (the same
+//!    datasheet figure as dense fp16 on the GPUs in [`peak_tflops`]).
 //!
 //! Models: a BERT-base-sized encoder with random weights (shapes are what speed depends on)
 //! and all-MiniLM-L6-v2. Batches of 1 to 256 sequences with lengths uniform in [1, max] for
 //! max in {64, 128, 256, 512}, ids from the BERT vocabulary; the same batches go to all three.
 //! Throughput counts real tokens only (padding never counts); latency is one call from host
-//! token ids to host embeddings. The engine's and HF's embeddings of each batch's first two
-//! sequences are compared (cosine), so a fast wrong answer cannot pass unseen.
+//! token ids to host embeddings. The engine's embeddings of each batch's first two sequences
+//! are compared (cosine) with the padded path's and HF's, so a fast wrong answer cannot pass
+//! unseen: a missing baseline or a cosine below [`AGREEMENT`] is listed in the closing summary
+//! and makes the exit status non-zero.
 //!
-//! Prints one line per figure; writes bench/results/gpu_serving.{json,md}. Run (the exact
-//! command, with the toolchain and the run on the GPU machine, is in bench/README.md):
+//! Prints one line per figure; rewrites bench/results/gpu_serving.{json,md} after every
+//! measured config, so a run cut short keeps what it measured ("complete": false). Run from
+//! the repository root (the exact command, with the toolchain and the run on the GPU machine,
+//! is in bench/README.md):
 //!   gpu_serving --minilm .assets/all-MiniLM-L6-v2 --python python3
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
-use candle_transformers::models::bert::{BertModel, Config as BertConfig};
+use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, Module, VarBuilder};
+use candle_transformers::models::bert::{BertEncoder, Config as BertConfig};
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_worker::engine::ops::cuda::compute_cap;
 use tessera_worker::engine::synthetic::RandomBert;
-use tessera_worker::engine::{Batch, EmbeddingModel, LoadOptions};
+use tessera_worker::engine::{Batch, EmbeddingModel, LoadOptions, Pooling};
+
+/// Lowest cosine between the engine's embedding of a sequence and another implementation's
+/// that still counts as the same answer. f16 runs agree to about 0.9999; a masking or
+/// pooling bug drops far below this.
+const AGREEMENT: f64 = 0.995;
 
 #[derive(Debug, Parser)]
 struct Cli {
@@ -46,11 +58,22 @@ struct Cli {
     /// Python with torch and transformers for the HF baseline; "none" skips it.
     #[arg(long, default_value = "python3")]
     python: String,
+    /// The HF baseline script, relative to the working directory (the repository root).
+    #[arg(long, default_value = "bench/scripts/hf_transformers_gpu.py")]
+    hf_script: PathBuf,
+    /// What scripts/gpu-bundle.sh recorded about the build (git commit, dirty flag, date),
+    /// copied into the results; missing is allowed and recorded as unknown.
+    #[arg(
+        long,
+        env = "TESSERA_BUILD_INFO",
+        default_value = ".gpu-bundle/build-info.json"
+    )]
+    build_info: PathBuf,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128,256")]
     batches: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "64,128,256,512")]
     max_lens: Vec<usize>,
-    /// Storage type of the engine, the padded path and HF: f16 or bf16.
+    /// Storage type of the engine, the padded path, HF and the GEMMs alone: f16 or bf16.
     #[arg(long, default_value = "f16")]
     dtype: String,
     #[arg(long, default_value_t = 2)]
@@ -70,7 +93,8 @@ struct Cli {
     out: PathBuf,
 }
 
-/// NVIDIA's datasheet dense (no sparsity) BF16 tensor-core peak, by GPU name.
+/// NVIDIA's datasheet dense (no sparsity) BF16 tensor-core peak, by GPU name. On these GPUs
+/// the dense FP16 peak is the same figure, so it serves both dtypes.
 fn peak_tflops(name: &str) -> Option<f64> {
     let table: [(&str, &str, f64); 6] = [
         ("H100", "PCIe", 756.0),
@@ -179,9 +203,45 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (norm(a) * norm(b))
 }
 
-/// candle-transformers' padded BERT on the GPU, pooled and normalised like the engine.
+/// The lower of two cosines, NaN if either is: `f64::min` drops a NaN, and a NaN embedding is
+/// exactly what the cosine checks are for.
+fn worse(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.min(b)
+    }
+}
+
+/// The lowest cosine over pairs of embeddings.
+fn worst_cosine(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| cosine(x, y))
+        .fold(f64::INFINITY, worse)
+}
+
+/// JSON has no NaN: a cosine that is not a number is recorded as the string "NaN".
+fn cosine_json(c: f64) -> Value {
+    if c.is_finite() {
+        json!(round(c, 6))
+    } else {
+        json!(c.to_string())
+    }
+}
+
+/// Our own padded BERT on the GPU, pooled and normalised like the engine: candle-transformers'
+/// `BertEncoder` under embeddings and an attention mask built here. `BertModel::forward`
+/// is not used because its mask is `(1 - mask) · f32::MIN` converted to the model's dtype:
+/// f32::MIN is −∞ in f16/bf16, so every real token gets 0 · (−∞) = NaN (candle-transformers
+/// 0.11, `get_extended_attention_mask`).
 struct PaddedBert {
-    model: BertModel,
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    norm: LayerNorm,
+    encoder: BertEncoder,
+    dtype: DType,
     device: Device,
 }
 
@@ -193,10 +253,37 @@ impl PaddedBert {
         let vb = unsafe {
             VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], dtype, device)?
         };
+        // Checkpoints of BertFor* heads keep the encoder under "bert."; plain ones do not.
+        let vb = if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
+            vb.pp("bert")
+        } else {
+            vb
+        };
+        let e = vb.pp("embeddings");
+        let h = config.hidden_size;
         Ok(Self {
-            model: BertModel::load(vb, &config)?,
+            word: embedding(config.vocab_size, h, e.pp("word_embeddings"))?,
+            position: embedding(
+                config.max_position_embeddings,
+                h,
+                e.pp("position_embeddings"),
+            )?,
+            token_type: embedding(config.type_vocab_size, h, e.pp("token_type_embeddings"))?,
+            norm: layer_norm(h, config.layer_norm_eps, e.pp("LayerNorm"))?,
+            encoder: BertEncoder::load(vb.pp("encoder"), &config)?,
+            dtype,
             device: device.clone(),
         })
+    }
+
+    /// What padding keys add to the attention scores: half the dtype's lowest finite value
+    /// (f16's is −65504; bf16 has f32's range), so it stays finite when a score is added and
+    /// softmax gives those keys zero weight.
+    fn padding_bias(&self) -> f64 {
+        match self.dtype {
+            DType::F16 => -65504.0 / 2.0,
+            _ => f64::from(f32::MIN) / 2.0,
+        }
     }
 
     fn embed(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
@@ -210,10 +297,17 @@ impl PaddedBert {
         }
         let ids = Tensor::from_vec(ids, (n, max), &self.device)?;
         let mask = Tensor::from_vec(mask, (n, max), &self.device)?;
-        let hidden = self
-            .model
-            .forward(&ids, &ids.zeros_like()?, Some(&mask))?
-            .to_dtype(DType::F32)?;
+        let positions = Tensor::arange(0u32, max as u32, &self.device)?;
+        let x = (self.word.forward(&ids)? + self.token_type.forward(&ids.zeros_like()?)?)?
+            .broadcast_add(&self.position.forward(&positions)?)?;
+        let x = self.norm.forward(&x)?;
+        // (1 − mask) · bias in f32, where 1 − 1 is exactly 0, then to the dtype: [n, 1, 1, max].
+        let bias = self.padding_bias();
+        let extended = mask
+            .affine(-bias, bias)?
+            .reshape((n, 1, 1, max))?
+            .to_dtype(self.dtype)?;
+        let hidden = self.encoder.forward(&x, &extended)?.to_dtype(DType::F32)?;
         let summed = hidden.broadcast_mul(&mask.unsqueeze(2)?)?.sum(1)?;
         let mean = summed.broadcast_div(&mask.sum_keepdim(1)?)?;
         let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?;
@@ -222,8 +316,8 @@ impl PaddedBert {
 }
 
 /// The encoder's GEMMs alone at `tokens` rows: per layer QKV `[T,H]×[H,3H]`, attention output
-/// `[T,H]×[H,H]`, FFN in `[T,H]×[H,I]`, FFN out `[T,I]×[I,H]`, all through candle's cuBLAS
-/// matmul as in the engine. Returns (FLOPs, per-call ms).
+/// `[T,H]×[H,H]`, FFN in `[T,H]×[H,I]`, FFN out `[T,I]×[I,H]`, all in `dtype` through candle's
+/// cuBLAS matmul as in the engine. Returns (FLOPs, per-call ms).
 fn gemms(
     cli: &Cli,
     shape: &RandomBert,
@@ -262,14 +356,25 @@ fn model_flops(shape: &RandomBert, config: &Config) -> f64 {
     shape.layers as f64 * (2.0 * tokens * (4.0 * h * h + 2.0 * h * i) + attention)
 }
 
+/// Runs the HF script over all `configs` and hands each config's result to `on_config` as
+/// soon as the script prints it. Returns the script's versions line, or why it did not run
+/// or stopped early.
 fn hf_baseline(
     cli: &Cli,
     model_dir: &Path,
     configs: &[Config],
     dtype: DType,
+    mut on_config: impl FnMut(usize, &Value) -> Result<()>,
 ) -> Result<Value, String> {
     if cli.python == "none" {
         return Err("skipped (--python none)".into());
+    }
+    if !cli.hf_script.is_file() {
+        return Err(format!(
+            "no {} (relative to {}): run from the repository root or pass --hf-script",
+            cli.hf_script.display(),
+            std::env::current_dir().map_or("?".into(), |d| d.display().to_string())
+        ));
     }
     let probe = Command::new(&cli.python)
         .args(["-c", "import torch, transformers"])
@@ -284,14 +389,14 @@ fn hf_baseline(
     let path = dir.path().join("workload.json");
     let body = json!({"configs": configs.iter().map(|c| json!({"name": c.name, "sequences": c.sequences})).collect::<Vec<_>>()});
     std::fs::write(&path, body.to_string()).map_err(|e| e.to_string())?;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/hf_transformers_gpu.py");
     let torch_dtype = if dtype == DType::BF16 {
         "bfloat16"
     } else {
         "float16"
     };
-    let output = Command::new(&cli.python)
-        .arg(&script)
+    // stderr goes to ours, so the script's progress and any traceback land in the run's log.
+    let mut child = Command::new(&cli.python)
+        .arg(&cli.hf_script)
         .arg("--model")
         .arg(model_dir)
         .arg("--workload")
@@ -305,27 +410,96 @@ fn hf_baseline(
             "--min-iters",
             &cli.min_iters.to_string(),
         ])
-        .output()
+        .stdout(Stdio::piped())
+        .spawn()
         .map_err(|e| format!("{}: {e}", cli.python))?;
-    if !output.status.success() {
-        return Err(format!(
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr).trim()
-        ));
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let read = || -> Result<(Option<Value>, usize), String> {
+        let (mut versions, mut done) = (None, 0);
+        for line in BufReader::new(stdout).lines() {
+            let line = line.map_err(|e| format!("reading the script's output: {e}"))?;
+            // Libraries may print to stdout too; the script's own lines are JSON objects.
+            let Ok(record) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            if versions.is_none() {
+                versions = Some(record);
+            } else if done < configs.len() && record["name"] == configs[done].name.as_str() {
+                on_config(done, &record).map_err(|e| format!("recording HF results: {e:#}"))?;
+                done += 1;
+            }
+        }
+        Ok((versions, done))
+    };
+    let outcome = read();
+    if outcome.is_err() {
+        let _ = child.kill();
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or_default())
-        .map_err(|e| format!("unreadable output of the script: {e}"))
+    let status = child.wait().map_err(|e| e.to_string())?;
+    let (versions, done) = outcome?;
+    match versions {
+        Some(versions) if status.success() && done == configs.len() => Ok(versions),
+        _ => Err(format!(
+            "{} {} ended ({status}) after {done} of {} configs; its stderr is above",
+            cli.python,
+            cli.hf_script.display(),
+            configs.len()
+        )),
+    }
 }
 
 fn latency(ms: &[f64]) -> Value {
     json!({"median": round(median(ms), 4), "p90": round(percentile(ms, 0.9), 4), "min": round(ms.iter().cloned().fold(f64::INFINITY, f64::min), 4), "calls": ms.len()})
 }
 
-/// One model's sweep: every implementation over every config.
+/// The results so far, rewritten to disk after every measured config. `report["problems"]`
+/// lists what the closing summary reports as wrong: missing baselines, disagreeing embeddings.
+struct Results {
+    report: Value,
+    out: PathBuf,
+}
+
+impl Results {
+    fn save(&self) -> Result<()> {
+        std::fs::create_dir_all(&self.out)
+            .with_context(|| format!("creating {}", self.out.display()))?;
+        std::fs::write(
+            self.out.join("gpu_serving.json"),
+            format!("{:#}\n", self.report),
+        )?;
+        std::fs::write(self.out.join("gpu_serving.md"), markdown(&self.report))?;
+        Ok(())
+    }
+
+    fn model(&mut self, index: usize) -> &mut Value {
+        &mut self.report["models"][index]
+    }
+
+    fn problem(&mut self, what: String) {
+        self.report["problems"]
+            .as_array_mut()
+            .expect("problems is an array")
+            .push(json!(what));
+    }
+
+    fn check(&mut self, what: &str, worst: f64) {
+        if worst.is_nan() || worst < AGREEMENT {
+            self.problem(format!(
+                "{what}: cosine with the engine {worst:.5} (below {AGREEMENT})"
+            ));
+        }
+    }
+}
+
+/// How many of each batch's embeddings are compared across implementations.
+const CHECKED: usize = 2;
+
+/// One model's sweep: the engine, the padded path and the GEMMs over every config, then the
+/// HF baseline over every config, each result saved as soon as it is measured.
+#[allow(clippy::too_many_arguments)]
 fn run_model(
     cli: &Cli,
+    results: &mut Results,
     label: &str,
     dir: &Path,
     shape: &RandomBert,
@@ -333,7 +507,7 @@ fn run_model(
     dtype: DType,
     device: &Device,
     peak: Option<f64>,
-) -> Result<Value> {
+) -> Result<()> {
     let engine = EmbeddingModel::load_with(
         dir,
         &LoadOptions {
@@ -344,114 +518,245 @@ fn run_model(
     )
     .with_context(|| format!("loading {label} on the GPU"))?;
     let padded = PaddedBert::load(dir, dtype, device)?;
-    let hf = hf_baseline(cli, dir, configs, dtype);
-    if let Err(why) = &hf {
-        println!("{label}: HF transformers baseline not run: {why}");
-    }
     let share =
         |flops: f64, ms: f64| peak.map(|p| round(flops / (ms * 1e-3) / (p * 1e12) * 100.0, 1));
 
-    let mut rows = Vec::new();
-    for (index, config) in configs.iter().enumerate() {
+    let m = results.report["models"].as_array().map_or(0, Vec::len);
+    results.report["models"]
+        .as_array_mut()
+        .expect("models is an array")
+        .push(json!({
+            "model": label,
+            "shape": {"hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads, "intermediate": shape.intermediate},
+            "hf_transformers": {"status": "pending"},
+            "configs": [],
+        }));
+    let mut engine_checks = Vec::new();
+    let mut engine_tps = Vec::new();
+    let mut worst_padded = f64::INFINITY;
+    for config in configs {
         let batch = Batch::pack(&config.sequences, 512, false)?;
         let tokens = config.tokens() as f64;
-        let mut first_two = Vec::new();
+        let mut engine_out = Vec::new();
         let engine_ms = measure(cli, || {
-            first_two = engine.embed_batch(&batch)?;
+            engine_out = engine.embed_batch_with(&batch, Pooling::Mean, true)?;
             Ok(())
         })?;
-        first_two.truncate(2);
-        let padded_ms = measure(cli, || padded.embed(&config.sequences).map(drop))?;
+        engine_out.truncate(CHECKED);
+        let mut padded_out = Vec::new();
+        let padded_ms = measure(cli, || {
+            padded_out = padded.embed(&config.sequences)?;
+            Ok(())
+        })?;
+        let padded_agreement = worst_cosine(&padded_out, &engine_out);
+        worst_padded = worse(worst_padded, padded_agreement);
         let (gemm_flops, gemm_ms) = gemms(cli, shape, config.tokens(), dtype, device)?;
+        let gemm_tflops = gemm_flops / (median(&gemm_ms) * 1e-3) / 1e12;
 
-        let engine_tps = tokens / (median(&engine_ms) * 1e-3);
+        let tps = tokens / (median(&engine_ms) * 1e-3);
         let padded_tps = tokens / (median(&padded_ms) * 1e-3);
-        let mut row = json!({
+        let row = json!({
             "config": config.name,
             "max_len": config.max_len,
             "batch": config.sequences.len(),
             "real_tokens": config.tokens(),
             "padded_tokens": config.padded_tokens(),
-            "engine": {"latency_ms": latency(&engine_ms), "tokens_per_s": round(engine_tps, 0),
-                       "model_flops_share_of_peak_pct": share(model_flops(shape, config), median(&engine_ms))},
-            "candle_padded": {"latency_ms": latency(&padded_ms), "tokens_per_s": round(padded_tps, 0)},
-            "gemms_alone": {"ms": round(median(&gemm_ms), 4), "tflops": round(gemm_flops / (median(&gemm_ms) * 1e-3) / 1e12, 1),
-                            "share_of_bf16_peak_pct": share(gemm_flops, median(&gemm_ms))},
+            "engine": {"latency_ms": latency(&engine_ms), "tokens_per_s": round(tps, 0),
+                       "model_flops_share_of_dense_bf16_peak_pct": share(model_flops(shape, config), median(&engine_ms))},
+            "candle_padded": {"latency_ms": latency(&padded_ms), "tokens_per_s": round(padded_tps, 0),
+                              "cosine_with_engine": cosine_json(padded_agreement)},
+            "gemms_alone": {"dtype": cli.dtype, "ms": round(median(&gemm_ms), 4), "tflops": round(gemm_tflops, 1),
+                            "share_of_dense_bf16_peak_pct": share(gemm_flops, median(&gemm_ms))},
         });
-        let mut line = format!(
-            "{label} {}: engine {:.0} tok/s ({:.3} ms), candle padded {:.0} tok/s, GEMMs {:.0} TFLOPS",
+        println!(
+            "{label} {}: engine {tps:.0} tok/s ({:.3} ms), candle padded {padded_tps:.0} tok/s \
+             (cosine {padded_agreement:.5}), GEMMs in {} {gemm_tflops:.0} TFLOPS ({} of dense bf16 peak)",
             config.name,
-            engine_tps,
             median(&engine_ms),
-            padded_tps,
-            gemm_flops / (median(&gemm_ms) * 1e-3) / 1e12
+            cli.dtype,
+            share(gemm_flops, median(&gemm_ms)).map_or("?".into(), |p| format!("{p}%")),
         );
-        if let Ok(hf) = &hf {
-            let result = &hf["configs"][index];
-            let ms: Vec<f64> = serde_json::from_value(result["ms"].clone())?;
-            let check: Vec<Vec<f32>> = serde_json::from_value(result["check"].clone())?;
-            let agreement = check
-                .iter()
-                .zip(&first_two)
-                .map(|(a, b)| cosine(a, b))
-                .fold(f64::INFINITY, f64::min);
-            let hf_tps = tokens / (median(&ms) * 1e-3);
-            row["hf_transformers"] = json!({"latency_ms": latency(&ms), "tokens_per_s": round(hf_tps, 0),
-                                            "cosine_with_engine": round(agreement, 6)});
-            row["engine_over_hf"] = json!(round(engine_tps / hf_tps, 2));
-            line += &format!(
-                ", HF {hf_tps:.0} tok/s, engine/HF {:.2}×, cosine {agreement:.5}",
-                engine_tps / hf_tps
-            );
-        }
-        println!("{line}");
-        rows.push(row);
+        results.model(m)["configs"]
+            .as_array_mut()
+            .expect("configs is an array")
+            .push(row);
+        results.save()?;
+        engine_checks.push(engine_out);
+        engine_tps.push(tps);
     }
-    let hf_info = match &hf {
+    results.check(&format!("{label}: candle padded"), worst_padded);
+
+    let mut worst_hf = f64::INFINITY;
+    let hf = hf_baseline(cli, dir, configs, dtype, |index, result| {
+        let config = &configs[index];
+        let ms: Vec<f64> = serde_json::from_value(result["ms"].clone())?;
+        let check: Vec<Vec<f32>> = serde_json::from_value(result["check"].clone())?;
+        let agreement = worst_cosine(&check, &engine_checks[index]);
+        worst_hf = worse(worst_hf, agreement);
+        let hf_tps = config.tokens() as f64 / (median(&ms) * 1e-3);
+        let row = &mut results.model(m)["configs"][index];
+        row["hf_transformers"] = json!({"latency_ms": latency(&ms), "tokens_per_s": round(hf_tps, 0),
+                                        "cosine_with_engine": cosine_json(agreement)});
+        row["engine_over_hf"] = json!(round(engine_tps[index] / hf_tps, 2));
+        println!(
+            "{label} {}: HF {hf_tps:.0} tok/s ({:.3} ms), engine/HF {:.2}×, cosine {agreement:.5}",
+            config.name,
+            median(&ms),
+            engine_tps[index] / hf_tps
+        );
+        results.save()
+    });
+    let status = match &hf {
         Ok(v) => {
-            json!({"torch": v["torch"], "transformers": v["transformers"], "dtype": v["dtype"], "attention": v["attention"]})
+            results.check(&format!("{label}: HF transformers"), worst_hf);
+            json!({"status": "ran", "torch": v["torch"], "transformers": v["transformers"], "dtype": v["dtype"], "attention": v["attention"]})
         }
-        Err(why) => json!({"not_run": why}),
+        Err(why) => {
+            println!("{label}: HF transformers baseline NOT RUN: {why}");
+            results.problem(format!("{label}: HF transformers baseline not run: {why}"));
+            json!({"status": "not run", "why": why})
+        }
     };
-    Ok(
-        json!({"model": label, "shape": {"hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads, "intermediate": shape.intermediate},
-              "hf_transformers": hf_info, "configs": rows}),
-    )
+    results.model(m)["hf_transformers"] = status;
+    results.save()
+}
+
+/// A JSON value as a table cell: strings bare, missing values as a dash.
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "–".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 fn markdown(report: &Value) -> String {
+    let device = &report["device"];
+    let build = &report["build"];
     let mut md = format!(
-        "# GPU serving benchmark\n\nDevice: {} (compute capability {}, driver CUDA {}), {}; dense bf16 peak used: {} TFLOPS.\n\
-         Command: `{}`\n\nReal tokens only; latency is one call from host ids to host embeddings (median).\n",
-        report["device"]["name"].as_str().unwrap_or("?"),
-        report["device"]["compute_capability"].as_str().unwrap_or("?"),
-        report["device"]["driver"].as_str().unwrap_or("?"),
-        report["date"].as_str().unwrap_or("?"),
-        report["peak_bf16_tflops"],
-        report["command"].as_str().unwrap_or("?"),
+        "# GPU serving benchmark\n\n{}\
+         Device: {} (compute capability {}), NVIDIA driver {} (CUDA {}); dense bf16 peak used: {} TFLOPS.\n\
+         Build: commit {}{}, built {} for compute capability {}.\n\
+         Run: {}, dtype {}. Command: `{}`\n\n\
+         Real tokens only; latency is one call from host ids to host embeddings (median). \
+         Cosines compare the engine's embeddings of each batch's first {CHECKED} sequences.\n",
+        if report["complete"] == true {
+            ""
+        } else {
+            "**Incomplete: the run stopped before the end; the tables hold what was measured.**\n\n"
+        },
+        cell(&device["name"]),
+        cell(&device["compute_capability"]),
+        cell(&device["nvidia_driver"]),
+        cell(&device["cuda_driver_api"]),
+        cell(&report["peak_dense_bf16_tflops"]),
+        cell(&build["git_commit"]),
+        if build["git_dirty"] == true {
+            " (with uncommitted changes)"
+        } else {
+            ""
+        },
+        cell(&build["date"]),
+        cell(&device["built_for"]),
+        cell(&report["date"]),
+        cell(&report["dtype"]),
+        cell(&report["command"]),
     );
     for model in report["models"].as_array().into_iter().flatten() {
+        md += &format!("\n## {}\n\n", cell(&model["model"]));
+        let hf = &model["hf_transformers"];
+        md += &match hf["status"].as_str() {
+            Some("ran") => format!(
+                "HF transformers {} on torch {}, {}, {} attention.\n\n",
+                cell(&hf["transformers"]),
+                cell(&hf["torch"]),
+                cell(&hf["dtype"]),
+                cell(&hf["attention"])
+            ),
+            Some("not run") => format!(
+                "**HF transformers baseline not run:** {}\n\n",
+                cell(&hf["why"])
+            ),
+            _ => "HF transformers baseline: not reached.\n\n".into(),
+        };
         md += &format!(
-            "\n## {}\n\n| config | real tokens | engine tok/s | engine ms | candle padded tok/s | HF tok/s | engine/HF | GEMMs TFLOPS (% peak) | cosine vs HF |\n|---|---|---|---|---|---|---|---|---|\n",
-            model["model"].as_str().unwrap_or("?")
+            "| config | real tokens | padded tokens | engine tok/s | engine ms | candle padded tok/s | HF tok/s | engine/HF | \
+             GEMMs alone in {} TFLOPS (% of dense bf16 peak) | cosine vs candle padded | cosine vs HF |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n",
+            cell(&report["dtype"])
         );
         for row in model["configs"].as_array().into_iter().flatten() {
             md += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} |\n",
-                row["config"].as_str().unwrap_or("?"),
-                row["real_tokens"],
-                row["engine"]["tokens_per_s"],
-                row["engine"]["latency_ms"]["median"],
-                row["candle_padded"]["tokens_per_s"],
-                row["hf_transformers"]["tokens_per_s"],
-                row["engine_over_hf"],
-                row["gemms_alone"]["tflops"],
-                row["gemms_alone"]["share_of_bf16_peak_pct"],
-                row["hf_transformers"]["cosine_with_engine"],
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} |\n",
+                cell(&row["config"]),
+                cell(&row["real_tokens"]),
+                cell(&row["padded_tokens"]),
+                cell(&row["engine"]["tokens_per_s"]),
+                cell(&row["engine"]["latency_ms"]["median"]),
+                cell(&row["candle_padded"]["tokens_per_s"]),
+                cell(&row["hf_transformers"]["tokens_per_s"]),
+                cell(&row["engine_over_hf"]),
+                cell(&row["gemms_alone"]["tflops"]),
+                cell(&row["gemms_alone"]["share_of_dense_bf16_peak_pct"]),
+                cell(&row["candle_padded"]["cosine_with_engine"]),
+                cell(&row["hf_transformers"]["cosine_with_engine"]),
             );
         }
     }
+    if let Some(problems) = report["problems"].as_array().filter(|p| !p.is_empty()) {
+        md += "\n## Problems\n\n";
+        for p in problems {
+            md += &format!("- {}\n", cell(p));
+        }
+    }
     md
+}
+
+/// The NVIDIA driver's version as nvidia-smi reports it (e.g. "580.159.04"); the CUDA driver
+/// API version from the probe says only which CUDA release the driver supports.
+fn nvidia_driver() -> Value {
+    let output = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=driver_version",
+            "--format=csv,noheader",
+            "--id=0",
+        ])
+        .output();
+    match output {
+        Ok(o) if o.status.success() => {
+            json!(String::from_utf8_lossy(&o.stdout).trim().to_string())
+        }
+        Ok(o) => json!(format!(
+            "unknown (nvidia-smi: {})",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => json!(format!("unknown (nvidia-smi: {e})")),
+    }
+}
+
+/// The build's provenance written by scripts/gpu-bundle.sh, or why it is unknown.
+fn build_info(path: &Path) -> Value {
+    let read = std::fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|text| serde_json::from_str(&text).map_err(|e| e.to_string()));
+    read.unwrap_or_else(|e| json!({"git_commit": format!("unknown ({}: {e})", path.display())}))
+}
+
+/// The command line as a shell would take it back.
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@".contains(c))
+            {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn main() -> Result<()> {
@@ -470,76 +775,96 @@ fn main() -> Result<()> {
     let gpu = compute_cap::probe(0).map_err(|reason| anyhow::anyhow!(reason))?;
     let device = Device::new_cuda(0)?;
     let peak = cli.peak_tflops.or_else(|| peak_tflops(&gpu.name));
+    let driver = nvidia_driver();
     println!(
-        "device: {} (compute capability {}.{}), dense bf16 peak {}",
+        "device: {} (compute capability {}.{}), NVIDIA driver {}, dense bf16 peak {}",
         gpu.name,
         gpu.compute_cap.0,
         gpu.compute_cap.1,
+        cell(&driver),
         peak.map_or("unknown (pass --peak-tflops)".into(), |p| format!(
             "{p} TFLOPS"
         ))
     );
     let configs = workload(&cli);
 
+    let mut results = Results {
+        report: json!({
+            "benchmark": "gpu_serving",
+            "complete": false,
+            "date": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            "command": command_line(),
+            "working_directory": std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default(),
+            "build": build_info(&cli.build_info),
+            "device": {"name": gpu.name, "compute_capability": format!("{}.{}", gpu.compute_cap.0, gpu.compute_cap.1),
+                       "nvidia_driver": driver,
+                       "cuda_driver_api": format!("{}.{}", gpu.driver / 1000, gpu.driver % 1000 / 10),
+                       "built_for": compute_cap::built_for()},
+            "dtype": cli.dtype,
+            "gemms_dtype": cli.dtype,
+            "peak_dense_bf16_tflops": peak,
+            "seed": cli.seed,
+            "models": [],
+            "problems": [],
+        }),
+        out: cli.out.clone(),
+    };
+    results.save()?;
+
     let base_dir = tempfile::tempdir()?;
     RandomBert::BASE.write(base_dir.path(), cli.seed, &cli.minilm)?;
     let minilm_shape: Value =
         serde_json::from_str(&std::fs::read_to_string(cli.minilm.join("config.json"))?)?;
-    let minilm = RandomBert {
-        hidden: minilm_shape["hidden_size"]
-            .as_u64()
-            .context("hidden_size")? as usize,
-        layers: minilm_shape["num_hidden_layers"]
-            .as_u64()
-            .context("num_hidden_layers")? as usize,
-        heads: minilm_shape["num_attention_heads"]
-            .as_u64()
-            .context("num_attention_heads")? as usize,
-        intermediate: minilm_shape["intermediate_size"]
-            .as_u64()
-            .context("intermediate_size")? as usize,
-        vocab: minilm_shape["vocab_size"].as_u64().context("vocab_size")? as usize,
-        max_positions: minilm_shape["max_position_embeddings"]
-            .as_u64()
-            .context("max_position_embeddings")? as usize,
+    let field = |name: &str| -> Result<usize> {
+        Ok(minilm_shape[name].as_u64().context(name.to_string())? as usize)
     };
-    let models = vec![
-        run_model(
-            &cli,
+    let minilm = RandomBert {
+        hidden: field("hidden_size")?,
+        layers: field("num_hidden_layers")?,
+        heads: field("num_attention_heads")?,
+        intermediate: field("intermediate_size")?,
+        vocab: field("vocab_size")?,
+        max_positions: field("max_position_embeddings")?,
+    };
+    let models: [(&str, &Path, &RandomBert); 2] = [
+        (
             "BERT-base (random weights)",
             base_dir.path(),
             &RandomBert::BASE,
-            &configs,
-            dtype,
-            &device,
-            peak,
-        )?,
+        ),
+        ("all-MiniLM-L6-v2", &cli.minilm, &minilm),
+    ];
+    for (label, dir, shape) in models {
         run_model(
             &cli,
-            "all-MiniLM-L6-v2",
-            &cli.minilm,
-            &minilm,
+            &mut results,
+            label,
+            dir,
+            shape,
             &configs,
             dtype,
             &device,
             peak,
-        )?,
-    ];
-
-    let report = json!({
-        "benchmark": "gpu_serving",
-        "date": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "device": {"name": gpu.name, "compute_capability": format!("{}.{}", gpu.compute_cap.0, gpu.compute_cap.1),
-                   "driver": format!("{}.{}", gpu.driver / 1000, gpu.driver % 1000 / 10), "built_for": compute_cap::built_for()},
-        "dtype": cli.dtype,
-        "peak_bf16_tflops": peak,
-        "seed": cli.seed,
-        "models": models,
-    });
-    std::fs::create_dir_all(&cli.out)?;
-    std::fs::write(cli.out.join("gpu_serving.json"), format!("{report:#}\n"))?;
-    std::fs::write(cli.out.join("gpu_serving.md"), markdown(&report))?;
+        )?;
+    }
+    results.report["complete"] = json!(true);
+    results.save()?;
     println!("wrote {}", cli.out.join("gpu_serving.{json,md}").display());
-    Ok(())
+
+    println!("\n==> summary");
+    let problems = results.report["problems"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if problems.is_empty() {
+        println!("all baselines ran and every cosine with the engine is at least {AGREEMENT}");
+        return Ok(());
+    }
+    for problem in &problems {
+        println!("PROBLEM: {}", cell(problem));
+    }
+    bail!(
+        "{} problem(s), listed above (the results were written all the same)",
+        problems.len()
+    )
 }
