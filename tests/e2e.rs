@@ -1,12 +1,16 @@
 //! End to end: the real server and worker binaries on loopback ports, driven over HTTP
 //! as a user and an operator would.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 use tessera_tests::{binary, eventually, Process};
+use tessera_worker::engine::synthetic::RandomBert;
+use tessera_worker::engine::EmbeddingModel;
 
 const WORKER_TOKEN: &str = "e2e-worker-token";
 
@@ -29,16 +33,21 @@ fn start_worker(server: &str, data_dir: &Path) -> Process {
     )
 }
 
-/// Uploads the real MiniLM folder as `name`; returns the model's id.
-async fn upload_minilm(http: &reqwest::Client, url: &str, token: &str, dir: &Path, name: &str) -> String {
+/// Uploads `files` of the folder `dir` as the model `name`; returns the registered model.
+async fn upload_model(http: &reqwest::Client, url: &str, token: &str, dir: &Path, files: &[&str], name: &str) -> Value {
     let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
-    for path in MODEL_FILES {
+    for path in files {
         let bytes = std::fs::read(dir.join(path)).unwrap();
         form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()));
     }
     let response = http.post(format!("{url}/api/v1/models")).bearer_auth(token).multipart(form).send().await.unwrap();
     assert_eq!(response.status(), 201);
-    let model: Value = response.json().await.unwrap();
+    response.json().await.unwrap()
+}
+
+/// Uploads the real MiniLM folder as `name`; returns the model's id.
+async fn upload_minilm(http: &reqwest::Client, url: &str, token: &str, dir: &Path, name: &str) -> String {
+    let model = upload_model(http, url, token, dir, MODEL_FILES, name).await;
     assert_eq!(model["architecture"], "BertModel");
     model["id"].as_str().unwrap().to_string()
 }
@@ -226,8 +235,134 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (norm(a) * norm(b))
 }
 
+const CLASSIFIER_LABELS: [&str; 3] = ["negative", "neutral", "positive"];
+
+/// A tiny `BertForSequenceClassification` with random weights, laid out as `transformers`
+/// saves a task model: encoder and pooler under `bert.`, the head at the top level, the
+/// labels in config.json's `id2label`. The tokenizer is MiniLM's (bert-base's vocabulary).
+fn write_classifier(dir: &Path, tokenizer_dir: &Path) {
+    let sizes = RandomBert { hidden: 32, layers: 2, heads: 2, intermediate: 64, vocab: 30522, max_positions: 128 };
+    sizes.write(dir, 11, tokenizer_dir).unwrap();
+    let weights = dir.join("model.safetensors");
+    let encoder = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    let mut tensors: HashMap<String, Tensor> = encoder.into_iter().map(|(name, tensor)| (format!("bert.{name}"), tensor)).collect();
+    // Uniform in ±0.5 (xorshift), larger than BERT's 0.02 initialisation so that different
+    // texts get clearly different logits.
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut random = |shape: &[usize]| {
+        let values: Vec<f32> = (0..shape.iter().product())
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    };
+    let (h, classes) = (sizes.hidden, CLASSIFIER_LABELS.len());
+    tensors.insert("bert.pooler.dense.weight".into(), random(&[h, h]));
+    tensors.insert("bert.pooler.dense.bias".into(), random(&[h]));
+    tensors.insert("classifier.weight".into(), random(&[classes, h]));
+    tensors.insert("classifier.bias".into(), random(&[classes]));
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+
+    let config_path = dir.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["architectures"] = json!(["BertForSequenceClassification"]);
+    config["id2label"] = Value::Object(CLASSIFIER_LABELS.iter().enumerate().map(|(i, label)| (i.to_string(), json!(label))).collect());
+    config["label2id"] = Value::Object(CLASSIFIER_LABELS.iter().enumerate().map(|(i, label)| (label.to_string(), json!(i))).collect());
+    std::fs::write(&config_path, config.to_string()).unwrap();
+}
+
+/// The gateway's timings (ms, as TEI sends them) are on `response`, and the total covers
+/// the inference.
+fn assert_timing_headers(response: &reqwest::Response) {
+    let ms = |header: &str| -> f64 {
+        let value = response.headers().get(header).unwrap_or_else(|| panic!("{header} is missing: {:?}", response.headers()));
+        let ms: f64 = value.to_str().unwrap().parse().unwrap_or_else(|_| panic!("{header}: {value:?} is not a number"));
+        assert!(ms.is_finite() && ms >= 0.0, "{header}: {ms}");
+        ms
+    };
+    let [_, _, inference, total] = ["x-queue-time", "x-tokenization-time", "x-inference-time", "x-total-time"].map(ms);
+    assert!(inference > 0.0 && total >= inference, "x-inference-time {inference} ms, x-total-time {total} ms");
+}
+
+/// One KServe v2 JSON inference of `texts`: the reply's timings are checked and its one
+/// output returned.
+async fn kserve_infer(http: &reqwest::Client, url: &str, token: &str, deployment: &str, texts: &[&str]) -> Value {
+    let request = json!({"id": "e2e", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [texts.len()], "data": texts}]});
+    let reply = http.post(format!("{url}/v2/models/{deployment}/infer")).bearer_auth(token).json(&request).send().await.unwrap();
+    assert_eq!(reply.status(), 200);
+    assert_timing_headers(&reply);
+    let reply: Value = reply.json().await.unwrap();
+    assert_eq!((&reply["model_name"], &reply["model_version"], &reply["id"]), (&json!(deployment), &json!("1"), &json!("e2e")), "{reply}");
+    let outputs = reply["outputs"].as_array().unwrap();
+    assert_eq!(outputs.len(), 1, "{reply}");
+    outputs[0].clone()
+}
+
+fn floats(data: &Value) -> Vec<f32> {
+    data.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect()
+}
+
+/// Deploys `model` as `deployment` with one replica and waits until it is ready.
+async fn deploy(http: &reqwest::Client, url: &str, token: &str, deployment: &str, model: &str, worker: &Process) {
+    let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(token)
+        .json(&json!({"name": deployment, "model": model, "replicas": 1, "max_batch_tokens": 2048})).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    eventually(&format!("{deployment} is ready"), Duration::from_secs(120), || async {
+        let d = get_json(http, &format!("{url}/api/v1/deployments/{deployment}"), token).await;
+        assert_ne!(d["state"], "failed", "{d}\n{}", worker.output());
+        (d["state"] == "ready").then_some(())
+    })
+    .await;
+}
+
+/// A small random classifier, written to `model_dir`, uploaded and deployed: KServe answers
+/// its logits as the engine computes them in process; the OpenAI embeddings route refuses
+/// it with a pointer to KServe.
+async fn serve_a_classifier(http: &reqwest::Client, url: &str, token: &str, tokenizer_dir: &Path, model_dir: &Path, worker: &Process) {
+    write_classifier(model_dir, tokenizer_dir);
+    let model = upload_model(http, url, token, model_dir, &["config.json", "model.safetensors", "tokenizer.json"], "tiny-classifier").await;
+    assert_eq!(model["architecture"], "BertForSequenceClassification");
+    let deployment = "sentiment";
+    deploy(http, url, token, deployment, "tiny-classifier", worker).await;
+
+    let metadata = get_json(http, &format!("{url}/v2/models/{deployment}"), token).await;
+    assert_eq!(metadata["outputs"], json!([{"name": "logits", "datatype": "FP32", "shape": [-1, CLASSIFIER_LABELS.len()]}]));
+    let texts = ["The service was wonderful and quick.", "The service was slow, and the food arrived cold."];
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let output = kserve_infer(http, url, token, deployment, &texts).await;
+        assert_eq!((&output["name"], &output["datatype"]), (&json!("logits"), &json!("FP32")), "{output}");
+        assert_eq!(output["shape"], json!([texts.len(), CLASSIFIER_LABELS.len()]));
+        let logits = floats(&output["data"]);
+        assert_eq!(logits.len(), texts.len() * CLASSIFIER_LABELS.len());
+        assert!(logits.iter().all(|v| v.is_finite()), "{logits:?}");
+        answers.push(logits);
+    }
+    assert_eq!(answers[0], answers[1], "the same texts must get the same logits");
+    let (first, second) = answers[0].split_at(CLASSIFIER_LABELS.len());
+    assert_ne!(first, second, "different texts must get different logits");
+
+    let engine = EmbeddingModel::load(model_dir).unwrap();
+    let expected = engine.classify(&texts).unwrap();
+    for ((text, served), prediction) in texts.iter().zip(answers[0].chunks(CLASSIFIER_LABELS.len())).zip(&expected) {
+        let gap = served.iter().zip(&prediction.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(gap <= 1e-4, "{text:?}: served {served:?}, the engine in process {:?}", prediction.logits);
+    }
+
+    let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(token).json(&json!({"model": deployment, "input": texts[0]})).send().await.unwrap();
+    assert_eq!(response.status(), 400);
+    let error: Value = response.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("classifier") && message.contains(&format!("/v2/models/{deployment}/infer")), "{message}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
+async fn deployments_serve_embeddings_and_classifiers_to_openai_and_kserve_clients() {
     let Some(model_dir) = minilm_dir() else { return };
     let data = tempfile::tempdir().unwrap();
     let http = reqwest::Client::new();
@@ -235,18 +370,22 @@ async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
     let url = server.url.clone();
     let line = server.process.wait_for_line("with password: ", Duration::from_secs(5));
     let admin = login(&http, &url, "admin", line.rsplit(' ').next().unwrap()).await;
+
+    // KServe's server metadata and health, without credentials (probes and tritonclient call
+    // them so); the workspace shares one version.
+    let metadata = http.get(format!("{url}/v2")).send().await.unwrap();
+    assert_eq!(metadata.status(), 200);
+    let metadata: Value = metadata.json().await.unwrap();
+    assert_eq!(metadata, json!({"name": "tessera", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]}));
+    for (route, body) in [("/v2/health/ready", json!({"ready": true})), ("/v2/health/live", json!({"live": true}))] {
+        let response = http.get(format!("{url}{route}")).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{route}");
+        assert_eq!(response.json::<Value>().await.unwrap(), body, "{route}");
+    }
+
     upload_minilm(&http, &url, &admin, &model_dir, "minilm").await;
     let worker = start_worker(&url, &data.path().join("worker"));
-
-    let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(&admin)
-        .json(&json!({"name": "minilm-embed", "model": "minilm", "replicas": 1, "max_batch_tokens": 2048})).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    eventually("the deployment is ready", Duration::from_secs(120), || async {
-        let d = get_json(&http, &format!("{url}/api/v1/deployments/minilm-embed"), &admin).await;
-        assert_ne!(d["state"], "failed", "{d}\n{}", worker.output());
-        (d["state"] == "ready").then_some(())
-    })
-    .await;
+    deploy(&http, &url, &admin, "minilm-embed", "minilm", &worker).await;
 
     // OpenAI: floats, base64, token ids, dimensions; the vectors are sentence-transformers'.
     let references = reference_embeddings();
@@ -254,9 +393,7 @@ async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
     let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
         .json(&json!({"model": "minilm-embed", "input": texts})).send().await.unwrap();
     assert_eq!(response.status(), 200);
-    for header in ["x-queue-time", "x-tokenization-time", "x-inference-time", "x-total-time"] {
-        assert!(response.headers().contains_key(header), "{header}");
-    }
+    assert_timing_headers(&response);
     let body: Value = response.json().await.unwrap();
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > texts.len() as u64);
     for ((text, expected), item) in references.iter().zip(body["data"].as_array().unwrap()) {
@@ -291,12 +428,9 @@ async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
     assert_eq!(ready.status(), 200);
     let metadata = get_json(&http, &format!("{url}/v2/models/minilm-embed"), &admin).await;
     assert_eq!(metadata["outputs"][0]["shape"], json!([-1, 384]));
-    let request = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": [texts[1], texts[2]]}]});
-    let reply = http.post(format!("{url}/v2/models/minilm-embed/infer")).bearer_auth(&admin).json(&request).send().await.unwrap();
-    assert_eq!(reply.status(), 200);
-    let reply: Value = reply.json().await.unwrap();
-    assert_eq!(reply["outputs"][0]["shape"], json!([2, 384]));
-    let flat: Vec<f32> = reply["outputs"][0]["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let output = kserve_infer(&http, &url, &admin, "minilm-embed", &[texts[1], texts[2]]).await;
+    assert_eq!((&output["name"], &output["datatype"], &output["shape"]), (&json!("embedding"), &json!("FP32"), &json!([2, 384])));
+    let flat = floats(&output["data"]);
     assert!(cosine(&flat[384..], &references[2].1) >= 0.9999);
 
     // KServe v2 with Triton's binary extension in both directions.
@@ -335,6 +469,11 @@ async fn a_deployment_serves_openai_and_kserve_clients_through_the_gateway() {
     } else {
         assert!(std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"), "TESSERA_TEST_PYTHON is not set; run scripts/test.sh");
     }
+
+    // A CPU worker hosts one replica: MiniLM scales to zero to make room for a classifier.
+    let response = http.patch(format!("{url}/api/v1/deployments/minilm-embed")).bearer_auth(&admin).json(&json!({"replicas": 0})).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    serve_a_classifier(&http, &url, &admin, &model_dir, &data.path().join("classifier"), &worker).await;
 
     // The gateway's metrics saw the traffic.
     let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();

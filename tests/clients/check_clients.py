@@ -30,6 +30,8 @@ print("openai ok")
 headers = {"Authorization": f"Bearer {token}"}
 server = triton.InferenceServerClient(url=base_url.removeprefix("http://"))
 assert server.is_server_live(headers=headers)
+assert server.is_server_ready(headers=headers)
+assert "binary_tensor_data" in server.get_server_metadata(headers=headers)["extensions"]
 assert server.is_model_ready(deployment, headers=headers)
 metadata = server.get_model_metadata(deployment, headers=headers)
 assert metadata["outputs"][0]["datatype"] == "FP32", metadata
