@@ -257,7 +257,7 @@ fn charts(stats: &DeploymentStats) -> Vec<Chart> {
     vec![
         chart("Request rate", "requests/s", &[("now", buckets.iter().map(|b| Some(b.request_rate)).collect())], per_second),
         chart("Latency", "ms", &[("p50", latency(|l| l.p50)), ("p95", latency(|l| l.p95)), ("p99", latency(|l| l.p99))], millis),
-        chart("Batch size", "texts per batch", &[("mean", buckets.iter().map(|b| b.traffic.mean_batch_size).collect())], count),
+        chart("Batch size", "requests per batch", &[("mean", buckets.iter().map(|b| b.traffic.mean_batch_size).collect())], count),
         chart(
             "Tokens per batch",
             "tokens",
