@@ -42,6 +42,12 @@ macro_rules! kernel_tests {
             }
         }
         #[test]
+        fn attention_matches_the_cpu_at_minilm_and_bert_base_shapes() {
+            if let Some(k) = $kernels {
+                kernel_cases::attention_on_model_shapes(&k);
+            }
+        }
+        #[test]
         fn attention_edge_cases_one_token_one_sequence_and_the_longest() {
             if let Some(k) = $kernels {
                 kernel_cases::attention_edge_cases(&k);
@@ -132,6 +138,16 @@ pub fn attention_on_ragged_batches(k: &impl Kernels) {
             let heads = 1 + rng.below(4);
             attention_case(k, &mut rng, heads, d, &lens);
         }
+    }
+}
+
+/// The shapes the engine serves: all-MiniLM-L6-v2 (12 heads of 32) and BERT-base (12 heads
+/// of 64), sixteen ragged sequences each.
+pub fn attention_on_model_shapes(k: &impl Kernels) {
+    let mut rng = Rng::new(8);
+    for (d, max) in [(32, 128), (64, 256)] {
+        let lens = rng.lengths(16, max);
+        attention_case(k, &mut rng, 12, d, &lens);
     }
 }
 
