@@ -18,26 +18,11 @@ use crate::auth::cache::AuthCache;
 use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::Config;
-use crate::db::Db;
+use crate::store::db::Db;
 use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
+use crate::state::AppState;
 use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
-
-#[derive(Clone)]
-pub struct AppState {
-    pub db: Db,
-    pub config: Arc<Config>,
-    pub sessions: Arc<SessionKeys>,
-    /// Credentials checked recently, so a known token costs no database round trip.
-    pub auth_cache: Arc<AuthCache>,
-    pub login_limiter: Arc<LoginLimiter>,
-    pub blobs: BlobStore,
-    pub metrics: PrometheusHandle,
-    /// Serialises blob commits against garbage collection of unreferenced blobs.
-    pub registry_lock: Arc<tokio::sync::Mutex<()>>,
-    pub openapi: Arc<utoipa::openapi::OpenApi>,
-    pub gateway: Arc<Gateway>,
-}
 
 impl AppState {
     /// Opens the data directory and database, runs migrations, and creates the first

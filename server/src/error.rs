@@ -6,6 +6,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tessera_api::error::{ErrorBody, ErrorDetail};
 
+use crate::store::StoreError;
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +31,8 @@ pub enum Error {
     TooManyRequests { retry_after_secs: u64 },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -54,7 +58,7 @@ impl Error {
             Error::Conflict(_) => StatusCode::CONFLICT,
             Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Database(_) | Error::Io(_) | Error::Internal(_) => {
+            Error::Database(_) | Error::Store(_) | Error::Io(_) | Error::Internal(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
         }
@@ -70,7 +74,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::PayloadTooLarge(_) => "payload_too_large",
             Error::TooManyRequests { .. } => "rate_limited",
-            Error::Database(_) | Error::Io(_) | Error::Internal(_) => "internal",
+            Error::Database(_) | Error::Store(_) | Error::Io(_) | Error::Internal(_) => "internal",
         }
     }
 

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::{password, Principal};
-use crate::db::{self, now_ms, Db};
+use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, Error, Result};
 
 pub struct StoredUser {

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::{secrets, Principal};
-use crate::db::{self, now_ms};
+use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 
 fn from_row(row: &AnyRow) -> Result<ApiToken> {

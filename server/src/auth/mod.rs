@@ -14,8 +14,9 @@ use tessera_api::accounts::Role;
 use uuid::Uuid;
 
 use crate::app::AppState;
-use crate::db::now_ms;
+use crate::store::db::now_ms;
 use crate::error::Error;
+use crate::store::Scope;
 
 /// A signed-in person.
 #[derive(Debug, Clone)]
@@ -33,6 +34,15 @@ impl Principal {
     /// The owner id queries filter on: `None` for admins, who see everything.
     pub fn owner_filter(&self) -> Option<String> {
         (!self.is_admin()).then(|| self.id.to_string())
+    }
+
+    /// The rows this caller may see: everything for admins, their own otherwise.
+    pub fn scope(&self) -> Scope {
+        if self.is_admin() {
+            Scope::all()
+        } else {
+            Scope::owned_by(self.id)
+        }
     }
 
     pub fn require_admin(&self) -> Result<(), Error> {

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::{AgentAuth, Principal};
-use crate::db::{self, now_ms};
+use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
 use inspect::InspectError;

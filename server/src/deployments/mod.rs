@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::Principal;
-use crate::db::{self, now_ms, Db};
+use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 
 /// Times a replica may be placed again after its worker vanished before it is failed.

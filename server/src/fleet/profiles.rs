@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::{AgentAuth, Principal};
-use crate::db::{self, now_ms, Db};
+use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::scheduler::mig::GpuModel;
 use crate::scheduler::throughput::{complete, Row as TableRow, SCALING_EXPONENT};

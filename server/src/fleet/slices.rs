@@ -14,7 +14,7 @@ use sqlx::Row;
 use tessera_api::mig::{Slice, SliceStatus};
 use uuid::Uuid;
 
-use crate::db::Db;
+use crate::store::db::Db;
 use crate::error::{Error, Result};
 use crate::scheduler::mig::{arrange, validate, GpuModel, Placed};
 

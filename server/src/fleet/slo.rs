@@ -18,7 +18,7 @@ use uuid::Uuid;
 use super::profiles;
 use super::slices::{slice_from_row, HOLDING};
 use crate::app::AppState;
-use crate::db::{now_ms, Db};
+use crate::store::db::{now_ms, Db};
 use crate::error::{Error, Result};
 use crate::scheduler::fleet::{plan_slo, Demand, FleetGpu, FleetSlice};
 use crate::scheduler::mig::{GpuModel, Placed};

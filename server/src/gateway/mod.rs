@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use self::stats::{Sample, TrafficStats};
 use crate::auth::Principal;
-use crate::db::Db;
+use crate::store::db::Db;
 
 /// How long the ready-replica table of a deployment is trusted.
 const ROUTE_TTL: Duration = Duration::from_secs(1);

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::Principal;
-use crate::db::{self, now_ms, Db};
+use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 
 const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \

@@ -6,7 +6,7 @@
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::db::{now_ms, Backend, Db};
+use crate::store::db::{now_ms, Backend, Db};
 use crate::error::Result;
 use crate::fleet::slices::Free;
 

@@ -14,7 +14,7 @@ use tessera_api::train::{Checkpoint, CheckpointFile};
 use uuid::Uuid;
 
 use crate::app::AppState;
-use crate::db::{self, now_ms};
+use crate::store::db::{self, now_ms};
 use crate::error::{Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
 

@@ -7,7 +7,7 @@ use sqlx::Row;
 use tessera_api::train::{LrStage, LrStageRecord};
 use uuid::Uuid;
 
-use crate::db::{self, now_ms, Db};
+use crate::store::db::{self, now_ms, Db};
 use crate::error::{Error, Result};
 
 fn invalid(message: impl Into<String>) -> Error {

@@ -10,7 +10,7 @@ use tessera_api::train::{MetricRow, TrainingMetrics};
 use uuid::Uuid;
 
 use super::downsample;
-use crate::db::{now_ms, Db};
+use crate::store::db::{now_ms, Db};
 use crate::error::{Error, Result};
 
 /// Which series a point belongs to: one per training step, or one per evaluation.

@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::{secrets, AgentAuth};
-use crate::db::{self, now_ms};
+use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::jobs::queue;
 use crate::training::metrics;

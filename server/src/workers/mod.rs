@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::app::AppState;
 use crate::auth::Principal;
-use crate::db::{self, now_ms};
+use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, Result};
 
 /// Misses this many heartbeats and a worker is shown offline.

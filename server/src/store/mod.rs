@@ -1,0 +1,69 @@
+//! The store: every SQL statement of the server and every row decode, one file per table
+//! family. Handlers, pages and background loops call these functions and hold no SQL.
+//! Reads and writes of rows that belong to a user take a [`Scope`], so "visible to this
+//! caller" is part of the call and cannot be forgotten (lldap's access-controlled
+//! backend idea: the permission travels with the request, not in a remembered filter).
+
+pub mod db;
+
+use uuid::Uuid;
+
+/// What can go wrong below the handlers: the database failed, or a row it returned does
+/// not decode (a bug or a hand edit, never a user mistake).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error("{table} row has a bad {column} ({value:?}): {reason}")]
+    Corrupt { table: &'static str, column: &'static str, value: String, reason: String },
+}
+
+impl StoreError {
+    /// True when the statement broke a unique constraint (both backends): the caller
+    /// usually turns it into a 409 naming the duplicate.
+    pub fn is_unique_violation(&self) -> bool {
+        matches!(self, StoreError::Database(error) if db::is_unique_violation(error))
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Decodes an id column; a value that is not a UUID is a corrupt row.
+pub fn parse_uuid(table: &'static str, column: &'static str, value: &str) -> Result<Uuid> {
+    value.parse().map_err(|e: uuid::Error| StoreError::Corrupt {
+        table,
+        column,
+        value: value.into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Whose rows a call may see or change. Built from the caller (`Principal::scope`) for
+/// requests, or `Scope::all()` for the server's own work (scheduling, lease expiry, the
+/// gateway's routing table), which is never done on a user's behalf.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    owner: Option<Uuid>,
+}
+
+impl Scope {
+    /// Every row: admins, and the server itself.
+    pub fn all() -> Scope {
+        Scope { owner: None }
+    }
+
+    /// Only the rows `owner` owns.
+    pub fn owned_by(owner: Uuid) -> Scope {
+        Scope { owner: Some(owner) }
+    }
+
+    /// The value a query binds for `($n IS NULL OR owner_id = $n)`.
+    fn owner_filter(&self) -> Option<String> {
+        self.owner.map(|id| id.to_string())
+    }
+
+    /// True when this scope may see a row owned by `owner`.
+    pub fn sees(&self, owner: Uuid) -> bool {
+        self.owner.is_none_or(|id| id == owner)
+    }
+}
