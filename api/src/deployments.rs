@@ -18,12 +18,9 @@ pub struct CreateDeployment {
     /// Replicas to run; not given together with `throughput`.
     #[schema(default = 1)]
     pub replicas: u32,
-    /// Most tokens one batch may hold (default 16384).
-    #[serde(default)]
-    pub max_batch_tokens: Option<u32>,
-    /// Most requests one batch may hold (default 64).
-    #[serde(default)]
-    pub max_batch_requests: Option<u32>,
+    /// How each replica's engine batches (both limits default when left out).
+    #[serde(flatten)]
+    pub limits: BatchLimits,
     /// Throughput SLO in requests per second, instead of `replicas`.
     #[serde(default)]
     pub throughput: Option<f64>,
@@ -32,7 +29,8 @@ pub struct CreateDeployment {
     pub latency_ms: Option<f64>,
 }
 
-/// The body as sent, so that giving both `replicas` and `throughput` can be refused.
+/// The body as sent, so that giving both `replicas` and `throughput` can be refused (and
+/// unknown fields, which `deny_unknown_fields` cannot do beside a flattened field).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CreateDeploymentBody {
@@ -65,15 +63,68 @@ impl TryFrom<CreateDeploymentBody> for CreateDeployment {
             (None, Some(_)) => 0,
             (None, None) => 1,
         };
+        let defaults = BatchLimits::DEFAULT;
         Ok(CreateDeployment {
             name: body.name,
             model: body.model,
             replicas,
-            max_batch_tokens: body.max_batch_tokens,
-            max_batch_requests: body.max_batch_requests,
+            limits: BatchLimits {
+                max_batch_tokens: body.max_batch_tokens.unwrap_or(defaults.max_batch_tokens),
+                max_batch_requests: body.max_batch_requests.unwrap_or(defaults.max_batch_requests),
+            },
             throughput: body.throughput,
             latency_ms: body.latency_ms,
         })
+    }
+}
+
+/// How one replica's engine forms batches: a token budget and a request cap. One type from
+/// the REST body through the job spec and the engine process's command line to the batcher.
+/// Both fields default when absent, so bodies and stored job specs that leave them out keep
+/// today's meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+pub struct BatchLimits {
+    /// Most tokens one batch may hold (default 16384).
+    #[serde(default = "BatchLimits::default_max_batch_tokens")]
+    #[schema(default = 16384)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = BatchLimits::DEFAULT.max_batch_tokens))]
+    pub max_batch_tokens: u32,
+    /// Most requests one batch may hold (default 64).
+    #[serde(default = "BatchLimits::default_max_batch_requests")]
+    #[schema(default = 64)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = BatchLimits::DEFAULT.max_batch_requests))]
+    pub max_batch_requests: u32,
+}
+
+impl BatchLimits {
+    pub const DEFAULT: BatchLimits = BatchLimits { max_batch_tokens: 16_384, max_batch_requests: 64 };
+    /// A whole max-length input (512 tokens for BERT) must fit one batch.
+    const TOKENS: std::ops::RangeInclusive<u32> = 512..=1 << 20;
+    const REQUESTS: std::ops::RangeInclusive<u32> = 1..=4096;
+
+    fn default_max_batch_tokens() -> u32 {
+        Self::DEFAULT.max_batch_tokens
+    }
+
+    fn default_max_batch_requests() -> u32 {
+        Self::DEFAULT.max_batch_requests
+    }
+
+    /// Refuses limits no engine should run with, in a sentence that says what to change.
+    pub fn validate(&self) -> Result<(), String> {
+        if Self::TOKENS.contains(&self.max_batch_tokens) && Self::REQUESTS.contains(&self.max_batch_requests) {
+            return Ok(());
+        }
+        Err("max_batch_tokens must be between 512 and 1048576 (a whole max-length input must fit) and \
+             max_batch_requests between 1 and 4096."
+            .into())
+    }
+}
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        Self::DEFAULT
     }
 }
 
@@ -134,8 +185,8 @@ pub struct Deployment {
     pub state: ServingState,
     /// Why the deployment is not ready, when it is not.
     pub reason: Option<String>,
-    pub max_batch_tokens: u32,
-    pub max_batch_requests: u32,
+    #[serde(flatten)]
+    pub limits: BatchLimits,
     pub replica_status: Vec<Replica>,
     /// For a deployment given a throughput SLO: the plan behind its replicas.
     #[serde(default)]
@@ -193,4 +244,26 @@ pub struct DeploymentStats {
     /// The whole window in one summary.
     pub window: TrafficSummary,
     pub buckets: Vec<TrafficBucket>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_limits_left_out_take_the_defaults() {
+        let limits: BatchLimits = serde_json::from_str(r#"{"max_batch_requests": 8}"#).unwrap();
+        assert_eq!(limits, BatchLimits { max_batch_tokens: 16_384, max_batch_requests: 8 });
+        assert_eq!(serde_json::from_str::<BatchLimits>("{}").unwrap(), BatchLimits::default());
+    }
+
+    #[test]
+    fn batch_limits_refuse_a_budget_smaller_than_one_long_input() {
+        assert!(BatchLimits::default().validate().is_ok());
+        let small = BatchLimits { max_batch_tokens: 511, ..BatchLimits::default() };
+        assert!(small.validate().unwrap_err().contains("between 512 and 1048576"));
+        assert!(BatchLimits { max_batch_requests: 0, ..BatchLimits::default() }.validate().is_err());
+        assert!(BatchLimits { max_batch_requests: 4097, ..BatchLimits::default() }.validate().is_err());
+        assert!(BatchLimits { max_batch_tokens: 1 << 20, max_batch_requests: 4096 }.validate().is_ok());
+    }
 }

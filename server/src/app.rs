@@ -1,5 +1,5 @@
-//! The application: shared state, the router, and the server's lifetime (start-up,
-//! background lease expiry, graceful shutdown).
+//! The application: opening the state, the router, and the server's lifetime (start-up,
+//! background lease expiry, graceful shutdown). It only wires: nothing imports `app`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,7 +8,6 @@ use std::time::Duration;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use metrics_exporter_prometheus::PrometheusHandle;
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -18,16 +17,28 @@ use crate::auth::cache::AuthCache;
 use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::Config;
-use crate::store::db::Db;
 use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
-use crate::state::AppState;
+pub use crate::state::AppState;
+use crate::store::db::Db;
 use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
+
+/// Why the server could not start: the data directory, the database, or the first
+/// admin could not be set up, or the address could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Setup(#[from] error::Error),
+}
 
 impl AppState {
     /// Opens the data directory and database, runs migrations, and creates the first
     /// admin when there is no user (printing a generated password once).
-    pub async fn open(config: Config) -> anyhow::Result<AppState> {
+    pub async fn open(config: Config) -> Result<AppState, StartError> {
         std::fs::create_dir_all(&config.data_dir)?;
         let db = Db::connect(&config.database_url()).await?;
         if let Some(password) = accounts::bootstrap_admin(&db, config.admin_password.as_deref()).await? {
@@ -68,9 +79,9 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(accounts::create, accounts::list))
         .routes(routes!(accounts::tokens::create, accounts::tokens::list))
         .routes(routes!(accounts::tokens::revoke))
-        .routes(without_body_limit(routes!(registry::upload, registry::list)))
-        .routes(routes!(registry::get, registry::delete))
-        .routes(routes!(registry::download))
+        .routes(without_body_limit(routes!(registry::routes::upload, registry::routes::list)))
+        .routes(routes!(registry::routes::get, registry::routes::delete))
+        .routes(routes!(registry::routes::download))
         .routes(routes!(jobs::create, jobs::list))
         .routes(routes!(jobs::get))
         .routes(routes!(jobs::cancel))
@@ -82,9 +93,9 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(without_body_limit(routes!(datasets::upload, datasets::list)))
         .routes(routes!(datasets::get, datasets::delete))
         .routes(routes!(datasets::download))
-        .routes(routes!(deployments::create, deployments::list))
-        .routes(routes!(deployments::get, deployments::update, deployments::delete))
-        .routes(routes!(deployments::stats))
+        .routes(routes!(deployments::routes::create, deployments::routes::list))
+        .routes(routes!(deployments::routes::get, deployments::routes::update, deployments::routes::delete))
+        .routes(routes!(deployments::routes::stats))
         .routes(routes!(workers::list))
         .routes(routes!(fleet::profiles::create, fleet::profiles::get))
         .routes(routes!(fleet::profiles::agent_report))
@@ -94,8 +105,8 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(workers::agent::report_status))
         .routes(routes!(workers::agent::append_logs))
         .routes(routes!(workers::agent::record_metrics))
-        .routes(routes!(registry::agent_get))
-        .routes(routes!(registry::agent_download))
+        .routes(routes!(registry::routes::agent_get))
+        .routes(routes!(registry::routes::agent_download))
         .routes(routes!(datasets::agent_get))
         .routes(routes!(datasets::agent_download))
         .routes(routes!(training::routes::agent_metrics))
@@ -143,7 +154,7 @@ async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState
 }
 
 async fn healthz(axum::extract::State(state): axum::extract::State<AppState>) -> error::Result<&'static str> {
-    sqlx::query("SELECT 1").execute(state.db.pool()).await?;
+    state.db.ping().await?;
     Ok("ok")
 }
 
@@ -154,7 +165,7 @@ fn spawn_lease_expiry(state: AppState) {
         let mut ticker = tokio::time::interval(period);
         loop {
             ticker.tick().await;
-            match jobs::queue::expire_leases(&state.db).await {
+            match crate::store::jobs::expire_leases(&state.db).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(jobs = n, "expired leases requeued or failed"),
                 Err(e) => tracing::warn!(error = %e, "lease expiry failed"),
@@ -164,7 +175,7 @@ fn spawn_lease_expiry(state: AppState) {
 }
 
 /// Serves until Ctrl-C or SIGTERM.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+pub async fn serve(config: Config) -> Result<(), StartError> {
     let bind = config.bind.clone();
     let state = AppState::open(config).await?;
     spawn_lease_expiry(state.clone());

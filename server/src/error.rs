@@ -35,6 +35,21 @@ pub enum Error {
     Store(#[from] StoreError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// A page's template failed to render.
+    #[error("template failed to render: {0}")]
+    Template(#[from] askama::Error),
+    /// A blocking task (hashing, validation) panicked or was cancelled.
+    #[error("a blocking task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Argon2 refused to hash, or a stored hash does not parse.
+    #[error("password hashing failed: {0}")]
+    PasswordHash(argon2::password_hash::Error),
+    /// A value the server built did not serialise to JSON (never the client's input).
+    #[error("could not encode JSON: {0}")]
+    Encode(serde_json::Error),
+    /// Something the code relies on did not hold: a bug, logged and answered with a 500.
+    #[error("internal invariant broken: {0}")]
+    Invariant(&'static str),
     #[error(transparent)]
     Internal(#[from] anyhow::Error),
 }
@@ -58,9 +73,15 @@ impl Error {
             Error::Conflict(_) => StatusCode::CONFLICT,
             Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Database(_) | Error::Store(_) | Error::Io(_) | Error::Internal(_) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Error::Database(_)
+            | Error::Store(_)
+            | Error::Io(_)
+            | Error::Template(_)
+            | Error::Task(_)
+            | Error::PasswordHash(_)
+            | Error::Encode(_)
+            | Error::Invariant(_)
+            | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -74,7 +95,15 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::PayloadTooLarge(_) => "payload_too_large",
             Error::TooManyRequests { .. } => "rate_limited",
-            Error::Database(_) | Error::Store(_) | Error::Io(_) | Error::Internal(_) => "internal",
+            Error::Database(_)
+            | Error::Store(_)
+            | Error::Io(_)
+            | Error::Template(_)
+            | Error::Task(_)
+            | Error::PasswordHash(_)
+            | Error::Encode(_)
+            | Error::Invariant(_)
+            | Error::Internal(_) => "internal",
         }
     }
 

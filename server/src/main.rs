@@ -1,8 +1,9 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tessera_server::app::{self, AppState};
+use tessera_server::app;
 use tessera_server::config::Config;
+use tessera_server::state::AppState;
 
 /// Tessera control plane: REST API, dashboard, model registry and job scheduler.
 #[derive(Debug, Parser)]
@@ -46,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => app::serve(cli.config).await,
+        Command::Serve => Ok(app::serve(cli.config).await?),
         Command::ImportModel { name, owner, dir } => {
             let max_bytes = cli.config.max_upload_bytes;
             let state = AppState::open(cli.config).await?;

@@ -9,8 +9,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::app::AppState;
 use crate::error::Result;
+use crate::state::AppState;
 
 /// Latency buckets, 0.5 ms to 10 s: an HTTP request, or one stage of an inference.
 const SECONDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
@@ -66,7 +66,7 @@ pub async fn track(request: Request, next: Next) -> Response {
 
 /// `GET /metrics` in the Prometheus text format.
 pub async fn render(State(state): State<AppState>) -> Result<Response> {
-    metrics::gauge!("tessera_queue_depth").set(crate::jobs::queue::depth(&state.db).await? as f64);
+    metrics::gauge!("tessera_queue_depth").set(crate::store::jobs::depth(&state.db).await? as f64);
     metrics::gauge!("tessera_workers_online").set(crate::workers::count_online(&state).await? as f64);
     let body = state.metrics.render();
     Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())

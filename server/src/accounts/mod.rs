@@ -7,59 +7,14 @@ use std::time::Instant;
 
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
-use sqlx::any::AnyRow;
-use sqlx::Row;
 use tessera_api::accounts::{CreateUser, LoginRequest, LoginResponse, Role, User};
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::auth::{password, Principal};
-use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, Error, Result};
-
-pub struct StoredUser {
-    pub id: Uuid,
-    pub username: String,
-    pub role: Role,
-    pub password_hash: String,
-    pub created_at: i64,
-}
-
-impl StoredUser {
-    fn from_row(row: &AnyRow) -> Result<StoredUser> {
-        let id: String = row.try_get("id")?;
-        let role: String = row.try_get("role")?;
-        Ok(StoredUser {
-            id: id.parse().map_err(|e| anyhow::anyhow!("bad user id {id}: {e}"))?,
-            username: row.try_get("username")?,
-            role: Role::parse(&role).ok_or_else(|| anyhow::anyhow!("bad role {role}"))?,
-            password_hash: row.try_get("password_hash")?,
-            created_at: row.try_get("created_at")?,
-        })
-    }
-
-    pub fn to_api(&self) -> User {
-        User { id: self.id, username: self.username.clone(), role: self.role, created_at: db::time(self.created_at) }
-    }
-}
-
-const USER_COLUMNS: &str = "id, username, role, password_hash, created_at";
-
-pub async fn find_user(db: &Db, id: &str) -> Result<Option<StoredUser>> {
-    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1"))
-        .bind(id)
-        .fetch_optional(db.pool())
-        .await?;
-    row.as_ref().map(StoredUser::from_row).transpose()
-}
-
-async fn find_user_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>> {
-    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1"))
-        .bind(username)
-        .fetch_optional(db.pool())
-        .await?;
-    row.as_ref().map(StoredUser::from_row).transpose()
-}
+use crate::state::AppState;
+use crate::store::db::{now_ms, Db};
+use crate::store::users::{self, StoredUser};
 
 fn check_username(username: &str) -> Result<()> {
     let ok = (1..=64).contains(&username.len())
@@ -86,29 +41,20 @@ pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
         password_hash: hash,
         created_at: now_ms(),
     };
-    sqlx::query("INSERT INTO users (id, username, role, password_hash, created_at) VALUES ($1, $2, $3, $4, $5)")
-        .bind(user.id.to_string())
-        .bind(&user.username)
-        .bind(user.role.as_str())
-        .bind(&user.password_hash)
-        .bind(user.created_at)
-        .execute(db.pool())
-        .await
-        .map_err(|e| {
-            if db::is_unique_violation(&e) {
-                Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
-            } else {
-                e.into()
-            }
-        })?;
+    users::insert(db, &user).await.map_err(|e| {
+        if e.is_unique_violation() {
+            Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
+        } else {
+            e.into()
+        }
+    })?;
     Ok(user.to_api())
 }
 
 /// Creates `admin` when there is no user at all. Returns the generated password, which
 /// the caller prints once; a configured password is never echoed.
 pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option<String>> {
-    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(db.pool()).await?;
-    if count > 0 {
+    if users::count(db).await? > 0 {
         return Ok(None);
     }
     let (password, generated) = match configured {
@@ -128,7 +74,7 @@ pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRe
         .attempt(&keys, Instant::now())
         .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
     let wrong = || Error::Unauthorized("Wrong username or password.".into());
-    let user = find_user_by_name(&state.db, &request.username).await?;
+    let user = users::find_by_name(&state.db, &request.username).await?;
     let Some(user) = user else {
         // Spend the same time as a real check so timing does not reveal which names exist.
         let _ = password::hash(request.password.clone()).await;
@@ -159,7 +105,7 @@ pub async fn login(
 #[utoipa::path(get, path = "/api/v1/auth/me", tag = "accounts", security(("bearer" = [])),
     responses((status = 200, body = User)))]
 pub async fn me(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<User>> {
-    let user = find_user(&state.db, &principal.id.to_string()).await?.ok_or_else(|| Error::not_found("User"))?;
+    let user = users::find(&state.db, principal.id).await?.ok_or_else(|| Error::not_found("User"))?;
     Ok(ApiJson(user.to_api()))
 }
 
@@ -181,9 +127,5 @@ pub async fn create(
     responses((status = 200, body = Vec<User>)))]
 pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<User>>> {
     principal.require_admin()?;
-    let rows = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users ORDER BY created_at"))
-        .fetch_all(state.db.pool())
-        .await?;
-    let users = rows.iter().map(|row| StoredUser::from_row(row).map(|u| u.to_api())).collect::<Result<_>>()?;
-    Ok(ApiJson(users))
+    Ok(ApiJson(users::list(&state.db).await?.iter().map(StoredUser::to_api).collect()))
 }

@@ -9,14 +9,12 @@ pub mod session;
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
-use sqlx::Row;
 use tessera_api::accounts::Role;
 use uuid::Uuid;
 
-use crate::app::AppState;
-use crate::store::db::now_ms;
 use crate::error::Error;
-use crate::store::Scope;
+use crate::state::AppState;
+use crate::store::{users, workers, Scope};
 
 /// A signed-in person.
 #[derive(Debug, Clone)]
@@ -84,13 +82,7 @@ pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Er
             Some(user_id) => user_id,
             None => {
                 let read_at = cache.generation();
-                let row = sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
-                    .bind(now_ms())
-                    .bind(&digest)
-                    .fetch_optional(state.db.pool())
-                    .await?
-                    .ok_or_else(invalid)?;
-                let user_id = parse_user_id(&row.try_get::<String, _>("user_id")?)?;
+                let user_id = users::use_token(&state.db, &digest).await?.ok_or_else(invalid)?;
                 cache.remember_token(digest, user_id, read_at);
                 user_id
             }
@@ -103,14 +95,10 @@ pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Er
         return Ok(principal);
     }
     let read_at = cache.generation();
-    let user = crate::accounts::find_user(&state.db, &user_id.to_string()).await?.ok_or_else(invalid)?;
+    let user = users::find(&state.db, user_id).await?.ok_or_else(invalid)?;
     let principal = Principal { id: user.id, username: user.username, role: user.role };
     cache.remember_user(principal.clone(), read_at);
     Ok(principal)
-}
-
-fn parse_user_id(id: &str) -> Result<Uuid, Error> {
-    id.parse().map_err(|e| anyhow::anyhow!("bad user id {id}: {e}").into())
 }
 
 /// A registered worker calling the agent protocol with its own secret.
@@ -126,13 +114,9 @@ impl FromRequestParts<AppState> for AgentAuth {
         let token = bearer(parts).ok_or_else(|| {
             Error::Unauthorized("Workers send `Authorization: Bearer <worker secret>` from registration.".into())
         })?;
-        let row = sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE secret_hash = $2 RETURNING id")
-            .bind(now_ms())
-            .bind(secrets::digest(token))
-            .fetch_optional(state.db.pool())
+        let worker_id = workers::touch_by_secret(&state.db, &secrets::digest(token))
             .await?
             .ok_or_else(|| Error::Unauthorized("Unknown worker secret; register the worker again.".into()))?;
-        let id: String = row.try_get("id")?;
-        Ok(AgentAuth { worker_id: id.parse().map_err(|e| anyhow::anyhow!("bad worker id {id}: {e}"))? })
+        Ok(AgentAuth { worker_id })
     }
 }

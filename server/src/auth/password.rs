@@ -13,20 +13,17 @@ pub async fn hash(password: String) -> Result<String, Error> {
         Argon2::default()
             .hash_password(password.as_bytes(), &salt)
             .map(|hash| hash.to_string())
-            .map_err(|e| Error::Internal(anyhow::anyhow!("hashing a password failed: {e}")))
+            .map_err(Error::PasswordHash)
     })
-    .await
-    .map_err(|e| Error::Internal(e.into()))?
+    .await?
 }
 
 pub async fn verify(password: String, phc: String) -> Result<bool, Error> {
     tokio::task::spawn_blocking(move || {
-        let parsed = PasswordHash::new(&phc)
-            .map_err(|e| Error::Internal(anyhow::anyhow!("stored password hash is malformed: {e}")))?;
+        let parsed = PasswordHash::new(&phc).map_err(Error::PasswordHash)?;
         Ok(Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok())
     })
-    .await
-    .map_err(|e| Error::Internal(e.into()))?
+    .await?
 }
 
 /// The rule every new password must meet, as a sentence when it does not.

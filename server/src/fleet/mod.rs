@@ -1,8 +1,8 @@
-//! The fleet's GPU slices in the platform: what workers offer (`slices`), which replica
-//! is bound to which slice, deployments sized by a throughput SLO (`slo`), and the
-//! throughput tables the planner reads (`profiles`). The decisions themselves are pure
-//! code in `scheduler::fleet`, `scheduler::mig` and `scheduler::throughput`.
+//! The fleet's GPU slices as the platform sees them: what workers offer (`slices`,
+//! checked and given legal MIG starts before the store records them) and the throughput
+//! tables the SLO planner reads (`profiles`). Deployments sized by a throughput SLO are
+//! `deployments::slo`; the decisions themselves are pure code in `scheduler::placement`,
+//! `scheduler::mig` and `scheduler::throughput`.
 
 pub mod profiles;
 pub mod slices;
-pub mod slo;

@@ -1,50 +1,27 @@
 //! Throughput tables of models per MIG profile: a user queues a `profile` job, a worker
 //! measures the model on its slices and reports the points here, and the planner reads
-//! the table with unmeasured profiles estimated (`scheduler::throughput`).
+//! the table with unmeasured profiles estimated (`scheduler::throughput`). The rows live
+//! in `store::models`.
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use sqlx::Row;
 use tessera_api::jobs::{Job, JobSpec};
 use tessera_api::mig::{CreateProfile, ModelProfiles, ProfileReport, ThroughputEntry};
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::auth::{AgentAuth, Principal};
-use crate::store::db::{self, now_ms, Db};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::scheduler::mig::GpuModel;
-use crate::scheduler::throughput::{complete, Row as TableRow, SCALING_EXPONENT};
+use crate::scheduler::throughput::{complete, SCALING_EXPONENT};
+use crate::state::AppState;
+use crate::store::db::{self, now_ms};
+use crate::store::jobs::{self, NewJob};
+use crate::store::models;
 
 /// Batch sizes the profiler measures unless told otherwise.
 pub const DEFAULT_BATCH_SIZES: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// Expired leases a profile job survives.
 const PROFILE_MAX_ATTEMPTS: u32 = 3;
-
-/// The measured rows of a model's table.
-pub async fn measured(db: &Db, model: Uuid) -> Result<Vec<TableRow>> {
-    let rows = sqlx::query(
-        "SELECT gpu_model, profile, batch_size, throughput, p99_ms, simulated, measured_at FROM model_profiles \
-         WHERE model_id = $1",
-    )
-    .bind(model.to_string())
-    .fetch_all(db.pool())
-    .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(TableRow {
-                gpu_model: row.try_get("gpu_model")?,
-                profile: row.try_get("profile")?,
-                batch_size: row.try_get::<i64, _>("batch_size")? as u32,
-                throughput: row.try_get("throughput")?,
-                p99_ms: row.try_get("p99_ms")?,
-                estimated: false,
-                simulated: row.try_get::<i64, _>("simulated")? != 0,
-                measured_at: Some(row.try_get("measured_at")?),
-            })
-        })
-        .collect()
-}
 
 /// Queue a profiler job for a model: the worker that claims it measures throughput and
 /// p99 latency per batch size on each kind of slice it offers.
@@ -75,19 +52,9 @@ pub async fn create(
         model: model.id,
         batch_sizes,
     };
-    let job = crate::jobs::insert(
-        &state.db,
-        principal.id,
-        &format!("profile {}", model.name),
-        &spec,
-        PROFILE_MAX_ATTEMPTS,
-        crate::jobs::JobLinks::default(),
-    )
-    .await?;
-    Ok((
-        StatusCode::CREATED,
-        ApiJson(crate::jobs::get_visible(&state.db, &principal, job).await?),
-    ))
+    let name = format!("profile {}", model.name);
+    let job = jobs::insert(&state.db, &NewJob::new(principal.id, &name, &spec, PROFILE_MAX_ATTEMPTS)).await?;
+    Ok((StatusCode::CREATED, ApiJson(crate::jobs::find(&state.db, &principal.scope(), job).await?)))
 }
 
 /// A model's throughput table: measured rows, and estimated rows for the profiles of
@@ -101,7 +68,7 @@ pub async fn get(
     ApiPath(id): ApiPath<String>,
 ) -> Result<ApiJson<ModelProfiles>> {
     let model = crate::registry::resolve(&state, &principal, &id).await?;
-    let entries = complete(&measured(&state.db, model.id).await?)
+    let entries = complete(&models::measured_profiles(&state.db, model.id).await?)
         .into_iter()
         .map(|r| ThroughputEntry {
             gpu_model: r.gpu_model,
@@ -159,41 +126,17 @@ pub async fn agent_report(
     ApiJson(reports): ApiJson<Vec<ProfileReport>>,
 ) -> Result<StatusCode> {
     crate::workers::agent::check_lease(&state, agent.worker_id, job).await?;
-    let spec: String = sqlx::query_scalar("SELECT spec FROM jobs WHERE id = $1")
-        .bind(job.to_string())
-        .fetch_one(state.db.pool())
-        .await?;
-    let Ok(JobSpec::Profile { model, .. }) = serde_json::from_str::<JobSpec>(&spec) else {
+    let Some(JobSpec::Profile { model, .. }) = jobs::spec(&state.db, job).await? else {
         return Err(Error::Conflict(
             "Only a profile job reports throughput profiles.".into(),
         ));
     };
     reports.iter().try_for_each(check_report)?;
-    let now = now_ms();
-    let mut tx = state.db.begin().await?;
-    for report in &reports {
-        let gpu = GpuModel::parse(&report.gpu_model)
-            .expect("checked above")
-            .name();
-        for p in &report.points {
-            sqlx::query(
-                "INSERT INTO model_profiles (model_id, gpu_model, profile, batch_size, throughput, p99_ms, simulated, measured_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
-                 ON CONFLICT (model_id, gpu_model, profile, batch_size) DO UPDATE SET throughput = excluded.throughput, \
-                   p99_ms = excluded.p99_ms, simulated = excluded.simulated, measured_at = excluded.measured_at",
-            )
-            .bind(model.to_string())
-            .bind(gpu)
-            .bind(&report.profile)
-            .bind(p.batch_size as i64)
-            .bind(p.throughput)
-            .bind(p.p99_ms)
-            .bind(report.simulated as i64)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
-    }
-    tx.commit().await?;
+    // Stored under the catalogue's spelling of the GPU model.
+    let reports: Vec<ProfileReport> = reports
+        .into_iter()
+        .map(|r| ProfileReport { gpu_model: GpuModel::parse(&r.gpu_model).expect("checked above").name().to_string(), ..r })
+        .collect();
+    models::record_profiles(&state.db, model, &reports, now_ms()).await?;
     Ok(StatusCode::NO_CONTENT)
 }

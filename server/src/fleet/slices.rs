@@ -7,36 +7,15 @@
 //! a free slice nobody is waiting for, and by a worker without slices runs on its CPU.
 //! One replica per slice: a slice is busy while a leased or running replica holds it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use sqlx::any::AnyRow;
-use sqlx::Row;
-use tessera_api::mig::{Slice, SliceStatus};
+use tessera_api::mig::Slice;
 use uuid::Uuid;
 
-use crate::store::db::Db;
 use crate::error::{Error, Result};
 use crate::scheduler::mig::{arrange, validate, GpuModel, Placed};
-
-/// Jobs holding a slice: live replicas, and queued replicas pinned to it.
-pub const HOLDING: &str =
-    "(j.state IN ('leased', 'running') OR (j.state = 'queued' AND j.slice_pinned = 1))";
-
-const COLUMNS: &str =
-    "s.uuid, s.gpu_uuid, s.gpu_index, s.gpu_model, s.profile, s.start, s.memory_bytes, s.simulated";
-
-pub fn slice_from_row(row: &AnyRow) -> Result<Slice> {
-    Ok(Slice {
-        uuid: row.try_get("uuid")?,
-        gpu_uuid: row.try_get("gpu_uuid")?,
-        gpu_index: row.try_get::<i64, _>("gpu_index")? as u32,
-        gpu_model: row.try_get("gpu_model")?,
-        profile: row.try_get("profile")?,
-        start: row.try_get::<Option<i64>, _>("start")?.map(|s| s as u8),
-        memory_bytes: row.try_get::<i64, _>("memory_bytes")? as u64,
-        simulated: row.try_get::<i64, _>("simulated")? != 0,
-    })
-}
+use crate::store::db::Db;
+use crate::store::slices as store;
 
 /// Fills in legal starts for the MIG slices of each known GPU model, or says what is
 /// wrong with the reported partition.
@@ -116,200 +95,10 @@ pub fn with_starts(slices: &[Slice]) -> Result<Vec<Slice>> {
     Ok(out)
 }
 
-/// Records what a registering worker offers. A simulated GPU the scheduler repartitioned
-/// keeps the partition the server applied (the server's record is that GPU's truth) as
-/// long as the worker still allows repartitioning.
-pub async fn record(
-    db: &Db,
-    worker: Uuid,
-    allow_repartition: bool,
-    slices: &[Slice],
-) -> Result<()> {
+/// Records what a registering worker offers, with legal MIG starts filled in.
+pub async fn record(db: &Db, worker: Uuid, allow_repartition: bool, slices: &[Slice]) -> Result<()> {
     let slices = with_starts(slices)?;
-    let mut tx = db.begin().await?;
-    sqlx::query("UPDATE workers SET allow_repartition = $1 WHERE id = $2")
-        .bind(allow_repartition as i64)
-        .bind(worker.to_string())
-        .execute(&mut *tx)
-        .await?;
-    let recorded: Vec<String> = if allow_repartition {
-        sqlx::query_scalar(
-            "SELECT DISTINCT gpu_uuid FROM slices WHERE worker_id = $1 AND simulated = 1",
-        )
-        .bind(worker.to_string())
-        .fetch_all(&mut *tx)
-        .await?
-    } else {
-        Vec::new()
-    };
-    let kept: Vec<&String> = recorded
-        .iter()
-        .filter(|g| slices.iter().any(|s| &s.gpu_uuid == *g && s.simulated))
-        .collect();
-    let stale: Vec<String> =
-        sqlx::query_scalar("SELECT DISTINCT gpu_uuid FROM slices WHERE worker_id = $1")
-            .bind(worker.to_string())
-            .fetch_all(&mut *tx)
-            .await?;
-    for gpu in stale.iter().filter(|g| !kept.contains(g)) {
-        sqlx::query("DELETE FROM slices WHERE worker_id = $1 AND gpu_uuid = $2")
-            .bind(worker.to_string())
-            .bind(gpu)
-            .execute(&mut *tx)
-            .await?;
-    }
-    for s in slices.iter().filter(|s| !kept.contains(&&s.gpu_uuid)) {
-        insert(&mut tx, worker, s).await?;
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
-pub async fn insert(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    worker: Uuid,
-    s: &Slice,
-) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO slices (uuid, worker_id, gpu_uuid, gpu_index, gpu_model, profile, start, memory_bytes, simulated) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-         ON CONFLICT (uuid) DO UPDATE SET worker_id = excluded.worker_id, gpu_uuid = excluded.gpu_uuid, \
-           gpu_index = excluded.gpu_index, gpu_model = excluded.gpu_model, profile = excluded.profile, \
-           start = excluded.start, memory_bytes = excluded.memory_bytes, simulated = excluded.simulated",
-    )
-    .bind(&s.uuid)
-    .bind(worker.to_string())
-    .bind(&s.gpu_uuid)
-    .bind(s.gpu_index as i64)
-    .bind(&s.gpu_model)
-    .bind(&s.profile)
-    .bind(s.start.map(i64::from))
-    .bind(s.memory_bytes as i64)
-    .bind(s.simulated as i64)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Every worker's slices with what holds each, by worker id.
-pub async fn by_worker(db: &Db) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
-    let rows = sqlx::query(&format!(
-        "SELECT s.worker_id, {COLUMNS}, j.id AS job_id, d.name AS deployment FROM slices s \
-         LEFT JOIN jobs j ON j.slice_uuid = s.uuid AND {HOLDING} \
-         LEFT JOIN deployments d ON d.id = j.deployment_id \
-         ORDER BY s.worker_id, s.gpu_index, s.start, s.uuid"
-    ))
-    .fetch_all(db.pool())
-    .await?;
-    let mut out: HashMap<Uuid, Vec<SliceStatus>> = HashMap::new();
-    for row in &rows {
-        let worker: String = row.try_get("worker_id")?;
-        let job: Option<String> = row.try_get("job_id")?;
-        let status = SliceStatus {
-            slice: slice_from_row(row)?,
-            replica: job
-                .map(|j| j.parse())
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("bad job id: {e}"))?,
-            deployment: row.try_get("deployment")?,
-        };
-        let worker: Uuid = worker
-            .parse()
-            .map_err(|e| anyhow::anyhow!("bad worker id {worker}: {e}"))?;
-        let list = out.entry(worker).or_default();
-        // A slice appears once even if two jobs claim it (they should not).
-        if !list.iter().any(|s| s.slice.uuid == status.slice.uuid) {
-            list.push(status);
-        }
-    }
-    Ok(out)
-}
-
-/// What a claiming worker may take: its slices that no live replica holds, and those of
-/// them no queued replica is pinned to.
-#[derive(Debug, Clone, Default)]
-pub struct Free {
-    pub has_slices: bool,
-    pub free: Vec<String>,
-    pub unreserved: Vec<String>,
-}
-
-pub async fn free_for(db: &Db, worker: Uuid) -> Result<Free> {
-    let rows = sqlx::query(
-        "SELECT s.uuid, \
-           (SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = s.uuid AND j.state IN ('leased', 'running')) AS busy, \
-           (SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = s.uuid AND j.state = 'queued' AND j.slice_pinned = 1) AS waiting \
-         FROM slices s WHERE s.worker_id = $1 ORDER BY s.gpu_index, s.start, s.uuid",
-    )
-    .bind(worker.to_string())
-    .fetch_all(db.pool())
-    .await?;
-    let mut free = Free {
-        has_slices: !rows.is_empty(),
-        ..Free::default()
-    };
-    for row in &rows {
-        if row.try_get::<i64, _>("busy")? == 0 {
-            let uuid: String = row.try_get("uuid")?;
-            if row.try_get::<i64, _>("waiting")? == 0 {
-                free.unreserved.push(uuid.clone());
-            }
-            free.free.push(uuid);
-        }
-    }
-    Ok(free)
-}
-
-impl Free {
-    /// The claim's condition on serve jobs, with its parameters numbered from `first`.
-    pub fn condition(&self, first: usize) -> (String, Vec<String>) {
-        let pinned = if self.free.is_empty() {
-            "1 = 0".to_string()
-        } else {
-            let params: Vec<String> = (0..self.free.len())
-                .map(|i| format!("${}", first + i))
-                .collect();
-            format!("slice_uuid IN ({})", params.join(", "))
-        };
-        let unpinned = if !self.has_slices || !self.unreserved.is_empty() {
-            "1 = 1"
-        } else {
-            "1 = 0"
-        };
-        (
-            format!("(kind <> 'serve' OR (slice_pinned = 1 AND {pinned}) OR (slice_pinned = 0 AND {unpinned}))"),
-            self.free.clone(),
-        )
-    }
-}
-
-/// Binds a just-claimed serve job to its slice: the pinned one, or the first free slice
-/// nobody waits for; none on a worker without slices.
-pub async fn bind_claimed(db: &Db, job: Uuid, free: &Free) -> Result<Option<Slice>> {
-    let row = sqlx::query("SELECT kind, slice_uuid, slice_pinned FROM jobs WHERE id = $1")
-        .bind(job.to_string())
-        .fetch_one(db.pool())
-        .await?;
-    if row.try_get::<String, _>("kind")? != "serve" {
-        return Ok(None);
-    }
-    let uuid = if row.try_get::<i64, _>("slice_pinned")? != 0 {
-        row.try_get::<Option<String>, _>("slice_uuid")?
-    } else {
-        let uuid = free.unreserved.first().cloned();
-        sqlx::query("UPDATE jobs SET slice_uuid = $1 WHERE id = $2")
-            .bind(&uuid)
-            .bind(job.to_string())
-            .execute(db.pool())
-            .await?;
-        uuid
-    };
-    let Some(uuid) = uuid else { return Ok(None) };
-    let row = sqlx::query(&format!("SELECT {COLUMNS} FROM slices s WHERE s.uuid = $1"))
-        .bind(&uuid)
-        .fetch_one(db.pool())
-        .await?;
-    Ok(Some(slice_from_row(&row)?))
+    Ok(store::record(db, worker, allow_repartition, &slices).await?)
 }
 
 #[cfg(test)]
@@ -383,34 +172,5 @@ mod tests {
             err.to_string().contains("not a legal MIG partition"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn the_claim_condition_lets_pinned_replicas_wait_for_their_slice() {
-        let none = Free {
-            has_slices: true,
-            free: vec![],
-            unreserved: vec![],
-        };
-        assert_eq!(
-            none.condition(5).0,
-            "(kind <> 'serve' OR (slice_pinned = 1 AND 1 = 0) OR (slice_pinned = 0 AND 1 = 0))"
-        );
-        let cpu = Free::default();
-        assert!(cpu
-            .condition(5)
-            .0
-            .ends_with("(slice_pinned = 0 AND 1 = 1))"));
-        let two = Free {
-            has_slices: true,
-            free: vec!["a".into(), "b".into()],
-            unreserved: vec![],
-        };
-        let (sql, binds) = two.condition(5);
-        assert!(
-            sql.contains("slice_uuid IN ($5, $6)")
-                && sql.ends_with("(slice_pinned = 0 AND 1 = 0))")
-        );
-        assert_eq!(binds, vec!["a", "b"]);
     }
 }

@@ -13,9 +13,9 @@ use serde_json::{json, Value};
 use tessera_api::engine::{EngineInput, InferRequest};
 
 use super::{timing_headers, GatewayError};
-use crate::app::AppState;
 use crate::auth::Principal;
 use crate::error::{ApiPath, Error};
+use crate::state::AppState;
 
 const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -36,7 +36,7 @@ pub async fn live() -> Json<Value> {
 }
 
 pub async fn ready(State(state): State<AppState>) -> Response {
-    match sqlx::query("SELECT 1").execute(state.db.pool()).await {
+    match state.db.ping().await {
         Ok(_) => Json(json!({"ready": true})).into_response(),
         Err(_) => kserve_error(GatewayError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "The database is unreachable.")),
     }
@@ -59,7 +59,7 @@ pub async fn model_metadata(
         let principal = principal?;
         let ApiPath(segments) = path?;
         let name = &segments[0];
-        let resolved = state.gateway.resolve(&state.db, &principal, name).await?;
+        let resolved = state.gateway.resolve(&state.db, &principal.scope(), name).await?;
         Ok::<_, GatewayError>(Json(json!({
             "name": name,
             "versions": ["1"],
@@ -83,7 +83,7 @@ pub async fn model_ready(
         let principal = principal?;
         let ApiPath(segments) = path?;
         let name = &segments[0];
-        let resolved = state.gateway.resolve(&state.db, &principal, name).await?;
+        let resolved = state.gateway.resolve(&state.db, &principal.scope(), name).await?;
         let ready = resolved.ready_replicas > 0;
         let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
         Ok::<_, GatewayError>((status, Json(json!({"name": name, "ready": ready}))).into_response())
@@ -185,7 +185,7 @@ pub async fn infer(
         // `parameters.truncate: false` refuses over-long inputs (413) instead of cutting them.
         let truncate = header["parameters"]["truncate"].as_bool().unwrap_or(true);
         let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate };
-        let (shape, response) = state.gateway.infer(&state.db, &principal, &name, &request).await?;
+        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &name, &request).await?;
         let rows = response.outputs.len();
         let width = response.outputs.first().map_or(0, Vec::len);
         let values: Vec<f32> = response.outputs.iter().flatten().copied().collect();

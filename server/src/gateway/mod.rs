@@ -16,13 +16,12 @@ use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use metrics::{Counter, Histogram};
-use sqlx::Row;
 use tessera_api::engine::{EngineError, InferRequest, InferResponse};
 use uuid::Uuid;
 
 use self::stats::{Sample, TrafficStats};
-use crate::auth::Principal;
 use crate::store::db::Db;
+use crate::store::{deployments, Scope};
 
 /// How long the ready-replica table of a deployment is trusted.
 const ROUTE_TTL: Duration = Duration::from_secs(1);
@@ -72,7 +71,7 @@ struct Target {
 struct Route {
     fetched: Instant,
     deployment_id: Uuid,
-    owner_id: String,
+    owner_id: Uuid,
     model: ModelShape,
     targets: Vec<Target>,
     metrics: RouteMetrics,
@@ -193,44 +192,27 @@ impl Gateway {
                 return Ok(route.clone());
             }
         }
-        let rows = sqlx::query(
-            "SELECT d.id AS deployment_id, d.owner_id, m.architecture, m.config, j.id AS replica, j.endpoint, w.engine_token \
-             FROM deployments d JOIN models m ON m.id = d.model_id \
-             LEFT JOIN jobs j ON j.deployment_id = d.id AND j.state = 'running' AND j.endpoint IS NOT NULL \
-             LEFT JOIN workers w ON w.id = j.worker_id WHERE d.name = $1",
-        )
-        .bind(deployment)
-        .fetch_all(db.pool())
-        .await
-        .map_err(GatewayError::internal)?;
-        let Some(first) = rows.first() else {
-            return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
-        };
-        let model = ModelShape::from_registry(
-            &first.try_get::<String, _>("architecture").map_err(GatewayError::internal)?,
-            &first.try_get::<String, _>("config").map_err(GatewayError::internal)?,
-        );
-        let mut targets = Vec::new();
-        for row in &rows {
-            let replica: Option<String> = row.try_get("replica").map_err(GatewayError::internal)?;
-            let (Some(replica), Some(endpoint), Some(token)) = (
-                replica,
-                row.try_get::<Option<String>, _>("endpoint").map_err(GatewayError::internal)?,
-                row.try_get::<Option<String>, _>("engine_token").map_err(GatewayError::internal)?,
-            ) else {
-                continue;
-            };
-            let replica: Uuid = replica.parse().map_err(GatewayError::internal)?;
-            let mut authorization = HeaderValue::try_from(format!("Bearer {token}")).map_err(GatewayError::internal)?;
+        let record = deployments::route(db, deployment).await.map_err(GatewayError::internal)?.ok_or_else(|| {
+            GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'."))
+        })?;
+        let model = ModelShape::from_registry(&record.architecture, &record.config);
+        let mut targets = Vec::with_capacity(record.targets.len());
+        for target in record.targets {
+            let mut authorization =
+                HeaderValue::try_from(format!("Bearer {}", target.engine_token)).map_err(GatewayError::internal)?;
             authorization.set_sensitive(true);
-            let inflight = self.inflight.lock().expect("inflight lock").entry(replica).or_default().clone();
-            targets.push(Target { replica, url: format!("{endpoint}/{}", model.operation()), authorization, inflight });
+            let inflight = self.inflight.lock().expect("inflight lock").entry(target.replica).or_default().clone();
+            targets.push(Target {
+                replica: target.replica,
+                url: format!("{}/{}", target.endpoint, model.operation()),
+                authorization,
+                inflight,
+            });
         }
-        let deployment_id: String = first.try_get("deployment_id").map_err(GatewayError::internal)?;
         let route = Arc::new(Route {
             fetched: Instant::now(),
-            deployment_id: deployment_id.parse().map_err(GatewayError::internal)?,
-            owner_id: first.try_get("owner_id").map_err(GatewayError::internal)?,
+            deployment_id: record.deployment_id,
+            owner_id: record.owner_id,
             model,
             targets,
             metrics: RouteMetrics::new(deployment),
@@ -243,18 +225,18 @@ impl Gateway {
         self.routes.lock().expect("routes lock").remove(deployment);
     }
 
-    /// The route to a deployment `principal` may call (its owner, or an admin).
-    async fn visible_route(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Arc<Route>, GatewayError> {
+    /// The route to a deployment in the caller's `scope` (its owner, or an admin).
+    async fn visible_route(&self, db: &Db, scope: &Scope, deployment: &str) -> Result<Arc<Route>, GatewayError> {
         let route = self.route(db, deployment).await?;
-        if principal.owner_filter().is_some_and(|owner| owner != route.owner_id) {
+        if !scope.sees(route.owner_id) {
             return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
         }
         Ok(route)
     }
 
-    /// The deployment if `principal` may call it (its owner, or an admin).
-    pub async fn resolve(&self, db: &Db, principal: &Principal, deployment: &str) -> Result<Resolved, GatewayError> {
-        let route = self.visible_route(db, principal, deployment).await?;
+    /// The deployment if it is in the caller's `scope` (its owner, or an admin).
+    pub async fn resolve(&self, db: &Db, scope: &Scope, deployment: &str) -> Result<Resolved, GatewayError> {
+        let route = self.visible_route(db, scope, deployment).await?;
         Ok(Resolved { model: route.model.clone(), ready_replicas: route.targets.len() })
     }
 
@@ -262,11 +244,11 @@ impl Gateway {
     pub async fn infer(
         &self,
         db: &Db,
-        principal: &Principal,
+        scope: &Scope,
         deployment: &str,
         request: &InferRequest,
     ) -> Result<(ModelShape, InferResponse), GatewayError> {
-        let route = self.visible_route(db, principal, deployment).await?;
+        let route = self.visible_route(db, scope, deployment).await?;
         let started = Instant::now();
         let outcome = self.forward(&route, deployment, request).await;
         match &outcome {

@@ -14,9 +14,9 @@ use serde_json::{json, Value};
 use tessera_api::engine::{EngineInput, InferRequest};
 
 use super::{timing_headers, GatewayError};
-use crate::app::AppState;
 use crate::auth::Principal;
 use crate::error::Error;
+use crate::state::AppState;
 
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
 fn openai_error(error: GatewayError) -> Response {
@@ -115,7 +115,7 @@ pub async fn embeddings(
             Some(other) => return Err(bad_request(format!("encoding_format {other:?} is not supported; use \"float\" or \"base64\"."))),
         };
         let infer = InferRequest { inputs, truncate: request.truncate.unwrap_or(true) };
-        let (shape, response) = state.gateway.infer(&state.db, &principal, &request.model, &infer).await?;
+        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &request.model, &infer).await?;
         if shape.classifier {
             return Err(bad_request(format!(
                 "'{}' serves a classifier, not embeddings; call /v2/models/{}/infer for its logits.",
@@ -162,7 +162,7 @@ pub async fn embeddings(
 pub async fn models(State(state): State<AppState>, principal: Result<Principal, Error>) -> Response {
     let result = async {
         let principal = principal?;
-        let deployments = crate::deployments::list_visible(&state.db, &principal).await?;
+        let deployments = crate::deployments::list_visible(&state.db, &principal.scope()).await?;
         let data: Vec<Value> = deployments
             .iter()
             .map(|d| json!({"id": d.name, "object": "model", "created": d.created_at.timestamp(), "owned_by": d.owner}))

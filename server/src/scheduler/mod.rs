@@ -1,7 +1,7 @@
 //! Placement decisions made by pure algorithms over plain data: the MIG partition planner
 //! and its transitions (`mig`), throughput tables with their cost model (`throughput`),
-//! and placing a throughput SLO on the fleet's slices (`fleet`).
+//! and placing a throughput SLO on the fleet's slices (`placement`).
 
-pub mod fleet;
 pub mod mig;
+pub mod placement;
 pub mod throughput;

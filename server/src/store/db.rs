@@ -64,6 +64,11 @@ impl Db {
         Ok(Db { pool, backend })
     }
 
+    /// Answers when the database does (health checks).
+    pub async fn ping(&self) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map(drop)
+    }
+
     pub fn pool(&self) -> &AnyPool {
         &self.pool
     }

@@ -4,7 +4,15 @@
 //! caller" is part of the call and cannot be forgotten (lldap's access-controlled
 //! backend idea: the permission travels with the request, not in a remembered filter).
 
+pub mod datasets;
+pub mod deployments;
 pub mod db;
+pub mod jobs;
+pub mod models;
+pub mod slices;
+pub mod training;
+pub mod users;
+pub mod workers;
 
 use uuid::Uuid;
 
@@ -16,6 +24,9 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("{table} row has a bad {column} ({value:?}): {reason}")]
     Corrupt { table: &'static str, column: &'static str, value: String, reason: String },
+    /// A value bound for a JSON column did not serialise (a bug, never user input).
+    #[error("could not encode a JSON column: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 impl StoreError {
@@ -34,6 +45,16 @@ pub fn parse_uuid(table: &'static str, column: &'static str, value: &str) -> Res
         table,
         column,
         value: value.into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Decodes a JSON column; text that does not parse as `T` is a corrupt row.
+pub fn parse_json<T: serde::de::DeserializeOwned>(table: &'static str, column: &'static str, text: &str) -> Result<T> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt {
+        table,
+        column,
+        value: text.into(),
         reason: e.to_string(),
     })
 }

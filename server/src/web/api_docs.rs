@@ -10,8 +10,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
 use super::{render, session, Layout};
-use crate::app::AppState;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::state::AppState;
 
 const METHODS: [&str; 8] = ["get", "post", "put", "patch", "delete", "head", "options", "trace"];
 
@@ -83,7 +83,7 @@ struct ApiDocsPage {
 pub async fn page(State(state): State<AppState>, headers: HeaderMap) -> Response {
     let user = session::current_user(&state, &headers).await.ok().flatten().map(|p| p.username);
     let result: Result<Response> = async {
-        let doc = serde_json::to_value(&*state.openapi).map_err(anyhow::Error::from)?;
+        let doc = serde_json::to_value(&*state.openapi).map_err(Error::Encode)?;
         let groups = groups(&doc);
         let page = ApiDocsPage {
             layout: Layout::new("API", "api", user.clone()),

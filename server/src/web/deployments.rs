@@ -10,13 +10,13 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use chrono::Utc;
 use serde::Deserialize;
-use tessera_api::deployments::{CreateDeployment, Deployment, DeploymentStats, Percentiles, UpdateDeployment};
+use tessera_api::deployments::{BatchLimits, CreateDeployment, Deployment, DeploymentStats, Percentiles};
 
 use super::chart::{chart, Chart};
 use super::jobs::{worker_label, worker_names};
 use super::{format, render, with_status, Layout, WebUser};
-use crate::app::AppState;
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{Error, Result};
+use crate::state::AppState;
 use crate::{deployments, registry};
 
 fn per_second(value: f64) -> String {
@@ -92,7 +92,7 @@ struct DeploymentsTable {
 }
 
 async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<DeploymentRow>> {
-    let list = deployments::list_visible(&state.db, &user.0).await?;
+    let list = deployments::list_visible(&state.db, &user.0.scope()).await?;
     Ok(list
         .iter()
         .map(|d| DeploymentRow {
@@ -110,7 +110,7 @@ async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<DeploymentRow>> {
 }
 
 async fn list_page(state: &AppState, user: &WebUser, form: CreateForm, error: Option<String>) -> Result<DeploymentsPage> {
-    let models = registry::list_visible(state, &user.0)
+    let models = registry::list_visible(state, &user.0.scope())
         .await?
         .into_iter()
         .map(|m| ModelChoice { selected: form.model == m.id.to_string(), id: m.id.to_string(), name: m.name })
@@ -149,18 +149,23 @@ pub async fn create(State(state): State<AppState>, user: WebUser, Form(form): Fo
             if form.model.is_empty() {
                 return Err(Error::invalid("invalid_model", "Pick the model to serve; upload one on the Models page first."));
             }
-            // Through serde, so the form gets the API body's own defaults and rules.
-            let body = serde_json::json!({
-                "name": form.name,
-                "model": form.model,
-                "replicas": number(&form.replicas, "replicas", "invalid_replicas", "between 0 and 64")?.unwrap_or(1),
-                "max_batch_tokens": number(&form.max_batch_tokens, "max_batch_tokens", "invalid_batching", "between 512 and 1048576")?,
-                "max_batch_requests": number(&form.max_batch_requests, "max_batch_requests", "invalid_batching", "between 1 and 4096")?,
-            });
-            let request: CreateDeployment =
-                serde_json::from_value(body).map_err(|e| Error::invalid("invalid_deployment", e.to_string()))?;
-            let (_, ApiJson(deployment)) = deployments::create(State(state.clone()), user.0.clone(), ApiJson(request)).await?;
-            Ok(deployment)
+            // A field left empty takes the API body's default.
+            let defaults = BatchLimits::default();
+            let limits = BatchLimits {
+                max_batch_tokens: number(&form.max_batch_tokens, "max_batch_tokens", "invalid_batching", "between 512 and 1048576")?
+                    .unwrap_or(defaults.max_batch_tokens),
+                max_batch_requests: number(&form.max_batch_requests, "max_batch_requests", "invalid_batching", "between 1 and 4096")?
+                    .unwrap_or(defaults.max_batch_requests),
+            };
+            let request = CreateDeployment {
+                name: form.name.clone(),
+                model: form.model.clone(),
+                replicas: number(&form.replicas, "replicas", "invalid_replicas", "between 0 and 64")?.unwrap_or(1),
+                limits,
+                throughput: None,
+                latency_ms: None,
+            };
+            deployments::create(&state, &user.0, request).await
         };
         match submitted.await {
             Ok(deployment) => {
@@ -207,8 +212,7 @@ struct DeploymentView {
     reason: Option<String>,
     wanted: u32,
     ready: u32,
-    max_batch_tokens: u32,
-    max_batch_requests: u32,
+    limits: BatchLimits,
     replicas: Vec<ReplicaRow>,
     figures: Vec<Figure>,
     charts: Vec<Chart>,
@@ -296,8 +300,7 @@ async fn deployment_view(state: &AppState, deployment: Deployment) -> Result<Dep
         reason: deployment.reason,
         wanted: deployment.replicas,
         ready: deployment.ready_replicas,
-        max_batch_tokens: deployment.max_batch_tokens,
-        max_batch_requests: deployment.max_batch_requests,
+        limits: deployment.limits,
         replicas,
         figures: figures(&stats),
         charts: charts(&stats),
@@ -307,7 +310,7 @@ async fn deployment_view(state: &AppState, deployment: Deployment) -> Result<Dep
 }
 
 async fn detail_page(state: &AppState, user: &WebUser, id: &str, alert: Option<String>) -> Result<DeploymentPage> {
-    let deployment = deployments::resolve(&state.db, &user.0, id).await?;
+    let deployment = deployments::resolve(&state.db, &user.0.scope(), id).await?;
     let title = deployment.name.clone();
     Ok(DeploymentPage { layout: user.layout(title, "deployments"), d: deployment_view(state, deployment).await?, alert })
 }
@@ -320,7 +323,7 @@ pub async fn detail(
 ) -> Response {
     let result = async {
         if query.fragment.is_some() {
-            let deployment = deployments::resolve(&state.db, &user.0, &id).await?;
+            let deployment = deployments::resolve(&state.db, &user.0.scope(), &id).await?;
             return Ok(render(&DeploymentFragment { d: deployment_view(&state, deployment).await? })?.into_response());
         }
         Ok(render(&detail_page(&state, &user, &id, None).await?)?.into_response())
@@ -340,11 +343,10 @@ pub async fn scale(State(state): State<AppState>, user: WebUser, Path(id): Path<
         let scaled = async {
             let replicas = number(&form.replicas, "replicas", "invalid_replicas", "between 0 and 64")?
                 .ok_or_else(|| Error::invalid("invalid_replicas", "Say how many replicas to run (0 stops serving)."))?;
-            let request = UpdateDeployment { replicas };
-            deployments::update(State(state.clone()), user.0.clone(), ApiPath(id.clone()), ApiJson(request)).await
+            deployments::scale(&state, &user.0, &id, replicas).await
         };
         match scaled.await {
-            Ok(ApiJson(deployment)) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
+            Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
             Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
                 with_status(error.status(), render(&detail_page(&state, &user, &id, Some(error.public_message())).await?))
             }
@@ -357,7 +359,7 @@ pub async fn scale(State(state): State<AppState>, user: WebUser, Path(id): Path<
 
 pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
     let result = async {
-        deployments::delete(State(state.clone()), user.0.clone(), ApiPath(id)).await?;
+        deployments::delete(&state, &user.0, &id).await?;
         Ok(Redirect::to("/deployments").into_response())
     }
     .await;

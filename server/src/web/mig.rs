@@ -11,10 +11,10 @@ use serde::Deserialize;
 use tessera_api::mig::SliceStatus;
 
 use super::{render, Layout, WebUser};
-use crate::app::AppState;
 use crate::error::Result;
-use crate::scheduler::mig::catalog::MEMORY_SLICES;
 use crate::scheduler::mig::GpuModel;
+use crate::scheduler::mig::catalog::MEMORY_SLICES;
+use crate::state::AppState;
 use crate::{deployments, workers};
 
 /// Colours of services, in the order of their names; slices nobody uses are grey.
@@ -108,7 +108,7 @@ pub async fn page(
 ) -> Response {
     let result: Result<Response> = async {
         let workers = workers::list_all(&state).await?;
-        let visible = deployments::list_visible(&state.db, &user.0).await?;
+        let visible = deployments::list_visible(&state.db, &user.0.scope()).await?;
         let mut names: BTreeSet<String> = visible.iter().map(|d| d.name.clone()).collect();
         names.extend(
             workers

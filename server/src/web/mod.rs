@@ -23,8 +23,8 @@ use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::app::AppState;
 use crate::error::Error;
+use crate::state::AppState;
 pub use session::WebUser;
 
 pub fn routes() -> Router<AppState> {
@@ -104,7 +104,7 @@ impl WebUser {
 
 /// Renders a template, or a logged 500 when it cannot.
 pub fn render(template: &impl Template) -> Result<Html<String>, Error> {
-    template.render().map(Html).map_err(|e| Error::Internal(anyhow::anyhow!("template failed to render: {e}")))
+    Ok(Html(template.render()?))
 }
 
 /// A fragment request (`?fragment=…`, or a script's fetch) gets 401 rather than a

@@ -10,9 +10,9 @@ use serde::Deserialize;
 use tessera_api::models::Model;
 
 use super::{format, render, Layout, WebUser};
-use crate::app::AppState;
 use crate::error::{ApiJson, Error, Result};
 use crate::registry::{self, model_files};
+use crate::state::AppState;
 
 /// The folder a sentence-transformers pooling config sits in, as a JavaScript regex;
 /// `model_files::check_path` is the rule the server enforces.
@@ -72,7 +72,7 @@ pub struct ListQuery {
 
 async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<ModelRow>> {
     let now = Utc::now();
-    Ok(registry::list_visible(state, &user.0).await?.iter().map(|m| ModelRow::new(m, now)).collect())
+    Ok(registry::list_visible(state, &user.0.scope()).await?.iter().map(|m| ModelRow::new(m, now)).collect())
 }
 
 pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Query<ListQuery>) -> Response {
@@ -85,9 +85,9 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
         let page = ModelsPage {
             layout: user.layout("Models", "models"),
             rows,
-            allowed_names: serde_json::to_string(&names).map_err(anyhow::Error::from)?,
+            allowed_names: serde_json::to_string(&names).map_err(Error::Encode)?,
             pooling_pattern: POOLING_PATH_PATTERN,
-            required_names: serde_json::to_string(model_files::REQUIRED).map_err(anyhow::Error::from)?,
+            required_names: serde_json::to_string(model_files::REQUIRED).map_err(Error::Encode)?,
             required: model_files::REQUIRED.join(", "),
             max_upload: format::bytes(state.config.max_upload_bytes),
             max_upload_bytes: state.config.max_upload_bytes,
@@ -101,11 +101,11 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
 /// `POST /models/upload`: the API's upload, answered the API's way (JSON, 201 or the
 /// error body), since the page's script reads it.
 pub async fn upload(
-    state: State<AppState>,
+    State(state): State<AppState>,
     user: WebUser,
-    multipart: Multipart,
+    mut multipart: Multipart,
 ) -> Result<(StatusCode, ApiJson<Model>)> {
-    registry::upload(state, user.0, multipart).await
+    Ok((StatusCode::CREATED, ApiJson(registry::upload_model(&state, &user.0, &mut multipart).await?)))
 }
 
 struct FileRow {
@@ -152,7 +152,7 @@ pub async fn detail(State(state): State<AppState>, user: WebUser, Path(id): Path
 pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
     let result: Result<Redirect, Error> = async {
         let model = registry::resolve(&state, &user.0, &id).await?;
-        registry::delete_visible(&state, &user.0, model.id).await?;
+        registry::delete_visible(&state, &user.0.scope(), model.id).await?;
         tracing::info!(model = %model.id, name = %model.name, user = %user.0.username, "model deleted from the dashboard");
         Ok(Redirect::to("/models"))
     }

@@ -13,9 +13,9 @@ use serde::Deserialize;
 use tessera_api::accounts::LoginRequest;
 
 use super::{render, wants_fragment, Layout};
-use crate::app::AppState;
 use crate::auth::{self, Principal};
 use crate::error::Error;
+use crate::state::AppState;
 
 pub const COOKIE: &str = "tessera_session";
 

@@ -1,5 +1,5 @@
 //! Deployments given a throughput SLO: read the fleet's GPU slices and the throughput
-//! tables, plan with `scheduler::fleet` (the MIG planner and the transition planner),
+//! tables, plan with `scheduler::placement` (the MIG planner and the transition planner),
 //! apply a repartition of idle simulated GPUs when their workers allow it, and queue one
 //! replica pinned to each chosen slice. The plan is stored with the deployment.
 //!
@@ -9,20 +9,18 @@
 
 use std::collections::BTreeMap;
 
-use sqlx::Row;
-use tessera_api::deployments::Deployment;
-use tessera_api::jobs::JobSpec;
-use tessera_api::mig::{PlannedSlice, SloStatus, TransitionStep};
+use tessera_api::mig::{PlannedSlice, Slice, SloStatus, TransitionStep};
 use uuid::Uuid;
 
-use super::profiles;
-use super::slices::{slice_from_row, HOLDING};
-use crate::app::AppState;
-use crate::store::db::{now_ms, Db};
+use super::{replica_spec, REPLICA_MAX_ATTEMPTS};
 use crate::error::{Error, Result};
-use crate::scheduler::fleet::{plan_slo, Demand, FleetGpu, FleetSlice};
 use crate::scheduler::mig::{GpuModel, Placed};
+use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice};
 use crate::scheduler::throughput::{complete, rates};
+use crate::state::AppState;
+use crate::store::db::Db;
+use crate::store::deployments::{self as store, StoredDeployment};
+use crate::store::{jobs, models, slices};
 
 static PLANNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -43,14 +41,6 @@ pub fn check(throughput: f64, latency_ms: Option<f64>) -> Result<()> {
     Ok(())
 }
 
-pub fn from_column(text: Option<String>) -> Result<Option<SloStatus>> {
-    text.map(|t| {
-        serde_json::from_str(&t)
-            .map_err(|e| anyhow::anyhow!("stored SLO plan unreadable: {e}").into())
-    })
-    .transpose()
-}
-
 /// A model's demand: its rates on every GPU model its table covers.
 async fn demand(
     db: &Db,
@@ -59,7 +49,7 @@ async fn demand(
     throughput: f64,
     latency_ms: Option<f64>,
 ) -> Result<Demand> {
-    let table = complete(&profiles::measured(db, model).await?);
+    let table = complete(&models::measured_profiles(db, model).await?);
     let rates = GpuModel::ALL
         .into_iter()
         .map(|gpu| (gpu, rates(&table, gpu, latency_ms)))
@@ -74,20 +64,9 @@ async fn demand(
 
 /// The GPUs of online workers, with their slices and what holds each.
 async fn fleet(state: &AppState) -> Result<Vec<FleetGpu>> {
-    let rows = sqlx::query(&format!(
-        "SELECT s.worker_id, w.allow_repartition, s.uuid, s.gpu_uuid, s.gpu_index, s.gpu_model, s.profile, s.start, \
-           s.memory_bytes, s.simulated, \
-           (SELECT d.name FROM jobs j JOIN deployments d ON d.id = j.deployment_id WHERE j.slice_uuid = s.uuid AND {HOLDING} \
-            LIMIT 1) AS holder \
-         FROM slices s JOIN workers w ON w.id = s.worker_id WHERE w.last_seen_at >= $1 \
-         ORDER BY w.name, s.gpu_index, s.start"
-    ))
-    .bind(crate::workers::online_since(state))
-    .fetch_all(state.db.pool())
-    .await?;
     let mut gpus: BTreeMap<String, FleetGpu> = BTreeMap::new();
-    for row in &rows {
-        let slice = slice_from_row(row)?;
+    for row in slices::online(&state.db, crate::workers::online_since(state)).await? {
+        let slice = row.slice;
         let Some(model) = slice.gpu_model.as_deref().and_then(GpuModel::parse) else {
             continue;
         };
@@ -99,61 +78,31 @@ async fn fleet(state: &AppState) -> Result<Vec<FleetGpu>> {
             },
             (Some(_), None) => continue,
         };
-        let worker: String = row.try_get("worker_id")?;
-        let gpu = gpus
-            .entry(slice.gpu_uuid.clone())
-            .or_insert_with(|| FleetGpu {
-                uuid: slice.gpu_uuid.clone(),
-                worker: worker.parse().unwrap_or_default(),
-                model,
-                whole: slice.profile.is_none(),
-                repartition: slice.simulated
-                    && row.try_get::<i64, _>("allow_repartition").unwrap_or(0) != 0,
-                slices: Vec::new(),
-            });
-        gpu.slices.push(FleetSlice {
-            uuid: slice.uuid,
-            placed: Placed { profile, start },
-            holder: row.try_get("holder")?,
+        let gpu = gpus.entry(slice.gpu_uuid.clone()).or_insert_with(|| FleetGpu {
+            uuid: slice.gpu_uuid.clone(),
+            worker: row.worker,
+            model,
+            whole: slice.profile.is_none(),
+            repartition: slice.simulated && row.allow_repartition,
+            slices: Vec::new(),
         });
+        gpu.slices.push(FleetSlice { uuid: slice.uuid, placed: Placed { profile, start }, holder: row.holder });
     }
     Ok(gpus.into_values().collect())
 }
 
 /// SLO deployments other than `except`, as demands.
 async fn others(db: &Db, except: Uuid) -> Result<Vec<Demand>> {
-    let rows = sqlx::query(
-        "SELECT id, name, model_id, slo FROM deployments WHERE slo IS NOT NULL AND id <> $1",
-    )
-    .bind(except.to_string())
-    .fetch_all(db.pool())
-    .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let Some(slo) = from_column(row.try_get("slo")?)? else {
-            continue;
-        };
-        let model: String = row.try_get("model_id")?;
-        let model = model
-            .parse()
-            .map_err(|e| anyhow::anyhow!("bad model id: {e}"))?;
-        out.push(
-            demand(
-                db,
-                &row.try_get::<String, _>("name")?,
-                model,
-                slo.throughput,
-                slo.latency_ms,
-            )
-            .await?,
-        );
+    let mut out = Vec::new();
+    for other in store::with_slo_except(db, except).await? {
+        out.push(demand(db, &other.name, other.model_id, other.slo.throughput, other.slo.latency_ms).await?);
     }
     Ok(out)
 }
 
 /// Checks that the model has a throughput table, before the deployment is created.
 pub async fn check_table(db: &Db, model: Uuid, model_name: &str) -> Result<()> {
-    if profiles::measured(db, model).await?.is_empty() {
+    if models::measured_profiles(db, model).await?.is_empty() {
         return Err(Error::invalid(
             "no_throughput_table",
             format!(
@@ -168,21 +117,13 @@ pub async fn check_table(db: &Db, model: Uuid, model_name: &str) -> Result<()> {
 /// Plans the deployment's SLO, applies what may be applied, queues its replicas.
 pub async fn place(
     state: &AppState,
-    owner: Uuid,
-    deployment: &Deployment,
+    deployment: &StoredDeployment,
     throughput: f64,
     latency_ms: Option<f64>,
 ) -> Result<()> {
     let _one_at_a_time = PLANNING.lock().await;
     let db = &state.db;
-    let want = demand(
-        db,
-        &deployment.name,
-        deployment.model_id,
-        throughput,
-        latency_ms,
-    )
-    .await?;
+    let want = demand(db, &deployment.name, deployment.model_id, throughput, latency_ms).await?;
     if want.rates.is_empty() {
         return Err(Error::invalid(
             "no_throughput_table",
@@ -198,40 +139,28 @@ pub async fn place(
     if plan.applied {
         for (g, partition) in &plan.partitions {
             let gpu = &fleet[*g];
-            let gpu_index: i64 =
-                sqlx::query_scalar("SELECT gpu_index FROM slices WHERE gpu_uuid = $1 LIMIT 1")
-                    .bind(&gpu.uuid)
-                    .fetch_one(&mut *tx)
-                    .await?;
-            sqlx::query("DELETE FROM slices WHERE gpu_uuid = $1")
-                .bind(&gpu.uuid)
-                .execute(&mut *tx)
-                .await?;
+            let gpu_index = slices::gpu_index(&mut tx, &gpu.uuid).await?;
+            let mut new = Vec::with_capacity(partition.len());
             for placed in partition {
                 let profile = gpu.model.profile(placed.profile);
-                let slice = tessera_api::mig::Slice {
+                let slice = Slice {
                     uuid: format!("MIG-sim-{}", Uuid::new_v4()),
                     gpu_uuid: gpu.uuid.clone(),
-                    gpu_index: gpu_index as u32,
+                    gpu_index,
                     gpu_model: Some(gpu.model.name().to_string()),
                     profile: Some(profile.name.to_string()),
                     start: Some(placed.start),
                     memory_bytes: u64::from(profile.memory_gb) << 30,
                     simulated: true,
                 };
-                super::slices::insert(&mut tx, gpu.worker, &slice).await?;
-                created.insert((*g, placed.start), slice.uuid);
+                created.insert((*g, placed.start), slice.uuid.clone());
+                new.push(slice);
             }
+            slices::replace_gpu(&mut tx, gpu.worker, &gpu.uuid, &new).await?;
         }
     }
-    let spec = JobSpec::Serve {
-        deployment: deployment.id,
-        model: deployment.model_id,
-        max_batch_tokens: deployment.max_batch_tokens,
-        max_batch_requests: deployment.max_batch_requests,
-    };
-    let spec_json = serde_json::to_string(&spec).map_err(|e| anyhow::anyhow!(e))?;
-    let now = now_ms();
+    let spec = replica_spec(deployment);
+    let name = format!("replica of {}", deployment.name);
     let mut planned = Vec::with_capacity(plan.chosen.len());
     for c in &plan.chosen {
         let gpu = &fleet[c.gpu];
@@ -240,22 +169,18 @@ pub async fn place(
             None => created
                 .get(&(c.gpu, c.placed.start))
                 .cloned()
-                .ok_or_else(|| anyhow::anyhow!("planned slice not created"))?,
+                .ok_or(Error::Invariant("the SLO plan chose a slice its repartition does not create"))?,
         };
-        sqlx::query(
-            "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
-             deployment_id, slice_uuid, slice_pinned) VALUES ($1, $2, $3, 'serve', $4, 'queued', 0, $5, $6, $6, $7, $8, 1)",
-        )
-        .bind(Uuid::new_v4().to_string())
-        .bind(owner.to_string())
-        .bind(format!("replica of {}", deployment.name))
-        .bind(&spec_json)
-        .bind(crate::deployments::REPLICA_MAX_ATTEMPTS as i64)
-        .bind(now)
-        .bind(deployment.id.to_string())
-        .bind(&slice)
-        .execute(&mut *tx)
-        .await?;
+        let job = jobs::NewJob {
+            owner: deployment.owner_id,
+            name: &name,
+            spec: &spec,
+            max_attempts: REPLICA_MAX_ATTEMPTS,
+            deployment: Some(deployment.id),
+            dataset: None,
+            pinned_slice: Some(&slice),
+        };
+        jobs::insert_in(&mut tx, &job).await?;
         planned.push(PlannedSlice {
             slice,
             worker_id: gpu.worker,
@@ -289,13 +214,7 @@ pub async fn place(
         extra_gpus: plan.extra_gpus,
         note: plan.note,
     };
-    sqlx::query("UPDATE deployments SET replicas = $1, slo = $2, updated_at = $3 WHERE id = $4")
-        .bind(plan.chosen.len() as i64)
-        .bind(serde_json::to_string(&status).map_err(|e| anyhow::anyhow!(e))?)
-        .bind(now)
-        .bind(deployment.id.to_string())
-        .execute(&mut *tx)
-        .await?;
+    store::set_slo(&mut tx, deployment.id, plan.chosen.len() as u32, &status).await?;
     tx.commit().await?;
     tracing::info!(deployment = %deployment.id, replicas = status.slices.len(), applied = status.applied, "{}", status.note);
     Ok(())

@@ -1,0 +1,94 @@
+//! The `/api/v1/models` routes and the agent's model routes: each unpacks the request
+//! and calls the registry function the dashboard calls too.
+
+use axum::body::Body;
+use axum::extract::{Multipart, State};
+use axum::http::{header, StatusCode};
+use axum::response::Response;
+use tessera_api::models::Model;
+use uuid::Uuid;
+
+use crate::auth::{AgentAuth, Principal};
+use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::state::AppState;
+use crate::store::Scope;
+
+/// Upload a model as `multipart/form-data`: a text field `name` and one part named
+/// `files` per file, whose filename is its path in the model folder.
+#[utoipa::path(post, path = "/api/v1/models", tag = "models", security(("bearer" = [])),
+    request_body(content_type = "multipart/form-data", description = "field `name`, parts `files`"),
+    responses((status = 201, body = Model), (status = 409, body = tessera_api::error::ErrorBody),
+              (status = 413, body = tessera_api::error::ErrorBody), (status = 422, body = tessera_api::error::ErrorBody)))]
+pub async fn upload(
+    State(state): State<AppState>,
+    principal: Principal,
+    mut multipart: Multipart,
+) -> Result<(StatusCode, ApiJson<Model>)> {
+    Ok((StatusCode::CREATED, ApiJson(super::upload_model(&state, &principal, &mut multipart).await?)))
+}
+
+/// List models (yours; an admin sees all).
+#[utoipa::path(get, path = "/api/v1/models", tag = "models", security(("bearer" = [])),
+    responses((status = 200, body = Vec<Model>)))]
+pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<Model>>> {
+    Ok(ApiJson(super::list_visible(&state, &principal.scope()).await?))
+}
+
+#[utoipa::path(get, path = "/api/v1/models/{id}", tag = "models", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), responses((status = 200, body = Model), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn get(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<Uuid>) -> Result<ApiJson<Model>> {
+    Ok(ApiJson(super::find(&state, &principal.scope(), id).await?))
+}
+
+/// Delete a model; its files are removed unless another model shares them.
+#[utoipa::path(delete, path = "/api/v1/models/{id}", tag = "models", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn delete(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<Uuid>) -> Result<StatusCode> {
+    super::delete_visible(&state, &principal.scope(), id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn file_response(state: &AppState, model: &Model, path: &str) -> Result<Response> {
+    let file = model.files.iter().find(|f| f.path == path).ok_or_else(|| Error::not_found(&format!("File '{path}'")))?;
+    let blob = state.blobs.path(&file.digest).ok_or(Error::Invariant("a stored model file digest is malformed"))?;
+    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(blob).await?);
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, file.size_bytes)
+        .header(header::ETAG, format!("\"{}\"", file.digest))
+        .body(Body::from_stream(stream))
+        .map_err(|_| Error::Invariant("a file response's headers are valid"))
+}
+
+/// Download one file of a model, byte for byte as uploaded.
+#[utoipa::path(get, path = "/api/v1/models/{id}/files/{*path}", tag = "models", security(("bearer" = [])),
+    params(("id" = Uuid, Path), ("path" = String, Path, description = "path inside the model folder")),
+    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn download(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath((id, path)): ApiPath<(Uuid, String)>,
+) -> Result<Response> {
+    let model = super::find(&state, &principal.scope(), id).await?;
+    file_response(&state, &model, &path).await
+}
+
+/// A worker fetching a model file for a job it holds.
+#[utoipa::path(get, path = "/api/v1/agent/models/{id}/files/{*path}", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path), ("path" = String, Path)),
+    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_download(
+    State(state): State<AppState>,
+    _agent: AgentAuth,
+    ApiPath((id, path)): ApiPath<(Uuid, String)>,
+) -> Result<Response> {
+    let model = super::find(&state, &Scope::all(), id).await?;
+    file_response(&state, &model, &path).await
+}
+
+/// A model's metadata for a worker (any model: workers run every user's jobs).
+#[utoipa::path(get, path = "/api/v1/agent/models/{id}", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)), responses((status = 200, body = Model), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_get(State(state): State<AppState>, _agent: AgentAuth, ApiPath(id): ApiPath<Uuid>) -> Result<ApiJson<Model>> {
+    Ok(ApiJson(super::find(&state, &Scope::all(), id).await?))
+}

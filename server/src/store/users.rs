@@ -1,0 +1,142 @@
+//! Users and their personal API tokens. A token is stored as its digest only; looking
+//! one up also records when it was last used, in the same statement.
+
+use sqlx::any::AnyRow;
+use sqlx::Row;
+use tessera_api::accounts::{ApiToken, Role, User};
+use uuid::Uuid;
+
+use super::db::{self, now_ms, Db};
+use super::{parse_uuid, Result, Scope, StoreError};
+
+/// A user row, password hash included: only `accounts` and `auth` look at it.
+#[derive(Debug, Clone)]
+pub struct StoredUser {
+    pub id: Uuid,
+    pub username: String,
+    pub role: Role,
+    pub password_hash: String,
+    pub created_at: i64,
+}
+
+impl StoredUser {
+    pub fn to_api(&self) -> User {
+        User { id: self.id, username: self.username.clone(), role: self.role, created_at: db::time(self.created_at) }
+    }
+}
+
+const USER_COLUMNS: &str = "id, username, role, password_hash, created_at";
+
+fn user_from_row(row: &AnyRow) -> Result<StoredUser> {
+    let role: String = row.try_get("role")?;
+    Ok(StoredUser {
+        id: parse_uuid("users", "id", &row.try_get::<String, _>("id")?)?,
+        username: row.try_get("username")?,
+        role: Role::parse(&role).ok_or_else(|| StoreError::Corrupt {
+            table: "users",
+            column: "role",
+            value: role.clone(),
+            reason: "neither admin nor user".into(),
+        })?,
+        password_hash: row.try_get("password_hash")?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+pub async fn find(db: &Db, id: Uuid) -> Result<Option<StoredUser>> {
+    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1"))
+        .bind(id.to_string())
+        .fetch_optional(db.pool())
+        .await?;
+    row.as_ref().map(user_from_row).transpose()
+}
+
+pub async fn find_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>> {
+    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1"))
+        .bind(username)
+        .fetch_optional(db.pool())
+        .await?;
+    row.as_ref().map(user_from_row).transpose()
+}
+
+/// Every user, oldest first.
+pub async fn list(db: &Db) -> Result<Vec<StoredUser>> {
+    let rows = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users ORDER BY created_at")).fetch_all(db.pool()).await?;
+    rows.iter().map(user_from_row).collect()
+}
+
+pub async fn count(db: &Db) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(db.pool()).await?)
+}
+
+/// Adds a user; a taken name is a unique violation (`StoreError::is_unique_violation`).
+pub async fn insert(db: &Db, user: &StoredUser) -> Result<()> {
+    sqlx::query("INSERT INTO users (id, username, role, password_hash, created_at) VALUES ($1, $2, $3, $4, $5)")
+        .bind(user.id.to_string())
+        .bind(&user.username)
+        .bind(user.role.as_str())
+        .bind(&user.password_hash)
+        .bind(user.created_at)
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+/// The user an API token (by digest) belongs to, marking the token used now.
+pub async fn use_token(db: &Db, digest: &str) -> Result<Option<Uuid>> {
+    let user: Option<String> =
+        sqlx::query_scalar("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
+            .bind(now_ms())
+            .bind(digest)
+            .fetch_optional(db.pool())
+            .await?;
+    user.map(|id| parse_uuid("api_tokens", "user_id", &id)).transpose()
+}
+
+/// Stores a new token's metadata and digest for `user`.
+pub async fn insert_token(db: &Db, user: Uuid, token: &ApiToken, digest: &str) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO api_tokens (id, user_id, name, prefix, token_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(token.id.to_string())
+    .bind(user.to_string())
+    .bind(&token.name)
+    .bind(&token.prefix)
+    .bind(digest)
+    .bind(token.created_at.timestamp_millis())
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+fn token_from_row(row: &AnyRow) -> Result<ApiToken> {
+    Ok(ApiToken {
+        id: parse_uuid("api_tokens", "id", &row.try_get::<String, _>("id")?)?,
+        name: row.try_get("name")?,
+        prefix: row.try_get("prefix")?,
+        owner: row.try_get("username")?,
+        created_at: db::time(row.try_get("created_at")?),
+        last_used_at: db::opt_time(row.try_get("last_used_at")?),
+    })
+}
+
+/// The tokens in `scope`, oldest first.
+pub async fn list_tokens(db: &Db, scope: &Scope) -> Result<Vec<ApiToken>> {
+    let rows = sqlx::query(
+        "SELECT t.id, t.name, t.prefix, t.created_at, t.last_used_at, u.username FROM api_tokens t \
+         JOIN users u ON u.id = t.user_id WHERE ($1 IS NULL OR t.user_id = $1) ORDER BY t.created_at",
+    )
+    .bind(scope.owner_filter())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter().map(token_from_row).collect()
+}
+
+/// Deletes a token in `scope`; returns the digests deleted (none when it is not there).
+pub async fn delete_token(db: &Db, scope: &Scope, id: Uuid) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar("DELETE FROM api_tokens WHERE id = $1 AND ($2 IS NULL OR user_id = $2) RETURNING token_hash")
+        .bind(id.to_string())
+        .bind(scope.owner_filter())
+        .fetch_all(db.pool())
+        .await?)
+}
