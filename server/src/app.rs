@@ -19,7 +19,7 @@ use crate::auth::session::SessionKeys;
 use crate::config::Config;
 use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
-pub use crate::state::AppState;
+use crate::state::AppState;
 use crate::store::db::Db;
 use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
 

@@ -50,8 +50,6 @@ pub enum Error {
     /// Something the code relies on did not hold: a bug, logged and answered with a 500.
     #[error("internal invariant broken: {0}")]
     Invariant(&'static str),
-    #[error(transparent)]
-    Internal(#[from] anyhow::Error),
 }
 
 impl Error {
@@ -80,8 +78,7 @@ impl Error {
             | Error::Task(_)
             | Error::PasswordHash(_)
             | Error::Encode(_)
-            | Error::Invariant(_)
-            | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            | Error::Invariant(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -102,8 +99,7 @@ impl Error {
             | Error::Task(_)
             | Error::PasswordHash(_)
             | Error::Encode(_)
-            | Error::Invariant(_)
-            | Error::Internal(_) => "internal",
+            | Error::Invariant(_) => "internal",
         }
     }
 

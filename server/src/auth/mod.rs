@@ -29,11 +29,6 @@ impl Principal {
         self.role == Role::Admin
     }
 
-    /// The owner id queries filter on: `None` for admins, who see everything.
-    pub fn owner_filter(&self) -> Option<String> {
-        (!self.is_admin()).then(|| self.id.to_string())
-    }
-
     /// The rows this caller may see: everything for admins, their own otherwise.
     pub fn scope(&self) -> Scope {
         if self.is_admin() {

@@ -8,8 +8,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde_json::{json, Value};
-use tessera_server::app::{router, AppState};
+use tessera_server::app::router;
 use tessera_server::config::Config;
+use tessera_server::state::AppState;
 
 pub const ADMIN_PASSWORD: &str = "admin-password-for-tests";
 pub const WORKER_TOKEN: &str = "worker-token-for-tests";
