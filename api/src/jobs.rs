@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use crate::train::{TrainJob, TrainProgress};
+use crate::train::{TrainJob, TrainProgress, TrainSpec};
 
 /// `queued → leased → running → succeeded | failed | cancelled`; an expired lease puts a
 /// leased or running job back to `queued`.
@@ -83,13 +83,69 @@ impl JobSpec {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct CreateJob {
+/// `POST /api/v1/jobs`, in one of two shapes told apart by `spec`: a training job writes
+/// its fields at the top level (issue 6's body, [`TrainSpec`]); a job of any other kind
+/// nests its spec, tagged by `kind`, under `spec` ([`GenericJob`]).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum CreateJob {
+    Train(TrainSpec),
+    Generic(GenericJob),
+}
+
+impl CreateJob {
+    /// Reads a body. A mistake comes back with the JSON path of the field at fault
+    /// (`task.validation_split`, `spec.model`; `.` when a field is missing).
+    pub fn from_json(body: serde_json::Value) -> Result<CreateJob, serde_path_to_error::Error<serde_json::Error>> {
+        if body.get("spec").is_some() {
+            serde_path_to_error::deserialize(body).map(CreateJob::Generic)
+        } else {
+            serde_path_to_error::deserialize(body).map(CreateJob::Train)
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        match self {
+            CreateJob::Train(train) => &train.name,
+            CreateJob::Generic(job) => &job.name,
+        }
+    }
+
+    pub fn max_attempts(&self) -> Option<u32> {
+        match self {
+            CreateJob::Train(train) => train.max_attempts,
+            CreateJob::Generic(job) => job.max_attempts,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CreateJob {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<CreateJob, D::Error> {
+        let body = serde_json::Value::deserialize(deserializer)?;
+        CreateJob::from_json(body).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A job of a kind other than training: `{"name", "spec": {"kind": …}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct GenericJob {
     pub name: String,
-    /// `{"kind": "prefetch", "model": "<model id or name>"}`
-    pub spec: serde_json::Value,
+    pub spec: GenericSpec,
     /// How many times an expired lease may requeue the job before it fails (default 3).
+    #[serde(default)]
     pub max_attempts: Option<u32>,
+}
+
+/// What a [`GenericJob`] asks for, as the user names it; the server resolves it into a
+/// [`JobSpec`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum GenericSpec {
+    /// Warm a worker's model cache ([`JobSpec::Prefetch`]).
+    Prefetch {
+        /// The id or name of a model.
+        model: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -128,4 +184,29 @@ pub struct MetricPoint {
     pub value: f64,
     #[serde(default)]
     pub at: Option<DateTime<Utc>>,
+}
+
+#[cfg(test)]
+mod create_job_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_body_with_spec_is_generic_and_one_without_is_training() {
+        let generic = CreateJob::from_json(json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}}));
+        let expected = GenericJob { name: "warm".into(), spec: GenericSpec::Prefetch { model: "tiny".into() }, max_attempts: None };
+        assert_eq!(generic.unwrap(), CreateJob::Generic(expected));
+        let train = CreateJob::from_json(json!({"name": "digits", "max_attempts": 2, "seed": 1}));
+        assert_eq!(train.unwrap_err().path().to_string(), ".", "a training body missing fields");
+    }
+
+    #[test]
+    fn mistakes_are_named_by_their_path() {
+        let error = CreateJob::from_json(json!({"name": "n", "learning_rate": 0.1})).unwrap_err();
+        assert_eq!(error.path().to_string(), "learning_rate");
+        let error = CreateJob::from_json(json!({"name": "n", "spec": {"kind": "prefetch"}})).unwrap_err();
+        assert!(error.to_string().starts_with("spec"), "{error}");
+        assert!(error.to_string().contains("model"), "{error}");
+    }
 }

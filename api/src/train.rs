@@ -2,9 +2,9 @@
 //! wire types of the training side of the worker protocol (metrics, AutoLRS stage
 //! records, checkpoints).
 //!
-//! The user's body (`POST /api/v1/jobs`) is [`CreateTrainJob`]: `name` plus a
-//! [`TrainSpec`] at the top level. The server checks it, resolves the model and dataset
-//! names to ids, and queues a [`crate::jobs::JobSpec::Train`] holding a [`TrainJob`].
+//! The user's body (`POST /api/v1/jobs`, one of the shapes of [`crate::jobs::CreateJob`])
+//! is a [`TrainSpec`]. The server checks it, resolves the model and dataset names to ids,
+//! and queues a [`crate::jobs::JobSpec::Train`] holding a [`TrainJob`].
 
 use std::collections::BTreeMap;
 
@@ -37,21 +37,17 @@ impl std::fmt::Display for SpecError {
 
 impl std::error::Error for SpecError {}
 
-/// `POST /api/v1/jobs` for training: `name`, the spec's fields at the top level, and
-/// optionally how many lease expiries the job survives.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct CreateTrainJob {
-    pub name: String,
-    #[serde(flatten)]
-    pub spec: TrainSpec,
-    /// How many times an expired lease may requeue the job before it fails (default 3).
-    #[serde(default)]
-    pub max_attempts: Option<u32>,
-}
-
-/// A training run as the user writes it (issue 6's example body, without `name`).
+/// `POST /api/v1/jobs` for a training job (issue 6's body): a name, the run's fields at
+/// the top level, and optionally how many lease expiries the job survives. Unknown
+/// fields are refused, so a misspelt one is named in the 422 instead of ignored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct TrainSpec {
+    /// 1 to 200 characters.
+    pub name: String,
+    /// How many times an expired lease may requeue the job before it fails (default 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
     pub model: ModelChoice,
     /// Dataset id, or the name of one of your datasets.
     pub dataset: String,
@@ -509,36 +505,36 @@ mod tests {
 
     #[test]
     fn the_issue_example_body_parses_and_validates() {
-        let job: CreateTrainJob = serde_json::from_str(EXAMPLE).unwrap();
+        let job: TrainSpec = serde_json::from_str(EXAMPLE).unwrap();
         assert_eq!(job.name, "digits");
-        assert_eq!(job.spec.model, ModelChoice::Builtin(BuiltinModel::Mlp { hidden: vec![64] }));
+        assert_eq!(job.model, ModelChoice::Builtin(BuiltinModel::Mlp { hidden: vec![64] }));
         assert_eq!(
-            job.spec.lr_schedule,
+            job.lr_schedule,
             LrSchedule::Autolrs { min_lr: 1e-4, max_lr: 1.0, tau_prime: 100, tau: 1000, k: 10, tau_max: 8000 }
         );
-        assert_eq!(job.spec.optimizer, OptimizerSpec::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 });
-        job.spec.validate().unwrap();
+        assert_eq!(job.optimizer, OptimizerSpec::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 });
+        job.validate().unwrap();
     }
 
     #[test]
     fn a_registered_model_is_named_by_a_string() {
         let body = EXAMPLE.replace(r#"{"kind":"mlp","hidden":[64]}"#, r#""minilm""#);
-        let job: CreateTrainJob = serde_json::from_str(&body).unwrap();
-        assert_eq!(job.spec.model, ModelChoice::Registered("minilm".into()));
+        let job: TrainSpec = serde_json::from_str(&body).unwrap();
+        assert_eq!(job.model, ModelChoice::Registered("minilm".into()));
     }
 
     #[test]
     fn validation_names_the_field() {
-        let mut job: CreateTrainJob = serde_json::from_str(EXAMPLE).unwrap();
-        job.spec.task.validation_split = 1.0;
-        assert_eq!(job.spec.validate().unwrap_err().field, "task.validation_split");
-        job.spec.task.validation_split = 0.2;
-        job.spec.lr_schedule =
+        let mut job: TrainSpec = serde_json::from_str(EXAMPLE).unwrap();
+        job.task.validation_split = 1.0;
+        assert_eq!(job.validate().unwrap_err().field, "task.validation_split");
+        job.task.validation_split = 0.2;
+        job.lr_schedule =
             LrSchedule::Autolrs { min_lr: 1.0, max_lr: 0.1, tau_prime: 100, tau: 1000, k: 10, tau_max: 8000 };
-        assert_eq!(job.spec.validate().unwrap_err().field, "lr_schedule.max_lr");
-        job.spec.lr_schedule = LrSchedule::Constant { lr: 0.1 };
-        job.spec.batch_size = 0;
-        assert_eq!(job.spec.validate().unwrap_err().field, "batch_size");
+        assert_eq!(job.validate().unwrap_err().field, "lr_schedule.max_lr");
+        job.lr_schedule = LrSchedule::Constant { lr: 0.1 };
+        job.batch_size = 0;
+        assert_eq!(job.validate().unwrap_err().field, "batch_size");
     }
 
     #[test]

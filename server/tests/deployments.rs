@@ -80,7 +80,7 @@ async fn a_replica_whose_worker_dies_is_placed_again() {
     server.post(&dead, &format!("/agent/jobs/{job}/status"), json!({"state": "running", "endpoint": "http://127.0.0.1:9/r"})).await;
     // No heartbeat: the lease runs out and the server's expiry loop requeues the replica.
     tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
-    tessera_server::jobs::queue::expire_leases(&server.state.db).await.unwrap();
+    tessera_server::store::jobs::expire_leases(&server.state.db).await.unwrap();
     let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
     assert_eq!(deployment["state"], "pending", "{deployment}");
     let (_, alive) = server.register_worker("alive").await;

@@ -7,8 +7,8 @@ use std::collections::HashSet;
 
 use support::{backends, Backend, TestServer};
 use tessera_api::jobs::JobSpec;
-use tessera_server::fleet::slices::Free;
-use tessera_server::jobs::{self, queue};
+use tessera_server::store::jobs::{self as queue, NewJob};
+use tessera_server::store::slices::Free;
 use uuid::Uuid;
 
 async fn admin_id(server: &TestServer) -> Uuid {
@@ -24,7 +24,8 @@ async fn enqueue(server: &TestServer, n: usize, max_attempts: u32) -> Vec<Uuid> 
     let mut ids = Vec::new();
     for i in 0..n {
         let spec = JobSpec::Prefetch { model: Uuid::new_v4() };
-        ids.push(jobs::insert(&server.state.db, owner, &format!("job {i}"), &spec, max_attempts, Default::default()).await.unwrap());
+        let name = format!("job {i}");
+        ids.push(queue::insert(&server.state.db, &NewJob::new(owner, &name, &spec, max_attempts)).await.unwrap());
     }
     ids
 }
@@ -92,7 +93,10 @@ async fn claim_takes_oldest_job_of_a_kind_the_worker_runs() {
         let server = TestServer::start(backend).await;
         let jobs = enqueue(&server, 2, 3).await;
         let worker = workers(&server, 1).await[0];
-        assert!(queue::claim(&server.state.db, worker, &["train".into()], 1000, &Free::default()).await.unwrap().is_none());
+        assert!(queue::claim(&server.state.db, worker, &["train".into()], 1000, &Free::default())
+            .await
+            .unwrap()
+            .is_none());
         let first = queue::claim(&server.state.db, worker, &kinds(), 1000, &Free::default()).await.unwrap().unwrap();
         assert_eq!(first.job_id, jobs[0]);
         assert_eq!(first.attempt, 1);
@@ -114,7 +118,8 @@ async fn lease_expires_and_job_is_requeued() {
         // The first worker's renewal now fails: it must stop.
         let lost = queue::renew(&server.state.db, worker[0], &[job], 60_000).await.unwrap();
         assert_eq!(lost, vec![job]);
-        let again = queue::claim(&server.state.db, worker[1], &kinds(), 60_000, &Free::default()).await.unwrap().unwrap();
+        let again =
+            queue::claim(&server.state.db, worker[1], &kinds(), 60_000, &Free::default()).await.unwrap().unwrap();
         assert_eq!((again.job_id, again.attempt), (job, 2));
     }
 }

@@ -8,84 +8,32 @@ use axum::body::Body;
 use axum::extract::{Multipart, State};
 use axum::http::{header, StatusCode};
 use axum::response::Response;
-use sqlx::any::AnyRow;
-use sqlx::Row;
-use tessera_api::datasets::{Dataset, DatasetColumn, DatasetFormat};
+use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::auth::{AgentAuth, Principal};
-use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
+use crate::state::AppState;
+use crate::store::datasets as store;
+use crate::store::{db, jobs, Scope};
 use inspect::InspectError;
 
 const TOO_LARGE: &str = "The dataset is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).";
 
-const COLUMNS: &str =
-    "d.id, d.name, d.digest, d.format, d.columns, d.num_rows, d.size_bytes, d.created_at, u.username AS owner";
-
-fn from_row(row: &AnyRow) -> Result<Dataset> {
-    let id: String = row.try_get("id")?;
-    let format: String = row.try_get("format")?;
-    let columns: String = row.try_get("columns")?;
-    Ok(Dataset {
-        id: id.parse().map_err(|e| anyhow::anyhow!("bad dataset id {id}: {e}"))?,
-        name: row.try_get("name")?,
-        digest: row.try_get("digest")?,
-        format: DatasetFormat::parse(&format).ok_or_else(|| anyhow::anyhow!("bad dataset format {format}"))?,
-        columns: serde_json::from_str::<Vec<DatasetColumn>>(&columns)
-            .map_err(|e| anyhow::anyhow!("stored dataset columns unreadable: {e}"))?,
-        rows: row.try_get::<i64, _>("num_rows")? as u64,
-        size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
-        owner: row.try_get("owner")?,
-        created_at: db::time(row.try_get("created_at")?),
-    })
-}
-
-/// A dataset by id; `None` for the principal means no ownership check (workers).
-async fn get_visible(state: &AppState, principal: Option<&Principal>, id: Uuid) -> Result<Dataset> {
-    let row = sqlx::query(&format!(
-        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.id = $1 AND ($2 IS NULL OR d.owner_id = $2)"
-    ))
-    .bind(id.to_string())
-    .bind(principal.and_then(Principal::owner_filter))
-    .fetch_optional(state.db.pool())
-    .await?
-    .ok_or_else(|| Error::not_found("Dataset"))?;
-    from_row(&row)
-}
-
-async fn find_by_name(state: &AppState, owner: Uuid, name: &str) -> Result<Option<Dataset>> {
-    let row = sqlx::query(&format!(
-        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.owner_id = $1 AND d.name = $2"
-    ))
-    .bind(owner.to_string())
-    .bind(name)
-    .fetch_optional(state.db.pool())
-    .await?;
-    row.as_ref().map(from_row).transpose()
+/// A dataset `scope` may see; 404 otherwise.
+pub async fn find(state: &AppState, scope: &Scope, id: Uuid) -> Result<Dataset> {
+    store::get(&state.db, scope, id).await?.ok_or_else(|| Error::not_found("Dataset"))
 }
 
 /// A dataset the principal may use, by id, or by name among the principal's own.
 pub async fn resolve(state: &AppState, principal: &Principal, id_or_name: &str) -> Result<Dataset> {
     if let Ok(id) = id_or_name.parse::<Uuid>() {
-        return get_visible(state, Some(principal), id).await;
+        return find(state, &principal.scope(), id).await;
     }
-    find_by_name(state, principal.id, id_or_name)
+    store::find_by_name(&state.db, principal.id, id_or_name)
         .await?
         .ok_or_else(|| Error::not_found(&format!("Dataset '{id_or_name}'")))
-}
-
-pub async fn list_visible(state: &AppState, principal: &Principal) -> Result<Vec<Dataset>> {
-    let rows = sqlx::query(&format!(
-        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id \
-         WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.created_at DESC"
-    ))
-    .bind(principal.owner_filter())
-    .fetch_all(state.db.pool())
-    .await?;
-    rows.iter().map(from_row).collect()
 }
 
 /// The format from the file name, else from the first byte (`{` starts a JSONL line).
@@ -145,7 +93,7 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
     let (file_name, blob, digest) = received
         .file
         .ok_or_else(|| invalid("Attach the data as a file part named 'file' (CSV with a header row, or JSONL)."))?;
-    if find_by_name(state, owner.id, &name).await?.is_some() {
+    if store::find_by_name(&state.db, owner.id, &name).await?.is_some() {
         return Err(Error::Conflict(format!(
             "You already have a dataset named '{name}'; delete it or pick another name."
         )));
@@ -161,72 +109,52 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
         })();
         (blob, checked)
     })
-    .await
-    .map_err(|e| Error::Internal(e.into()))?;
+    .await?;
     let (format, summary) = checked.map_err(|e| match e {
         InspectError::Io(io) => Error::Io(io),
         other => invalid(format!("The {} file is not valid: {other}", "dataset")),
     })?;
 
-    let id = Uuid::new_v4();
-    let size_bytes = blob.size();
-    let created_at = now_ms();
-    // The blob goes in place before the row that references it; the registry lock keeps
-    // a concurrent delete from collecting it in between.
-    let _guard = state.registry_lock.lock().await;
-    state.blobs.commit(blob).await?;
-    let inserted = sqlx::query(
-        "INSERT INTO datasets (id, owner_id, name, digest, format, columns, num_rows, size_bytes, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-    )
-    .bind(id.to_string())
-    .bind(owner.id.to_string())
-    .bind(&name)
-    .bind(&digest)
-    .bind(format.as_str())
-    .bind(serde_json::to_string(&summary.columns).map_err(|e| anyhow::anyhow!(e))?)
-    .bind(summary.rows as i64)
-    .bind(size_bytes as i64)
-    .bind(created_at)
-    .execute(state.db.pool())
-    .await;
-    if let Err(e) = inserted {
-        registry::collect_garbage(state, vec![digest]).await?;
-        return Err(if db::is_unique_violation(&e) {
-            Error::Conflict(format!("You already have a dataset named '{name}'; delete it or pick another name."))
-        } else {
-            e.into()
-        });
-    }
-    Ok(Dataset {
-        id,
+    let dataset = Dataset {
+        id: Uuid::new_v4(),
         name,
         digest,
         format,
         columns: summary.columns,
         rows: summary.rows,
-        size_bytes,
+        size_bytes: blob.size(),
         owner: owner.username.clone(),
-        created_at: db::time(created_at),
-    })
+        created_at: db::time(db::now_ms()),
+    };
+    // The blob goes in place before the row that references it; the registry lock keeps
+    // a concurrent delete from collecting it in between.
+    let _guard = state.registry_lock.lock().await;
+    state.blobs.commit(blob).await?;
+    if let Err(e) = store::insert(&state.db, owner.id, &dataset).await {
+        registry::collect_garbage(state, vec![dataset.digest]).await?;
+        return Err(if e.is_unique_violation() {
+            Error::Conflict(format!(
+                "You already have a dataset named '{}'; delete it or pick another name.",
+                dataset.name
+            ))
+        } else {
+            e.into()
+        });
+    }
+    Ok(dataset)
 }
 
 /// Deletes a dataset no unfinished job reads; its file goes unless shared.
-pub async fn delete_visible(state: &AppState, principal: &Principal, id: Uuid) -> Result<()> {
-    let dataset = get_visible(state, Some(principal), id).await?;
+pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
+    let dataset = find(state, scope, id).await?;
     let _guard = state.registry_lock.lock().await;
-    let in_use: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN ('queued', 'leased', 'running')",
-    )
-    .bind(id.to_string())
-    .fetch_one(state.db.pool())
-    .await?;
+    let in_use = jobs::unfinished_reading(&state.db, id).await?;
     if in_use > 0 {
         return Err(Error::Conflict(format!(
             "{in_use} unfinished training job(s) read this dataset; cancel them or wait until they end."
         )));
     }
-    sqlx::query("DELETE FROM datasets WHERE id = $1").bind(id.to_string()).execute(state.db.pool()).await?;
+    store::delete(&state.db, id).await?;
     registry::collect_garbage(state, vec![dataset.digest]).await
 }
 
@@ -252,7 +180,7 @@ pub async fn upload(
 #[utoipa::path(get, path = "/api/v1/datasets", tag = "datasets", security(("bearer" = [])),
     responses((status = 200, body = Vec<Dataset>)))]
 pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<Dataset>>> {
-    Ok(ApiJson(list_visible(&state, &principal).await?))
+    Ok(ApiJson(store::list(&state.db, &principal.scope()).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/datasets/{id}", tag = "datasets", security(("bearer" = [])),
@@ -262,7 +190,7 @@ pub async fn get(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<ApiJson<Dataset>> {
-    Ok(ApiJson(get_visible(&state, Some(&principal), id).await?))
+    Ok(ApiJson(find(&state, &principal.scope(), id).await?))
 }
 
 /// Delete a dataset (refused while an unfinished job reads it).
@@ -274,13 +202,12 @@ pub async fn delete(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<StatusCode> {
-    delete_visible(&state, &principal, id).await?;
+    delete_visible(&state, &principal.scope(), id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> {
-    let path =
-        state.blobs.path(&dataset.digest).ok_or_else(|| anyhow::anyhow!("malformed digest {}", dataset.digest))?;
+    let path = state.blobs.path(&dataset.digest).ok_or(Error::Invariant("a stored dataset digest is malformed"))?;
     let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(path).await?);
     let content_type = match dataset.format {
         DatasetFormat::Csv => "text/csv; charset=utf-8",
@@ -291,7 +218,7 @@ async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> 
         .header(header::CONTENT_LENGTH, dataset.size_bytes)
         .header(header::ETAG, format!("\"{}\"", dataset.digest))
         .body(Body::from_stream(stream))
-        .map_err(|e| Error::Internal(e.into()))
+        .map_err(|_| Error::Invariant("a file response's headers are valid"))
 }
 
 /// Download a dataset's file, byte for byte as uploaded.
@@ -303,7 +230,7 @@ pub async fn download(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Response> {
-    let dataset = get_visible(&state, Some(&principal), id).await?;
+    let dataset = find(&state, &principal.scope(), id).await?;
     file_response(&state, &dataset).await
 }
 
@@ -315,7 +242,7 @@ pub async fn agent_get(
     _agent: AgentAuth,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<ApiJson<Dataset>> {
-    Ok(ApiJson(get_visible(&state, None, id).await?))
+    Ok(ApiJson(find(&state, &Scope::all(), id).await?))
 }
 
 /// A worker downloading a dataset's file for a training job; check it against the
@@ -328,7 +255,7 @@ pub async fn agent_download(
     _agent: AgentAuth,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Response> {
-    let dataset = get_visible(&state, None, id).await?;
+    let dataset = find(&state, &Scope::all(), id).await?;
     file_response(&state, &dataset).await
 }
 

@@ -9,14 +9,14 @@ use axum::body::Body;
 use axum::extract::Multipart;
 use axum::http::header;
 use axum::response::Response;
-use sqlx::Row;
 use tessera_api::train::{Checkpoint, CheckpointFile};
 use uuid::Uuid;
 
-use crate::app::AppState;
-use crate::store::db::{self, now_ms};
 use crate::error::{Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
+use crate::state::AppState;
+use crate::store::db::{self, now_ms};
+use crate::store::training::{self as store, Steps};
 
 /// Checkpoints kept per job (the newest by step).
 pub const KEEP: i64 = 5;
@@ -79,22 +79,10 @@ async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<(i64, Ve
     Ok((step, files))
 }
 
-/// Digests of the files of `job`'s checkpoints matching `filter` (a SQL condition on `step`).
-async fn digests_where(state: &AppState, job: &str, condition: &str, bound: i64) -> Result<Vec<String>> {
-    let rows = sqlx::query(&format!("SELECT digest FROM checkpoint_files WHERE job_id = $1 AND {condition}"))
-        .bind(job)
-        .bind(bound)
-        .fetch_all(state.db.pool())
-        .await?;
-    rows.iter().map(|r| Ok(r.try_get("digest")?)).collect()
-}
-
 /// Stores an uploaded checkpoint of `job` (replacing one at the same step) and drops
 /// checkpoints beyond the newest `KEEP`.
 pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> Result<Checkpoint> {
     let (step, files) = receive(multipart, state).await?;
-    let job_id = job.to_string();
-    let now = now_ms();
     let size: u64 = files.iter().map(|(_, blob, _)| blob.size()).sum();
     let _guard = state.registry_lock.lock().await;
     let mut stored = Vec::with_capacity(files.len());
@@ -102,87 +90,22 @@ pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> R
         stored.push(CheckpointFile { name, digest, size_bytes: blob.size() });
         state.blobs.commit(blob).await?;
     }
-    let mut released = digests_where(state, &job_id, "step = $2", step).await?;
-    let mut tx = state.db.begin().await?;
-    sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step = $2")
-        .bind(&job_id)
-        .bind(step)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("INSERT INTO checkpoints (job_id, step, size_bytes, created_at) VALUES ($1, $2, $3, $4)")
-        .bind(&job_id)
-        .bind(step)
-        .bind(size as i64)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-    for file in &stored {
-        sqlx::query(
-            "INSERT INTO checkpoint_files (job_id, step, name, digest, size_bytes) VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(&job_id)
-        .bind(step)
-        .bind(&file.name)
-        .bind(&file.digest)
-        .bind(file.size_bytes as i64)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
+    let checkpoint =
+        Checkpoint { job_id: job, step: step as u64, size_bytes: size, files: stored, created_at: db::time(now_ms()) };
+    let mut released = store::checkpoint_digests(&state.db, job, Steps::At(step)).await?;
+    store::replace_checkpoint(&state.db, &checkpoint).await?;
     // The step below which checkpoints are dropped: the KEEP-th newest.
-    let cutoff: Option<i64> =
-        sqlx::query_scalar("SELECT step FROM checkpoints WHERE job_id = $1 ORDER BY step DESC LIMIT 1 OFFSET $2")
-            .bind(&job_id)
-            .bind(KEEP - 1)
-            .fetch_optional(state.db.pool())
-            .await?;
-    if let Some(cutoff) = cutoff {
-        released.extend(digests_where(state, &job_id, "step < $2", cutoff).await?);
-        sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step < $2")
-            .bind(&job_id)
-            .bind(cutoff)
-            .execute(state.db.pool())
-            .await?;
+    if let Some(cutoff) = store::nth_newest_checkpoint(&state.db, job, KEEP).await? {
+        released.extend(store::checkpoint_digests(&state.db, job, Steps::Before(cutoff)).await?);
+        store::delete_checkpoints_before(&state.db, job, cutoff).await?;
     }
     registry::collect_garbage(state, released).await?;
-    Ok(Checkpoint { job_id: job, step: step as u64, size_bytes: size, files: stored, created_at: db::time(now) })
+    Ok(checkpoint)
 }
 
 /// A job's checkpoints, oldest step first.
 pub async fn list(state: &AppState, job: Uuid) -> Result<Vec<Checkpoint>> {
-    let job_id = job.to_string();
-    let rows = sqlx::query("SELECT step, size_bytes, created_at FROM checkpoints WHERE job_id = $1 ORDER BY step")
-        .bind(&job_id)
-        .fetch_all(state.db.pool())
-        .await?;
-    let files = sqlx::query(
-        "SELECT step, name, digest, size_bytes FROM checkpoint_files WHERE job_id = $1 ORDER BY step, name",
-    )
-    .bind(&job_id)
-    .fetch_all(state.db.pool())
-    .await?;
-    let mut checkpoints = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let step: i64 = row.try_get("step")?;
-        let mut own = Vec::new();
-        for file in &files {
-            if file.try_get::<i64, _>("step")? == step {
-                own.push(CheckpointFile {
-                    name: file.try_get("name")?,
-                    digest: file.try_get("digest")?,
-                    size_bytes: file.try_get::<i64, _>("size_bytes")? as u64,
-                });
-            }
-        }
-        checkpoints.push(Checkpoint {
-            job_id: job,
-            step: step as u64,
-            size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
-            files: own,
-            created_at: db::time(row.try_get("created_at")?),
-        });
-    }
-    Ok(checkpoints)
+    Ok(store::checkpoints(&state.db, job).await?)
 }
 
 pub async fn latest(state: &AppState, job: Uuid) -> Result<Option<Checkpoint>> {
@@ -191,23 +114,17 @@ pub async fn latest(state: &AppState, job: Uuid) -> Result<Option<Checkpoint>> {
 
 /// One file of one checkpoint, streamed from the blob store.
 pub async fn file_response(state: &AppState, job: Uuid, step: u64, name: &str) -> Result<Response> {
-    let row =
-        sqlx::query("SELECT digest, size_bytes FROM checkpoint_files WHERE job_id = $1 AND step = $2 AND name = $3")
-            .bind(job.to_string())
-            .bind(step as i64)
-            .bind(name)
-            .fetch_optional(state.db.pool())
-            .await?
-            .ok_or_else(|| Error::not_found(&format!("Checkpoint file '{name}' at step {step}")))?;
-    let digest: String = row.try_get("digest")?;
-    let size: i64 = row.try_get("size_bytes")?;
-    let path = state.blobs.path(&digest).ok_or_else(|| anyhow::anyhow!("malformed digest {digest}"))?;
+    let file = store::checkpoint_file(&state.db, job, step, name)
+        .await?
+        .ok_or_else(|| Error::not_found(&format!("Checkpoint file '{name}' at step {step}")))?;
+    let path =
+        state.blobs.path(&file.digest).ok_or(Error::Invariant("a stored checkpoint file digest is malformed"))?;
     let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(path).await?);
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, size)
-        .header(header::ETAG, format!("\"{digest}\""))
+        .header(header::CONTENT_LENGTH, file.size_bytes)
+        .header(header::ETAG, format!("\"{}\"", file.digest))
         .header(header::CONTENT_DISPOSITION, format!("attachment; filename=\"step{step}-{name}\""))
         .body(Body::from_stream(stream))
-        .map_err(|e| Error::Internal(e.into()))
+        .map_err(|_| Error::Invariant("a file response's headers are valid"))
 }

@@ -3,12 +3,12 @@
 //! its search ends and again when its exploitation ends; the later report replaces the
 //! earlier one.
 
-use sqlx::Row;
 use tessera_api::train::{LrStage, LrStageRecord};
 use uuid::Uuid;
 
-use crate::store::db::{self, now_ms, Db};
 use crate::error::{Error, Result};
+use crate::store::db::{now_ms, Db};
+use crate::store::training as store;
 
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid("invalid_lr_stage", message)
@@ -33,31 +33,9 @@ fn check(record: &LrStageRecord) -> Result<()> {
 
 pub async fn store(db: &Db, job: Uuid, record: &LrStageRecord) -> Result<()> {
     check(record)?;
-    // serde_json writes non-finite floats (a diverged forecast) as null.
-    let text = serde_json::to_string(record).map_err(|e| anyhow::anyhow!(e))?;
-    sqlx::query(
-        "INSERT INTO lr_stages (job_id, stage, record, updated_at) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (job_id, stage) DO UPDATE SET record = excluded.record, updated_at = excluded.updated_at",
-    )
-    .bind(job.to_string())
-    .bind(record.stage as i64)
-    .bind(text)
-    .bind(now_ms())
-    .execute(db.pool())
-    .await?;
-    Ok(())
+    Ok(store::upsert_lr_stage(db, job, record, now_ms()).await?)
 }
 
 pub async fn read(db: &Db, job: Uuid) -> Result<Vec<LrStage>> {
-    let rows = sqlx::query("SELECT record, updated_at FROM lr_stages WHERE job_id = $1 ORDER BY stage")
-        .bind(job.to_string())
-        .fetch_all(db.pool())
-        .await?;
-    rows.iter()
-        .map(|row| {
-            let text: String = row.try_get("record")?;
-            let record = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("stored lr stage unreadable: {e}"))?;
-            Ok(LrStage { record, updated_at: db::time(row.try_get("updated_at")?) })
-        })
-        .collect()
+    Ok(store::lr_stages(db, job).await?)
 }

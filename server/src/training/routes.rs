@@ -9,10 +9,10 @@ use tessera_api::train::{Checkpoint, LrStage, LrStageRecord, TrainingMetrics};
 use uuid::Uuid;
 
 use super::{checkpoints, lr_stages, metrics};
-use crate::app::AppState;
 use crate::auth::{AgentAuth, Principal};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::jobs;
+use crate::state::AppState;
 use crate::workers::agent::check_lease;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -33,7 +33,7 @@ pub async fn job_metrics(
     ApiPath(id): ApiPath<Uuid>,
     Query(query): Query<MetricsQuery>,
 ) -> Result<ApiJson<TrainingMetrics>> {
-    jobs::get_visible(&state.db, &principal, id).await?;
+    jobs::find(&state.db, &principal.scope(), id).await?;
     if query.max_points.is_some_and(|n| n < 4) {
         return Err(Error::BadRequest("max_points must be at least 4 (the ends and one bucket's min and max).".into()));
     }
@@ -49,7 +49,7 @@ pub async fn job_lr_stages(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<ApiJson<Vec<LrStage>>> {
-    jobs::get_visible(&state.db, &principal, id).await?;
+    jobs::find(&state.db, &principal.scope(), id).await?;
     Ok(ApiJson(lr_stages::read(&state.db, id).await?))
 }
 
@@ -61,7 +61,7 @@ pub async fn job_checkpoints(
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<ApiJson<Vec<Checkpoint>>> {
-    jobs::get_visible(&state.db, &principal, id).await?;
+    jobs::find(&state.db, &principal.scope(), id).await?;
     Ok(ApiJson(checkpoints::list(&state, id).await?))
 }
 
@@ -74,7 +74,7 @@ pub async fn checkpoint_file(
     principal: Principal,
     ApiPath((id, step, name)): ApiPath<(Uuid, u64, String)>,
 ) -> Result<Response> {
-    jobs::get_visible(&state.db, &principal, id).await?;
+    jobs::find(&state.db, &principal.scope(), id).await?;
     checkpoints::file_response(&state, id, step, &name).await
 }
 

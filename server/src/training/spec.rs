@@ -1,36 +1,19 @@
-//! A submitted training job: the body is read field by field so a mistake is reported
-//! with its JSON path, then checked against the dataset and model it names, and
-//! resolved into the `JobSpec::Train` a worker receives.
+//! A submitted training job, checked against the dataset and model it names and
+//! resolved into the `TrainJob` a worker receives. The body was parsed once, into
+//! `TrainSpec`, by `jobs`; this adds the checks that need the database.
 
 use serde_json::Value;
-use sqlx::Row;
 use tessera_api::datasets::{ColumnType, Dataset, DatasetColumn};
-use tessera_api::jobs::JobSpec;
 use tessera_api::train::{
     BuiltinModel, ModelChoice, SpecError, TaskType, TrainDataset, TrainJob, TrainModel, TrainSpec, TrainTask,
 };
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::auth::Principal;
 use crate::error::{Error, Result};
-use crate::{datasets, jobs, registry};
-
-/// Top-level fields of a training job body.
-const FIELDS: [&str; 12] = [
-    "name",
-    "model",
-    "dataset",
-    "task",
-    "optimizer",
-    "batch_size",
-    "max_steps",
-    "eval_every",
-    "checkpoint_every",
-    "lr_schedule",
-    "seed",
-    "max_attempts",
-];
+use crate::state::AppState;
+use crate::store::models;
+use crate::{datasets, registry};
 
 fn spec_error(error: SpecError) -> Error {
     Error::invalid("invalid_spec", error.to_string())
@@ -38,43 +21,6 @@ fn spec_error(error: SpecError) -> Error {
 
 fn field_error(field: &str, message: impl Into<String>) -> Error {
     spec_error(SpecError::new(field, message))
-}
-
-/// Queues a training job from the body of `POST /api/v1/jobs`; returns its id.
-pub async fn submit(state: &AppState, principal: &Principal, body: Value) -> Result<Uuid> {
-    let Value::Object(mut fields) = body else {
-        return Err(Error::BadRequest("The request body must be a JSON object.".into()));
-    };
-    if let Some(unknown) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(field_error(unknown, format!("unknown field; a training job has {}", FIELDS.join(", "))));
-    }
-    let name = match fields.remove("name") {
-        Some(Value::String(name)) if (1..=200).contains(&name.trim().len()) => name.trim().to_string(),
-        _ => return Err(field_error("name", "give the job a name of 1 to 200 characters")),
-    };
-    let max_attempts = match fields.remove("max_attempts") {
-        None | Some(Value::Null) => 3,
-        Some(value) => match value.as_u64() {
-            Some(n @ 1..=100) => n as u32,
-            _ => return Err(field_error("max_attempts", "must be a whole number from 1 to 100")),
-        },
-    };
-    let spec: TrainSpec = serde_path_to_error::deserialize(Value::Object(fields)).map_err(|e| {
-        let path = e.path().to_string();
-        if path.starts_with("model") {
-            field_error("model", "give a registered model's id or name, or {\"kind\":\"mlp\",\"hidden\":[…]}")
-        } else if path == "." {
-            // A missing field: serde's sentence names it.
-            Error::invalid("invalid_spec", e.inner().to_string())
-        } else {
-            field_error(&path, e.inner().to_string())
-        }
-    })?;
-    let (train, dataset) = resolve(state, principal, &spec).await?;
-    let links = jobs::JobLinks { dataset: Some(dataset), ..Default::default() };
-    let id = jobs::insert(&state.db, principal.id, &name, &JobSpec::Train(train), max_attempts, links).await?;
-    tracing::info!(job = %id, user = %principal.username, "training job queued");
-    Ok(id)
 }
 
 fn column<'a>(dataset: &'a Dataset, name: &str, field: &str) -> Result<&'a DatasetColumn> {
@@ -171,13 +117,8 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
             if text == task.label_column {
                 return Err(field_error("task.text_column", "the text column cannot be the label"));
             }
-            let config: String = sqlx::query("SELECT config FROM models WHERE id = $1")
-                .bind(model.id.to_string())
-                .fetch_one(state.db.pool())
+            let num_labels = models::config(&state.db, model.id)
                 .await?
-                .try_get("config")?;
-            let num_labels = serde_json::from_str::<Value>(&config)
-                .ok()
                 .and_then(|c| c.get("num_labels").and_then(Value::as_u64))
                 .map(|n| n as u32);
             let model =

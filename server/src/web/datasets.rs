@@ -9,9 +9,9 @@ use axum::response::{IntoResponse, Redirect, Response};
 use chrono::Utc;
 
 use super::{format, render, with_status, Layout, WebUser};
-use crate::app::AppState;
 use crate::datasets;
 use crate::error::{Error, Result};
+use crate::state::AppState;
 
 struct DatasetRow {
     id: String,
@@ -38,7 +38,7 @@ struct DatasetsPage {
 
 async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: Option<String>) -> Result<DatasetsPage> {
     let now = Utc::now();
-    let rows = datasets::list_visible(state, &user.0)
+    let rows = crate::store::datasets::list(&state.db, &user.0.scope())
         .await?
         .into_iter()
         .map(|d| DatasetRow {
@@ -104,7 +104,7 @@ pub async fn upload(State(state): State<AppState>, user: WebUser, mut multipart:
 pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
     let result = async {
         let id = id.parse().map_err(|_| Error::not_found("Dataset"))?;
-        match datasets::delete_visible(&state, &user.0, id).await {
+        match datasets::delete_visible(&state, &user.0.scope(), id).await {
             Ok(()) => Ok(Redirect::to("/datasets").into_response()),
             Err(error @ Error::Conflict(_)) => with_status(
                 StatusCode::CONFLICT,

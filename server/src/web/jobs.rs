@@ -11,13 +11,14 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
-use tessera_api::jobs::{CreateJob, Job, JobSpec, JobState, MetricPoint};
+use tessera_api::jobs::{CreateJob, GenericJob, GenericSpec, Job, JobSpec, JobState, MetricPoint};
 use tessera_api::train::{TrainModel, TrainingMetrics};
 use uuid::Uuid;
 
 use super::{format, render, training, with_status, Layout, WebUser};
-use crate::app::AppState;
-use crate::error::{ApiPath, Error, Result};
+use crate::error::{Error, Result};
+use crate::state::AppState;
+use crate::store::jobs as store;
 use crate::{jobs, registry, workers};
 
 /// The log lines a job page shows: the latest ones, which is what a person follows.
@@ -82,7 +83,9 @@ fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {
     match text {
         None | Some("") | Some("all") => Ok(None),
         Some(s) => JobState::parse(s).map(Some).ok_or_else(|| {
-            Error::BadRequest(format!("Unknown state {s:?}; use queued, leased, running, succeeded, failed or cancelled."))
+            Error::BadRequest(format!(
+                "Unknown state {s:?}; use queued, leased, running, succeeded, failed or cancelled."
+            ))
         }),
     }
 }
@@ -91,11 +94,12 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
     let result = async {
         let filter = parse_state(query.state.as_deref())?;
         // One read serves both the counts on the tabs and the filtered table.
-        let all = jobs::list_visible(&state.db, &user.0, None).await?;
+        let all = store::list(&state.db, &user.0.scope(), None).await?;
         let names = worker_names(&state).await?;
         let now = Utc::now();
         let state_param = |s: Option<JobState>| s.map(|s| format!("?state={}", s.as_str())).unwrap_or_default();
-        let mut tabs = vec![StateTab { label: "all", href: "/jobs".into(), count: all.len(), active: filter.is_none() }];
+        let mut tabs =
+            vec![StateTab { label: "all", href: "/jobs".into(), count: all.len(), active: filter.is_none() }];
         tabs.extend(JobState::ALL.into_iter().map(|s| StateTab {
             label: s.as_str(),
             href: format!("/jobs{}", state_param(Some(s))),
@@ -304,10 +308,14 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
     }
     if !job.state.is_terminal() {
         if let Some(expiry) = job.lease_expires_at {
-            timings.push(Timing { label: "Lease expires", value: format::ago(expiry, now), detail: format::instant(expiry) });
+            timings.push(Timing {
+                label: "Lease expires",
+                value: format::ago(expiry, now),
+                detail: format::instant(expiry),
+            });
         }
     }
-    let mut lines = jobs::read_logs(&state.db, job.id, 0, LOG_READ_LIMIT).await?;
+    let mut lines = store::logs(&state.db, job.id, 0, LOG_READ_LIMIT).await?;
     let logs_skipped = lines.len().saturating_sub(LOG_TAIL);
     let logs = lines
         .drain(logs_skipped..)
@@ -364,7 +372,7 @@ pub async fn detail(
     Query(query): Query<DetailQuery>,
 ) -> Response {
     let result = async {
-        let job = jobs::get_visible(&state.db, &user.0, parse_id(&id)?).await?;
+        let job = jobs::find(&state.db, &user.0.scope(), parse_id(&id)?).await?;
         let title = job.name.clone();
         let view = job_view(&state, &user, job).await?;
         if query.fragment.is_some() {
@@ -379,11 +387,11 @@ pub async fn detail(
 pub async fn cancel(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
     let result = async {
         let id = parse_id(&id)?;
-        match jobs::cancel(State(state.clone()), user.0.clone(), ApiPath(id)).await {
+        match jobs::cancel_job(&state.db, &user.0, id).await {
             Ok(_) => Ok(Redirect::to(&format!("/jobs/{id}")).into_response()),
             // Already ended: show the job as it is now, with the reason.
             Err(error @ Error::Conflict(_)) => {
-                let job = jobs::get_visible(&state.db, &user.0, id).await?;
+                let job = jobs::find(&state.db, &user.0.scope(), id).await?;
                 let title = job.name.clone();
                 let mut view = job_view(&state, &user, job).await?;
                 view.alert = Some(error.public_message());
@@ -423,7 +431,7 @@ pub struct NewJobForm {
 }
 
 async fn new_job_page(state: &AppState, user: &WebUser, form: NewJobForm, error: Option<String>) -> Result<NewJobPage> {
-    let models = registry::list_visible(state, &user.0)
+    let models = registry::list_visible(state, &user.0.scope())
         .await?
         .into_iter()
         .map(|m| ModelOption { selected: form.model == m.id.to_string(), id: m.id.to_string(), name: m.name })
@@ -462,12 +470,13 @@ async fn submit(state: &AppState, user: &WebUser, form: &NewJobForm) -> Result<J
     if form.model.is_empty() {
         return Err(Error::invalid("invalid_spec", "Pick the model to prefetch; upload one on the Models page first."));
     }
-    let max_attempts = match form.max_attempts.trim() {
-        "" => None,
-        text => Some(text.parse::<u32>().map_err(|_| {
-            Error::invalid("invalid_spec", "Max attempts must be a whole number between 1 and 100.")
-        })?),
-    };
+    let max_attempts =
+        match form.max_attempts.trim() {
+            "" => None,
+            text => Some(text.parse::<u32>().map_err(|_| {
+                Error::invalid("invalid_spec", "Max attempts must be a whole number between 1 and 100.")
+            })?),
+        };
     let name = match form.name.trim() {
         "" => {
             let model = registry::resolve(state, &user.0, &form.model).await?;
@@ -475,13 +484,13 @@ async fn submit(state: &AppState, user: &WebUser, form: &NewJobForm) -> Result<J
         }
         name => name.to_string(),
     };
-    let request = CreateJob {
+    let request = CreateJob::Generic(GenericJob {
         name,
-        spec: serde_json::json!({"kind": "prefetch", "model": form.model}),
+        spec: GenericSpec::Prefetch { model: form.model.clone() },
         max_attempts,
-    };
+    });
     let id = jobs::submit(state, &user.0, request).await?;
-    let job = jobs::get_visible(&state.db, &user.0, id).await?;
+    let job = jobs::find(&state.db, &user.0.scope(), id).await?;
     tracing::info!(job = %job.id, user = %user.0.username, "job submitted from the dashboard");
     Ok(job)
 }

@@ -7,15 +7,15 @@ use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use serde::Deserialize;
-use sqlx::Row;
 use tessera_api::jobs::{Job, JobSpec};
 use tessera_api::train::{LrSchedule, LrStage, TrainingMetrics};
 use uuid::Uuid;
 
 use super::{format, render, Layout, WebUser};
-use crate::app::AppState;
 use crate::error::{ApiJson, Error, Result};
 use crate::jobs;
+use crate::state::AppState;
+use crate::store::training::best_eval as best_of;
 use crate::training::{checkpoints, lr_stages, metrics};
 
 /// Progress of a training job as the list and the job page show it.
@@ -52,17 +52,9 @@ pub async fn progress(state: &AppState, job: &Job) -> Result<Option<ProgressView
 
 /// Highest accuracy if the job reports one, else lowest validation loss.
 async fn best_eval(state: &AppState, job: Uuid) -> Result<String> {
-    for (name, order) in [("accuracy", "DESC"), ("val_loss", "ASC")] {
-        let row = sqlx::query(&format!(
-            "SELECT step, value FROM job_metrics WHERE job_id = $1 AND series = 'eval' AND name = $2 ORDER BY value {order} LIMIT 1"
-        ))
-        .bind(job.to_string())
-        .bind(name)
-        .fetch_optional(state.db.pool())
-        .await?;
-        if let Some(row) = row {
-            let step: i64 = row.try_get("step")?;
-            return Ok(format!("{name} {} @ {step}", format::number(row.try_get("value")?)));
+    for (name, highest) in [("accuracy", true), ("val_loss", false)] {
+        if let Some((step, value)) = best_of(&state.db, job, name, highest).await? {
+            return Ok(format!("{name} {} @ {step}", format::number(value)));
         }
     }
     Ok(String::new())
@@ -234,7 +226,7 @@ pub async fn series(
     Query(query): Query<SeriesQuery>,
 ) -> Result<ApiJson<TrainingMetrics>> {
     let id: Uuid = id.parse().map_err(|_| Error::not_found("Job"))?;
-    jobs::get_visible(&state.db, &user.0, id).await?;
+    jobs::find(&state.db, &user.0.scope(), id).await?;
     let max_points = query.max_points.unwrap_or(1000).clamp(4, 20_000);
     Ok(ApiJson(metrics::read(&state.db, id, Some(max_points)).await?))
 }
@@ -247,7 +239,7 @@ pub async fn checkpoint_file(
 ) -> Response {
     let result = async {
         let id: Uuid = id.parse().map_err(|_| Error::not_found("Job"))?;
-        jobs::get_visible(&state.db, &user.0, id).await?;
+        jobs::find(&state.db, &user.0.scope(), id).await?;
         checkpoints::file_response(&state, id, step, &name).await
     }
     .await;
@@ -282,7 +274,7 @@ pub struct CompareQuery {
 pub async fn compare(State(state): State<AppState>, user: WebUser, Query(query): Query<CompareQuery>) -> Response {
     let result = async {
         let wanted: Vec<&str> = query.ids.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        let rows: Vec<CompareRow> = jobs::list_visible(&state.db, &user.0, None)
+        let rows: Vec<CompareRow> = crate::store::jobs::list(&state.db, &user.0.scope(), None)
             .await?
             .into_iter()
             .filter_map(|job| match &job.spec {

@@ -9,8 +9,8 @@ use serde::Deserialize;
 use tessera_api::workers::{Gpu, Worker, WorkerStatus};
 
 use super::{format, render, Layout, WebUser};
-use crate::app::AppState;
 use crate::error::Result;
+use crate::state::AppState;
 use crate::workers;
 
 struct GpuView {

@@ -6,7 +6,6 @@
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sqlx::Row;
 use tessera_api::jobs::JobState;
 use tessera_api::workers::{
     Assignment, ClaimRequest, Heartbeat, HeartbeatResponse, LogBatch, MetricBatch, RegisterRequest, RegisterResponse,
@@ -14,11 +13,13 @@ use tessera_api::workers::{
 };
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::auth::{secrets, AgentAuth};
-use crate::store::db::{self, now_ms};
 use crate::error::{ApiJson, ApiPath, Error, Result};
-use crate::jobs::queue;
+use crate::state::AppState;
+use crate::store::db::{self, now_ms};
+use crate::store::training::{Point, Series};
+use crate::store::workers::Registration;
+use crate::store::{jobs, slices, workers};
 use crate::training::metrics;
 
 fn check_join_token(state: &AppState, headers: &HeaderMap) -> Result<()> {
@@ -52,37 +53,16 @@ pub async fn register(
     }
     let secret = secrets::generate(secrets::WORKER_SECRET_PREFIX);
     let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
-    let inventory = serde_json::to_string(&request.inventory).map_err(|e| anyhow::anyhow!(e))?;
-    let now = now_ms();
-    // A worker that restarts under its name keeps its id; its old secret stops working.
-    let row = sqlx::query(
-        "INSERT INTO workers (id, name, version, inventory, secret_hash, engine_token, registered_at, last_seen_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7) \
-         ON CONFLICT (name) DO UPDATE SET version = excluded.version, inventory = excluded.inventory, \
-           secret_hash = excluded.secret_hash, engine_token = excluded.engine_token, \
-           last_seen_at = excluded.last_seen_at \
-         RETURNING id",
-    )
-    .bind(Uuid::new_v4().to_string())
-    .bind(name)
-    .bind(&request.version)
-    .bind(inventory)
-    .bind(secrets::digest(&secret))
-    .bind(&engine_token)
-    .bind(now)
-    .fetch_one(state.db.pool())
-    .await?;
-    let id: String = row.try_get("id")?;
-    let worker_id: Uuid = id.parse().map_err(|e| anyhow::anyhow!("bad worker id {id}: {e}"))?;
+    let registration = Registration {
+        name,
+        version: &request.version,
+        inventory: &request.inventory,
+        secret_digest: &secrets::digest(&secret),
+        engine_token: &engine_token,
+    };
+    let worker_id = workers::register(&state.db, &registration).await?;
     // Whatever the previous incarnation held is gone with it.
-    sqlx::query(
-        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
-         message = 'The worker restarted; the job was requeued.' WHERE worker_id = $2 AND state IN ('leased', 'running')",
-    )
-    .bind(now)
-    .bind(&id)
-    .execute(state.db.pool())
-    .await?;
+    jobs::requeue_held_by(&state.db, worker_id, "The worker restarted; the job was requeued.").await?;
     crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &request.inventory.slices).await?;
     tracing::info!(worker = %worker_id, name, slices = request.inventory.slices.len(), "worker registered");
     Ok(ApiJson(RegisterResponse {
@@ -106,7 +86,7 @@ pub async fn heartbeat(
     agent: AgentAuth,
     ApiJson(beat): ApiJson<Heartbeat>,
 ) -> Result<ApiJson<HeartbeatResponse>> {
-    let stop = queue::renew(&state.db, agent.worker_id, &beat.jobs, lease_ttl_ms(&state)).await?;
+    let stop = jobs::renew(&state.db, agent.worker_id, &beat.jobs, lease_ttl_ms(&state)).await?;
     Ok(ApiJson(HeartbeatResponse { stop }))
 }
 
@@ -118,15 +98,15 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
-    let free = crate::fleet::slices::free_for(&state.db, agent.worker_id).await?;
-    let Some(claimed) = queue::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state), &free).await? else {
+    let free = slices::free_for(&state.db, agent.worker_id).await?;
+    let Some(claimed) = jobs::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state), &free).await?
+    else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
-    let slice = crate::fleet::slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
-    let spec = serde_json::from_str(&claimed.spec).map_err(|e| anyhow::anyhow!("stored job spec unreadable: {e}"))?;
+    let slice = slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
     Ok(ApiJson(Assignment {
         job_id: claimed.job_id,
-        spec,
+        spec: claimed.spec,
         attempt: claimed.attempt,
         lease_expires_at: db::time(claimed.lease_expires_at),
         slice,
@@ -135,16 +115,11 @@ pub async fn claim(
 }
 
 /// Fails unless `worker_id` holds the lease on `job`.
-pub(crate) async fn check_lease(state: &AppState, worker_id: Uuid, job: Uuid) -> Result<()> {
-    let held: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN ('leased', 'running')",
-    )
-    .bind(job.to_string())
-    .bind(worker_id.to_string())
-    .fetch_one(state.db.pool())
-    .await?;
-    if held == 0 {
-        return Err(Error::Conflict("This worker does not hold the job's lease (it expired or the job was cancelled); stop it.".into()));
+pub async fn check_lease(state: &AppState, worker_id: Uuid, job: Uuid) -> Result<()> {
+    if !jobs::holds_lease(&state.db, worker_id, job).await? {
+        return Err(Error::Conflict(
+            "This worker does not hold the job's lease (it expired or the job was cancelled); stop it.".into(),
+        ));
     }
     Ok(())
 }
@@ -159,19 +134,14 @@ pub async fn report_status(
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(report): ApiJson<StatusReport>,
 ) -> Result<StatusCode> {
-    let now = now_ms();
-    // The fifth parameter: the endpoint of a running job, the state of a finished one.
-    let (sql, fifth) = match report.state {
-        JobState::Running => (
-            "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2), \
-             endpoint = $5 WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
-            report.endpoint.clone(),
-        ),
-        JobState::Succeeded | JobState::Failed => (
-            "UPDATE jobs SET state = $5, message = $1, updated_at = $2, finished_at = $2, lease_expires_at = NULL, \
-             endpoint = NULL WHERE id = $3 AND worker_id = $4 AND state IN ('leased', 'running')",
-            Some(report.state.as_str().to_string()),
-        ),
+    let held = match report.state {
+        JobState::Running => {
+            let endpoint = report.endpoint.as_deref();
+            jobs::mark_running(&state.db, agent.worker_id, job, report.message.as_deref(), endpoint).await?
+        }
+        JobState::Succeeded | JobState::Failed => {
+            jobs::mark_finished(&state.db, agent.worker_id, job, report.state, report.message.as_deref()).await?
+        }
         other => {
             return Err(Error::BadRequest(format!(
                 "A worker reports running, succeeded or failed, not {}.",
@@ -179,8 +149,7 @@ pub async fn report_status(
             )))
         }
     };
-    let query = sqlx::query(sql).bind(report.message).bind(now).bind(job.to_string()).bind(agent.worker_id.to_string());
-    if query.bind(fifth).execute(state.db.pool()).await?.rows_affected() == 0 {
+    if !held {
         check_lease(&state, agent.worker_id, job).await?;
     }
     Ok(StatusCode::NO_CONTENT)
@@ -199,23 +168,8 @@ pub async fn append_logs(
     if batch.lines.len() > 10_000 {
         return Err(Error::PayloadTooLarge("Send at most 10000 log lines per request.".into()));
     }
-    let mut tx = state.db.begin().await?;
-    let last: Option<i64> = sqlx::query_scalar("SELECT MAX(seq) FROM job_logs WHERE job_id = $1")
-        .bind(job.to_string())
-        .fetch_one(&mut *tx)
-        .await?;
-    let now = now_ms();
-    for (i, line) in batch.lines.iter().enumerate() {
-        let line: String = line.chars().take(8192).collect();
-        sqlx::query("INSERT INTO job_logs (job_id, seq, at, line) VALUES ($1, $2, $3, $4)")
-            .bind(job.to_string())
-            .bind(last.unwrap_or(0) + 1 + i as i64)
-            .bind(now)
-            .bind(line)
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
+    let lines: Vec<String> = batch.lines.iter().map(|line| line.chars().take(8192).collect()).collect();
+    jobs::append_logs(&state.db, job, &lines, now_ms()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -234,8 +188,8 @@ pub async fn record_metrics(
     let points = batch
         .points
         .into_iter()
-        .map(|p| metrics::Point {
-            series: metrics::Series::Step,
+        .map(|p| Point {
+            series: Series::Step,
             name: p.name,
             step: p.step,
             value: p.value,

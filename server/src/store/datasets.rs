@@ -1,0 +1,96 @@
+//! Datasets (`datasets`): uploaded training data, its file a blob by digest, named
+//! uniquely per owner.
+
+use sqlx::any::AnyRow;
+use sqlx::Row;
+use tessera_api::datasets::{Dataset, DatasetFormat};
+use uuid::Uuid;
+
+use super::db::{self, Db};
+use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+
+const COLUMNS: &str =
+    "d.id, d.name, d.digest, d.format, d.columns, d.num_rows, d.size_bytes, d.created_at, u.username AS owner";
+
+fn from_row(row: &AnyRow) -> Result<Dataset> {
+    let format: String = row.try_get("format")?;
+    Ok(Dataset {
+        id: parse_uuid("datasets", "id", &row.try_get::<String, _>("id")?)?,
+        name: row.try_get("name")?,
+        digest: row.try_get("digest")?,
+        format: DatasetFormat::parse(&format).ok_or_else(|| StoreError::Corrupt {
+            table: "datasets",
+            column: "format",
+            value: format.clone(),
+            reason: "not csv or jsonl".into(),
+        })?,
+        columns: parse_json("datasets", "columns", &row.try_get::<String, _>("columns")?)?,
+        rows: row.try_get::<i64, _>("num_rows")? as u64,
+        size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
+        owner: row.try_get("owner")?,
+        created_at: db::time(row.try_get("created_at")?),
+    })
+}
+
+/// A dataset `scope` may see.
+pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Dataset>> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.id = $1 AND ($2 IS NULL OR d.owner_id = $2)"
+    ))
+    .bind(id.to_string())
+    .bind(scope.owner_filter())
+    .fetch_optional(db.pool())
+    .await?;
+    row.as_ref().map(from_row).transpose()
+}
+
+/// `owner`'s dataset called `name` (names are unique per owner).
+pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Dataset>> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.owner_id = $1 AND d.name = $2"
+    ))
+    .bind(owner.to_string())
+    .bind(name)
+    .fetch_optional(db.pool())
+    .await?;
+    row.as_ref().map(from_row).transpose()
+}
+
+/// Datasets `scope` may see, newest first.
+pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Dataset>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id \
+         WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.created_at DESC"
+    ))
+    .bind(scope.owner_filter())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter().map(from_row).collect()
+}
+
+/// Records a dataset owned by `owner` (its `owner` name is not stored). A second
+/// dataset of the same name for the same owner breaks a unique constraint
+/// ([`StoreError::is_unique_violation`]).
+pub async fn insert(db: &Db, owner: Uuid, dataset: &Dataset) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO datasets (id, owner_id, name, digest, format, columns, num_rows, size_bytes, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(dataset.id.to_string())
+    .bind(owner.to_string())
+    .bind(&dataset.name)
+    .bind(&dataset.digest)
+    .bind(dataset.format.as_str())
+    .bind(serde_json::to_string(&dataset.columns)?)
+    .bind(dataset.rows as i64)
+    .bind(dataset.size_bytes as i64)
+    .bind(dataset.created_at.timestamp_millis())
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+pub async fn delete(db: &Db, id: Uuid) -> Result<()> {
+    sqlx::query("DELETE FROM datasets WHERE id = $1").bind(id.to_string()).execute(db.pool()).await?;
+    Ok(())
+}

@@ -1,0 +1,376 @@
+//! Jobs (`jobs`) and their log lines (`job_logs`): queueing, what users read and cancel,
+//! and the leased work queue. A claim is one atomic statement (PostgreSQL skips rows
+//! other claimers hold locked, SQLite serialises writers), so no job is ever handed to
+//! two workers; a lease no heartbeat renews expires and the job goes back to the queue.
+
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
+use tessera_api::jobs::{Job, JobSpec, JobState, LogLine};
+use tessera_api::train::TrainProgress;
+use uuid::Uuid;
+
+use super::db::{self, now_ms, Backend, Db};
+use super::slices::Free;
+use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+
+const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \
+     j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, j.progress_step, u.username AS owner";
+
+/// The states in which a worker holds a job's lease.
+const LIVE: &str = "state IN ('leased', 'running')";
+
+fn job_from_row(row: &AnyRow) -> Result<Job> {
+    let state: String = row.try_get("state")?;
+    let spec: JobSpec = parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?;
+    let worker: Option<String> = row.try_get("worker_id")?;
+    let progress = match &spec {
+        JobSpec::Train(train) => Some(TrainProgress {
+            step: row.try_get::<Option<i64>, _>("progress_step")?.unwrap_or(0).max(0) as u64,
+            max_steps: train.max_steps,
+        }),
+        _ => None,
+    };
+    Ok(Job {
+        id: parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?,
+        name: row.try_get("name")?,
+        owner: row.try_get("owner")?,
+        spec,
+        state: JobState::parse(&state).ok_or_else(|| StoreError::Corrupt {
+            table: "jobs",
+            column: "state",
+            value: state.clone(),
+            reason: "not a job state".into(),
+        })?,
+        message: row.try_get("message")?,
+        attempts: row.try_get::<i64, _>("attempts")? as u32,
+        max_attempts: row.try_get::<i64, _>("max_attempts")? as u32,
+        worker_id: worker.as_deref().map(|w| parse_uuid("jobs", "worker_id", w)).transpose()?,
+        lease_expires_at: db::opt_time(row.try_get("lease_expires_at")?),
+        created_at: db::time(row.try_get("created_at")?),
+        updated_at: db::time(row.try_get("updated_at")?),
+        started_at: db::opt_time(row.try_get("started_at")?),
+        finished_at: db::opt_time(row.try_get("finished_at")?),
+        progress,
+    })
+}
+
+/// A job to queue, with what it belongs to besides its owner.
+#[derive(Debug, Clone)]
+pub struct NewJob<'a> {
+    pub owner: Uuid,
+    pub name: &'a str,
+    pub spec: &'a JobSpec,
+    pub max_attempts: u32,
+    /// The deployment a serving replica belongs to.
+    pub deployment: Option<Uuid>,
+    /// The dataset a training job reads (a dataset in use cannot be deleted).
+    pub dataset: Option<Uuid>,
+    /// The slice the planner placed a replica on; it waits for that slice.
+    pub pinned_slice: Option<&'a str>,
+}
+
+impl<'a> NewJob<'a> {
+    /// A job that belongs to nothing but its owner.
+    pub fn new(owner: Uuid, name: &'a str, spec: &'a JobSpec, max_attempts: u32) -> NewJob<'a> {
+        NewJob { owner, name, spec, max_attempts, deployment: None, dataset: None, pinned_slice: None }
+    }
+}
+
+/// Queues a job; returns its id.
+pub async fn insert(db: &Db, job: &NewJob<'_>) -> Result<Uuid> {
+    insert_in(&mut *db.pool().acquire().await?, job).await
+}
+
+/// Queues a job inside the caller's transaction.
+pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>) -> Result<Uuid> {
+    let id = Uuid::new_v4();
+    let now = now_ms();
+    sqlx::query(
+        "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
+         deployment_id, dataset_id, slice_uuid, slice_pinned) \
+         VALUES ($1, $2, $3, $4, $5, 'queued', 0, $6, $7, $7, $8, $9, $10, $11)",
+    )
+    .bind(id.to_string())
+    .bind(job.owner.to_string())
+    .bind(job.name)
+    .bind(job.spec.kind())
+    .bind(serde_json::to_string(job.spec)?)
+    .bind(job.max_attempts as i64)
+    .bind(now)
+    .bind(job.deployment.map(|d| d.to_string()))
+    .bind(job.dataset.map(|d| d.to_string()))
+    .bind(job.pinned_slice)
+    .bind(job.pinned_slice.is_some() as i64)
+    .execute(conn)
+    .await?;
+    Ok(id)
+}
+
+/// A job `scope` may see.
+pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
+    let row = sqlx::query(&format!(
+        "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id WHERE j.id = $1 AND ($2 IS NULL OR j.owner_id = $2)"
+    ))
+    .bind(id.to_string())
+    .bind(scope.owner_filter())
+    .fetch_optional(db.pool())
+    .await?;
+    row.as_ref().map(job_from_row).transpose()
+}
+
+/// Jobs `scope` may see, newest first, without serving replicas (those are listed with
+/// their deployment).
+pub async fn list(db: &Db, scope: &Scope, state: Option<JobState>) -> Result<Vec<Job>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
+         WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
+         ORDER BY j.created_at DESC LIMIT 500"
+    ))
+    .bind(scope.owner_filter())
+    .bind(state.map(JobState::as_str))
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter().map(job_from_row).collect()
+}
+
+/// The spec of a job (any owner's: for the worker holding it).
+pub async fn spec(db: &Db, id: Uuid) -> Result<Option<JobSpec>> {
+    let text: Option<String> = sqlx::query_scalar("SELECT spec FROM jobs WHERE id = $1")
+        .bind(id.to_string())
+        .fetch_optional(db.pool())
+        .await?;
+    text.map(|text| parse_json("jobs", "spec", &text)).transpose()
+}
+
+/// Cancels a job `scope` may see unless it already ended; false when there was nothing
+/// to cancel. A worker running it learns at its next heartbeat.
+pub async fn cancel(db: &Db, scope: &Scope, id: Uuid, message: &str) -> Result<bool> {
+    let now = now_ms();
+    let changed = sqlx::query(&format!(
+        "UPDATE jobs SET state = 'cancelled', message = $1, finished_at = $2, updated_at = $2, lease_expires_at = NULL \
+         WHERE id = $3 AND ($4 IS NULL OR owner_id = $4) AND state IN ('queued', 'leased', 'running')"
+    ))
+    .bind(message)
+    .bind(now)
+    .bind(id.to_string())
+    .bind(scope.owner_filter())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}
+
+/// How many unfinished jobs read `dataset`.
+pub async fn unfinished_reading(db: &Db, dataset: Uuid) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN ('queued', 'leased', 'running')",
+    )
+    .bind(dataset.to_string())
+    .fetch_one(db.pool())
+    .await?)
+}
+
+/// A job's log lines after sequence number `after`, oldest first, at most `limit`.
+pub async fn logs(db: &Db, job: Uuid, after: i64, limit: i64) -> Result<Vec<LogLine>> {
+    let rows = sqlx::query("SELECT seq, at, line FROM job_logs WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3")
+        .bind(job.to_string())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(db.pool())
+        .await?;
+    rows.iter()
+        .map(|r| Ok(LogLine { seq: r.try_get("seq")?, at: db::time(r.try_get("at")?), line: r.try_get("line")? }))
+        .collect()
+}
+
+/// Appends lines to a job's log, numbered on from its last line, stamped `at`.
+pub async fn append_logs(db: &Db, job: Uuid, lines: &[String], at: i64) -> Result<()> {
+    let mut tx = db.begin().await?;
+    let last: Option<i64> = sqlx::query_scalar("SELECT MAX(seq) FROM job_logs WHERE job_id = $1")
+        .bind(job.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+    for (i, line) in lines.iter().enumerate() {
+        sqlx::query("INSERT INTO job_logs (job_id, seq, at, line) VALUES ($1, $2, $3, $4)")
+            .bind(job.to_string())
+            .bind(last.unwrap_or(0) + 1 + i as i64)
+            .bind(at)
+            .bind(line)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// A job a worker just leased.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub job_id: Uuid,
+    pub spec: JobSpec,
+    pub attempt: u32,
+    pub lease_expires_at: i64,
+}
+
+/// Leases the oldest queued job of one of `kinds` to `worker`, taking only the serve
+/// jobs the worker's free slices allow (see [`Free::condition`]).
+pub async fn claim(
+    db: &Db,
+    worker: Uuid,
+    kinds: &[String],
+    lease_ttl_ms: i64,
+    slices: &Free,
+) -> Result<Option<Claimed>> {
+    if kinds.is_empty() {
+        return Ok(None);
+    }
+    let now = now_ms();
+    let kind_params: Vec<String> = (0..kinds.len()).map(|i| format!("${}", i + 4)).collect();
+    let lock = match db.backend() {
+        Backend::Postgres => "FOR UPDATE SKIP LOCKED",
+        Backend::Sqlite => "",
+    };
+    let (slice_condition, slice_params) = slices.condition(4 + kinds.len());
+    let sql = format!(
+        "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
+         updated_at = $3, message = NULL \
+         WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE state = 'queued' AND kind IN ({}) \
+         AND {slice_condition} ORDER BY created_at, id LIMIT 1 {lock}) \
+         RETURNING id, spec, attempts, lease_expires_at",
+        kind_params.join(", ")
+    );
+    let mut query = sqlx::query(&sql).bind(worker.to_string()).bind(now + lease_ttl_ms).bind(now);
+    for kind in kinds {
+        query = query.bind(kind);
+    }
+    for slice in slice_params {
+        query = query.bind(slice);
+    }
+    let Some(row) = query.fetch_optional(db.pool()).await? else {
+        return Ok(None);
+    };
+    Ok(Some(Claimed {
+        job_id: parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?,
+        spec: parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?,
+        attempt: row.try_get::<i64, _>("attempts")? as u32,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+    }))
+}
+
+/// Extends the leases `worker` still holds among `jobs`; returns the ids it no longer
+/// holds (cancelled, expired and requeued, or never its own), which it must stop.
+pub async fn renew(db: &Db, worker: Uuid, jobs: &[Uuid], lease_ttl_ms: i64) -> Result<Vec<Uuid>> {
+    let mut lost = Vec::new();
+    let expires = now_ms() + lease_ttl_ms;
+    for job in jobs {
+        let renewed =
+            sqlx::query(&format!("UPDATE jobs SET lease_expires_at = $1 WHERE id = $2 AND worker_id = $3 AND {LIVE}"))
+                .bind(expires)
+                .bind(job.to_string())
+                .bind(worker.to_string())
+                .execute(db.pool())
+                .await?
+                .rows_affected();
+        if renewed == 0 {
+            lost.push(*job);
+        }
+    }
+    Ok(lost)
+}
+
+/// True while `worker` holds the lease on `job`.
+pub async fn holds_lease(db: &Db, worker: Uuid, job: Uuid) -> Result<bool> {
+    let held: i64 =
+        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND {LIVE}"))
+            .bind(job.to_string())
+            .bind(worker.to_string())
+            .fetch_one(db.pool())
+            .await?;
+    Ok(held > 0)
+}
+
+/// Marks a job `worker` holds as running (a serving replica with the URL its engine
+/// answers on); false when the worker does not hold it.
+pub async fn mark_running(
+    db: &Db,
+    worker: Uuid,
+    job: Uuid,
+    message: Option<&str>,
+    endpoint: Option<&str>,
+) -> Result<bool> {
+    let now = now_ms();
+    let changed = sqlx::query(&format!(
+        "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2), \
+         endpoint = $5 WHERE id = $3 AND worker_id = $4 AND {LIVE}"
+    ))
+    .bind(message)
+    .bind(now)
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .bind(endpoint)
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}
+
+/// Ends a job `worker` holds in `state` (succeeded or failed); false when the worker
+/// does not hold it.
+pub async fn mark_finished(db: &Db, worker: Uuid, job: Uuid, state: JobState, message: Option<&str>) -> Result<bool> {
+    let now = now_ms();
+    let changed = sqlx::query(&format!(
+        "UPDATE jobs SET state = $5, message = $1, updated_at = $2, finished_at = $2, lease_expires_at = NULL, \
+         endpoint = NULL WHERE id = $3 AND worker_id = $4 AND {LIVE}"
+    ))
+    .bind(message)
+    .bind(now)
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .bind(state.as_str())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}
+
+/// Puts every job `worker` holds back in the queue (it restarted: what its previous
+/// incarnation ran is gone).
+pub async fn requeue_held_by(db: &Db, worker: Uuid, message: &str) -> Result<u64> {
+    let touched = sqlx::query(&format!(
+        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
+         message = $2 WHERE worker_id = $3 AND {LIVE}"
+    ))
+    .bind(now_ms())
+    .bind(message)
+    .bind(worker.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(touched)
+}
+
+/// Requeues every job whose lease has expired, or fails it once its attempts are spent.
+/// Returns how many jobs were touched.
+pub async fn expire_leases(db: &Db) -> Result<u64> {
+    let now = now_ms();
+    let touched = sqlx::query(&format!(
+        "UPDATE jobs SET \
+           state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \
+           message = CASE WHEN attempts >= max_attempts \
+             THEN 'The lease expired on the last allowed attempt; the worker stopped responding.' \
+             ELSE 'The lease expired (the worker stopped responding); the job was requeued.' END, \
+           finished_at = CASE WHEN attempts >= max_attempts THEN $1 ELSE NULL END, \
+           worker_id = NULL, lease_expires_at = NULL, updated_at = $1 \
+         WHERE {LIVE} AND lease_expires_at < $1"
+    ))
+    .bind(now)
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(touched)
+}
+
+/// Jobs waiting in the queue (a Prometheus gauge and the dashboard use it).
+pub async fn depth(db: &Db) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE state = 'queued'").fetch_one(db.pool()).await?)
+}

@@ -1,0 +1,300 @@
+//! What training jobs leave behind: metric points (`job_metrics`, one row per job,
+//! series, name and step, last write wins), AutoLRS stage records (`lr_stages`), and
+//! checkpoints (`checkpoints`, `checkpoint_files`; the files are blobs by digest).
+
+use std::collections::HashMap;
+
+use sqlx::Row;
+use tessera_api::train::{Checkpoint, CheckpointFile, LrStage, LrStageRecord};
+use uuid::Uuid;
+
+use super::db::{self, Db};
+use super::{parse_json, Result};
+
+/// Which series a point belongs to: one per training step, or one per evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Series {
+    Step,
+    Eval,
+}
+
+impl Series {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Series::Step => "step",
+            Series::Eval => "eval",
+        }
+    }
+
+    fn parse(text: &str) -> Series {
+        if text == Series::Eval.as_str() {
+            Series::Eval
+        } else {
+            Series::Step
+        }
+    }
+}
+
+/// One metric value at one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Point {
+    pub series: Series,
+    pub name: String,
+    pub step: i64,
+    pub value: f64,
+    /// Epoch milliseconds.
+    pub at: i64,
+}
+
+/// Rows per INSERT statement: 6 parameters each stays far below both databases' limits.
+const ROWS_PER_STATEMENT: usize = 500;
+
+/// Stores points (last write wins per job, series, name and step) and raises the job's
+/// progress to the highest training step among them, in one transaction.
+pub async fn upsert_metrics(db: &Db, job: Uuid, points: &[Point]) -> Result<()> {
+    // One statement may not upsert the same row twice (PostgreSQL refuses), so the
+    // batch's own repeats are settled here: the later point wins.
+    let mut latest: HashMap<(Series, &str, i64), &Point> = HashMap::with_capacity(points.len());
+    for point in points {
+        latest.insert((point.series, point.name.as_str(), point.step), point);
+    }
+    let unique: Vec<&Point> = latest.into_values().collect();
+    let job_id = job.to_string();
+    let mut tx = db.begin().await?;
+    for chunk in unique.chunks(ROWS_PER_STATEMENT) {
+        let values: Vec<String> = (0..chunk.len())
+            .map(|i| {
+                let p = i * 6;
+                format!("(${}, ${}, ${}, ${}, ${}, ${})", p + 1, p + 2, p + 3, p + 4, p + 5, p + 6)
+            })
+            .collect();
+        let sql = format!(
+            "INSERT INTO job_metrics (job_id, series, name, step, value, at) VALUES {} \
+             ON CONFLICT (job_id, series, name, step) DO UPDATE SET value = excluded.value, at = excluded.at",
+            values.join(", ")
+        );
+        let mut query = sqlx::query(&sql);
+        for point in chunk {
+            query = query
+                .bind(job_id.clone())
+                .bind(point.series.as_str())
+                .bind(point.name.clone())
+                .bind(point.step)
+                .bind(point.value)
+                .bind(point.at);
+        }
+        query.execute(&mut *tx).await?;
+    }
+    if let Some(step) = points.iter().filter(|p| p.series == Series::Step).map(|p| p.step).max() {
+        sqlx::query(
+            "UPDATE jobs SET progress_step = $1 WHERE id = $2 AND (progress_step IS NULL OR progress_step < $1)",
+        )
+        .bind(step)
+        .bind(&job_id)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Every point of a job as `(series, name, step, value)`, ordered by series, name, step.
+pub async fn metrics(db: &Db, job: Uuid) -> Result<Vec<(Series, String, i64, f64)>> {
+    let rows =
+        sqlx::query("SELECT series, name, step, value FROM job_metrics WHERE job_id = $1 ORDER BY series, name, step")
+            .bind(job.to_string())
+            .fetch_all(db.pool())
+            .await?;
+    rows.iter()
+        .map(|row| {
+            Ok((
+                Series::parse(&row.try_get::<String, _>("series")?),
+                row.try_get("name")?,
+                row.try_get("step")?,
+                row.try_get("value")?,
+            ))
+        })
+        .collect()
+}
+
+/// The best evaluation of metric `name` so far as `(step, value)`: the highest when
+/// `highest`, else the lowest.
+pub async fn best_eval(db: &Db, job: Uuid, name: &str, highest: bool) -> Result<Option<(i64, f64)>> {
+    let order = if highest { "DESC" } else { "ASC" };
+    let row = sqlx::query(&format!(
+        "SELECT step, value FROM job_metrics WHERE job_id = $1 AND series = 'eval' AND name = $2 ORDER BY value {order} LIMIT 1"
+    ))
+    .bind(job.to_string())
+    .bind(name)
+    .fetch_optional(db.pool())
+    .await?;
+    row.map(|row| Ok((row.try_get("step")?, row.try_get("value")?))).transpose()
+}
+
+/// Stores one AutoLRS stage, replacing an earlier report of the same stage.
+pub async fn upsert_lr_stage(db: &Db, job: Uuid, record: &LrStageRecord, at: i64) -> Result<()> {
+    // serde_json writes non-finite floats (a diverged forecast) as null.
+    let text = serde_json::to_string(record)?;
+    sqlx::query(
+        "INSERT INTO lr_stages (job_id, stage, record, updated_at) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (job_id, stage) DO UPDATE SET record = excluded.record, updated_at = excluded.updated_at",
+    )
+    .bind(job.to_string())
+    .bind(record.stage as i64)
+    .bind(text)
+    .bind(at)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// A job's AutoLRS stages in order.
+pub async fn lr_stages(db: &Db, job: Uuid) -> Result<Vec<LrStage>> {
+    let rows = sqlx::query("SELECT record, updated_at FROM lr_stages WHERE job_id = $1 ORDER BY stage")
+        .bind(job.to_string())
+        .fetch_all(db.pool())
+        .await?;
+    rows.iter()
+        .map(|row| {
+            let record = parse_json("lr_stages", "record", &row.try_get::<String, _>("record")?)?;
+            Ok(LrStage { record, updated_at: db::time(row.try_get("updated_at")?) })
+        })
+        .collect()
+}
+
+/// Which of a job's checkpoints a call is about.
+#[derive(Debug, Clone, Copy)]
+pub enum Steps {
+    /// The checkpoint at this step.
+    At(i64),
+    /// Every checkpoint before this step.
+    Before(i64),
+}
+
+impl Steps {
+    fn condition(self) -> (&'static str, i64) {
+        match self {
+            Steps::At(step) => ("step = $2", step),
+            Steps::Before(step) => ("step < $2", step),
+        }
+    }
+}
+
+/// The digests of the files of `job`'s checkpoints at `steps` (the blobs a replacement
+/// or a pruning releases).
+pub async fn checkpoint_digests(db: &Db, job: Uuid, steps: Steps) -> Result<Vec<String>> {
+    let (condition, bound) = steps.condition();
+    Ok(sqlx::query_scalar(&format!("SELECT digest FROM checkpoint_files WHERE job_id = $1 AND {condition}"))
+        .bind(job.to_string())
+        .bind(bound)
+        .fetch_all(db.pool())
+        .await?)
+}
+
+/// Stores a checkpoint and its files, replacing one at the same step.
+pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<()> {
+    let job_id = checkpoint.job_id.to_string();
+    let step = checkpoint.step as i64;
+    let mut tx = db.begin().await?;
+    sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step = $2")
+        .bind(&job_id)
+        .bind(step)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("INSERT INTO checkpoints (job_id, step, size_bytes, created_at) VALUES ($1, $2, $3, $4)")
+        .bind(&job_id)
+        .bind(step)
+        .bind(checkpoint.size_bytes as i64)
+        .bind(checkpoint.created_at.timestamp_millis())
+        .execute(&mut *tx)
+        .await?;
+    for file in &checkpoint.files {
+        sqlx::query(
+            "INSERT INTO checkpoint_files (job_id, step, name, digest, size_bytes) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&job_id)
+        .bind(step)
+        .bind(&file.name)
+        .bind(&file.digest)
+        .bind(file.size_bytes as i64)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The step of `job`'s `n`-th newest checkpoint (1 = the newest), if it has that many.
+pub async fn nth_newest_checkpoint(db: &Db, job: Uuid, n: i64) -> Result<Option<i64>> {
+    Ok(sqlx::query_scalar("SELECT step FROM checkpoints WHERE job_id = $1 ORDER BY step DESC LIMIT 1 OFFSET $2")
+        .bind(job.to_string())
+        .bind(n - 1)
+        .fetch_optional(db.pool())
+        .await?)
+}
+
+/// Deletes `job`'s checkpoints before `step` (their files go with them).
+pub async fn delete_checkpoints_before(db: &Db, job: Uuid, step: i64) -> Result<()> {
+    sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step < $2")
+        .bind(job.to_string())
+        .bind(step)
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+/// A job's checkpoints, oldest step first.
+pub async fn checkpoints(db: &Db, job: Uuid) -> Result<Vec<Checkpoint>> {
+    let job_id = job.to_string();
+    let rows = sqlx::query("SELECT step, size_bytes, created_at FROM checkpoints WHERE job_id = $1 ORDER BY step")
+        .bind(&job_id)
+        .fetch_all(db.pool())
+        .await?;
+    let files = sqlx::query(
+        "SELECT step, name, digest, size_bytes FROM checkpoint_files WHERE job_id = $1 ORDER BY step, name",
+    )
+    .bind(&job_id)
+    .fetch_all(db.pool())
+    .await?;
+    let mut checkpoints = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let step: i64 = row.try_get("step")?;
+        let mut own = Vec::new();
+        for file in &files {
+            if file.try_get::<i64, _>("step")? == step {
+                own.push(CheckpointFile {
+                    name: file.try_get("name")?,
+                    digest: file.try_get("digest")?,
+                    size_bytes: file.try_get::<i64, _>("size_bytes")? as u64,
+                });
+            }
+        }
+        checkpoints.push(Checkpoint {
+            job_id: job,
+            step: step as u64,
+            size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
+            files: own,
+            created_at: db::time(row.try_get("created_at")?),
+        });
+    }
+    Ok(checkpoints)
+}
+
+/// One file of one of `job`'s checkpoints.
+pub async fn checkpoint_file(db: &Db, job: Uuid, step: u64, name: &str) -> Result<Option<CheckpointFile>> {
+    let row =
+        sqlx::query("SELECT digest, size_bytes FROM checkpoint_files WHERE job_id = $1 AND step = $2 AND name = $3")
+            .bind(job.to_string())
+            .bind(step as i64)
+            .bind(name)
+            .fetch_optional(db.pool())
+            .await?;
+    row.map(|row| {
+        Ok(CheckpointFile {
+            name: name.to_string(),
+            digest: row.try_get("digest")?,
+            size_bytes: row.try_get::<i64, _>("size_bytes")? as u64,
+        })
+    })
+    .transpose()
+}
