@@ -1,11 +1,7 @@
-//! The slices workers offer, as the server records them: replaced when a worker
-//! registers (with legal MIG starts, arranged when the worker could not read them),
-//! listed with the replica holding each, and handed out when a worker claims a replica.
-//!
-//! Binding rules: a replica the planner pinned to a slice waits for that slice's worker
-//! and that slice to be free; any other replica, claimed by a worker with slices, takes
-//! a free slice nobody is waiting for, and by a worker without slices runs on its CPU.
-//! One replica per slice: a slice is busy while a leased or running replica holds it.
+//! The slices workers offer, checked before the store records them: each reported MIG
+//! partition must be legal for its GPU model, and starts are arranged when the worker
+//! could not read them. Binding replicas to slices (one per slice; a pinned replica waits
+//! for its slice) is `store::slices`.
 
 use std::collections::BTreeMap;
 

@@ -149,6 +149,7 @@ pub async fn create(State(state): State<AppState>, user: WebUser, Form(form): Fo
             if form.model.is_empty() {
                 return Err(Error::invalid("invalid_model", "Pick the model to serve; upload one on the Models page first."));
             }
+            let replicas = number(&form.replicas, "replicas", "invalid_replicas", "between 0 and 64")?.unwrap_or(1);
             // A field left empty takes the API body's default.
             let defaults = BatchLimits::default();
             let limits = BatchLimits {
@@ -160,7 +161,7 @@ pub async fn create(State(state): State<AppState>, user: WebUser, Form(form): Fo
             let request = CreateDeployment {
                 name: form.name.clone(),
                 model: form.model.clone(),
-                replicas: number(&form.replicas, "replicas", "invalid_replicas", "between 0 and 64")?.unwrap_or(1),
+                replicas,
                 limits,
                 throughput: None,
                 latency_ms: None,
