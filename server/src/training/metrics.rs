@@ -1,7 +1,8 @@
 //! A training job's metric series. Every reported point is stored (one row per job,
 //! series, name and step); a point reported again replaces the earlier one, so a job
-//! that resumed from a checkpoint and re-ran some steps still reads as one run. Writes
-//! are batched into multi-row upserts; reads can be downsampled for charts.
+//! that resumed from a checkpoint and re-ran some steps still reads as one run. This
+//! checks what workers send (`store::training` writes it); reads can be downsampled for
+//! charts.
 
 use std::collections::BTreeMap;
 
