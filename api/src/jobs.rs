@@ -62,8 +62,8 @@ pub enum JobSpec {
     Serve {
         deployment: Uuid,
         model: Uuid,
-        max_batch_tokens: u32,
-        max_batch_requests: u32,
+        #[serde(flatten)]
+        limits: crate::deployments::BatchLimits,
     },
     /// Train a model (see [`crate::train`]); resumes from the job's latest checkpoint.
     Train(TrainJob),
@@ -184,6 +184,33 @@ pub struct MetricPoint {
     pub value: f64,
     #[serde(default)]
     pub at: Option<DateTime<Utc>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deployments::BatchLimits;
+
+    #[test]
+    fn a_serve_spec_keeps_its_batch_limits_at_the_top_level_on_the_wire() {
+        let spec = JobSpec::Serve {
+            deployment: Uuid::nil(),
+            model: Uuid::nil(),
+            limits: BatchLimits { max_batch_tokens: 4096, max_batch_requests: 16 },
+        };
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "kind": "serve",
+                "deployment": Uuid::nil(),
+                "model": Uuid::nil(),
+                "max_batch_tokens": 4096,
+                "max_batch_requests": 16,
+            })
+        );
+        assert_eq!(serde_json::from_value::<JobSpec>(json).unwrap(), spec);
+    }
 }
 
 #[cfg(test)]

@@ -56,7 +56,9 @@ impl Agent {
         Ok(Agent { config, client })
     }
 
-    pub async fn run(mut self) -> anyhow::Result<()> {
+    /// Runs until the process stops: a lost server or a forgotten registration is retried,
+    /// never given up on.
+    pub async fn run(mut self) {
         loop {
             let heartbeat = self.register().await;
             match self.work(heartbeat).await {
@@ -65,7 +67,7 @@ impl Agent {
                     tracing::warn!(error = %e, "lost the server; registering again shortly");
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
-                Ok(()) => return Ok(()),
+                Ok(()) => return,
             }
         }
     }

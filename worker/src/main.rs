@@ -72,7 +72,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     if std::env::args().nth(1).as_deref() == Some("engine") {
         let engine = EngineCli::parse_from(std::env::args().skip(1));
-        return run_engine(engine.args).await;
+        return Ok(run_engine(engine.args).await?);
     }
     let cli = Cli::parse();
     #[cfg(feature = "cuda")]
@@ -101,12 +101,12 @@ async fn main() -> anyhow::Result<()> {
         binding: Policy::of_build(cli.slice_processes, cli.cpu_precision),
     })?;
     tokio::select! {
-        result = agent.run() => result,
+        () = agent.run() => {}
         _ = tokio::signal::ctrl_c() => {
             tracing::info!("stopping; leased jobs go back to the queue when their leases expire");
-            Ok(())
         }
     }
+    Ok(())
 }
 
 /// A cuda build on the wrong GPU or driver would fail only at its first kernel launch, with

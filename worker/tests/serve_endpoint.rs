@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use tempfile::TempDir;
+use tessera_api::deployments::BatchLimits;
 use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
 use tessera_worker::engine::synthetic::{word_level_tokenizer, RandomBert};
 use tessera_worker::engine::LoadOptions;
-use tessera_worker::serve::batcher::{BatchLimits, Job, Queue, SubmitError, Task};
+use tessera_worker::serve::batcher::{Job, Queue, SubmitError, Task};
 use tessera_worker::serve::endpoint::{Endpoint, Registration, Replica};
 use tessera_worker::serve::load_replica;
 use tokio::sync::{mpsc, oneshot};
@@ -35,6 +36,10 @@ fn tiny_model() -> TempDir {
     model
 }
 
+fn limits(max_batch_tokens: usize, max_batch_requests: u32) -> BatchLimits {
+    BatchLimits { max_batch_tokens: max_batch_tokens as u32, max_batch_requests }
+}
+
 async fn endpoint_with_token() -> Arc<Endpoint> {
     let endpoint = Endpoint::start("127.0.0.1:0", None).await.unwrap();
     endpoint.set_token(TOKEN.into());
@@ -45,7 +50,7 @@ async fn endpoint_with_token() -> Arc<Endpoint> {
 async fn serving() -> (Arc<Endpoint>, Registration, Uuid, TempDir) {
     let folder = tiny_model();
     let endpoint = endpoint_with_token().await;
-    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(256, 8)).await.unwrap();
     let id = Uuid::new_v4();
     let registration = endpoint.add(id, replica);
     (endpoint, registration, id, folder)
@@ -82,7 +87,7 @@ async fn the_engine_endpoint_refuses_callers_without_the_worker_s_engine_token()
 async fn before_the_server_hands_out_a_token_the_endpoint_refuses_everyone() {
     let folder = tiny_model();
     let endpoint = Endpoint::start("127.0.0.1:0", None).await.unwrap();
-    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(256, 8)).await.unwrap();
     let id = Uuid::new_v4();
     let _registration = endpoint.add(id, replica);
     let response = http()
@@ -119,7 +124,7 @@ async fn load_replica_runs_a_full_warm_up_batch_before_it_returns_the_replica() 
     // Room for three of the longest inputs (and a bit), under a cap of eight requests.
     let max_batch_tokens = 3 * MAX_POSITIONS + 1;
     let (replica, report) =
-        load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), max_batch_tokens, 8).await.unwrap();
+        load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(max_batch_tokens, 8)).await.unwrap();
     assert_eq!(report.warmup_tokens, 3 * MAX_POSITIONS);
     assert_eq!(replica.task, Task::Embed);
 }
@@ -128,13 +133,12 @@ async fn load_replica_runs_a_full_warm_up_batch_before_it_returns_the_replica() 
 async fn a_full_replica_queue_is_answered_429() {
     let folder = tiny_model();
     let endpoint = endpoint_with_token().await;
-    let (loaded, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), 256, 8).await.unwrap();
+    let (loaded, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(256, 8)).await.unwrap();
     // The same model, behind a queue whose compute thread holds its first batch until the
     // test ends, so the queue fills and stays full.
     let (started, mut computing) = mpsc::unbounded_channel();
     let (_release, mut gate) = mpsc::unbounded_channel::<()>();
-    let limits = BatchLimits { max_batch_tokens: 256, max_batch_requests: 1, queue_capacity: 1 };
-    let queue = Queue::with_compute(limits, move |sequences: &[&[u32]]| {
+    let queue = Queue::with_compute(limits(256, 1), 1, move |sequences: &[&[u32]]| {
         let _ = started.send(());
         let _ = gate.blocking_recv();
         Ok(vec![vec![0.0; HIDDEN]; sequences.len()])

@@ -72,8 +72,8 @@ pub enum JobError {
     Model(#[from] candle_core::Error),
     #[error("{0}")]
     Train(String),
-    #[error("{0}")]
-    Process(String),
+    #[error(transparent)]
+    Process(#[from] crate::serve::process::ProcessError),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -85,9 +85,7 @@ pub async fn run(context: JobContext, spec: JobSpec) {
             Ok(()) => prefetch::run(&context, model).await,
             Err(e) => Err(e.into()),
         },
-        JobSpec::Serve { model, max_batch_tokens, max_batch_requests, .. } => {
-            serve::run(&context, model, max_batch_tokens as usize, max_batch_requests as usize).await
-        }
+        JobSpec::Serve { model, limits, .. } => serve::run(&context, model, limits).await,
         JobSpec::Profile { model, batch_sizes } => match context.client.status(job, JobState::Running, None, None).await {
             Ok(()) => profile::run(&context, model, batch_sizes).await,
             Err(e) => Err(e.into()),

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tessera_api::deployments::BatchLimits;
 use tessera_api::engine::{EngineInput, InferRequest};
 use tessera_api::mig::{ProfilePoint, ProfileReport};
 use uuid::Uuid;
@@ -21,7 +22,7 @@ use uuid::Uuid;
 use super::{prefetch, JobContext, JobError};
 use crate::engine::{EmbeddingModel, EngineError, LoadOptions};
 use crate::serve::binding::{bind, Binding};
-use crate::serve::process::{EngineProcess, Limits, Spawn};
+use crate::serve::process::{EngineProcess, Spawn};
 
 /// The input every measured request carries: a sentence of ordinary length.
 const SAMPLE: &str = "The quick brown fox jumps over the lazy dog while the committee reviews \
@@ -123,13 +124,13 @@ pub async fn run(context: &JobContext, model_id: Uuid, batch_sizes: Vec<u32>) ->
     }
     let (folder, summary) = prefetch::fetch(context, model_id).await?;
     context.log(summary).await?;
-    let max_batch = batch_sizes.iter().copied().max().unwrap_or(1) as usize;
+    let max_batch = batch_sizes.iter().copied().max().unwrap_or(1);
     let mut in_process: Option<Arc<EmbeddingModel>> = None;
     let mut reports = Vec::new();
     for ((gpu_model, profile, simulated), slice) in kinds {
         let bench = match bind(Some(&slice), context.binding) {
             Binding::Process { env, gpu, .. } => {
-                let limits = Limits { max_batch_tokens: max_batch * 512, max_batch_requests: max_batch };
+                let limits = BatchLimits { max_batch_tokens: max_batch * 512, max_batch_requests: max_batch };
                 let cpu_precision = context.binding.cpu_precision;
                 let spawn = Spawn { folder: folder.clone(), model_id, replica: context.job, limits, gpu, cpu_precision, env };
                 Bench::Process(EngineProcess::start(&context.endpoint, spawn).await?)

@@ -4,6 +4,7 @@
 //! It serves until the server takes the lease back; then the task is aborted and the
 //! registration (or the engine process) dropped, which takes the replica off the air.
 
+use tessera_api::deployments::BatchLimits;
 use tessera_api::jobs::JobState;
 use uuid::Uuid;
 
@@ -12,7 +13,7 @@ use crate::engine::LoadOptions;
 use crate::serve::binding::{bind, Binding};
 use crate::serve::{load_replica, process, LoadReport};
 
-pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, max_batch_requests: usize) -> Result<String, JobError> {
+pub async fn run(context: &JobContext, model_id: Uuid, limits: BatchLimits) -> Result<String, JobError> {
     let binding = bind(context.slice.as_ref(), context.binding);
     let note = match &binding {
         Binding::Cpu { note } | Binding::Process { note, .. } => note.clone(),
@@ -23,13 +24,11 @@ pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, 
     let (folder, summary) = prefetch::fetch(context, model_id).await?;
     context.log(summary).await?;
 
-    let limits = process::Limits { max_batch_tokens, max_batch_requests };
     let cpu_precision = context.binding.cpu_precision;
     let cpu_options = LoadOptions { dtype: cpu_precision.dtype(), ..LoadOptions::default() };
     match binding {
         Binding::Cpu { .. } => {
-            let (replica, report) =
-                load_replica(folder, cpu_options, model_id, max_batch_tokens, max_batch_requests).await?;
+            let (replica, report) = load_replica(folder, cpu_options, model_id, limits).await?;
             report_loaded(context, &report).await?;
             let _registration = context.endpoint.add(context.job, replica);
             let url = context.endpoint.replica_url(context.job);
@@ -42,8 +41,7 @@ pub async fn run(context: &JobContext, model_id: Uuid, max_batch_tokens: usize, 
             report_loaded(context, &engine.report).await?;
             let url = engine.url.clone();
             report_running(context, &url, Some(engine.pid)).await?;
-            let status = engine.wait().await?;
-            Err(JobError::Process(format!("the engine process exited ({status}); {}", engine.last_words())))
+            Err(engine.wait().await.into())
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tessera_api::deployments::BatchLimits;
 use tessera_api::engine::Timings;
 use tokio::sync::{mpsc, oneshot};
 
@@ -16,14 +17,6 @@ use crate::engine::{Batch, EmbeddingModel, EngineError};
 pub enum Task {
     Embed,
     Classify,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct BatchLimits {
-    pub max_batch_tokens: usize,
-    pub max_batch_requests: usize,
-    /// Requests that may wait; one more is refused (429).
-    pub queue_capacity: usize,
 }
 
 /// One client request: already tokenized, answered through `reply`.
@@ -63,19 +56,20 @@ pub struct Queue {
 }
 
 impl Queue {
-    /// Starts the batching task and the compute thread for `model`.
-    pub fn start(model: Arc<EmbeddingModel>, task: Task, limits: BatchLimits) -> Queue {
-        Queue::with_compute(limits, move |sequences: &[&[u32]]| run(&model, task, sequences))
+    /// Starts the batching task and the compute thread for `model`. Batches keep within
+    /// `limits`; `queue_capacity` requests may wait, and one more is refused (429).
+    pub fn start(model: Arc<EmbeddingModel>, task: Task, limits: BatchLimits, queue_capacity: usize) -> Queue {
+        Queue::with_compute(limits, queue_capacity, move |sequences: &[&[u32]]| run(&model, task, sequences))
     }
 
     /// Starts the batching task and a compute thread that runs `compute` on each batch's
     /// sequences (one output per sequence, in order). `start` passes the model; tests pass
     /// a compute they can hold back.
-    pub fn with_compute<F>(limits: BatchLimits, compute: F) -> Queue
+    pub fn with_compute<F>(limits: BatchLimits, queue_capacity: usize, compute: F) -> Queue
     where
         F: FnMut(&[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError> + Send + 'static,
     {
-        let (sender, receiver) = mpsc::channel(limits.queue_capacity.max(1));
+        let (sender, receiver) = mpsc::channel(queue_capacity.max(1));
         // The compute thread says when it is free; only then does a batch go to it.
         let (batches, compute_side) = mpsc::channel::<Vec<Job>>(1);
         let (idle, idle_side) = mpsc::unbounded_channel();
@@ -149,7 +143,7 @@ struct Forming {
 
 impl Forming {
     fn has_room(&self) -> bool {
-        self.carried.is_none() && self.jobs.len() < self.limits.max_batch_requests
+        self.carried.is_none() && self.jobs.len() < self.limits.max_batch_requests as usize
     }
 
     fn is_empty(&self) -> bool {
@@ -160,7 +154,7 @@ impl Forming {
         if job.reply.is_closed() {
             return;
         }
-        if !self.jobs.is_empty() && self.tokens + job.tokens() > self.limits.max_batch_tokens {
+        if !self.jobs.is_empty() && self.tokens + job.tokens() > self.limits.max_batch_tokens as usize {
             self.carried = Some(job);
             return;
         }
@@ -256,10 +250,10 @@ mod tests {
         release: mpsc::UnboundedSender<()>,
     }
 
-    fn gated(limits: BatchLimits) -> Gated {
+    fn gated(limits: BatchLimits, queue_capacity: usize) -> Gated {
         let (report, started) = mpsc::unbounded_channel();
         let (release, mut gate) = mpsc::unbounded_channel::<()>();
-        let queue = Queue::with_compute(limits, move |sequences: &[&[u32]]| {
+        let queue = Queue::with_compute(limits, queue_capacity, move |sequences: &[&[u32]]| {
             let _ = report.send(sequences.iter().map(|s| s.to_vec()).collect());
             let _ = gate.blocking_recv();
             Ok(sequences.iter().map(|s| vec![s[0] as f32]).collect())
@@ -291,13 +285,13 @@ mod tests {
         }
     }
 
-    fn limits(max_batch_tokens: usize, max_batch_requests: usize, queue_capacity: usize) -> BatchLimits {
-        BatchLimits { max_batch_tokens, max_batch_requests, queue_capacity }
+    fn limits(max_batch_tokens: usize, max_batch_requests: usize) -> BatchLimits {
+        BatchLimits { max_batch_tokens: max_batch_tokens as u32, max_batch_requests: max_batch_requests as u32 }
     }
 
     #[tokio::test]
     async fn requests_queued_while_a_batch_computes_all_join_the_next_batch() {
-        let mut g = gated(limits(1000, 64, 64));
+        let mut g = gated(limits(1000, 64), 64);
         let _computing = submit(&g.queue, 0, &[3]);
         assert_eq!(g.started.recv().await.unwrap(), vec![vec![0; 3]]);
         // These arrive one by one while batch 0 computes.
@@ -316,7 +310,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_free_compute_thread_gets_the_first_request_at_once() {
-        let mut g = gated(limits(1000, 64, 64));
+        let mut g = gated(limits(1000, 64), 64);
         let _first = submit(&g.queue, 7, &[2]);
         let started = tokio::time::timeout(std::time::Duration::from_secs(5), g.started.recv()).await;
         assert_eq!(started.expect("the idle compute thread was not given the request").unwrap(), vec![vec![7; 2]]);
@@ -325,7 +319,7 @@ mod tests {
     #[tokio::test]
     async fn a_batch_never_exceeds_the_token_budget_or_the_request_cap() {
         let (max_tokens, max_requests) = (10, 3);
-        let g = gated(limits(max_tokens, max_requests, 64));
+        let g = gated(limits(max_tokens, max_requests), 64);
         // Job 3 has two inputs: a job's tokens are those of all its inputs.
         let jobs: [(u32, &[usize]); 9] =
             [(1, &[4]), (2, &[4]), (3, &[2, 2]), (4, &[1]), (5, &[1]), (6, &[1]), (7, &[1]), (8, &[9]), (9, &[2])];
@@ -346,7 +340,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_whose_client_went_away_is_not_computed() {
-        let mut g = gated(limits(1000, 64, 64));
+        let mut g = gated(limits(1000, 64), 64);
         let _computing = submit(&g.queue, 0, &[1]);
         g.started.recv().await.unwrap();
         // This one is in the open batch when its client leaves.
@@ -364,7 +358,7 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_refuses_the_next_request() {
         let capacity = 2;
-        let mut g = gated(limits(1000, 1, capacity));
+        let mut g = gated(limits(1000, 1), capacity);
         let _computing = submit(&g.queue, 0, &[1]);
         g.started.recv().await.unwrap();
         let _open = submit(&g.queue, 1, &[1]);
@@ -383,7 +377,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_batch_answers_each_of_its_requests_with_the_error() {
-        let queue = Queue::with_compute(limits(1000, 64, 64), |_: &[&[u32]]| {
+        let queue = Queue::with_compute(limits(1000, 64), 64, |_: &[&[u32]]| {
             Err(EngineError::Unsupported("no device".into()))
         });
         let answers = [submit(&queue, 1, &[2]), submit(&queue, 2, &[3])];

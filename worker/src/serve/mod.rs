@@ -11,10 +11,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tessera_api::deployments::BatchLimits;
 use uuid::Uuid;
 
 use crate::engine::{EmbeddingModel, EngineError, LoadOptions};
-use batcher::{BatchLimits, Queue, Task};
+use batcher::{Queue, Task};
 use endpoint::Replica;
 
 /// Requests that may wait per replica, as a multiple of the batch's request cap.
@@ -49,10 +50,10 @@ fn joined<T>(result: Result<Result<T, EngineError>, tokio::task::JoinError>) -> 
 }
 
 /// Runs one batch as large as the budget allows, of the longest inputs the model takes.
-fn warm_up(model: &EmbeddingModel, task: Task, max_batch_tokens: usize, max_batch_requests: usize) -> Result<usize, EngineError> {
+fn warm_up(model: &EmbeddingModel, task: Task, limits: BatchLimits) -> Result<usize, EngineError> {
     let text = "warm up ".repeat(model.max_input_tokens());
     let longest = model.tokenize(&text, true)?;
-    let count = (max_batch_tokens / longest.len()).clamp(1, max_batch_requests);
+    let count = (limits.max_batch_tokens as usize / longest.len()).clamp(1, limits.max_batch_requests as usize);
     let batch = model.pack(&vec![longest.as_slice(); count], true)?;
     match task {
         Task::Embed => model.embed_batch(&batch).map(|_| ()),
@@ -67,8 +68,7 @@ pub async fn load_replica(
     folder: PathBuf,
     options: LoadOptions,
     model_id: Uuid,
-    max_batch_tokens: usize,
-    max_batch_requests: usize,
+    limits: BatchLimits,
 ) -> Result<(Replica, LoadReport), EngineError> {
     let started = Instant::now();
     let model = Arc::new(joined(tokio::task::spawn_blocking(move || EmbeddingModel::load_with(&folder, &options)).await)?);
@@ -78,11 +78,10 @@ pub async fn load_replica(
     let started = Instant::now();
     let warm = model.clone();
     let warmup_tokens =
-        joined(tokio::task::spawn_blocking(move || warm_up(&warm, task, max_batch_tokens, max_batch_requests)).await)?;
+        joined(tokio::task::spawn_blocking(move || warm_up(&warm, task, limits)).await)?;
     let report =
         LoadReport { task: format!("{task:?}"), gemm_dtype: model.gemm_dtype().into(), load_secs, warmup_tokens, warmup_secs: started.elapsed().as_secs_f64() };
 
-    let limits = BatchLimits { max_batch_tokens, max_batch_requests, queue_capacity: QUEUED_BATCHES * max_batch_requests };
-    let queue = Queue::start(model.clone(), task, limits);
+    let queue = Queue::start(model.clone(), task, limits, QUEUED_BATCHES * limits.max_batch_requests as usize);
     Ok((Replica { model, model_id, task, queue }, report))
 }

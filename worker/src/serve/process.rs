@@ -13,15 +13,15 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 
+use tessera_api::deployments::BatchLimits;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, Command};
 use uuid::Uuid;
 
+use super::binding::CpuPrecision;
 use super::endpoint::Endpoint;
 use super::{load_replica, LoadReport};
-use super::binding::CpuPrecision;
-use crate::engine::LoadOptions;
-use crate::jobs::JobError;
+use crate::engine::{EngineError, LoadOptions};
 
 /// The line prefix the engine process announces itself with.
 const READY: &str = "TESSERA_ENGINE_READY ";
@@ -42,10 +42,9 @@ pub struct EngineArgs {
     /// The replica (serve job) id: the engine answers at `/replicas/{id}/…`.
     #[arg(long)]
     pub replica: Uuid,
-    #[arg(long)]
-    pub max_batch_tokens: usize,
-    #[arg(long)]
-    pub max_batch_requests: usize,
+    /// `--max-batch-tokens`, `--max-batch-requests`: the deployment's batching.
+    #[command(flatten)]
+    pub limits: BatchLimits,
     /// Compute on CUDA device 0 (the slice `CUDA_VISIBLE_DEVICES` names) in f16; the CPU
     /// otherwise.
     #[arg(long)]
@@ -58,18 +57,12 @@ pub struct EngineArgs {
     pub listen: String,
 }
 
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub max_batch_tokens: usize,
-    pub max_batch_requests: usize,
-}
-
 /// What the serve job starts an engine process with.
 pub struct Spawn {
     pub folder: PathBuf,
     pub model_id: Uuid,
     pub replica: Uuid,
-    pub limits: Limits,
+    pub limits: BatchLimits,
     pub gpu: bool,
     pub cpu_precision: CpuPrecision,
     pub env: Vec<(String, String)>,
@@ -81,7 +74,29 @@ struct Ready {
     report: LoadReport,
 }
 
-fn load_options(gpu: bool, cpu_precision: CpuPrecision) -> anyhow::Result<LoadOptions> {
+/// Why an engine process could not start or stopped serving: the child's own failures
+/// (it prints them and exits) and, on the worker's side, how the child ended.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("{TOKEN_ENV} is not set")]
+    NoToken,
+    #[error("this tessera-worker was built without the cuda feature; it cannot serve on a GPU")]
+    NoCuda,
+    #[error(transparent)]
+    Device(#[from] candle_core::Error),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("the engine process announced itself oddly: {0}")]
+    Announcement(serde_json::Error),
+    #[error("the engine process exited ({status}) before serving; {last_words}")]
+    ExitedBeforeServing { status: ExitStatus, last_words: String },
+    #[error("the engine process exited ({status}); {last_words}")]
+    Exited { status: ExitStatus, last_words: String },
+}
+
+fn load_options(gpu: bool, cpu_precision: CpuPrecision) -> Result<LoadOptions, ProcessError> {
     if !gpu {
         return Ok(LoadOptions { dtype: cpu_precision.dtype(), ..LoadOptions::default() });
     }
@@ -91,26 +106,19 @@ fn load_options(gpu: bool, cpu_precision: CpuPrecision) -> anyhow::Result<LoadOp
         Ok(LoadOptions { device: Some(device), dtype: Some(candle_core::DType::F16), ..LoadOptions::default() })
     }
     #[cfg(not(feature = "cuda"))]
-    anyhow::bail!("this tessera-worker was built without the cuda feature; it cannot serve on a GPU")
+    Err(ProcessError::NoCuda)
 }
 
 /// The child's side: load, announce, serve until stdin closes.
-pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
-    let token = std::env::var(TOKEN_ENV).map_err(|_| anyhow::anyhow!("{TOKEN_ENV} is not set"))?;
+pub async fn run_engine(args: EngineArgs) -> Result<(), ProcessError> {
+    let token = std::env::var(TOKEN_ENV).map_err(|_| ProcessError::NoToken)?;
     let options = load_options(args.gpu, args.cpu_precision)?;
     let endpoint = Endpoint::start(&args.listen, None).await?;
     endpoint.set_token(token);
-    let (replica, report) = load_replica(
-        args.model,
-        options,
-        args.model_id,
-        args.max_batch_tokens,
-        args.max_batch_requests,
-    )
-    .await?;
+    let (replica, report) = load_replica(args.model, options, args.model_id, args.limits).await?;
     let _registration = endpoint.add(args.replica, replica);
     let ready = Ready { url: endpoint.replica_url(args.replica), report };
-    println!("{READY}{}", serde_json::to_string(&ready)?);
+    println!("{READY}{}", serde_json::to_string(&ready).expect("the announcement serialises"));
     // Serve until the worker closes the pipe (or dies).
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     while stdin.next_line().await?.is_some() {}
@@ -131,7 +139,7 @@ pub struct EngineProcess {
 
 impl EngineProcess {
     /// Starts the engine process and waits until it serves (or fails to start).
-    pub async fn start(endpoint: &Endpoint, spawn: Spawn) -> Result<EngineProcess, JobError> {
+    pub async fn start(endpoint: &Endpoint, spawn: Spawn) -> Result<EngineProcess, ProcessError> {
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe)
             .arg("engine")
@@ -160,15 +168,13 @@ impl EngineProcess {
             match stdout.next_line().await? {
                 Some(line) => match line.strip_prefix(READY) {
                     Some(json) => {
-                        break serde_json::from_str::<Ready>(json)
-                            .map_err(|e| JobError::Process(format!("the engine process announced itself oddly: {e}")))?
+                        break serde_json::from_str::<Ready>(json).map_err(ProcessError::Announcement)?
                     }
                     None => keep(&last, spawn.replica, line),
                 },
                 None => {
                     let status = child.wait().await?;
-                    let words = last_words(&last);
-                    return Err(JobError::Process(format!("the engine process exited ({status}) before serving; {words}")));
+                    return Err(ProcessError::ExitedBeforeServing { status, last_words: last_words(&last) });
                 }
             }
         };
@@ -177,14 +183,13 @@ impl EngineProcess {
         Ok(EngineProcess { child, _stdin: stdin, pid, url: ready.url, report: ready.report, last })
     }
 
-    /// Waits until the engine process exits on its own.
-    pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
-        self.child.wait().await
-    }
-
-    /// Its last lines of output, for an error message.
-    pub fn last_words(&self) -> String {
-        last_words(&self.last)
+    /// Waits until the engine process exits on its own, which ends the replica: the error
+    /// says how, with its last lines of output.
+    pub async fn wait(&mut self) -> ProcessError {
+        match self.child.wait().await {
+            Ok(status) => ProcessError::Exited { status, last_words: last_words(&self.last) },
+            Err(e) => e.into(),
+        }
     }
 }
 
