@@ -1,6 +1,7 @@
-//! With the `cuda` feature, compiles every `kernels/*.cu` to PTX for the compute capability in
-//! `CUDA_COMPUTE_CAP` (the engine embeds the PTX and the driver JIT-compiles it when the
-//! kernels are first used), and records that capability and nvcc's release so the worker can
+//! With the `cuda` feature, compiles every op's kernel (`src/engine/ops/<op>/*.cu`, with the
+//! shared `src/engine/ops/cuda/common.cuh`) to PTX for the compute capability in
+//! `CUDA_COMPUTE_CAP` (each op embeds its PTX and the driver JIT-compiles it when the kernels
+//! are first used), and records that capability and nvcc's release so the worker can
 //! check them against the GPU and driver at start. Without the feature it does nothing: the
 //! CPU build needs no CUDA toolkit.
 
@@ -14,7 +15,7 @@ fn main() {
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    println!("cargo::rerun-if-changed=kernels");
+    println!("cargo::rerun-if-changed={OPS}");
     for var in ["CUDA_COMPUTE_CAP", "NVCC", "CUDA_ROOT", "CUDA_PATH"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
@@ -31,13 +32,7 @@ fn main() {
     let release = nvcc_release(&nvcc);
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let kernels = Path::new("kernels");
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(kernels)
-        .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", kernels.display())))
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|ext| ext == "cu"))
-        .collect();
-    sources.sort();
+    let sources = kernel_sources();
     for source in &sources {
         let stem = source
             .file_stem()
@@ -48,7 +43,7 @@ fn main() {
             .args(["--ptx", "-O3", "-std=c++17"])
             .arg(format!("-arch=compute_{compute_cap}"))
             .arg("-I")
-            .arg(kernels)
+            .arg(Path::new(OPS).join("cuda"))
             .arg(source)
             .arg("-o")
             .arg(&ptx)
@@ -60,6 +55,27 @@ fn main() {
     }
     println!("cargo::rustc-env=TESSERA_CUDA_COMPUTE_CAP={compute_cap}");
     println!("cargo::rustc-env=TESSERA_CUDA_RELEASE={release}");
+}
+
+/// Where the ops live, one folder each.
+const OPS: &str = "src/engine/ops";
+
+/// The `.cu` files in the ops' folders, in a stable order.
+fn kernel_sources() -> Vec<PathBuf> {
+    let list = |dir: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", dir.display())))
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .collect()
+    };
+    let mut sources: Vec<PathBuf> = list(Path::new(OPS))
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .flat_map(|dir| list(&dir))
+        .filter(|p| p.extension().is_some_and(|ext| ext == "cu"))
+        .collect();
+    sources.sort();
+    sources
 }
 
 /// `$NVCC`, else `$CUDA_ROOT/bin/nvcc` or `$CUDA_PATH/bin/nvcc`, else `nvcc` on the PATH.

@@ -1,5 +1,6 @@
 //! The CUDA kernels on a GPU against their CPU references (the cases are in `kernel_cases`),
-//! through the engine's own launches (`ops/cuda/kernels.rs`), plus what those launches refuse.
+//! through the engine's own launches (each op's `cuda_fwd`: its plan in `ops/<op>/cuda.rs`, run
+//! by `ops/cuda/run.rs`), plus what those launches refuse.
 //!
 //! Needs a CUDA GPU: without one each test prints why and passes, unless
 //! TESSERA_REQUIRE_GPU=1 (set it on the GPU machine so a missing GPU fails loudly).

@@ -1,6 +1,6 @@
 // Kernels that break CUDA's rules on purpose, so the emulator's tests can show it refuses
 // them (worker/tests/cuda_kernels_emulated.rs) instead of hanging or passing.
-#include "../../kernels/common.cuh"
+#include "common.cuh"
 
 // Half of warp 0 shuffles while the other half goes on to the block barrier.
 extern "C" __global__ void misaligned_barriers(float* out) {

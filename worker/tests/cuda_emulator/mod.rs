@@ -1,11 +1,12 @@
-//! Runs `worker/kernels/*.cu` on the CPU: the kernels' own source, compiled by the host C++
-//! compiler against `cuda_runtime.hpp` (CUDA's built-ins, one fiber per CUDA thread), into a
-//! library this module builds once per source version and loads. So every CI run checks the
-//! kernels' indexing, shared memory, barriers and warp shuffles against the CPU references,
-//! where no GPU is lent; the GPU tests check the rest (PTX, the driver, cudarc launches).
+//! Runs the ops' CUDA kernels (`worker/src/engine/ops/<op>/*.cu`) on the CPU: the kernels' own
+//! source, compiled by the host C++ compiler against `cuda_runtime.hpp` (CUDA's built-ins, one
+//! fiber per CUDA thread), into a library this module builds once per source version and
+//! loads. So every CI run checks the kernels' indexing, shared memory, barriers and warp
+//! shuffles against the CPU references, where no GPU is lent; the GPU tests check the rest
+//! (PTX, the driver, cudarc launches).
 //!
-//! Launches mirror `worker/src/engine/ops/cuda/kernels.rs`: the same plan functions, kernel
-//! names and argument order.
+//! [`run`] executes an op's own launch plan (`CudaKernel::plan`), the one the GPU runner
+//! executes: the same kernel names, geometry and argument order.
 #![allow(dead_code)] // each test binary uses its own part
 
 use candle_core::{DType, Device, Tensor};
@@ -13,6 +14,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+use tessera_worker::engine::ops::cuda::{self as ops_cuda, CudaKernel, Operand};
 
 type LaunchFn = unsafe extern "C" fn(
     *const u32,
@@ -42,12 +44,64 @@ pub fn emulator() -> &'static Emulator {
     EMULATOR.get_or_init(|| Emulator::load(&build()))
 }
 
+/// Runs `op` on `inputs` (CPU tensors in their storage types) as a GPU would: its launch
+/// plan, every launch on the emulator, over buffers that end at an unmapped page.
+pub fn run<K: CudaKernel>(op: &K, inputs: &[&Tensor]) -> Tensor {
+    let operands: Vec<Operand> = inputs
+        .iter()
+        .map(|t| Operand {
+            dtype: t.dtype(),
+            shape: t.shape(),
+        })
+        .collect();
+    let plan = op.plan(&operands).unwrap_or_else(|e| panic!("{e}"));
+    let buffers: Vec<Buffer> = inputs.iter().map(|t| Buffer::from_tensor(t)).collect();
+    let (dtype, len) = (plan.output.dtype, plan.output.shape.elem_count());
+    let output = if plan.output.zeroed {
+        Buffer::zeros(dtype, len)
+    } else {
+        Buffer::output(dtype, len)
+    };
+    for launch in &plan.launches {
+        let args: Vec<Arg> = launch
+            .args
+            .iter()
+            .map(|arg| match *arg {
+                ops_cuda::Arg::Input(i) => buffers[i].arg(),
+                ops_cuda::Arg::Output => output.arg(),
+                ops_cuda::Arg::I32(v) => Arg::I32(v),
+                ops_cuda::Arg::U64(v) => Arg::U64(v),
+                ops_cuda::Arg::F32(v) => Arg::F32(v),
+            })
+            .collect();
+        emulator()
+            .launch(
+                &launch.kernel,
+                launch.grid,
+                launch.threads,
+                launch.shared_bytes,
+                &args,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    output.to_tensor(dtype, plan.output.shape.dims())
+}
+
+/// The ops' folder: each op's `.cu` beside its Rust, `cuda/common.cuh` shared.
+fn ops() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/ops")
+}
+
 fn sources() -> (PathBuf, Vec<PathBuf>) {
-    let worker = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let emulator = worker.join("tests/cuda_emulator");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(worker.join("kernels"))
-        .expect("worker/kernels")
-        .map(|e| e.unwrap().path())
+    let emulator = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulator");
+    let list = |dir: &Path| -> Vec<PathBuf> {
+        let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        entries.map(|e| e.unwrap().path()).collect()
+    };
+    let mut files: Vec<PathBuf> = list(&ops())
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .flat_map(|dir| list(&dir))
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
         .collect();
     files.sort();
@@ -63,7 +117,7 @@ fn build() -> PathBuf {
     let (include, files) = sources();
     let mut digest = Sha256::new();
     let mut inputs = files.clone();
-    inputs.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common.cuh"));
+    inputs.push(ops().join("cuda/common.cuh"));
     for header in ["cuda_runtime.hpp", "cuda_fp16.h", "cuda_bf16.h"] {
         inputs.push(include.join(header));
     }
@@ -90,6 +144,8 @@ fn build() -> PathBuf {
         ])
         .arg("-I")
         .arg(&include)
+        .arg("-I")
+        .arg(ops().join("cuda"))
         .args(["-include", "cuda_runtime.hpp", "-x", "c++"])
         .args(&files)
         .arg("-o")
@@ -159,7 +215,7 @@ impl Emulator {
         // SAFETY: called only through `Call`, with the kernel's own arguments.
         unsafe { self.library.get::<KernelFn>(name.as_bytes()) }
             .map(|symbol| *symbol)
-            .map_err(|_| format!("no kernel named {name} in worker/kernels"))
+            .map_err(|_| format!("no kernel named {name} in the ops' .cu files"))
     }
 }
 

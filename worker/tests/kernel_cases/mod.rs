@@ -10,7 +10,7 @@
 
 use crate::gpu_support::{assert_close, Rng, FLOAT_TYPES};
 use candle_core::{DType, Device, Tensor};
-use tessera_worker::engine::ops::cuda::plan::{
+use tessera_worker::engine::ops::varlen_attention::cuda::{
     attention_plan, short_kernel_max_len, AttentionKernel,
 };
 use tessera_worker::engine::ops::{

@@ -1,8 +1,10 @@
-//! The engine's fused kernels, written as candle `CustomOp`s. Each has a CPU implementation
-//! here; a CUDA build adds `cuda_fwd` beside it and keeps the same inputs, so the model code
-//! does not change. All of them work on packed activations (`[total_tokens, hidden]`); the
-//! ones that need sequence boundaries (attention, pooling) take the batch's `cu_seqlens` as a
-//! `u32` tensor on the same device.
+//! The engine's fused kernels, written as candle `CustomOp`s. Each op has one home,
+//! `<op>/`: its CPU implementation (the reference) in `mod.rs`, its CUDA kernel in `<op>.cu`
+//! and that kernel's launch in `cuda.rs`, run by a CUDA build's `cuda_fwd` with the same
+//! inputs, so the model code does not change (`README.md` here describes the kernels). All
+//! of them work on packed activations (`[total_tokens, hidden]`); the ones that need sequence
+//! boundaries (attention, pooling) take the batch's `cu_seqlens` as a `u32` tensor on the
+//! same device.
 
 pub mod bias_gelu;
 pub mod bias_residual_layernorm;
@@ -22,6 +24,16 @@ pub use varlen_attention::VarlenAttention;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result};
+use cuda::{CudaKernel, Module};
+
+/// Every op's CUDA module, loaded at start (`cuda::compute_cap::probe`).
+pub const CUDA_MODULES: [Module; 5] = [
+    BiasGelu::MODULE,
+    BiasResidualLayerNorm::MODULE,
+    Int8Scales::MODULE,
+    SegmentedPool::MODULE,
+    VarlenAttention::MODULE,
+];
 
 /// The contiguous f32 data behind a CPU tensor. The kernels index rows directly, so a strided
 /// view is refused rather than silently copied.

@@ -136,7 +136,7 @@ pub fn probe(ordinal: usize) -> Result<GpuReport, String> {
     };
     let device = candle_core::CudaDevice::new_with_stream(ordinal)
         .map_err(|e| format!("cannot open {gpu} for candle: {e}"))?;
-    super::kernels::load_all(&device)
+    super::load_all(&device, &crate::engine::ops::CUDA_MODULES)
         .map_err(|e| format!("{gpu} cannot load this build's kernels: {e}"))?;
     Ok(GpuReport {
         name,

@@ -1,15 +1,8 @@
-//! Launch geometry, decided on the host from sizes the batcher already knows (number of
-//! sequences, the longest length, head size, element size), so a forward pass never reads
-//! anything back from the GPU. The constants mirror those in `worker/kernels/*.cu`.
+//! Launch geometry shared by the kernels, decided on the host from sizes the batcher already
+//! knows, so a forward pass never reads anything back from the GPU. The constants mirror
+//! those in the `.cu` files beside the ops; attention's own plan is in
+//! `varlen_attention/cuda.rs`.
 
-/// Warps per attention block, and query rows each warp owns (`WARPS`, `R` in the kernel).
-const ATTENTION_WARPS: usize = 4;
-const ROWS_PER_WARP: usize = 4;
-/// Query rows per attention block.
-pub const ATTENTION_ROWS_PER_BLOCK: usize = ATTENTION_WARPS * ROWS_PER_WARP;
-pub const ATTENTION_THREADS: u32 = (ATTENTION_WARPS * 32) as u32;
-/// Head sizes the attention kernels are instantiated for.
-pub const HEAD_SIZES: [usize; 3] = [32, 64, 128];
 /// Shared memory any block may use without opting in to more (48 KiB on every CUDA GPU).
 pub const SHARED_LIMIT: usize = 48 * 1024;
 /// Threads per block of the row-wise kernels (LayerNorm, pooling) and the element-wise ones.
@@ -18,108 +11,6 @@ pub const POOL_THREADS: u32 = 256;
 pub const ELEMENTWISE_THREADS: u32 = 256;
 /// Grid-stride kernels never need more blocks than this to fill a GPU.
 const MAX_ELEMENTWISE_BLOCKS: usize = 1 << 16;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKernel {
-    /// Each block holds its sequence's whole K/V in shared memory.
-    Short,
-    /// K/V stream through shared memory in tiles, with an online softmax.
-    Tiled,
-}
-
-impl AttentionKernel {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Short => "short",
-            Self::Tiled => "tiled",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionPlan {
-    pub kernel: AttentionKernel,
-    /// (query tiles of the longest sequence, heads, sequences).
-    pub grid: (u32, u32, u32),
-    pub shared_bytes: u32,
-}
-
-/// K rows are padded by one 4-byte word so 32 lanes reading 32 keys hit 32 banks.
-fn key_pad(elem_size: usize) -> usize {
-    if elem_size == 4 {
-        1
-    } else {
-        2
-    }
-}
-
-fn query_bytes(head_dim: usize) -> usize {
-    ATTENTION_WARPS * ROWS_PER_WARP * head_dim * 4
-}
-
-/// Shared memory for K and V of `keys` rows plus the warps' f32 queries.
-fn attention_shared(keys: usize, head_dim: usize, elem_size: usize) -> usize {
-    query_bytes(head_dim) + keys * (2 * head_dim + key_pad(elem_size)) * elem_size
-}
-
-/// Keys per tile of the tiled kernel (`KeyTile` in the kernel).
-pub fn key_tile(elem_size: usize) -> usize {
-    128 / elem_size
-}
-
-/// The longest sequence whose K/V the short kernel holds at once within [`SHARED_LIMIT`]:
-/// 173 tokens for f16/bf16 at head size 64, 356 at 32, 79 at 128; about half that in f32.
-pub fn short_kernel_max_len(head_dim: usize, elem_size: usize) -> usize {
-    (SHARED_LIMIT - query_bytes(head_dim)) / ((2 * head_dim + key_pad(elem_size)) * elem_size)
-}
-
-/// Which attention kernel runs a batch, and its launch shape. The short kernel is chosen
-/// whenever the longest sequence fits it: it loads K/V once per block and skips the per-tile
-/// barriers; longer batches go to the tiled kernel.
-pub fn attention_plan(
-    sequences: usize,
-    max_len: usize,
-    num_heads: usize,
-    head_dim: usize,
-    elem_size: usize,
-) -> Result<AttentionPlan, String> {
-    if !HEAD_SIZES.contains(&head_dim) {
-        return Err(format!(
-            "head size {head_dim} has no CUDA attention kernel (built for {HEAD_SIZES:?})"
-        ));
-    }
-    if !matches!(elem_size, 2 | 4) {
-        return Err(format!(
-            "{elem_size}-byte elements: expected f32, f16 or bf16"
-        ));
-    }
-    if sequences == 0 || sequences > u16::MAX as usize || num_heads > u16::MAX as usize {
-        return Err(format!(
-            "{sequences} sequences × {num_heads} heads: the grid takes 1 to 65535 of each; \
-             split the batch"
-        ));
-    }
-    let (kernel, shared) = if max_len <= short_kernel_max_len(head_dim, elem_size) {
-        (
-            AttentionKernel::Short,
-            attention_shared(max_len, head_dim, elem_size),
-        )
-    } else {
-        (
-            AttentionKernel::Tiled,
-            attention_shared(key_tile(elem_size), head_dim, elem_size),
-        )
-    };
-    Ok(AttentionPlan {
-        kernel,
-        grid: (
-            max_len.div_ceil(ATTENTION_ROWS_PER_BLOCK).max(1) as u32,
-            num_heads as u32,
-            sequences as u32,
-        ),
-        shared_bytes: shared as u32,
-    })
-}
 
 /// Shared memory of a row-wise kernel that keeps one f32 row plus 32 floats of reduction
 /// scratch, or an error when the row is too wide for it.
@@ -143,52 +34,6 @@ pub fn elementwise_blocks(n: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn short_sequences_take_the_short_kernel_and_long_ones_the_tiled() {
-        let short = attention_plan(3, 128, 12, 64, 2).unwrap();
-        assert_eq!(short.kernel, AttentionKernel::Short);
-        assert_eq!(short.grid, (8, 12, 3));
-        let long = attention_plan(3, 512, 12, 64, 2).unwrap();
-        assert_eq!(long.kernel, AttentionKernel::Tiled);
-        assert_eq!(long.grid, (32, 12, 3));
-        // The switch sits exactly where K/V stop fitting.
-        let edge = short_kernel_max_len(64, 2);
-        assert_eq!(edge, 173);
-        assert_eq!(
-            attention_plan(1, edge, 1, 64, 2).unwrap().kernel,
-            AttentionKernel::Short
-        );
-        assert_eq!(
-            attention_plan(1, edge + 1, 1, 64, 2).unwrap().kernel,
-            AttentionKernel::Tiled
-        );
-    }
-
-    #[test]
-    fn every_plan_fits_the_shared_memory_limit() {
-        for head_dim in HEAD_SIZES {
-            for elem in [2, 4] {
-                for max_len in [1, 16, 17, 64, 100, 173, 174, 256, 512, 4096] {
-                    let plan = attention_plan(5, max_len, 12, head_dim, elem).unwrap();
-                    assert!(
-                        plan.shared_bytes as usize <= SHARED_LIMIT,
-                        "d {head_dim}, {elem}-byte, len {max_len}: {plan:?}"
-                    );
-                    assert!(plan.grid.0 as usize * ATTENTION_ROWS_PER_BLOCK >= max_len);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn refuses_head_sizes_and_grids_it_has_no_kernel_for() {
-        let err = attention_plan(1, 8, 1, 48, 2).unwrap_err();
-        assert!(err.contains("head size 48"), "{err}");
-        assert!(attention_plan(0, 8, 1, 64, 2).is_err());
-        assert!(attention_plan(70_000, 8, 1, 64, 2).is_err());
-        assert!(attention_plan(1, 8, 1, 64, 8).is_err());
-    }
 
     #[test]
     fn row_kernels_take_rows_up_to_the_shared_limit() {

@@ -6,6 +6,8 @@
 //! Inputs: `qkv` `[T, 3H]` from the fused projection (columns Q | K | V, each head-major),
 //! `qkv_bias` `[3H]`, `cu_seqlens` `[n + 1]` u32. Output: the per-head contexts `[T, H]`.
 
+pub mod cuda;
+
 use super::vector_math::exp_scalar;
 use super::{contiguous_f32, cu_seqlens, has_avx2_fma, SharedMut};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape};
@@ -24,6 +26,27 @@ pub struct VarlenAttention {
 impl VarlenAttention {
     fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    /// `(tokens, hidden)` of a `[T, 3H]` projection, once its width and the bias's length
+    /// are checked against the heads.
+    fn shapes(&self, name: &str, qkv: &Shape, bias: &Shape) -> Result<(usize, usize)> {
+        let hidden = self.num_heads * self.head_dim;
+        let (tokens, width) = qkv.dims2()?;
+        if width != 3 * hidden {
+            bail!(
+                "{name}: qkv is [{tokens}, {width}], expected [T, {}]",
+                3 * hidden
+            );
+        }
+        if bias.elem_count() != 3 * hidden {
+            bail!(
+                "{name}: qkv bias has {} values, expected {}",
+                bias.elem_count(),
+                3 * hidden
+            );
+        }
+        Ok((tokens, hidden))
     }
 }
 
@@ -69,7 +92,7 @@ impl CustomOp3 for VarlenAttention {
         cu_s: &candle_core::CudaStorage,
         cu_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::varlen_attention(self, qkv_s, qkv_l, bias_s, bias_l, cu_s, cu_l)
+        super::cuda::run(self, &[(qkv_s, qkv_l), (bias_s, bias_l), (cu_s, cu_l)])
     }
 
     fn cpu_fwd(
@@ -82,23 +105,9 @@ impl CustomOp3 for VarlenAttention {
         cu_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let hidden = self.num_heads * self.head_dim;
-        let (tokens, width) = qkv_l.shape().dims2()?;
-        if width != 3 * hidden {
-            bail!(
-                "{name}: qkv is [{tokens}, {width}], expected [T, {}]",
-                3 * hidden
-            );
-        }
+        let (tokens, hidden) = self.shapes(name, qkv_l.shape(), bias_l.shape())?;
         let qkv = contiguous_f32(name, "qkv", qkv_s, qkv_l)?;
         let bias = contiguous_f32(name, "qkv bias", bias_s, bias_l)?;
-        if bias.len() != 3 * hidden {
-            bail!(
-                "{name}: qkv bias has {} values, expected {}",
-                bias.len(),
-                3 * hidden
-            );
-        }
         let cu = cu_seqlens(name, cu_s, cu_l, tokens)?;
 
         let mut out = vec![0f32; tokens * hidden];

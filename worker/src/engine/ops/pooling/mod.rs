@@ -4,6 +4,8 @@
 //!
 //! Inputs: hidden states `[T, H]`, `cu_seqlens` `[n + 1]` u32. Output: `[n, H]`.
 
+mod cuda;
+
 use super::{contiguous_f32, cu_seqlens};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape};
 use rayon::prelude::*;
@@ -40,7 +42,7 @@ impl CustomOp2 for SegmentedPool {
         cu_s: &candle_core::CudaStorage,
         cu_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::segmented_pool(self, h_s, h_l, cu_s, cu_l)
+        super::cuda::run(self, &[(h_s, h_l), (cu_s, cu_l)])
     }
 
     fn cpu_fwd(

@@ -2,6 +2,8 @@
 //! exact erf form that BERT and sentence-transformers use, not the tanh approximation TEI
 //! falls back to for cuBLASLt.
 
+mod cuda;
+
 use super::vector_math::gelu_scalar;
 use super::{contiguous_f32, has_avx2_fma, rows_per_task};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape};
@@ -23,7 +25,7 @@ impl CustomOp2 for BiasGelu {
         b_s: &candle_core::CudaStorage,
         b_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::bias_gelu(x_s, x_l, b_s, b_l)
+        super::cuda::run(self, &[(x_s, x_l), (b_s, b_l)])
     }
 
     fn cpu_fwd(

@@ -5,6 +5,8 @@
 //! The per-row vectors are packed at load time into one `[3, H]` tensor (bias, gamma, beta),
 //! so the op stays a `CustomOp3`: `(x, residual, params)`.
 
+mod cuda;
+
 use super::{contiguous_f32, has_avx2_fma, rows_per_task};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape};
 use rayon::prelude::*;
@@ -29,7 +31,7 @@ impl CustomOp3 for BiasResidualLayerNorm {
         p_s: &candle_core::CudaStorage,
         p_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::bias_residual_layernorm(self, x_s, x_l, r_s, r_l, p_s, p_l)
+        super::cuda::run(self, &[(x_s, x_l), (r_s, r_l), (p_s, p_l)])
     }
 
     fn cpu_fwd(
@@ -42,19 +44,7 @@ impl CustomOp3 for BiasResidualLayerNorm {
         p_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let (rows, cols) = x_l.shape().dims2()?;
-        if r_l.shape().dims() != [rows, cols] {
-            bail!(
-                "{name}: residual is {:?}, input is [{rows}, {cols}]",
-                r_l.shape()
-            );
-        }
-        if p_l.shape().dims() != [3, cols] {
-            bail!(
-                "{name}: params must be [3, {cols}] (bias, gamma, beta), got {:?}",
-                p_l.shape()
-            );
-        }
+        let (rows, cols) = shapes(name, x_l.shape(), r_l.shape(), p_l.shape())?;
         let x = contiguous_f32(name, "input", x_s, x_l)?;
         let residual = contiguous_f32(name, "residual", r_s, r_l)?;
         let params = contiguous_f32(name, "params", p_s, p_l)?;
@@ -95,6 +85,19 @@ impl CustomOp3 for BiasResidualLayerNorm {
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, cols))))
     }
+}
+
+/// The input's `[rows, cols]`, once the residual is checked to match it and the params to be
+/// `[3, cols]`.
+fn shapes(name: &str, x: &Shape, residual: &Shape, params: &Shape) -> Result<(usize, usize)> {
+    let (rows, cols) = x.dims2()?;
+    if residual.dims() != [rows, cols] {
+        bail!("{name}: residual is {residual:?}, input is [{rows}, {cols}]");
+    }
+    if params.dims() != [3, cols] {
+        bail!("{name}: params must be [3, {cols}] (bias, gamma, beta), got {params:?}");
+    }
+    Ok((rows, cols))
 }
 
 struct Row<'a> {

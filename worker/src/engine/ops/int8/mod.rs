@@ -9,6 +9,8 @@
 //! each value's two's-complement byte (`q as i8` reads it back). Whether scales are per tensor
 //! or per channel follows from their length (1 or `channels`).
 
+mod cuda;
+
 use super::contiguous_f32;
 use candle_core::backend::BackendStorage as _;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape};
@@ -82,7 +84,7 @@ impl CustomOp1 for Int8Scales {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::int8_scales(self, s, l)
+        super::cuda::run(self, &[(s, l)])
     }
 }
 
@@ -122,7 +124,7 @@ impl CustomOp2 for QuantizeInt8 {
         s_s: &candle_core::CudaStorage,
         s_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::quantize_int8(x_s, x_l, s_s, s_l)
+        super::cuda::run(self, &[(x_s, x_l), (s_s, s_l)])
     }
 }
 
@@ -163,7 +165,7 @@ impl CustomOp2 for DequantizeInt8 {
         s_s: &candle_core::CudaStorage,
         s_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::kernels::dequantize_int8(q_s, q_l, s_s, s_l)
+        super::cuda::run(self, &[(q_s, q_l), (s_s, s_l)])
     }
 }
 
