@@ -2,6 +2,7 @@
 //! and its transitions (`mig`), throughput tables with their cost model (`throughput`),
 //! and placing a throughput SLO on the fleet's slices (`placement`).
 
+pub mod loaning;
 pub mod mig;
 pub mod placement;
 pub mod throughput;
