@@ -82,7 +82,7 @@ mod tests {
     #[test]
     fn spare_slices_go_to_the_job_that_scales() {
         let good = amdahl(0.02, 8);
-        let poor = amdahl(0.6, 8);
+        let poor = amdahl(0.97, 8);
         let cands = [
             Candidate { base: 1, max: 8, current: None, remaining_steps: 1000.0, step_secs: &poor },
             Candidate { base: 1, max: 8, current: None, remaining_steps: 1000.0, step_secs: &good },
