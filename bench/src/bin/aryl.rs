@@ -148,9 +148,8 @@ fn draw_job(rng: &mut StdRng, submit: f64) -> Spec {
     let serial = rng.gen_range(SERIAL_SHARE.0..SERIAL_SHARE.1);
     let mut spec = Spec { submit, requested, min, max, preemptible, steps: 0.0, serial, measured: StepTimes::default() };
     spec.steps = duration / spec.step_secs(requested);
-    let measured: Vec<(u32, f64)> = (min..=max)
-        .map(|r| (r, spec.step_secs(r) * (1.0 + rng.gen_range(-MEASUREMENT_NOISE..MEASUREMENT_NOISE))))
-        .collect();
+    let measured: Vec<(u32, f64)> =
+        (min..=max).map(|r| (r, spec.step_secs(r) * (1.0 + rng.gen_range(-MEASUREMENT_NOISE..MEASUREMENT_NOISE)))).collect();
     spec.measured = StepTimes::new(measured);
     spec
 }
@@ -161,9 +160,11 @@ fn generate_trace(seed: u64, load: f64) -> Vec<Spec> {
     // The mean GPU-seconds of a job, estimated from the generator itself.
     let mut probe = StdRng::seed_from_u64(seed ^ 0x5eed);
     let samples = 200_000;
-    let mean_gpu_secs: f64 =
-        (0..samples).map(|_| draw_job(&mut probe, 0.0)).map(|j| j.steps * j.step_secs(j.requested) * j.requested as f64).sum::<f64>()
-            / samples as f64;
+    let mean_gpu_secs: f64 = (0..samples)
+        .map(|_| draw_job(&mut probe, 0.0))
+        .map(|j| j.steps * j.step_secs(j.requested) * j.requested as f64)
+        .sum::<f64>()
+        / samples as f64;
     let base_rate = load * TRAINING_SLICES as f64 / mean_gpu_secs;
     let peak_rate = base_rate * (1.0 + ARRIVAL_SWING);
     let mut rng = StdRng::seed_from_u64(seed);
@@ -258,8 +259,8 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64) -> Out
     let loan_policy = LoanPolicy::default();
     let mut noise_rng = StdRng::seed_from_u64(seed ^ 0x7e57);
     let mut state: Vec<JobState> = vec![JobState::default(); trace.len()];
-    let mut loans = vec![LoanState::default(); DEPLOYMENTS];
-    let mut rates = vec![0.0; DEPLOYMENTS];
+    let mut loans = [LoanState::default(); DEPLOYMENTS];
+    let mut rates = [0.0; DEPLOYMENTS];
     let mut live: Vec<usize> = Vec::new();
     let mut next_arrival = 0usize;
     let mut now = 0.0f64;
@@ -365,12 +366,8 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64) -> Out
                 }
             })
             .collect();
-        let plan = plan_round(&Round {
-            capacity: &capacity,
-            jobs: &jobs,
-            elastic: policy.elastic,
-            resize_pause_secs: RESIZE_SECS,
-        });
+        let plan =
+            plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: RESIZE_SECS });
         out.rounds += 1;
         for (i, placement) in plan.placements.into_iter().enumerate() {
             let j = live[i];
@@ -677,7 +674,13 @@ fn main() {
     let worst = knapsack_at_scale(17);
     let candidates: Vec<Candidate> = worst
         .iter()
-        .map(|(min, max, steps, times)| Candidate { base: *min, max: *max, current: None, remaining_steps: *steps, step_secs: times })
+        .map(|(min, max, steps, times)| Candidate {
+            base: *min,
+            max: *max,
+            current: None,
+            remaining_steps: *steps,
+            step_secs: times,
+        })
         .collect();
     let granted: u32 = grant(&candidates, 500, RESIZE_SECS).iter().sum();
     let (knapsack_ms, knapsack_runs) = timed_ms(5, || {

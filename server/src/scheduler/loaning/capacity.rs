@@ -174,10 +174,7 @@ mod tests {
                 rate = (rate * rng.gen_range(0.85..1.15) + rng.gen_range(-0.02..0.02) * top).clamp(0.0, top);
                 d.measured_rate = rate;
                 let next = next_loan(&d, &p, s);
-                assert!(
-                    d.slices - next.loaned >= needed(&d, rate, p.headroom),
-                    "case {case}: serving below need"
-                );
+                assert!(d.slices - next.loaned >= needed(&d, rate, p.headroom), "case {case}: serving below need");
                 assert!(d.slices - next.loaned >= d.min_serving);
                 if next.loaned > s.loaned {
                     last_lend_rate = Some(rate);

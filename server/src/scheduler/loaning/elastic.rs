@@ -30,8 +30,7 @@ pub struct Candidate<'a> {
 /// `base`, net of the resize pause when that differs from what it runs at now.
 pub fn value(c: &Candidate, extra: u32, resize_pause_secs: f64) -> f64 {
     let ranks = c.base + extra;
-    let saved = c.step_secs.remaining_secs(c.remaining_steps, c.base)
-        - c.step_secs.remaining_secs(c.remaining_steps, ranks);
+    let saved = c.step_secs.remaining_secs(c.remaining_steps, c.base) - c.step_secs.remaining_secs(c.remaining_steps, ranks);
     let pause = match c.current {
         Some(now) if now != ranks => resize_pause_secs,
         _ => 0.0,

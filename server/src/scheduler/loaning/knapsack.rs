@@ -80,7 +80,7 @@ mod tests {
     fn brute(classes: &[Vec<Item>], capacity: u32) -> Option<f64> {
         fn go(classes: &[Vec<Item>], i: usize, left: i64, acc: f64, best: &mut Option<f64>) {
             if i == classes.len() {
-                if best.map_or(true, |b| acc > b) {
+                if best.is_none_or(|b| acc > b) {
                     *best = Some(acc);
                 }
                 return;

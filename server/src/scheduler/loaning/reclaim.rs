@@ -71,9 +71,7 @@ pub fn reclaim(tenants: &[Tenant], need: u32, resize_pause_secs: f64) -> Reclaim
     let mut preempted = vec![false; tenants.len()];
     let mut freed = 0u32;
     // (cost per useful slice, useful slices, tenant): the least cost, then the most freed.
-    let better = |a: (f64, u32, usize), b: Option<(f64, u32, usize)>| {
-        b.map_or(true, |b| a.0 < b.0 || (a.0 == b.0 && a.1 > b.1))
-    };
+    let better = |a: (f64, u32, usize), b: Option<(f64, u32, usize)>| b.is_none_or(|b| a.0 < b.0 || (a.0 == b.0 && a.1 > b.1));
     while freed < need {
         let left = need - freed;
         let mut best = None;

@@ -166,10 +166,7 @@ pub fn plan_round(round: &Round) -> Plan {
 
     // 3. Waiting jobs start shortest-first on what is free.
     let mut free: Vec<Free> = (0..np)
-        .map(|p| Free {
-            slices: cap[p].saturating_sub(held.iter().map(|h| h[p]).sum()),
-            loaned: pools[p] != Pool::Training,
-        })
+        .map(|p| Free { slices: cap[p].saturating_sub(held.iter().map(|h| h[p]).sum()), loaned: pools[p] != Pool::Training })
         .collect();
     let waiting: Vec<usize> = (0..jobs.len()).filter(|&j| held[j].iter().all(|&n| n == 0)).collect();
     let start_ranks = |j: usize| if elastic[j] { jobs[j].min_ranks } else { jobs[j].requested_ranks };
@@ -286,12 +283,7 @@ mod tests {
         let mut running = alone[0].clone();
         running.holdings = plan.placements[0].holdings.clone();
         let newcomer = job(4, 4, 4, 100.0);
-        let plan = plan_round(&Round {
-            capacity: &capacity,
-            jobs: &[running, newcomer],
-            elastic: true,
-            resize_pause_secs: 30.0,
-        });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &[running, newcomer], elastic: true, resize_pause_secs: 30.0 });
         assert_eq!(plan.placements[1].holdings, vec![(Pool::Training, 4)]);
         assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 4)]);
     }

@@ -106,11 +106,7 @@ mod tests {
 
     #[test]
     fn preemptible_jobs_take_the_largest_loaned_pool_first_then_training() {
-        let mut free = [
-            Free { slices: 5, loaned: false },
-            Free { slices: 2, loaned: true },
-            Free { slices: 3, loaned: true },
-        ];
+        let mut free = [Free { slices: 5, loaned: false }, Free { slices: 2, loaned: true }, Free { slices: 3, loaned: true }];
         let started = shortest_first(&[job(7, 1.0, true)], &mut free);
         assert_eq!(started, vec![(0, vec![(2, 3), (1, 2), (0, 2)])]);
     }

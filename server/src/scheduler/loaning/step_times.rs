@@ -19,8 +19,7 @@ impl StepTimes {
     /// Keeps the points with a positive rank count and a positive, finite step time; a rank
     /// count measured twice keeps its last measurement.
     pub fn new(points: impl IntoIterator<Item = (u32, f64)>) -> Self {
-        let mut points: Vec<(u32, f64)> =
-            points.into_iter().filter(|&(r, t)| r > 0 && t.is_finite() && t > 0.0).collect();
+        let mut points: Vec<(u32, f64)> = points.into_iter().filter(|&(r, t)| r > 0 && t.is_finite() && t > 0.0).collect();
         points.sort_by_key(|&(r, _)| r);
         // A stable sort keeps input order among equal ranks: keep the last of each run.
         points.reverse();
