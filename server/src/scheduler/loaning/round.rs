@@ -1,8 +1,8 @@
 //! One scheduling round of the shared fleet, Aryl's order (Li et al., arXiv 2202.07896;
 //! research note §3): take back what serving reclaims (least preemption cost), start
 //! waiting jobs shortest-first on their base demand, then hand what is left to elastic jobs
-//! by the multiple-choice knapsack. Plain data in, placements out; the simulator in
-//! `bench/src/bin/aryl.rs` and the server call the same function.
+//! by the multiple-choice knapsack. Plain data in, placements out: the simulator in
+//! `bench/src/bin/aryl.rs` calls this function, and the server's scheduler is to call it too.
 //!
 //! Departures: each round re-decides the extra ranks of running elastic jobs (their base
 //! stays put), so waiting jobs may take extra ranks back before the knapsack runs; the
