@@ -203,6 +203,11 @@ mod tests {
                 }
             }
             assert_eq!(freed, r.freed, "case {case}");
+            // Shrinking comes first: no one is preempted while shrinks could cover the need.
+            let shrinkable: u32 = tenants.iter().map(|t| t.here.min(t.ranks - t.floor)).sum();
+            if shrinkable >= need {
+                assert!(r.actions.iter().all(|a| matches!(a, Action::Shrink { .. })), "case {case}: preempted");
+            }
             if need == 0 {
                 assert!(r.actions.is_empty());
             }
