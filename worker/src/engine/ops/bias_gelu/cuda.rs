@@ -2,9 +2,8 @@
 
 use super::BiasGelu;
 use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands};
-use crate::engine::ops::cuda::plan::{elementwise_blocks, ELEMENTWISE_THREADS};
-use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
-use candle_core::{bail, CustomOp2, Result, Shape};
+use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Plan};
+use candle_core::{bail, CustomOp2, Result};
 
 impl CudaKernel for BiasGelu {
     const MODULE: Module = cuda_module!("bias_gelu", probe: "bias_gelu_f32");
@@ -20,28 +19,15 @@ impl CudaKernel for BiasGelu {
             );
         }
         bias.same_dtype_as(&x, op, "bias")?;
-        let kernel = float_kernel(op, "bias_gelu", x.dtype)?;
         let n = rows * cols;
-        Ok(Plan {
-            op,
-            output: Output {
-                dtype: x.dtype,
-                shape: Shape::from((rows, cols)),
-                zeroed: false,
-            },
-            launches: vec![Launch {
-                kernel,
-                grid: (elementwise_blocks(n), 1, 1),
-                threads: ELEMENTWISE_THREADS,
-                shared_bytes: 0,
-                args: vec![
-                    Arg::Input(0),
-                    Arg::Input(1),
-                    Arg::Output,
-                    Arg::U64(n as u64),
-                    Arg::I32(cols as i32),
-                ],
-            }],
-        })
+        let args = vec![
+            Arg::Input(0),
+            Arg::Input(1),
+            Arg::Output,
+            Arg::U64(n as u64),
+            Arg::I32(cols as i32),
+        ];
+        let launch = Launch::elementwise(float_kernel(op, "bias_gelu", x.dtype)?, n, args);
+        Ok(Plan::single(op, x.dtype, (rows, cols), launch))
     }
 }

@@ -2,10 +2,10 @@
 //! for the two-pass variance.
 
 use super::{shapes, BiasResidualLayerNorm};
-use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands, plan_error};
-use crate::engine::ops::cuda::plan::{row_shared_bytes, ROW_THREADS};
-use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
-use candle_core::{CustomOp3, Result, Shape};
+use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands};
+use crate::engine::ops::cuda::plan::ROW_THREADS;
+use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Plan};
+use candle_core::{CustomOp3, Result};
 
 impl CudaKernel for BiasResidualLayerNorm {
     const MODULE: Module =
@@ -18,29 +18,16 @@ impl CudaKernel for BiasResidualLayerNorm {
         let (rows, cols) = shapes(op, x.shape, residual.shape, params.shape)?;
         residual.same_dtype_as(&x, op, "residual")?;
         params.same_dtype_as(&x, op, "params")?;
-        let shared_bytes = row_shared_bytes(cols).map_err(plan_error(op))?;
         let kernel = float_kernel(op, "bias_residual_layernorm", x.dtype)?;
-        Ok(Plan {
-            op,
-            output: Output {
-                dtype: x.dtype,
-                shape: Shape::from((rows, cols)),
-                zeroed: false,
-            },
-            launches: vec![Launch {
-                kernel,
-                grid: (rows as u32, 1, 1),
-                threads: ROW_THREADS,
-                shared_bytes,
-                args: vec![
-                    Arg::Input(0),
-                    Arg::Input(1),
-                    Arg::Input(2),
-                    Arg::Output,
-                    Arg::I32(cols as i32),
-                    Arg::F32(self.eps),
-                ],
-            }],
-        })
+        let args = vec![
+            Arg::Input(0),
+            Arg::Input(1),
+            Arg::Input(2),
+            Arg::Output,
+            Arg::I32(cols as i32),
+            Arg::F32(self.eps),
+        ];
+        let launch = Launch::per_row(op, kernel, (rows, cols), ROW_THREADS, args)?;
+        Ok(Plan::single(op, x.dtype, (rows, cols), launch))
     }
 }

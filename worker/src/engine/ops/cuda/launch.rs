@@ -4,6 +4,7 @@
 //! runner executes a plan on a GPU (`run.rs`, with the `cuda` feature) and the CPU emulator
 //! of the tests executes the very same plan, so what the tests launch is what the GPU runs.
 
+use super::plan::{elementwise_blocks, row_shared_bytes, ELEMENTWISE_THREADS};
 use candle_core::{bail, DType, Result, Shape};
 
 /// One `.cu` file beside an op: its PTX (with the `cuda` feature, compiled by build.rs) and a
@@ -71,6 +72,55 @@ pub struct Launch {
     pub threads: u32,
     pub shared_bytes: u32,
     pub args: Vec<Arg>,
+}
+
+impl Plan {
+    /// One launch that writes every element of a `dtype` output of `shape`.
+    pub fn single(op: &'static str, dtype: DType, shape: impl Into<Shape>, launch: Launch) -> Plan {
+        let output = Output {
+            dtype,
+            shape: shape.into(),
+            zeroed: false,
+        };
+        Plan {
+            op,
+            output,
+            launches: vec![launch],
+        }
+    }
+}
+
+impl Launch {
+    /// A grid-stride kernel over `n` elements, without shared memory.
+    pub fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Launch {
+        let (grid, threads) = ((elementwise_blocks(n), 1, 1), ELEMENTWISE_THREADS);
+        Launch {
+            kernel,
+            grid,
+            threads,
+            shared_bytes: 0,
+            args,
+        }
+    }
+
+    /// One block of `threads` per row (or sequence) of a `[rows, cols]` input, keeping one
+    /// f32 row in shared memory.
+    pub fn per_row(
+        op: &str,
+        kernel: String,
+        (rows, cols): (usize, usize),
+        threads: u32,
+        args: Vec<Arg>,
+    ) -> Result<Launch> {
+        let shared_bytes = row_shared_bytes(cols).map_err(plan_error(op))?;
+        Ok(Launch {
+            kernel,
+            grid: (rows as u32, 1, 1),
+            threads,
+            shared_bytes,
+            args,
+        })
+    }
 }
 
 /// One kernel argument, in the kernel's parameter order.

@@ -4,7 +4,7 @@
 
 use super::{per_channel, DequantizeInt8, Granularity, Int8Scales, QuantizeInt8};
 use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands};
-use crate::engine::ops::cuda::plan::{elementwise_blocks, ELEMENTWISE_THREADS, ROW_THREADS};
+use crate::engine::ops::cuda::plan::{ELEMENTWISE_THREADS, ROW_THREADS};
 use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
 use candle_core::{bail, CustomOp1, CustomOp2, DType, Result, Shape};
 
@@ -67,28 +67,20 @@ fn elementwise(
     dtype: DType,
 ) -> Plan {
     let n = rows * cols;
-    Plan {
+    let args = vec![
+        Arg::Input(0),
+        Arg::Input(1),
+        Arg::Output,
+        Arg::U64(n as u64),
+        Arg::I32(cols as i32),
+        Arg::I32(per_channel as i32),
+    ];
+    Plan::single(
         op,
-        output: Output {
-            dtype,
-            shape: Shape::from((rows, cols)),
-            zeroed: false,
-        },
-        launches: vec![Launch {
-            kernel,
-            grid: (elementwise_blocks(n), 1, 1),
-            threads: ELEMENTWISE_THREADS,
-            shared_bytes: 0,
-            args: vec![
-                Arg::Input(0),
-                Arg::Input(1),
-                Arg::Output,
-                Arg::U64(n as u64),
-                Arg::I32(cols as i32),
-                Arg::I32(per_channel as i32),
-            ],
-        }],
-    }
+        dtype,
+        (rows, cols),
+        Launch::elementwise(kernel, n, args),
+    )
 }
 
 impl CudaKernel for QuantizeInt8 {

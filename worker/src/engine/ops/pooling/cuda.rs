@@ -1,10 +1,10 @@
 //! `pooling.cu`'s launch: one block per sequence, whose rows `cu_seqlens` gives.
 
 use super::{Pooling, SegmentedPool};
-use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands, plan_error};
-use crate::engine::ops::cuda::plan::{row_shared_bytes, POOL_THREADS};
-use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
-use candle_core::{bail, CustomOp2, DType, Result, Shape};
+use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands};
+use crate::engine::ops::cuda::plan::POOL_THREADS;
+use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Plan};
+use candle_core::{bail, CustomOp2, DType, Result};
 
 impl CudaKernel for SegmentedPool {
     const MODULE: Module = cuda_module!("pooling", probe: "segmented_pool_f32");
@@ -18,7 +18,6 @@ impl CudaKernel for SegmentedPool {
         if sequences == 0 {
             bail!("{op}: cu_seqlens names no sequence");
         }
-        let shared_bytes = row_shared_bytes(cols).map_err(plan_error(op))?;
         let kernel = float_kernel(op, "segmented_pool", hidden.dtype)?;
         // POOL_MEAN / POOL_CLS / POOL_MAX in pooling.cu.
         let mode = match self.pooling {
@@ -26,27 +25,15 @@ impl CudaKernel for SegmentedPool {
             Pooling::Cls => 1,
             Pooling::Max => 2,
         };
-        Ok(Plan {
-            op,
-            output: Output {
-                dtype: hidden.dtype,
-                shape: Shape::from((sequences, cols)),
-                zeroed: false,
-            },
-            launches: vec![Launch {
-                kernel,
-                grid: (sequences as u32, 1, 1),
-                threads: POOL_THREADS,
-                shared_bytes,
-                args: vec![
-                    Arg::Input(0),
-                    Arg::Input(1),
-                    Arg::Output,
-                    Arg::I32(cols as i32),
-                    Arg::I32(mode),
-                    Arg::I32(self.normalize as i32),
-                ],
-            }],
-        })
+        let args = vec![
+            Arg::Input(0),
+            Arg::Input(1),
+            Arg::Output,
+            Arg::I32(cols as i32),
+            Arg::I32(mode),
+            Arg::I32(self.normalize as i32),
+        ];
+        let launch = Launch::per_row(op, kernel, (sequences, cols), POOL_THREADS, args)?;
+        Ok(Plan::single(op, hidden.dtype, (sequences, cols), launch))
     }
 }

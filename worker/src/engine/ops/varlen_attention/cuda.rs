@@ -5,8 +5,8 @@
 use super::VarlenAttention;
 use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands, plan_error};
 use crate::engine::ops::cuda::plan::SHARED_LIMIT;
-use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
-use candle_core::{bail, CustomOp3, DType, Shape};
+use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Plan};
+use candle_core::{bail, CustomOp3, DType};
 
 /// Warps per attention block, and query rows each warp owns (`WARPS`, `R` in the kernel).
 const ATTENTION_WARPS: usize = 4;
@@ -149,28 +149,22 @@ impl CudaKernel for VarlenAttention {
         let root = format!("varlen_attention_{}_d{}", plan.kernel.name(), self.head_dim);
         // exp2 in the kernel: fold log2(e) into the 1/√d scale.
         let scale_log2 = std::f32::consts::LOG2_E / (self.head_dim as f32).sqrt();
-        Ok(Plan {
-            op,
-            output: Output {
-                dtype: qkv.dtype,
-                shape: Shape::from((tokens, hidden)),
-                zeroed: false,
-            },
-            launches: vec![Launch {
-                kernel: float_kernel(op, &root, qkv.dtype)?,
-                grid: plan.grid,
-                threads: ATTENTION_THREADS,
-                shared_bytes: plan.shared_bytes,
-                args: vec![
-                    Arg::Input(0),
-                    Arg::Input(1),
-                    Arg::Input(2),
-                    Arg::Output,
-                    Arg::I32(hidden as i32),
-                    Arg::F32(scale_log2),
-                ],
-            }],
-        })
+        let args = vec![
+            Arg::Input(0),
+            Arg::Input(1),
+            Arg::Input(2),
+            Arg::Output,
+            Arg::I32(hidden as i32),
+            Arg::F32(scale_log2),
+        ];
+        let launch = Launch {
+            kernel: float_kernel(op, &root, qkv.dtype)?,
+            grid: plan.grid,
+            threads: ATTENTION_THREADS,
+            shared_bytes: plan.shared_bytes,
+            args,
+        };
+        Ok(Plan::single(op, qkv.dtype, (tokens, hidden), launch))
     }
 }
 
