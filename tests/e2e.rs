@@ -12,7 +12,7 @@ use tessera_tests::{binary, eventually, Process};
 use tessera_worker::engine::synthetic::RandomBert;
 use tessera_worker::engine::EmbeddingModel;
 
-const WORKER_TOKEN: &str = "e2e-worker-token";
+const WORKER_TOKEN: &str = "e2e-worker-token-at-least-32-bytes-long";
 
 struct Server {
     process: Process,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tessera_tests::{binary, eventually, start_server, Process};
 
-const WORKER_TOKEN: &str = "mig-e2e-worker-token";
+const WORKER_TOKEN: &str = "mig-e2e-worker-token-at-least-32-bytes-long";
 const MODEL_FILES: &[&str] = &[
     "config.json",
     "model.safetensors",

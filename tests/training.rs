@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tessera_tests::{binary, eventually, start_server, Process};
 
-const WORKER_TOKEN: &str = "e2e-training-token";
+const WORKER_TOKEN: &str = "e2e-training-token-at-least-32-bytes-long";
 
 fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
     Process::spawn(

@@ -4,6 +4,22 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+/// The shortest worker token or JWT secret the server accepts.
+pub const MIN_SECRET_BYTES: usize = 32;
+
+/// A setting the server refuses to start with.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(
+        "{setting} is {length} bytes long; it must be at least {MIN_SECRET_BYTES} \
+         (generate one with `openssl rand -hex 32`)"
+    )]
+    ShortSecret {
+        setting: &'static str,
+        length: usize,
+    },
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct Config {
     /// Address the HTTP server listens on.
@@ -18,7 +34,7 @@ pub struct Config {
     #[arg(long, env = "TESSERA_DATABASE_URL")]
     pub database_url: Option<String>,
 
-    /// Shared secret workers present when they join.
+    /// Shared secret workers present when they join; at least 32 bytes.
     #[arg(long, env = "TESSERA_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
 
@@ -26,7 +42,8 @@ pub struct Config {
     #[arg(long, env = "TESSERA_ADMIN_PASSWORD", hide_env_values = true)]
     pub admin_password: Option<String>,
 
-    /// Key that signs session tokens; default: generated once and kept in the data directory.
+    /// Key that signs session tokens, at least 32 bytes; default: generated once and kept
+    /// in the data directory.
     #[arg(long, env = "TESSERA_JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: Option<String>,
 
@@ -46,7 +63,8 @@ pub struct Config {
     #[arg(long, env = "TESSERA_HEARTBEAT_SECS", default_value_t = 5)]
     pub heartbeat_secs: u64,
 
-    /// Login attempts allowed in a burst per client address and per username.
+    /// Login attempts allowed in a burst per client address and username; one address
+    /// may spend five times as many across all usernames.
     #[arg(long, env = "TESSERA_LOGIN_BURST", default_value_t = 10)]
     pub login_burst: u32,
 
@@ -87,10 +105,33 @@ impl Config {
         }
     }
 
+    /// Refuses secrets short enough to guess: an empty worker token would let anyone
+    /// register a worker, and an empty JWT secret would let anyone sign an admin session.
+    pub fn check_secrets(&self) -> Result<(), ConfigError> {
+        let settings = [
+            ("TESSERA_WORKER_TOKEN", &self.worker_token),
+            ("TESSERA_JWT_SECRET", &self.jwt_secret),
+        ];
+        for (setting, value) in settings {
+            if let Some(value) = value {
+                if value.len() < MIN_SECRET_BYTES {
+                    return Err(ConfigError::ShortSecret {
+                        setting,
+                        length: value.len(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn database_url(&self) -> String {
         match &self.database_url {
             Some(url) => url.clone(),
-            None => format!("sqlite://{}?mode=rwc", self.data_dir.join("tessera.db").display()),
+            None => format!(
+                "sqlite://{}?mode=rwc",
+                self.data_dir.join("tessera.db").display()
+            ),
         }
     }
 }

@@ -32,7 +32,7 @@ const shotsDir = path.join(here, "screenshots");
 
 const OVERALL_TIMEOUT_MS = 300_000;
 const ADMIN_PASSWORD = "browser-test-admin-pw";
-const WORKER_TOKEN = "browser-test-worker-token";
+const WORKER_TOKEN = "browser-test-worker-token-at-least-32-bytes";
 const WORKER_NAME = "browser-worker";
 const MODEL_NAME = "all-MiniLM-L6-v2";
 const DEPLOYMENT_NAME = "minilm";

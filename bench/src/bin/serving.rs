@@ -532,7 +532,7 @@ fn sentence_transformers(cli: &Cli, model_dir: &Path, workload: &Workload) -> Re
 // Over HTTP: the release server and worker on loopback.
 // ---------------------------------------------------------------------------------------
 
-const WORKER_TOKEN: &str = "serving-bench-worker-token";
+const WORKER_TOKEN: &str = "serving-bench-worker-token-at-least-32-bytes";
 const ADMIN_PASSWORD: &str = "serving-bench-admin-password";
 const DEPLOYMENT: &str = "minilm-bench";
 const MODEL_FILES: &[&str] = &[

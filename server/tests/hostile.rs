@@ -1,0 +1,128 @@
+//! Hostile input over real HTTP: what an attacker or a careless client sends gets a clear
+//! 4xx in the platform's error shape, never a 500, a redirect off the site, or memory
+//! the server keeps. Items of issue 14, each a specification of the fixed behaviour.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{Backend, TestServer, ADMIN_PASSWORD};
+use tessera_server::config::Config;
+use tessera_server::state::AppState;
+
+/// The `{"error":{"code","message"}}` body of a rejection, asserting its shape.
+async fn error_body(response: reqwest::Response) -> Value {
+    let text = response.text().await.unwrap();
+    let body: Value =
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not the error shape: {text}"));
+    assert!(
+        body["error"]["code"].is_string() && body["error"]["message"].is_string(),
+        "not the error shape: {body}"
+    );
+    body
+}
+
+// --- Secrets ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn refuses_to_start_with_a_short_or_empty_secret() {
+    for (setting, value) in [
+        ("TESSERA_WORKER_TOKEN", ""),
+        ("TESSERA_WORKER_TOKEN", "short"),
+        ("TESSERA_JWT_SECRET", ""),
+        ("TESSERA_JWT_SECRET", "x".repeat(31).as_str()),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::with_data_dir(dir.path().to_path_buf());
+        if setting == "TESSERA_WORKER_TOKEN" {
+            config.worker_token = Some(value.to_string());
+        } else {
+            config.jwt_secret = Some(value.to_string());
+        }
+        let error = AppState::open(config)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{setting}={value:?} was accepted"));
+        assert!(error.to_string().contains(setting), "{error}");
+    }
+}
+
+#[tokio::test]
+async fn the_binary_refuses_an_empty_worker_token_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tessera-server"))
+        .env("TESSERA_DATA_DIR", dir.path())
+        .env("TESSERA_BIND", "127.0.0.1:0")
+        .env("TESSERA_WORKER_TOKEN", "")
+        .env_remove("TESSERA_JWT_SECRET")
+        .env_remove("TESSERA_DATABASE_URL")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("TESSERA_WORKER_TOKEN"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn long_secrets_and_a_generated_jwt_secret_start() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| {
+        config.jwt_secret = Some("j".repeat(32));
+    })
+    .await;
+    server.admin().await;
+    // Without TESSERA_JWT_SECRET the key is generated into the data directory, twice in a row.
+    let server = TestServer::start(Backend::Sqlite).await.restart().await;
+    server.admin().await;
+}
+
+// --- Login -----------------------------------------------------------------------------
+
+async fn login(server: &TestServer, username: &str, password: &str) -> reqwest::Response {
+    server
+        .http
+        .post(server.api("/auth/login"))
+        .json(&json!({"username": username, "password": password}))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn oversized_logins_are_refused_before_the_rate_limiter() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| {
+        config.login_burst = 3;
+        config.login_refill_secs = 3600;
+    })
+    .await;
+    let huge = "a".repeat(64 * 1024);
+    for _ in 0..10 {
+        let response = login(&server, &huge, "pw").await;
+        assert_eq!(response.status(), 400);
+        error_body(response).await;
+        let response = login(&server, "admin", &huge).await;
+        assert_eq!(response.status(), 400);
+    }
+    assert_eq!(
+        server.state.login_limiter.tracked(),
+        0,
+        "refused logins keep no limiter state"
+    );
+    assert_eq!(login(&server, "admin", ADMIN_PASSWORD).await.status(), 200);
+}
+
+#[tokio::test]
+async fn one_address_cannot_lock_admin_out_for_everyone() {
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| {
+        config.login_burst = 3;
+        config.login_refill_secs = 3600;
+    })
+    .await;
+    let limiter = &server.state.login_limiter;
+    let attacker: std::net::IpAddr = "203.0.113.9".parse().unwrap();
+    let now = std::time::Instant::now();
+    while limiter.attempt(attacker, "admin", now).is_ok() {}
+    // The attacker's address is throttled for admin; admin on loopback still signs in.
+    assert!(limiter.attempt(attacker, "admin", now).is_err());
+    assert_eq!(login(&server, "admin", ADMIN_PASSWORD).await.status(), 200);
+}
