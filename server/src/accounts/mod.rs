@@ -18,7 +18,9 @@ use crate::store::users::{self, StoredUser};
 
 fn check_username(username: &str) -> Result<()> {
     let ok = (1..=64).contains(&username.len())
-        && username.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        && username
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if ok {
         Ok(())
     } else {
@@ -43,7 +45,10 @@ pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
     };
     users::insert(db, &user).await.map_err(|e| {
         if e.is_unique_violation() {
-            Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
+            Error::Conflict(format!(
+                "A user named '{}' already exists; pick another name.",
+                user.username
+            ))
         } else {
             e.into()
         }
@@ -61,17 +66,38 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option
         Some(password) => (password.to_string(), false),
         None => (crate::auth::secrets::generate("")[..24].to_string(), true),
     };
-    let request = CreateUser { username: "admin".into(), password: password.clone(), role: Role::Admin };
+    let request = CreateUser {
+        username: "admin".into(),
+        password: password.clone(),
+        role: Role::Admin,
+    };
     create_user(db, request).await?;
     Ok(generated.then_some(password))
 }
 
+/// The longest username a login may carry: more than any real one (64 characters), so a
+/// login with a longer one is refused before it costs a throttling bucket or a hash.
+pub const MAX_LOGIN_USERNAME_BYTES: usize = 256;
+/// The longest password a login may carry; Argon2 would hash a megabyte just as slowly.
+pub const MAX_LOGIN_PASSWORD_BYTES: usize = 1024;
+
 /// Checks a username and password, with throttling, and returns the user.
-pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRequest) -> Result<StoredUser> {
-    let keys = [format!("ip:{}", client.ip()), format!("user:{}", request.username)];
+pub async fn check_login(
+    state: &AppState,
+    client: SocketAddr,
+    request: &LoginRequest,
+) -> Result<StoredUser> {
+    if request.username.len() > MAX_LOGIN_USERNAME_BYTES
+        || request.password.len() > MAX_LOGIN_PASSWORD_BYTES
+    {
+        return Err(Error::BadRequest(format!(
+            "A login's username has at most {MAX_LOGIN_USERNAME_BYTES} bytes and its password at most \
+             {MAX_LOGIN_PASSWORD_BYTES} bytes."
+        )));
+    }
     state
         .login_limiter
-        .attempt(&keys, Instant::now())
+        .attempt(client.ip(), &request.username, Instant::now())
         .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
     let wrong = || Error::Unauthorized("Wrong username or password.".into());
     let user = users::find_by_name(&state.db, &request.username).await?;
@@ -105,7 +131,9 @@ pub async fn login(
 #[utoipa::path(get, path = "/api/v1/auth/me", tag = "accounts", security(("bearer" = [])),
     responses((status = 200, body = User)))]
 pub async fn me(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<User>> {
-    let user = users::find(&state.db, principal.id).await?.ok_or_else(|| Error::not_found("User"))?;
+    let user = users::find(&state.db, principal.id)
+        .await?
+        .ok_or_else(|| Error::not_found("User"))?;
     Ok(ApiJson(user.to_api()))
 }
 
@@ -119,13 +147,25 @@ pub async fn create(
     ApiJson(request): ApiJson<CreateUser>,
 ) -> Result<(StatusCode, ApiJson<User>)> {
     principal.require_admin()?;
-    Ok((StatusCode::CREATED, ApiJson(create_user(&state.db, request).await?)))
+    Ok((
+        StatusCode::CREATED,
+        ApiJson(create_user(&state.db, request).await?),
+    ))
 }
 
 /// List users (admins only).
 #[utoipa::path(get, path = "/api/v1/users", tag = "accounts", security(("bearer" = [])),
     responses((status = 200, body = Vec<User>)))]
-pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<User>>> {
+pub async fn list(
+    State(state): State<AppState>,
+    principal: Principal,
+) -> Result<ApiJson<Vec<User>>> {
     principal.require_admin()?;
-    Ok(ApiJson(users::list(&state.db).await?.iter().map(StoredUser::to_api).collect()))
+    Ok(ApiJson(
+        users::list(&state.db)
+            .await?
+            .iter()
+            .map(StoredUser::to_api)
+            .collect(),
+    ))
 }

@@ -1,9 +1,16 @@
-//! Login throttling: a token bucket per client address and per username, so neither one
-//! address guessing many accounts nor many addresses guessing one account get far.
+//! Login throttling: a token bucket per client address and username, and a wider one per
+//! client address. Keying the narrow bucket by address too means an attacker elsewhere
+//! cannot lock `admin` out by spending its attempts; the wide one still stops one address
+//! from trying many usernames quickly.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// How many times the per-(address, username) burst one address may spend across all
+/// usernames: room for a few people behind one NAT, not for a sweep of accounts.
+const ADDRESS_BURST_FACTOR: f64 = 5.0;
 
 pub struct LoginLimiter {
     burst: f64,
@@ -13,28 +20,49 @@ pub struct LoginLimiter {
 
 struct Bucket {
     tokens: f64,
+    burst: f64,
     updated: Instant,
 }
 
 impl LoginLimiter {
     pub fn new(burst: u32, refill: Duration) -> LoginLimiter {
-        LoginLimiter { burst: burst.max(1) as f64, refill, buckets: Mutex::new(HashMap::new()) }
+        LoginLimiter {
+            burst: burst.max(1) as f64,
+            refill,
+            buckets: Mutex::new(HashMap::new()),
+        }
     }
 
-    /// Spends one attempt from every key's bucket. `Err(secs)` says how long until the
-    /// emptiest bucket allows another attempt; then nothing is spent.
-    pub fn attempt(&self, keys: &[String], now: Instant) -> Result<(), u64> {
+    /// Spends one attempt of `username` from `address`. `Err(secs)` says how long until
+    /// the emptiest bucket allows another attempt; then nothing is spent.
+    pub fn attempt(&self, address: IpAddr, username: &str, now: Instant) -> Result<(), u64> {
+        let keys = [
+            (format!("ip:{address}"), self.burst * ADDRESS_BURST_FACTOR),
+            (format!("ip-user:{address}/{username}"), self.burst),
+        ];
+        self.spend(&keys, now)
+    }
+
+    /// How many buckets the limiter holds (each costs memory until it refills).
+    pub fn tracked(&self) -> usize {
+        self.buckets.lock().expect("limiter lock poisoned").len()
+    }
+
+    fn spend(&self, keys: &[(String, f64)], now: Instant) -> Result<(), u64> {
         let mut buckets = self.buckets.lock().expect("limiter lock poisoned");
         if buckets.len() > 100_000 {
             // Forget full buckets so a flood of distinct keys cannot grow memory forever.
-            let burst = self.burst;
             let refill = self.refill;
-            buckets.retain(|_, b| refilled(b, now, burst, refill) < burst);
+            buckets.retain(|_, b| refilled(b, now, refill) < b.burst);
         }
         let mut wait = 0.0f64;
-        for key in keys {
-            let bucket = buckets.entry(key.clone()).or_insert(Bucket { tokens: self.burst, updated: now });
-            bucket.tokens = refilled(bucket, now, self.burst, self.refill);
+        for (key, burst) in keys {
+            let bucket = buckets.entry(key.clone()).or_insert(Bucket {
+                tokens: *burst,
+                burst: *burst,
+                updated: now,
+            });
+            bucket.tokens = refilled(bucket, now, self.refill);
             bucket.updated = now;
             if bucket.tokens < 1.0 {
                 wait = wait.max((1.0 - bucket.tokens) * self.refill.as_secs_f64());
@@ -43,7 +71,7 @@ impl LoginLimiter {
         if wait > 0.0 {
             return Err(wait.ceil().max(1.0) as u64);
         }
-        for key in keys {
+        for (key, _) in keys {
             if let Some(bucket) = buckets.get_mut(key) {
                 bucket.tokens -= 1.0;
             }
@@ -52,34 +80,48 @@ impl LoginLimiter {
     }
 }
 
-fn refilled(bucket: &Bucket, now: Instant, burst: f64, refill: Duration) -> f64 {
+fn refilled(bucket: &Bucket, now: Instant, refill: Duration) -> f64 {
     let elapsed = now.saturating_duration_since(bucket.updated).as_secs_f64();
-    (bucket.tokens + elapsed / refill.as_secs_f64().max(1e-9)).min(burst)
+    (bucket.tokens + elapsed / refill.as_secs_f64().max(1e-9)).min(bucket.burst)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn burst_is_allowed_then_refused_until_refill() {
-        let limiter = LoginLimiter::new(3, Duration::from_secs(10));
-        let keys = vec!["ip:1".to_string()];
-        let t0 = Instant::now();
-        for _ in 0..3 {
-            assert!(limiter.attempt(&keys, t0).is_ok());
-        }
-        assert_eq!(limiter.attempt(&keys, t0), Err(10));
-        assert!(limiter.attempt(&keys, t0 + Duration::from_secs(10)).is_ok());
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
     }
 
     #[test]
-    fn one_exhausted_key_blocks_the_attempt_without_spending_the_others() {
-        let limiter = LoginLimiter::new(1, Duration::from_secs(60));
+    fn burst_is_allowed_then_refused_until_refill() {
+        let limiter = LoginLimiter::new(3, Duration::from_secs(10));
         let t0 = Instant::now();
-        assert!(limiter.attempt(&["user:alice".into()], t0).is_ok());
-        let both = vec!["ip:2".to_string(), "user:alice".to_string()];
-        assert!(limiter.attempt(&both, t0).is_err());
-        assert!(limiter.attempt(&["ip:2".into()], t0).is_ok());
+        for _ in 0..3 {
+            assert!(limiter.attempt(ip(1), "alice", t0).is_ok());
+        }
+        assert_eq!(limiter.attempt(ip(1), "alice", t0), Err(10));
+        assert!(limiter
+            .attempt(ip(1), "alice", t0 + Duration::from_secs(10))
+            .is_ok());
+    }
+
+    #[test]
+    fn one_address_spending_a_username_does_not_lock_it_out_elsewhere() {
+        let limiter = LoginLimiter::new(1, Duration::from_secs(3600));
+        let t0 = Instant::now();
+        assert!(limiter.attempt(ip(1), "admin", t0).is_ok());
+        assert!(limiter.attempt(ip(1), "admin", t0).is_err());
+        assert!(limiter.attempt(ip(2), "admin", t0).is_ok());
+    }
+
+    #[test]
+    fn one_address_cannot_sweep_many_usernames() {
+        let limiter = LoginLimiter::new(2, Duration::from_secs(3600));
+        let t0 = Instant::now();
+        let allowed = (0..100)
+            .filter(|n| limiter.attempt(ip(3), &format!("user{n}"), t0).is_ok())
+            .count();
+        assert_eq!(allowed, 2 * ADDRESS_BURST_FACTOR as usize);
     }
 }
