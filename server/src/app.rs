@@ -21,10 +21,7 @@ use crate::gateway::{kserve, openai, Gateway};
 use crate::registry::blobs::BlobStore;
 use crate::state::AppState;
 use crate::store::db::Db;
-use crate::{
-    accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training,
-    web, workers,
-};
+use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
 
 /// Why the server could not start: a setting is refused, the data directory, the
 /// database, or the first admin could not be set up, or the address could not be bound.
@@ -47,9 +44,7 @@ impl AppState {
         config.check_secrets()?;
         std::fs::create_dir_all(&config.data_dir)?;
         let db = Db::connect(&config.database_url()).await?;
-        if let Some(password) =
-            accounts::bootstrap_admin(&db, config.admin_password.as_deref()).await?
-        {
+        if let Some(password) = accounts::bootstrap_admin(&db, config.admin_password.as_deref()).await? {
             println!("Created user 'admin' with password: {password}");
             println!("It is shown only this once; change it or set TESSERA_ADMIN_PASSWORD for new installs.");
         }
@@ -66,18 +61,13 @@ impl AppState {
             .collect();
         Ok(AppState {
             blobs: BlobStore::open(&config.data_dir)?,
-            login_limiter: Arc::new(LoginLimiter::new(
-                config.login_burst,
-                Duration::from_secs(config.login_refill_secs),
-            )),
+            login_limiter: Arc::new(LoginLimiter::new(config.login_burst, Duration::from_secs(config.login_refill_secs))),
             sessions: Arc::new(sessions),
             auth_cache: Arc::new(AuthCache::new(Duration::from_secs(config.auth_cache_secs))),
             metrics: telemetry::recorder(),
             registry_lock: Arc::new(tokio::sync::Mutex::new(())),
             openapi: Arc::new(openapi),
-            gateway: Arc::new(Gateway::new(Duration::from_secs(
-                config.inference_timeout_secs,
-            ))),
+            gateway: Arc::new(Gateway::new(Duration::from_secs(config.inference_timeout_secs))),
             config: Arc::new(config),
             db,
         })
@@ -92,10 +82,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(accounts::create, accounts::list))
         .routes(routes!(accounts::tokens::create, accounts::tokens::list))
         .routes(routes!(accounts::tokens::revoke))
-        .routes(without_body_limit(routes!(
-            registry::routes::upload,
-            registry::routes::list
-        )))
+        .routes(without_body_limit(routes!(registry::routes::upload, registry::routes::list)))
         .routes(routes!(registry::routes::get, registry::routes::delete))
         .routes(routes!(registry::routes::download))
         .routes(routes!(jobs::create, jobs::list))
@@ -106,21 +93,11 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(training::routes::job_lr_stages))
         .routes(routes!(training::routes::job_checkpoints))
         .routes(routes!(training::routes::checkpoint_file))
-        .routes(without_body_limit(routes!(
-            datasets::upload,
-            datasets::list
-        )))
+        .routes(without_body_limit(routes!(datasets::upload, datasets::list)))
         .routes(routes!(datasets::get, datasets::delete))
         .routes(routes!(datasets::download))
-        .routes(routes!(
-            deployments::routes::create,
-            deployments::routes::list
-        ))
-        .routes(routes!(
-            deployments::routes::get,
-            deployments::routes::update,
-            deployments::routes::delete
-        ))
+        .routes(routes!(deployments::routes::create, deployments::routes::list))
+        .routes(routes!(deployments::routes::get, deployments::routes::update, deployments::routes::delete))
         .routes(routes!(deployments::routes::stats))
         .routes(routes!(workers::list))
         .routes(routes!(fleet::profiles::create, fleet::profiles::get))
@@ -137,9 +114,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(datasets::agent_download))
         .routes(routes!(training::routes::agent_metrics))
         .routes(routes!(training::routes::agent_lr_stage))
-        .routes(without_body_limit(routes!(
-            training::routes::agent_upload_checkpoint
-        )))
+        .routes(without_body_limit(routes!(training::routes::agent_upload_checkpoint)))
         .routes(routes!(training::routes::agent_latest_checkpoint))
         .routes(routes!(training::routes::agent_checkpoint_file))
 }
@@ -149,11 +124,7 @@ fn api_router() -> OpenApiRouter<AppState> {
 fn without_body_limit(
     (schemas, paths, method_router): utoipa_axum::router::UtoipaMethodRouter<AppState>,
 ) -> utoipa_axum::router::UtoipaMethodRouter<AppState> {
-    (
-        schemas,
-        paths,
-        method_router.layer(DefaultBodyLimit::disable()),
-    )
+    (schemas, paths, method_router.layer(DefaultBodyLimit::disable()))
 }
 
 pub fn router(state: AppState) -> Router {
@@ -168,20 +139,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/health/live", get(kserve::live))
         .route("/v2/health/ready", get(kserve::ready))
         .route("/v2/models/{name}", get(kserve::model_metadata))
-        .route(
-            "/v2/models/{name}/versions/{version}",
-            get(kserve::model_metadata),
-        )
+        .route("/v2/models/{name}/versions/{version}", get(kserve::model_metadata))
         .route("/v2/models/{name}/ready", get(kserve::model_ready))
-        .route(
-            "/v2/models/{name}/versions/{version}/ready",
-            get(kserve::model_ready),
-        )
+        .route("/v2/models/{name}/versions/{version}/ready", get(kserve::model_ready))
         .route("/v2/models/{name}/infer", post(kserve::infer))
-        .route(
-            "/v2/models/{name}/versions/{version}/infer",
-            post(kserve::infer),
-        )
+        .route("/v2/models/{name}/versions/{version}/infer", post(kserve::infer))
         .route("/healthz", get(healthz))
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())
@@ -190,15 +152,11 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn openapi_json(
-    axum::extract::State(state): axum::extract::State<AppState>,
-) -> axum::Json<utoipa::openapi::OpenApi> {
+async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState>) -> axum::Json<utoipa::openapi::OpenApi> {
     axum::Json((*state.openapi).clone())
 }
 
-async fn healthz(
-    axum::extract::State(state): axum::extract::State<AppState>,
-) -> error::Result<&'static str> {
+async fn healthz(axum::extract::State(state): axum::extract::State<AppState>) -> error::Result<&'static str> {
     state.db.ping().await?;
     Ok("ok")
 }
@@ -228,12 +186,9 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
     let address = listener.local_addr()?;
     println!("Tessera is listening on http://{address}");
     tracing::info!(%address, "listening");
-    axum::serve(
-        listener,
-        router(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown_signal())
-    .await?;
+    axum::serve(listener, router(state).into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     Ok(())
 }
 
@@ -243,9 +198,7 @@ async fn shutdown_signal() {
     };
     #[cfg(unix)]
     let terminate = async {
-        if let Ok(mut signal) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
+        if let Ok(mut signal) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             signal.recv().await;
         }
     };

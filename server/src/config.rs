@@ -10,14 +10,8 @@ pub const MIN_SECRET_BYTES: usize = 32;
 /// A setting the server refuses to start with.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error(
-        "{setting} is {length} bytes long; it must be at least {MIN_SECRET_BYTES} \
-         (generate one with `openssl rand -hex 32`)"
-    )]
-    ShortSecret {
-        setting: &'static str,
-        length: usize,
-    },
+    #[error("{setting} is {length} bytes long; it must be at least {MIN_SECRET_BYTES} (try `openssl rand -hex 32`)")]
+    ShortSecret { setting: &'static str, length: usize },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -108,17 +102,11 @@ impl Config {
     /// Refuses secrets short enough to guess: an empty worker token would let anyone
     /// register a worker, and an empty JWT secret would let anyone sign an admin session.
     pub fn check_secrets(&self) -> Result<(), ConfigError> {
-        let settings = [
-            ("TESSERA_WORKER_TOKEN", &self.worker_token),
-            ("TESSERA_JWT_SECRET", &self.jwt_secret),
-        ];
+        let settings = [("TESSERA_WORKER_TOKEN", &self.worker_token), ("TESSERA_JWT_SECRET", &self.jwt_secret)];
         for (setting, value) in settings {
             if let Some(value) = value {
                 if value.len() < MIN_SECRET_BYTES {
-                    return Err(ConfigError::ShortSecret {
-                        setting,
-                        length: value.len(),
-                    });
+                    return Err(ConfigError::ShortSecret { setting, length: value.len() });
                 }
             }
         }
@@ -128,10 +116,7 @@ impl Config {
     pub fn database_url(&self) -> String {
         match &self.database_url {
             Some(url) => url.clone(),
-            None => format!(
-                "sqlite://{}?mode=rwc",
-                self.data_dir.join("tessera.db").display()
-            ),
+            None => format!("sqlite://{}?mode=rwc", self.data_dir.join("tessera.db").display()),
         }
     }
 }

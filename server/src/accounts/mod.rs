@@ -18,9 +18,7 @@ use crate::store::users::{self, StoredUser};
 
 fn check_username(username: &str) -> Result<()> {
     let ok = (1..=64).contains(&username.len())
-        && username
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        && username.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if ok {
         Ok(())
     } else {
@@ -45,10 +43,7 @@ pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
     };
     users::insert(db, &user).await.map_err(|e| {
         if e.is_unique_violation() {
-            Error::Conflict(format!(
-                "A user named '{}' already exists; pick another name.",
-                user.username
-            ))
+            Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
         } else {
             e.into()
         }
@@ -66,11 +61,7 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option
         Some(password) => (password.to_string(), false),
         None => (crate::auth::secrets::generate("")[..24].to_string(), true),
     };
-    let request = CreateUser {
-        username: "admin".into(),
-        password: password.clone(),
-        role: Role::Admin,
-    };
+    let request = CreateUser { username: "admin".into(), password: password.clone(), role: Role::Admin };
     create_user(db, request).await?;
     Ok(generated.then_some(password))
 }
@@ -82,14 +73,8 @@ pub const MAX_LOGIN_USERNAME_BYTES: usize = 256;
 pub const MAX_LOGIN_PASSWORD_BYTES: usize = 1024;
 
 /// Checks a username and password, with throttling, and returns the user.
-pub async fn check_login(
-    state: &AppState,
-    client: SocketAddr,
-    request: &LoginRequest,
-) -> Result<StoredUser> {
-    if request.username.len() > MAX_LOGIN_USERNAME_BYTES
-        || request.password.len() > MAX_LOGIN_PASSWORD_BYTES
-    {
+pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRequest) -> Result<StoredUser> {
+    if request.username.len() > MAX_LOGIN_USERNAME_BYTES || request.password.len() > MAX_LOGIN_PASSWORD_BYTES {
         return Err(Error::BadRequest(format!(
             "A login's username has at most {MAX_LOGIN_USERNAME_BYTES} bytes and its password at most \
              {MAX_LOGIN_PASSWORD_BYTES} bytes."
@@ -131,9 +116,7 @@ pub async fn login(
 #[utoipa::path(get, path = "/api/v1/auth/me", tag = "accounts", security(("bearer" = [])),
     responses((status = 200, body = User)))]
 pub async fn me(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<User>> {
-    let user = users::find(&state.db, principal.id)
-        .await?
-        .ok_or_else(|| Error::not_found("User"))?;
+    let user = users::find(&state.db, principal.id).await?.ok_or_else(|| Error::not_found("User"))?;
     Ok(ApiJson(user.to_api()))
 }
 
@@ -147,25 +130,13 @@ pub async fn create(
     ApiJson(request): ApiJson<CreateUser>,
 ) -> Result<(StatusCode, ApiJson<User>)> {
     principal.require_admin()?;
-    Ok((
-        StatusCode::CREATED,
-        ApiJson(create_user(&state.db, request).await?),
-    ))
+    Ok((StatusCode::CREATED, ApiJson(create_user(&state.db, request).await?)))
 }
 
 /// List users (admins only).
 #[utoipa::path(get, path = "/api/v1/users", tag = "accounts", security(("bearer" = [])),
     responses((status = 200, body = Vec<User>)))]
-pub async fn list(
-    State(state): State<AppState>,
-    principal: Principal,
-) -> Result<ApiJson<Vec<User>>> {
+pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<User>>> {
     principal.require_admin()?;
-    Ok(ApiJson(
-        users::list(&state.db)
-            .await?
-            .iter()
-            .map(StoredUser::to_api)
-            .collect(),
-    ))
+    Ok(ApiJson(users::list(&state.db).await?.iter().map(StoredUser::to_api).collect()))
 }
