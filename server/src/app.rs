@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use tower_http::trace::TraceLayer;
@@ -17,7 +19,7 @@ use crate::auth::cache::AuthCache;
 use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::{Config, ConfigError};
-use crate::gateway::{kserve, openai, Gateway};
+use crate::gateway::{kserve, openai, Gateway, GatewayError};
 use crate::registry::blobs::BlobStore;
 use crate::state::AppState;
 use crate::store::db::Db;
@@ -120,7 +122,7 @@ fn api_router() -> OpenApiRouter<AppState> {
 }
 
 /// Uploads are capped by the registry while they stream, not by axum's body limit
-/// (2 MB, which still guards every JSON route).
+/// (`error::JSON_BODY_LIMIT_BYTES`, which still guards every JSON route).
 fn without_body_limit(
     (schemas, paths, method_router): utoipa_axum::router::UtoipaMethodRouter<AppState>,
 ) -> utoipa_axum::router::UtoipaMethodRouter<AppState> {
@@ -147,9 +149,24 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// A 405 in the error shape of the route family called: OpenAI's on `/v1`, KServe's on
+/// `/v2`, the platform's everywhere else.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let message = format!("{} does not accept {method}; see /api/openapi.json for the methods it takes.", uri.path());
+    let path = uri.path();
+    if path.starts_with("/v1/") {
+        openai::openai_error(GatewayError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message))
+    } else if path == "/v2" || path.starts_with("/v2/") {
+        kserve::kserve_error(GatewayError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid", message))
+    } else {
+        error::Error::MethodNotAllowed(message).into_response()
+    }
 }
 
 async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState>) -> axum::Json<utoipa::openapi::OpenApi> {

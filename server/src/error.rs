@@ -26,6 +26,8 @@ pub enum Error {
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
     PayloadTooLarge(String),
     #[error("too many attempts; try again in {retry_after_secs} s")]
     TooManyRequests { retry_after_secs: u64 },
@@ -69,6 +71,7 @@ impl Error {
             Error::Forbidden(_) => StatusCode::FORBIDDEN,
             Error::NotFound(_) => StatusCode::NOT_FOUND,
             Error::Conflict(_) => StatusCode::CONFLICT,
+            Error::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Database(_)
@@ -90,6 +93,7 @@ impl Error {
             Error::Forbidden(_) => "forbidden",
             Error::NotFound(_) => "not_found",
             Error::Conflict(_) => "conflict",
+            Error::MethodNotAllowed(_) => "method_not_allowed",
             Error::PayloadTooLarge(_) => "payload_too_large",
             Error::TooManyRequests { .. } => "rate_limited",
             Error::Database(_)
@@ -132,7 +136,28 @@ impl IntoResponse for Error {
 
 impl From<axum::extract::rejection::JsonRejection> for Error {
     fn from(rejection: axum::extract::rejection::JsonRejection) -> Error {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return Error::PayloadTooLarge(format!(
+                "The request body is larger than this route accepts ({} bytes at most).",
+                JSON_BODY_LIMIT_BYTES
+            ));
+        }
         Error::BadRequest(format!("The request body is not valid JSON for this route: {}", rejection.body_text()))
+    }
+}
+
+impl From<axum::extract::rejection::QueryRejection> for Error {
+    fn from(rejection: axum::extract::rejection::QueryRejection) -> Error {
+        Error::BadRequest(format!("The query string is malformed: {}", rejection.body_text()))
+    }
+}
+
+impl From<axum::extract::multipart::MultipartRejection> for Error {
+    fn from(rejection: axum::extract::multipart::MultipartRejection) -> Error {
+        Error::BadRequest(format!(
+            "Send this route a multipart/form-data body with a boundary: {}",
+            rejection.body_text()
+        ))
     }
 }
 
@@ -156,6 +181,26 @@ pub struct ApiJson<T>(pub T);
 impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     fn into_response(self) -> Response {
         Json(self.0).into_response()
+    }
+}
+
+/// The largest body a JSON route reads: axum's default limit, which every route but the
+/// streamed uploads keeps.
+pub const JSON_BODY_LIMIT_BYTES: usize = 2 << 20;
+
+/// `Query` whose rejection is our error body (an unknown sort key is a 400 in our shape).
+#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(Error))]
+pub struct ApiQuery<T>(pub T);
+
+/// `Multipart` whose rejection (no boundary, not multipart at all) is our error body.
+pub struct ApiMultipart(pub axum::extract::Multipart);
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for ApiMultipart {
+    type Rejection = Error;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, Error> {
+        Ok(ApiMultipart(axum::extract::Multipart::from_request(request, state).await?))
     }
 }
 

@@ -126,3 +126,65 @@ async fn one_address_cannot_lock_admin_out_for_everyone() {
     assert!(limiter.attempt(attacker, "admin", now).is_err());
     assert_eq!(login(&server, "admin", ADMIN_PASSWORD).await.status(), 200);
 }
+
+// --- Error shape -------------------------------------------------------------------------
+
+#[tokio::test]
+async fn every_rejection_has_the_platform_error_shape() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+
+    let response = server.http.put(server.api("/models")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(error_body(response).await["error"]["code"], "method_not_allowed");
+
+    let response = server.get(&admin, "/jobs/00000000-0000-0000-0000-000000000001/logs?after=lots").await;
+    assert_eq!(response.status(), 400);
+    assert_eq!(error_body(response).await["error"]["code"], "bad_request");
+
+    for (path, content_type) in [("/models", "multipart/form-data"), ("/datasets", "text/plain")] {
+        let response = server
+            .http
+            .post(server.api(path))
+            .bearer_auth(&admin)
+            .header("content-type", content_type)
+            .body("no parts here")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400, "{path}");
+        error_body(response).await;
+    }
+
+    let oversized = json!({"username": "x".repeat(3 << 20), "password": "pw"});
+    let response = server.http.post(server.api("/auth/login")).json(&oversized).send().await.unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(error_body(response).await["error"]["code"], "payload_too_large");
+}
+
+#[tokio::test]
+async fn gateway_405s_and_413s_use_the_gateways_shapes() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let response = server.http.get(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].is_string() && body["error"]["type"].is_string(), "{body}");
+
+    let response = server.http.get(format!("{}/v2/models/m/infer", server.url)).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].is_string(), "{body}");
+
+    let response = server
+        .http
+        .post(format!("{}/v2/models/m/infer", server.url))
+        .bearer_auth(&admin)
+        .body(vec![b' '; 3 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].is_string(), "{body}");
+}

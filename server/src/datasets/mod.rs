@@ -12,7 +12,7 @@ use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
 use crate::auth::{AgentAuth, Principal};
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{ApiJson, ApiMultipart, ApiPath, Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
 use crate::state::AppState;
 use crate::store::datasets as store;
@@ -168,7 +168,7 @@ pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result
 pub async fn upload(
     State(state): State<AppState>,
     principal: Principal,
-    mut multipart: Multipart,
+    ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Dataset>)> {
     let received = receive(&mut multipart, &state).await?;
     let dataset = register(&state, &principal, received).await?;

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +20,7 @@ use crate::state::AppState;
 
 const HEADER_LENGTH: &str = "inference-header-content-length";
 
-fn kserve_error(error: GatewayError) -> Response {
+pub(crate) fn kserve_error(error: GatewayError) -> Response {
     (error.status, Json(json!({"error": error.message}))).into_response()
 }
 
@@ -173,11 +174,13 @@ pub async fn infer(
     principal: Result<Principal, Error>,
     path: Result<ApiPath<Vec<String>>, Error>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
     let result = async {
         let principal = principal?;
+        // An oversized body is a 413 in KServe's shape, not axum's plain text.
+        let body = body.map_err(|rejection| GatewayError::new(rejection.status(), "invalid", rejection.body_text()))?;
         let ApiPath(segments) = path?;
         let name = segments[0].clone();
         let (header, binary) = split_body(&headers, &body)?;

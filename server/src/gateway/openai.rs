@@ -19,7 +19,7 @@ use crate::error::Error;
 use crate::state::AppState;
 
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
-fn openai_error(error: GatewayError) -> Response {
+pub(crate) fn openai_error(error: GatewayError) -> Response {
     let body = json!({"error": {"message": error.message, "type": error.kind, "code": error.status.as_u16()}});
     (error.status, Json(body)).into_response()
 }

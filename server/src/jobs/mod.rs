@@ -2,14 +2,14 @@
 //! read once into `tessera_api::jobs::CreateJob`; each kind is then resolved into the
 //! `JobSpec` a worker receives (training through `training::spec`).
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Deserialize;
 use tessera_api::jobs::{CreateJob, GenericSpec, Job, JobSpec, JobState, LogLine};
 use uuid::Uuid;
 
 use crate::auth::Principal;
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, NewJob};
 use crate::store::{db::Db, Scope};
@@ -104,7 +104,7 @@ pub struct ListQuery {
 pub async fn list(
     State(state): State<AppState>,
     principal: Principal,
-    Query(query): Query<ListQuery>,
+    ApiQuery(query): ApiQuery<ListQuery>,
 ) -> Result<ApiJson<Vec<Job>>> {
     let filter = match query.state.as_deref() {
         None | Some("") => None,
@@ -154,7 +154,7 @@ pub async fn logs(
     State(state): State<AppState>,
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
-    Query(query): Query<LogQuery>,
+    ApiQuery(query): ApiQuery<LogQuery>,
 ) -> Result<ApiJson<Vec<LogLine>>> {
     find(&state.db, &principal.scope(), id).await?;
     let limit = query.limit.unwrap_or(1000).clamp(1, 10_000);

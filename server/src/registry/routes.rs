@@ -2,14 +2,14 @@
 //! and calls the registry function the dashboard calls too.
 
 use axum::body::Body;
-use axum::extract::{Multipart, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::Response;
 use tessera_api::models::Model;
 use uuid::Uuid;
 
 use crate::auth::{AgentAuth, Principal};
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{ApiJson, ApiMultipart, ApiPath, Error, Result};
 use crate::state::AppState;
 use crate::store::Scope;
 
@@ -22,7 +22,7 @@ use crate::store::Scope;
 pub async fn upload(
     State(state): State<AppState>,
     principal: Principal,
-    mut multipart: Multipart,
+    ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Model>)> {
     Ok((StatusCode::CREATED, ApiJson(super::upload_model(&state, &principal, &mut multipart).await?)))
 }

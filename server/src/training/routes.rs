@@ -1,7 +1,7 @@
 //! The `/api/v1/jobs/{id}/…` routes of training jobs, for users (ownership checked
 //! through the job) and for the worker holding the job's lease.
 
-use axum::extract::{Multipart, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::{checkpoints, lr_stages, metrics};
 use crate::auth::{AgentAuth, Principal};
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{ApiJson, ApiMultipart, ApiPath, ApiQuery, Error, Result};
 use crate::jobs;
 use crate::state::AppState;
 use crate::workers::agent::check_lease;
@@ -31,7 +31,7 @@ pub async fn job_metrics(
     State(state): State<AppState>,
     principal: Principal,
     ApiPath(id): ApiPath<Uuid>,
-    Query(query): Query<MetricsQuery>,
+    ApiQuery(query): ApiQuery<MetricsQuery>,
 ) -> Result<ApiJson<TrainingMetrics>> {
     jobs::find(&state.db, &principal.scope(), id).await?;
     if query.max_points.is_some_and(|n| n < 4) {
@@ -120,7 +120,7 @@ pub async fn agent_upload_checkpoint(
     State(state): State<AppState>,
     agent: AgentAuth,
     ApiPath(job): ApiPath<Uuid>,
-    mut multipart: Multipart,
+    ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Checkpoint>)> {
     check_lease(&state, agent.worker_id, job).await?;
     let checkpoint = checkpoints::upload(&state, job, &mut multipart).await?;
