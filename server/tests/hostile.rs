@@ -188,3 +188,23 @@ async fn gateway_405s_and_413s_use_the_gateways_shapes() {
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].is_string(), "{body}");
 }
+
+// --- KServe ------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn kserve_shapes_must_agree_with_the_data() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let infer = |shape: Value| {
+        let body = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": shape, "data": ["one text"]}]});
+        server.http.post(format!("{}/v2/models/absent/infer", server.url)).bearer_auth(&admin).json(&body).send()
+    };
+    for shape in [json!([7]), json!([-3]), json!([0])] {
+        let response = infer(shape.clone()).await.unwrap();
+        assert_eq!(response.status(), 400, "{shape}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"].as_str().unwrap().contains("shape"), "{body}");
+    }
+    // A shape that agrees gets past the check (to the missing model).
+    assert_eq!(infer(json!([1])).await.unwrap().status(), 404);
+}

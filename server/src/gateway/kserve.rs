@@ -153,6 +153,7 @@ fn texts(header: &Value, mut binary: &[u8]) -> Result<Vec<String>, GatewayError>
             Some(_) => values = decode_bytes_tensor(data)?,
             None => flatten_strings(&input["data"], &mut values)?,
         }
+        check_shape(input, values.len())?;
         texts = Some(values);
     }
     let texts = texts.unwrap_or_default();
@@ -160,6 +161,27 @@ fn texts(header: &Value, mut binary: &[u8]) -> Result<Vec<String>, GatewayError>
         return Err(bad_request("The BYTES input holds no texts."));
     }
     Ok(texts)
+}
+
+/// KServe requires a `shape`: non-negative dimensions whose product is the number of
+/// elements sent, as Triton checks, so a client's mistake is not silently served.
+fn check_shape(input: &Value, elements: usize) -> Result<(), GatewayError> {
+    let name = &input["name"];
+    let shape = &input["shape"];
+    let dims = shape.as_array().ok_or_else(|| bad_request(format!("Input {name} needs a shape, such as [{elements}].")))?;
+    let mut product = 1u64;
+    for dim in dims {
+        let dim = dim.as_u64().ok_or_else(|| {
+            bad_request(format!("Input {name} has shape {shape}; every dimension must be a non-negative integer."))
+        })?;
+        product = product.saturating_mul(dim);
+    }
+    if product != elements as u64 {
+        return Err(bad_request(format!(
+            "Input {name} has shape {shape}, which holds {product} elements, but {elements} were sent."
+        )));
+    }
+    Ok(())
 }
 
 fn wants_binary(header: &Value) -> bool {
@@ -247,6 +269,16 @@ mod tests {
         assert!(texts(&header, &raw).is_err());
         let header = json!({"inputs": [{"name": "t", "datatype": "FP32", "shape": [1], "data": [1.0]}]});
         assert!(texts(&header, &[]).unwrap_err().message.contains("BYTES"));
+    }
+
+    #[test]
+    fn shapes_must_hold_the_data_sent() {
+        for shape in [json!([7]), json!([-3]), json!([1.5]), json!("1"), Value::Null, json!([2, 0])] {
+            let header = json!({"inputs": [{"name": "t", "datatype": "BYTES", "shape": shape, "data": ["a"]}]});
+            assert!(texts(&header, &[]).unwrap_err().message.contains("shape"), "{shape}");
+        }
+        let header = json!({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1, 1], "data": ["a"]}]});
+        assert_eq!(texts(&header, &[]).unwrap(), vec!["a"]);
     }
 
     #[test]
