@@ -5,7 +5,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{Backend, TestServer, ADMIN_PASSWORD};
+use support::{backends, model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
 use tessera_server::config::Config;
 use tessera_server::state::AppState;
 
@@ -207,4 +207,48 @@ async fn kserve_shapes_must_agree_with_the_data() {
     }
     // A shape that agrees gets past the check (to the missing model).
     assert_eq!(infer(json!([1])).await.unwrap().status(), 404);
+}
+
+// --- Deleting what is in use -------------------------------------------------------------
+
+#[tokio::test]
+async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+        assert_eq!(response.status(), 201);
+        let model: Value = response.json().await.unwrap();
+        let id = model["id"].as_str().unwrap();
+        let response = server.post(&admin, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": 1})).await;
+        assert_eq!(response.status(), 201);
+
+        let response = server.delete(&admin, &format!("/models/{id}")).await;
+        assert_eq!(response.status(), 409, "{backend:?}");
+        assert!(error_body(response).await["error"]["message"].as_str().unwrap().contains("'embedder'"));
+
+        // The dashboard says the same on its error page.
+        let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+        let cookie = dashboard_cookie(&server, &http).await;
+        let response = http.post(format!("{}/models/{id}/delete", server.url)).header("cookie", &cookie).send().await.unwrap();
+        assert_eq!(response.status(), 409, "{backend:?}");
+        assert!(response.text().await.unwrap().contains("embedder"));
+
+        // Once the deployment is gone, the model can go.
+        assert_eq!(server.delete(&admin, "/deployments/embedder").await.status(), 204);
+        assert_eq!(server.delete(&admin, &format!("/models/{id}")).await.status(), 204);
+    }
+}
+
+/// Signs in through the dashboard's form; returns the `Cookie` header value.
+async fn dashboard_cookie(server: &TestServer, http: &reqwest::Client) -> String {
+    let response = http
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "/")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 303);
+    let cookie = response.headers()["set-cookie"].to_str().unwrap();
+    cookie.split(';').next().unwrap().to_string()
 }

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::store::db::{self, now_ms};
 use crate::store::models::{self as store, NewModel};
-use crate::store::{users, Scope};
+use crate::store::{deployments, users, Scope};
 use staging::{Staged, Validated};
 
 /// The model digest: SHA-256 over the sorted `(path, file digest)` list, so the same
@@ -153,8 +153,25 @@ pub async fn list_visible(state: &AppState, scope: &Scope) -> Result<Vec<Model>>
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
     let model = find(state, scope, id).await?;
     let _guard = state.registry_lock.lock().await;
-    store::delete(&state.db, id).await?;
+    let serving = deployments::names_serving(&state.db, id).await?;
+    if !serving.is_empty() {
+        return Err(in_use(&model.name, &serving));
+    }
+    match store::delete(&state.db, id).await {
+        // A deployment created since the check above holds the model now.
+        Err(e) if e.is_foreign_key_violation() => {
+            return Err(in_use(&model.name, &deployments::names_serving(&state.db, id).await?));
+        }
+        result => result?,
+    }
     collect_garbage(state, model.files.into_iter().map(|f| f.digest).collect()).await
+}
+
+fn in_use(model: &str, deployments: &[String]) -> Error {
+    Error::Conflict(format!(
+        "Model '{model}' is served by deployment {}; delete the deployment first.",
+        deployments.iter().map(|name| format!("'{name}'")).collect::<Vec<_>>().join(", ")
+    ))
 }
 
 /// Receives a multipart upload and registers it as a model of `principal`'s.

@@ -77,6 +77,14 @@ pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<Stor
     row.as_ref().map(from_row).transpose()
 }
 
+/// The names of the deployments that serve `model`, whoever owns them.
+pub async fn names_serving(db: &Db, model: Uuid) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar("SELECT name FROM deployments WHERE model_id = $1 ORDER BY name")
+        .bind(model.to_string())
+        .fetch_all(db.pool())
+        .await?)
+}
+
 /// The deployments in `scope`, by name.
 pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<StoredDeployment>> {
     let rows = sqlx::query(&format!(

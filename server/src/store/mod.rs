@@ -35,6 +35,11 @@ impl StoreError {
     pub fn is_unique_violation(&self) -> bool {
         matches!(self, StoreError::Database(error) if db::is_unique_violation(error))
     }
+
+    /// True when the statement broke a foreign key (a row still refers to the one deleted).
+    pub fn is_foreign_key_violation(&self) -> bool {
+        matches!(self, StoreError::Database(sqlx::Error::Database(error)) if error.is_foreign_key_violation())
+    }
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
