@@ -252,3 +252,31 @@ async fn dashboard_cookie(server: &TestServer, http: &reqwest::Client) -> String
     let cookie = response.headers()["set-cookie"].to_str().unwrap();
     cookie.split(';').next().unwrap().to_string()
 }
+
+// --- Dashboard sign-in -------------------------------------------------------------------
+
+#[tokio::test]
+async fn dashboard_login_only_redirects_to_paths_on_this_site() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    for next in ["/\t/evil.example", "//evil", "https://evil", "/\\evil", "/jobs\r\nSet-Cookie: a=b", "/a\nb", "/login"] {
+        let response = http
+            .post(format!("{}/login", server.url))
+            .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", next)])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 303, "{next:?}");
+        assert_eq!(response.headers()["location"], "/", "{next:?}");
+        // The sign-in form carries the same fallback.
+        let response = http.get(format!("{}/login", server.url)).query(&[("next", next)]).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{next:?}");
+    }
+    let response = http
+        .post(format!("{}/login", server.url))
+        .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "/jobs?state=failed")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.headers()["location"], "/jobs?state=failed");
+}

@@ -109,9 +109,12 @@ fn session_cookie(token: &str, max_age_secs: u64, headers: &HeaderMap) -> Header
     HeaderValue::from_str(&value).expect("a JWT is a valid header value")
 }
 
-/// Only local paths: `//evil.example` and `/\evil.example` are other sites to a browser.
+/// Only local paths: `//evil.example` and `/\evil.example` are other sites to a browser,
+/// which also drops tabs and line breaks (`/\t/evil.example` is `//evil.example`), so a
+/// path of anything but visible ASCII is refused; it could not be a header value either.
 fn safe_next(next: &str) -> &str {
-    let local = next.starts_with('/') && !next.starts_with("//") && !next.starts_with("/\\");
+    let visible = next.bytes().all(|b| b.is_ascii_graphic() && b != b'\\');
+    let local = visible && next.starts_with('/') && !next.starts_with("//");
     if local && !next.starts_with("/login") {
         next
     } else {
@@ -288,6 +291,9 @@ mod tests {
         assert_eq!(safe_next("/\\evil.example"), "/");
         assert_eq!(safe_next("https://evil.example"), "/");
         assert_eq!(safe_next("/login"), "/");
+        assert_eq!(safe_next("/\t/evil.example"), "/");
+        assert_eq!(safe_next("/jobs\r\nSet-Cookie: x=y"), "/");
+        assert_eq!(safe_next("/caf\u{e9}"), "/");
         assert_eq!(encode_query_value("/jobs?state=a b"), "/jobs%3Fstate%3Da%20b");
     }
 }
