@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
-use axum::http::{Method, StatusCode, Uri};
+use axum::extract::Request;
+use axum::http::{Method, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -150,22 +152,39 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(refuse_nul_bytes))
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }
 
-/// A 405 in the error shape of the route family called: OpenAI's on `/v1`, KServe's on
-/// `/v2`, the platform's everywhere else.
+/// A 405 in the error shape of the route family called.
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let message = format!("{} does not accept {method}; see /api/openapi.json for the methods it takes.", uri.path());
-    let path = uri.path();
+    family_error(uri.path(), error::Error::MethodNotAllowed(message))
+}
+
+/// Refuses a path or query string that holds an encoded NUL byte (`%00`) before any
+/// route sees it: no name or file holds one, and PostgreSQL errors on it.
+async fn refuse_nul_bytes(request: Request, next: Next) -> Response {
+    let uri = request.uri();
+    let encoded = uri.path_and_query().map_or("", |p| p.as_str());
+    if encoded.to_ascii_lowercase().contains("%00") {
+        let message = "The URL holds a NUL byte (%00), which no name or path may contain.".to_string();
+        return family_error(uri.path(), error::Error::BadRequest(message));
+    }
+    next.run(request).await
+}
+
+/// `error` in the shape of the route family `path` belongs to: OpenAI's on `/v1`,
+/// KServe's on `/v2`, the platform's everywhere else.
+fn family_error(path: &str, error: error::Error) -> Response {
     if path.starts_with("/v1/") {
-        openai::openai_error(GatewayError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message))
+        openai::openai_error(GatewayError::new(error.status(), "invalid_request_error", error.public_message()))
     } else if path == "/v2" || path.starts_with("/v2/") {
-        kserve::kserve_error(GatewayError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid", message))
+        kserve::kserve_error(GatewayError::new(error.status(), "invalid", error.public_message()))
     } else {
-        error::Error::MethodNotAllowed(message).into_response()
+        error.into_response()
     }
 }
 

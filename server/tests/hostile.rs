@@ -280,3 +280,40 @@ async fn dashboard_login_only_redirects_to_paths_on_this_site() {
         .unwrap();
     assert_eq!(response.headers()["location"], "/jobs?state=failed");
 }
+
+// --- NUL bytes ---------------------------------------------------------------------------
+
+/// PostgreSQL refuses text holding a NUL byte with an error; SQLite stores it. Either
+/// way a client sending one gets a 4xx.
+#[tokio::test]
+async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+        assert_eq!(response.status(), 201);
+        let model: Value = response.json().await.unwrap();
+        let id = model["id"].as_str().unwrap();
+        let nul = "ti\0ny";
+        let requests = [
+            server.http.post(server.api("/auth/login")).json(&json!({"username": "ad\0min", "password": "pw"})),
+            server.http.post(server.api("/users")).bearer_auth(&admin).json(&json!({"username": "a\0b", "password": "long-enough-pw"})),
+            server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form(nul, tiny_model())),
+            server.http.post(server.api("/deployments")).bearer_auth(&admin).json(&json!({"name": "e\0", "model": "tiny"})),
+            server.http.post(server.api("/deployments")).bearer_auth(&admin).json(&json!({"name": "e", "model": nul})),
+            server.http.get(server.api("/deployments/e%00")).bearer_auth(&admin),
+            server.http.get(server.api("/datasets/d%00")).bearer_auth(&admin),
+            server.http.get(server.api(&format!("/models/{id}/files/config.json%00"))).bearer_auth(&admin),
+            server.http.get(server.api("/jobs?state=queued%00")).bearer_auth(&admin),
+            server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).json(&json!({"model": nul, "input": "x"})),
+            server.http.post(format!("{}/v2/models/ti%00ny/infer", server.url)).bearer_auth(&admin).json(&json!({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})),
+            server.http.get(format!("{}/v2/models/ti%00ny", server.url)).bearer_auth(&admin),
+        ];
+        for request in requests {
+            let request = request.build().unwrap();
+            let what = format!("{backend:?} {} {}", request.method(), request.url());
+            let response = server.http.execute(request).await.unwrap();
+            assert!(response.status().is_client_error(), "{what}: {}", response.status());
+        }
+    }
+}

@@ -46,6 +46,9 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Dataset>> {
 
 /// `owner`'s dataset called `name` (names are unique per owner).
 pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Dataset>> {
+    if !db::storable(name) {
+        return Ok(None);
+    }
     let row = sqlx::query(&format!(
         "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.owner_id = $1 AND d.name = $2"
     ))

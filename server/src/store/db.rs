@@ -101,6 +101,12 @@ pub fn opt_time(ms: Option<i64>) -> Option<DateTime<Utc>> {
     ms.map(time)
 }
 
+/// Whether `text` could be stored in a column: PostgreSQL refuses text with a NUL byte
+/// (an error, not a miss), so lookups by such a name answer "no row" without asking.
+pub fn storable(text: &str) -> bool {
+    !text.contains('\0')
+}
+
 /// True when a database error is a unique-constraint violation (both backends).
 pub fn is_unique_violation(error: &sqlx::Error) -> bool {
     match error {

@@ -66,6 +66,9 @@ fn from_row(row: &AnyRow) -> Result<StoredDeployment> {
 
 /// A deployment in `scope`, by id or by name.
 pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<StoredDeployment>> {
+    if !db::storable(id_or_name) {
+        return Ok(None);
+    }
     let row = sqlx::query(&format!(
         "SELECT {COLUMNS} FROM deployments d JOIN models m ON m.id = d.model_id \
          JOIN users u ON u.id = d.owner_id WHERE (d.id = $1 OR d.name = $1) AND ($2 IS NULL OR d.owner_id = $2)"
@@ -263,6 +266,9 @@ pub struct RouteRecord {
 /// The deployment called `name` with its running replicas that have an endpoint, for
 /// every caller (the gateway checks the caller's scope against `owner_id`).
 pub async fn route(db: &Db, name: &str) -> Result<Option<RouteRecord>> {
+    if !db::storable(name) {
+        return Ok(None);
+    }
     let rows = sqlx::query(
         "SELECT d.id AS deployment_id, d.owner_id, m.architecture, m.config, j.id AS replica, j.endpoint, w.engine_token \
          FROM deployments d JOIN models m ON m.id = d.model_id \

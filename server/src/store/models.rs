@@ -47,6 +47,9 @@ async fn model_from_row(db: &Db, row: &AnyRow) -> Result<Model> {
 
 /// `owner`'s model called `name` (names are unique per owner).
 pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Model>> {
+    if !db::storable(name) {
+        return Ok(None);
+    }
     let row = sqlx::query(&format!(
         "SELECT {MODEL_COLUMNS} FROM models m JOIN users u ON u.id = m.owner_id WHERE m.owner_id = $1 AND m.name = $2"
     ))

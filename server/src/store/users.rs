@@ -52,6 +52,9 @@ pub async fn find(db: &Db, id: Uuid) -> Result<Option<StoredUser>> {
 }
 
 pub async fn find_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>> {
+    if !db::storable(username) {
+        return Ok(None);
+    }
     let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1"))
         .bind(username)
         .fetch_optional(db.pool())
