@@ -169,7 +169,7 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 async fn refuse_nul_bytes(request: Request, next: Next) -> Response {
     let uri = request.uri();
     let encoded = uri.path_and_query().map_or("", |p| p.as_str());
-    if encoded.to_ascii_lowercase().contains("%00") {
+    if encoded.contains("%00") {
         let message = "The URL holds a NUL byte (%00), which no name or path may contain.".to_string();
         return family_error(uri.path(), error::Error::BadRequest(message));
     }
