@@ -12,12 +12,8 @@ use tessera_server::state::AppState;
 /// The `{"error":{"code","message"}}` body of a rejection, asserting its shape.
 async fn error_body(response: reqwest::Response) -> Value {
     let text = response.text().await.unwrap();
-    let body: Value =
-        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not the error shape: {text}"));
-    assert!(
-        body["error"]["code"].is_string() && body["error"]["message"].is_string(),
-        "not the error shape: {body}"
-    );
+    let body: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not the error shape: {text}"));
+    assert!(body["error"]["code"].is_string() && body["error"]["message"].is_string(), "not the error shape: {body}");
     body
 }
 
@@ -38,10 +34,7 @@ async fn refuses_to_start_with_a_short_or_empty_secret() {
         } else {
             config.jwt_secret = Some(value.to_string());
         }
-        let error = AppState::open(config)
-            .await
-            .err()
-            .unwrap_or_else(|| panic!("{setting}={value:?} was accepted"));
+        let error = AppState::open(config).await.err().unwrap_or_else(|| panic!("{setting}={value:?} was accepted"));
         assert!(error.to_string().contains(setting), "{error}");
     }
 }
@@ -58,10 +51,7 @@ async fn the_binary_refuses_an_empty_worker_token_from_the_environment() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success() && stderr.contains("TESSERA_WORKER_TOKEN"),
-        "{stderr}"
-    );
+    assert!(!output.status.success() && stderr.contains("TESSERA_WORKER_TOKEN"), "{stderr}");
 }
 
 #[tokio::test]
@@ -103,11 +93,7 @@ async fn oversized_logins_are_refused_before_the_rate_limiter() {
         let response = login(&server, "admin", &huge).await;
         assert_eq!(response.status(), 400);
     }
-    assert_eq!(
-        server.state.login_limiter.tracked(),
-        0,
-        "refused logins keep no limiter state"
-    );
+    assert_eq!(server.state.login_limiter.tracked(), 0, "refused logins keep no limiter state");
     assert_eq!(login(&server, "admin", ADMIN_PASSWORD).await.status(), 200);
 }
 
@@ -171,7 +157,8 @@ async fn gateway_405s_and_413s_use_the_gateways_shapes() {
     let body: Value = response.json().await.unwrap();
     assert!(body["error"]["message"].is_string() && body["error"]["type"].is_string(), "{body}");
 
-    let response = server.http.get(format!("{}/v2/models/m/infer", server.url)).bearer_auth(&admin).send().await.unwrap();
+    let response =
+        server.http.get(format!("{}/v2/models/m/infer", server.url)).bearer_auth(&admin).send().await.unwrap();
     assert_eq!(response.status(), 405);
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].is_string(), "{body}");
@@ -216,11 +203,19 @@ async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+        let response = server
+            .http
+            .post(server.api("/models"))
+            .bearer_auth(&admin)
+            .multipart(model_form("tiny", tiny_model()))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(response.status(), 201);
         let model: Value = response.json().await.unwrap();
         let id = model["id"].as_str().unwrap();
-        let response = server.post(&admin, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": 1})).await;
+        let response =
+            server.post(&admin, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": 1})).await;
         assert_eq!(response.status(), 201);
 
         let response = server.delete(&admin, &format!("/models/{id}")).await;
@@ -230,7 +225,8 @@ async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
         // The dashboard says the same on its error page.
         let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
         let cookie = dashboard_cookie(&server, &http).await;
-        let response = http.post(format!("{}/models/{id}/delete", server.url)).header("cookie", &cookie).send().await.unwrap();
+        let response =
+            http.post(format!("{}/models/{id}/delete", server.url)).header("cookie", &cookie).send().await.unwrap();
         assert_eq!(response.status(), 409, "{backend:?}");
         assert!(response.text().await.unwrap().contains("embedder"));
 
@@ -259,7 +255,8 @@ async fn dashboard_cookie(server: &TestServer, http: &reqwest::Client) -> String
 async fn dashboard_login_only_redirects_to_paths_on_this_site() {
     let server = TestServer::start(Backend::Sqlite).await;
     let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
-    for next in ["/\t/evil.example", "//evil", "https://evil", "/\\evil", "/jobs\r\nSet-Cookie: a=b", "/a\nb", "/login"] {
+    for next in ["/\t/evil.example", "//evil", "https://evil", "/\\evil", "/jobs\r\nSet-Cookie: a=b", "/a\nb", "/login"]
+    {
         let response = http
             .post(format!("{}/login", server.url))
             .form(&[("username", "admin"), ("password", ADMIN_PASSWORD), ("next", next)])
@@ -290,23 +287,46 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+        let response = server
+            .http
+            .post(server.api("/models"))
+            .bearer_auth(&admin)
+            .multipart(model_form("tiny", tiny_model()))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(response.status(), 201);
         let model: Value = response.json().await.unwrap();
         let id = model["id"].as_str().unwrap();
         let nul = "ti\0ny";
         let requests = [
             server.http.post(server.api("/auth/login")).json(&json!({"username": "ad\0min", "password": "pw"})),
-            server.http.post(server.api("/users")).bearer_auth(&admin).json(&json!({"username": "a\0b", "password": "long-enough-pw"})),
+            server
+                .http
+                .post(server.api("/users"))
+                .bearer_auth(&admin)
+                .json(&json!({"username": "a\0b", "password": "long-enough-pw"})),
             server.http.post(server.api("/models")).bearer_auth(&admin).multipart(model_form(nul, tiny_model())),
-            server.http.post(server.api("/deployments")).bearer_auth(&admin).json(&json!({"name": "e\0", "model": "tiny"})),
+            server
+                .http
+                .post(server.api("/deployments"))
+                .bearer_auth(&admin)
+                .json(&json!({"name": "e\0", "model": "tiny"})),
             server.http.post(server.api("/deployments")).bearer_auth(&admin).json(&json!({"name": "e", "model": nul})),
             server.http.get(server.api("/deployments/e%00")).bearer_auth(&admin),
             server.http.get(server.api("/datasets/d%00")).bearer_auth(&admin),
             server.http.get(server.api(&format!("/models/{id}/files/config.json%00"))).bearer_auth(&admin),
             server.http.get(server.api("/jobs?state=queued%00")).bearer_auth(&admin),
-            server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).json(&json!({"model": nul, "input": "x"})),
-            server.http.post(format!("{}/v2/models/ti%00ny/infer", server.url)).bearer_auth(&admin).json(&json!({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})),
+            server
+                .http
+                .post(format!("{}/v1/embeddings", server.url))
+                .bearer_auth(&admin)
+                .json(&json!({"model": nul, "input": "x"})),
+            server
+                .http
+                .post(format!("{}/v2/models/ti%00ny/infer", server.url))
+                .bearer_auth(&admin)
+                .json(&json!({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})),
             server.http.get(format!("{}/v2/models/ti%00ny", server.url)).bearer_auth(&admin),
         ];
         for request in requests {

@@ -26,11 +26,7 @@ struct Bucket {
 
 impl LoginLimiter {
     pub fn new(burst: u32, refill: Duration) -> LoginLimiter {
-        LoginLimiter {
-            burst: burst.max(1) as f64,
-            refill,
-            buckets: Mutex::new(HashMap::new()),
-        }
+        LoginLimiter { burst: burst.max(1) as f64, refill, buckets: Mutex::new(HashMap::new()) }
     }
 
     /// Spends one attempt of `username` from `address`. `Err(secs)` says how long until
@@ -57,11 +53,7 @@ impl LoginLimiter {
         }
         let mut wait = 0.0f64;
         for (key, burst) in keys {
-            let bucket = buckets.entry(key.clone()).or_insert(Bucket {
-                tokens: *burst,
-                burst: *burst,
-                updated: now,
-            });
+            let bucket = buckets.entry(key.clone()).or_insert(Bucket { tokens: *burst, burst: *burst, updated: now });
             bucket.tokens = refilled(bucket, now, self.refill);
             bucket.updated = now;
             if bucket.tokens < 1.0 {
@@ -101,9 +93,7 @@ mod tests {
             assert!(limiter.attempt(ip(1), "alice", t0).is_ok());
         }
         assert_eq!(limiter.attempt(ip(1), "alice", t0), Err(10));
-        assert!(limiter
-            .attempt(ip(1), "alice", t0 + Duration::from_secs(10))
-            .is_ok());
+        assert!(limiter.attempt(ip(1), "alice", t0 + Duration::from_secs(10)).is_ok());
     }
 
     #[test]
@@ -119,9 +109,7 @@ mod tests {
     fn one_address_cannot_sweep_many_usernames() {
         let limiter = LoginLimiter::new(2, Duration::from_secs(3600));
         let t0 = Instant::now();
-        let allowed = (0..100)
-            .filter(|n| limiter.attempt(ip(3), &format!("user{n}"), t0).is_ok())
-            .count();
+        let allowed = (0..100).filter(|n| limiter.attempt(ip(3), &format!("user{n}"), t0).is_ok()).count();
         assert_eq!(allowed, 2 * ADDRESS_BURST_FACTOR as usize);
     }
 }
