@@ -230,6 +230,19 @@ async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
         assert_eq!(response.status(), 409, "{backend:?}");
         assert!(response.text().await.unwrap().contains("embedder"));
 
+        // The dashboard's upload answers the API's way, a broken multipart body included.
+        let response = http
+            .post(format!("{}/models/upload", server.url))
+            .header("cookie", &cookie)
+            .header("x-requested-with", "XMLHttpRequest")
+            .header("content-type", "multipart/form-data")
+            .body("no boundary")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400);
+        error_body(response).await;
+
         // Once the deployment is gone, the model can go.
         assert_eq!(server.delete(&admin, "/deployments/embedder").await.status(), 204);
         assert_eq!(server.delete(&admin, &format!("/models/{id}")).await.status(), 204);

@@ -2,7 +2,7 @@
 //! through the same registry code as `POST /api/v1/models`, authenticated by the cookie.
 
 use askama::Template;
-use axum::extract::{Multipart, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use chrono::Utc;
@@ -10,7 +10,7 @@ use serde::Deserialize;
 use tessera_api::models::Model;
 
 use super::{format, render, Layout, WebUser};
-use crate::error::{ApiJson, Error, Result};
+use crate::error::{ApiJson, ApiMultipart, Error, Result};
 use crate::registry::{self, model_files};
 use crate::state::AppState;
 
@@ -103,7 +103,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
 pub async fn upload(
     State(state): State<AppState>,
     user: WebUser,
-    mut multipart: Multipart,
+    ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Model>)> {
     Ok((StatusCode::CREATED, ApiJson(registry::upload_model(&state, &user.0, &mut multipart).await?)))
 }
