@@ -82,7 +82,7 @@ pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<Train
         }
     }
     let rows_of = |map: BTreeMap<i64, BTreeMap<String, f64>>| {
-        map.into_iter().map(|(step, values)| MetricRow { step: step as u64, values }).collect()
+        map.into_iter().map(|(step, values)| MetricRow { step: step as u64, phase: None, values }).collect()
     };
     Ok(TrainingMetrics { steps: rows_of(steps), evals: rows_of(evals) })
 }

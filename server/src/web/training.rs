@@ -100,6 +100,7 @@ fn describe(schedule: &LrSchedule) -> String {
     match schedule {
         LrSchedule::Constant { lr } => format!("constant lr {lr}"),
         LrSchedule::Step { lr, step_size, gamma } => format!("step: lr {lr} × {gamma} every {step_size} steps"),
+        LrSchedule::Linear { lr, warmup_steps } => format!("linear: lr {lr} → 0, {warmup_steps} warm-up steps"),
         LrSchedule::Cosine { lr, warmup_steps, min_lr } => {
             format!("cosine: lr {lr} → {min_lr}, {warmup_steps} warm-up steps")
         }
