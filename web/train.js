@@ -2,7 +2,10 @@
 // throughput) and the compare page (several jobs, one metric). Data comes from
 // /jobs/{id}/series, already downsampled by the server (min/max per bucket), so a
 // 100k-step run draws as ~1000 points. Smoothing is an exponential moving average,
-// like TensorBoard's; log scale plots log10 of the values.
+// like TensorBoard's; log scale plots log10 of the values. Until the log control is
+// touched (it starts indeterminate, "auto"), each chart picks log scale itself when its
+// values span two orders of magnitude or more: one divergent AutoLRS candidate would
+// otherwise flatten the rest of the loss curve.
 (function () {
   "use strict";
   var COLOURS = ["#4338ca", "#d92d20", "#067647", "#b54708", "#0e7090", "#c11574", "#475467", "#6941c6"];
@@ -45,6 +48,25 @@
     var a = Math.abs(v);
     if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
     return String(+v.toPrecision(4));
+  }
+
+  // Whether the lines' positive values span at least two orders of magnitude.
+  function spansDecades(lines) {
+    var lo = Infinity, hi = 0;
+    lines.forEach(function (l) { l.points.forEach(function (p) { if (p[1] > 0 && isFinite(p[1])) { lo = Math.min(lo, p[1]); hi = Math.max(hi, p[1]); } }); });
+    return hi > 0 && hi / lo >= 100;
+  }
+
+  // The log control as "auto" until the user sets it; `useLog` then decides per chart.
+  function autoLog(control) {
+    if (!control) return;
+    control.indeterminate = true;
+    control.addEventListener("input", function () { control.setAttribute("data-touched", ""); }, { once: true });
+  }
+
+  function useLog(control, lines) {
+    if (control && control.hasAttribute("data-touched")) return control.checked;
+    return spansDecades(lines);
   }
 
   // lines: [{name, points: [[x, y], …], colour}]; opts: {log}
@@ -121,13 +143,15 @@
         var lines = names.map(function (name, i) {
           return { name: name, points: smooth(pick(data, spec[0], name), weight), colour: COLOURS[i % COLOURS.length] };
         });
-        draw(chart.querySelector("canvas"), lines, { log: log && log.checked && spec[1] !== "throughput" });
+        var logScale = spec[1] !== "throughput" && useLog(log, lines);
+        chart.setAttribute("data-log", String(logScale));
+        draw(chart.querySelector("canvas"), lines, { log: logScale });
         legend(chart.querySelector(".chart-legend"), lines);
       });
     }
     function evalNames(d) {
       var names = {};
-      (d.evals || []).forEach(function (row) { Object.keys(row).forEach(function (k) { if (k !== "step") names[k] = true; }); });
+      (d.evals || []).forEach(function (row) { Object.keys(row).forEach(function (k) { if (typeof row[k] === "number" && k !== "step") names[k] = true; }); });
       return Object.keys(names).sort();
     }
     async function refresh() {
@@ -137,6 +161,7 @@
       } catch (e) { root.setAttribute("data-error", e.message); }
       if (root.hasAttribute("data-live-charts") && !document.querySelector("[data-live-final]")) setTimeout(refresh, 5000);
     }
+    autoLog(log);
     [smoothing, log].forEach(function (c) { if (c) c.addEventListener("input", function () { syncOutput(c); if (data) render(); }); });
     window.addEventListener("resize", function () { if (data) render(); });
     refresh();
@@ -161,9 +186,12 @@
       var lines = ids.filter(function (id) { return loaded[id]; }).map(function (id, i) {
         return { name: names[id] || id.slice(0, 8), points: smooth(pick(loaded[id], spec[0], spec[1]), +smoothing.value), colour: COLOURS[i % COLOURS.length] };
       });
-      draw(root.querySelector("canvas"), lines, { log: log.checked });
+      var logScale = useLog(log, lines);
+      root.setAttribute("data-log", String(logScale));
+      draw(root.querySelector("canvas"), lines, { log: logScale });
       legend(root.querySelector(".chart-legend"), lines);
     }
+    autoLog(log);
     [metric, smoothing, log].forEach(function (c) { c.addEventListener("input", function () { syncOutput(c); render(); }); });
     window.addEventListener("resize", render);
     ids.forEach(function (id) {

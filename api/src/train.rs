@@ -176,6 +176,13 @@ pub enum LrSchedule {
     Constant { lr: f64 },
     /// `lr · gamma^⌊step / step_size⌋`.
     Step { lr: f64, step_size: u64, gamma: f64 },
+    /// Linear warm-up from 0 to `lr` over `warmup_steps`, then linear decay to 0 at
+    /// `max_steps` (the Hugging Face fine-tuning default, `get_linear_schedule_with_warmup`).
+    Linear {
+        lr: f64,
+        #[serde(default)]
+        warmup_steps: u64,
+    },
     /// Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to `min_lr`
     /// at `max_steps`.
     Cosine {
@@ -247,6 +254,7 @@ impl LrSchedule {
         match self {
             LrSchedule::Constant { .. } => "constant",
             LrSchedule::Step { .. } => "step",
+            LrSchedule::Linear { .. } => "linear",
             LrSchedule::Cosine { .. } => "cosine",
             LrSchedule::Onecycle { .. } => "onecycle",
             LrSchedule::Autolrs { .. } => "autolrs",
@@ -267,6 +275,7 @@ impl LrSchedule {
                 }
                 Ok(())
             }
+            LrSchedule::Linear { lr, .. } => positive_lr("lr", lr),
             LrSchedule::Cosine { lr, min_lr, .. } => {
                 positive_lr("lr", lr)?;
                 if !(min_lr >= 0.0 && min_lr <= lr) {
@@ -402,13 +411,45 @@ pub struct TrainJob {
 }
 
 /// One row of a metric series: the step and the values named at it, e.g.
-/// `{"step": 10, "loss": 0.41, "lr": 0.1}`. The same shape goes up (worker → server)
-/// and comes back (`GET /api/v1/jobs/{id}/metrics`).
+/// `{"step": 10, "loss": 0.41, "lr": 0.1, "phase": "search"}`. The same shape goes up
+/// (worker → server) and comes back (`GET /api/v1/jobs/{id}/metrics`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct MetricRow {
     pub step: u64,
+    /// Under AutoLRS, whether the step (or the model an evaluation measured) belongs to a
+    /// candidate's search or to a stage's exploitation; absent for fixed schedules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<StepPhase>,
     #[serde(flatten)]
     pub values: BTreeMap<String, f64>,
+}
+
+/// What an AutoLRS step is spent on, so a speed-up can be read with or without the
+/// search's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StepPhase {
+    /// A candidate LR's τ' steps from the stage snapshot (restored afterwards).
+    Search,
+    /// The stage's τ steps at the chosen LR.
+    Exploit,
+}
+
+impl StepPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepPhase::Search => "search",
+            StepPhase::Exploit => "exploit",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<StepPhase> {
+        match text {
+            "search" => Some(StepPhase::Search),
+            "exploit" => Some(StepPhase::Exploit),
+            _ => None,
+        }
+    }
 }
 
 /// `POST /api/v1/agent/jobs/{id}/training-metrics` (worker) and the body of
@@ -429,9 +470,49 @@ pub struct TrainingMetrics {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct LrCandidate {
     pub lr: f64,
-    /// `None` when the fit failed (AutoLRS then scores the candidate 1e6).
+    /// `None` when no fit was possible (a loss that is not a number, a curve too short).
     pub forecast_loss: Option<f64>,
     pub observed_loss: Option<f64>,
+    /// What the search was told for this LR (lower is better); 1e6 for a loss that was
+    /// not a number.
+    #[serde(default)]
+    pub score: Option<f64>,
+    /// Where `score` came from. Records stored before this field read as `forecast`.
+    #[serde(default)]
+    pub scored_by: CandidateScore,
+    /// Why the forecast was not used, or why the candidate failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// How a candidate was scored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CandidateScore {
+    /// The curve's forecast at τ (the paper's method), judged credible.
+    #[default]
+    Forecast,
+    /// The forecast was not credible (or the validation guard applied): the smoothed
+    /// observed loss at the end of the window.
+    Observed,
+    /// The loss was not a number (scored 1e6) or rose over the window (scored its
+    /// smoothed observed loss): never chosen while a candidate that did not fail remains.
+    Failed,
+}
+
+/// An exploitation that diverged: its steps count, the stage snapshot was restored and
+/// the next-best candidate exploited instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LrFallback {
+    /// The LR whose exploitation diverged.
+    pub lr: f64,
+    /// The global step at which it was abandoned.
+    pub at_step: u64,
+    /// Exploitation steps it ran before that.
+    pub steps: u64,
+    /// What was seen: a loss that is not a number, or the smoothed loss well above the
+    /// stage's start.
+    pub reason: String,
 }
 
 /// One AutoLRS stage, reported by the worker when its search ends and again (same
@@ -447,10 +528,20 @@ pub struct LrStageRecord {
     /// `train_loss`, or `val_loss` once τ' has reached τ_max/10.
     pub metric: String,
     pub candidates: Vec<LrCandidate>,
+    /// The LR exploited (after any fallbacks, the one exploited last).
     pub chosen_lr: f64,
-    /// Loss after the τ exploitation steps at `chosen_lr`, once they are done.
+    /// Loss after the τ exploitation steps at `chosen_lr`, once they are done: the
+    /// smoothed training loss, or the validation loss when `metric` is `val_loss`.
     #[serde(default)]
     pub observed_loss_after_tau: Option<f64>,
+    /// `observed_loss_after_tau` minus the chosen candidate's score (its forecast, or its
+    /// observed loss where the forecast was not credible): how far off the choice's
+    /// prediction was.
+    #[serde(default)]
+    pub forecast_error: Option<f64>,
+    /// Exploitations abandoned for divergence, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<LrFallback>,
 }
 
 /// A stored stage as `GET /api/v1/jobs/{id}/lr-stages` lists it.
@@ -543,5 +634,24 @@ mod tests {
         assert_eq!(row.step, 3);
         assert_eq!(row.values["loss"], 0.5);
         assert_eq!(serde_json::to_value(&row).unwrap(), serde_json::json!({"step":3,"loss":0.5,"lr":0.1}));
+        assert_eq!(row.phase, None);
+    }
+
+    #[test]
+    fn a_step_row_carries_its_autolrs_phase_beside_its_values() {
+        let row: MetricRow = serde_json::from_str(r#"{"step":4,"loss":0.5,"phase":"exploit"}"#).unwrap();
+        assert_eq!(row.phase, Some(StepPhase::Exploit));
+        assert_eq!(row.values.len(), 1);
+        assert_eq!(serde_json::to_value(&row).unwrap(), serde_json::json!({"step":4,"loss":0.5,"phase":"exploit"}));
+    }
+
+    #[test]
+    fn stage_records_stored_before_credibility_was_recorded_still_read() {
+        let old = r#"{"stage":0,"start_step":0,"tau_prime":10,"tau":100,"metric":"train_loss",
+            "candidates":[{"lr":0.1,"forecast_loss":0.3,"observed_loss":0.5}],"chosen_lr":0.1,
+            "observed_loss_after_tau":null}"#;
+        let record: LrStageRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(record.candidates[0].scored_by, CandidateScore::Forecast);
+        assert!(record.fallbacks.is_empty() && record.forecast_error.is_none());
     }
 }

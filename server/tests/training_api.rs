@@ -241,6 +241,47 @@ async fn metrics_are_upserted_per_step_and_downsampled_with_100k_points() {
 }
 
 #[tokio::test]
+async fn autolrs_step_phases_and_stage_credibility_are_stored_and_served() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let (job, secret) = leased_job(&server, &token, "w1").await;
+        let steps: Vec<Value> = (1..=6u64)
+            .map(|s| json!({"step": s, "loss": 1.0, "lr": 0.1, "phase": if s <= 4 { "search" } else { "exploit" }}))
+            .chain([json!({"step": 7, "loss": 0.9, "lr": 0.05})])
+            .collect();
+        let evals =
+            json!([{"step": 4, "val_loss": 1.2, "phase": "search"}, {"step": 6, "val_loss": 1.0, "phase": "exploit"}]);
+        let report = format!("/agent/jobs/{job}/training-metrics");
+        let response = server.post(&secret, &report, json!({"steps": steps, "evals": evals})).await;
+        assert_eq!(response.status(), 204, "{}", response.text().await.unwrap());
+        for query in ["", "?max_points=1000"] {
+            let all: Value = server.get(&token, &format!("/jobs/{job}/metrics{query}")).await.json().await.unwrap();
+            let phases: Vec<Value> = all["steps"].as_array().unwrap().iter().map(|r| r["phase"].clone()).collect();
+            let (search, exploit) = (json!("search"), json!("exploit"));
+            assert_eq!(phases[..4], [search.clone(), search.clone(), search.clone(), search.clone()], "{backend:?}");
+            assert_eq!(phases[4..6], [exploit.clone(), exploit.clone()]);
+            assert_eq!(phases[6], Value::Null, "an untagged step stays untagged");
+            assert_eq!(all["evals"][0]["phase"], search);
+            assert_eq!(all["evals"][1]["phase"], exploit);
+        }
+
+        let stage = json!({"stage": 0, "start_step": 0, "tau_prime": 2, "tau": 10, "metric": "train_loss",
+            "candidates": [{"lr": 0.01, "forecast_loss": -3.0, "observed_loss": 0.6, "score": 0.61,
+                            "scored_by": "observed", "note": "the unbounded fit forecasts -3.0, below 0"},
+                           {"lr": 0.3, "forecast_loss": 0.4, "observed_loss": 0.5, "score": 0.4, "scored_by": "forecast"}],
+            "chosen_lr": 0.01, "observed_loss_after_tau": 0.55, "forecast_error": -0.06,
+            "fallbacks": [{"lr": 0.3, "at_step": 25, "steps": 21, "reason": "the loss became NaN"}]});
+        let path = format!("/agent/jobs/{job}/lr-stages");
+        assert_eq!(server.post(&secret, &path, stage).await.status(), 204);
+        let stages: Vec<Value> = server.get(&token, &format!("/jobs/{job}/lr-stages")).await.json().await.unwrap();
+        assert_eq!(stages[0]["candidates"][0]["scored_by"], "observed");
+        assert_eq!(stages[0]["forecast_error"], -0.06);
+        assert_eq!(stages[0]["fallbacks"][0]["lr"], 0.3);
+    }
+}
+
+#[tokio::test]
 async fn autolrs_stages_are_recorded_replaced_and_listed_in_order() {
     for backend in backends() {
         let server = TestServer::start(backend).await;

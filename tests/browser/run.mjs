@@ -401,6 +401,21 @@ async function main() {
       }
       const candidates = await page.locator("#lr-stages .stage").first().locator("tbody tr").count();
       assert(candidates === 10, `the first AutoLRS stage lists ${candidates} candidates`);
+      // Each candidate says how it was scored (its forecast, or the observed loss where
+      // the forecast was not credible, or failed).
+      const scored = await page.locator("#lr-stages .stage").first().locator("tbody tr[data-scored-by]").count();
+      assert(scored === 10, `${scored} candidates say how they were scored`);
+      // Log scale is picked per chart when its values span two orders of magnitude: the
+      // LR chart of an AutoLRS run over [1e-3, 0.3] does when its candidates reach far
+      // enough apart; throughput never uses it.
+      const series = await page.evaluate(async (id) => (await fetch(`/jobs/${id}/series?max_points=1000`)).json(), trainingJobs[0]);
+      const lrs = series.steps.map((row) => row.lr).filter((v) => v > 0);
+      const spans = Math.max(...lrs) / Math.min(...lrs) >= 100;
+      const lrLog = await page.locator('[data-chart="steps:lr"]').getAttribute("data-log");
+      assert(lrLog === String(spans), `the LR chart's log scale is ${lrLog} for LRs spanning ${Math.min(...lrs)}..${Math.max(...lrs)}`);
+      assert((await page.locator('[data-chart="steps:throughput"]').getAttribute("data-log")) === "false", "throughput is never log");
+      assert(series.steps.some((row) => row.phase === "search") && series.steps.some((row) => row.phase === "exploit"),
+        "step rows carry their AutoLRS phase");
       assert((await page.locator("#lr-stages .stage tr.chosen").count()) >= 1, "the chosen LR is marked");
       const checkpoints = await page.locator("#checkpoints tbody tr").count();
       assert(checkpoints >= 2, `${checkpoints} checkpoints listed`);

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use candle_core::Device;
-use tessera_api::train::LrSchedule;
+use tessera_api::train::{LrSchedule, StepPhase};
 use tessera_worker::train::data::{prepare, Table, TaskColumns, TaskKind};
 use tessera_worker::train::model::mlp::Mlp;
 use tessera_worker::train::optim::OptimizerKind;
@@ -130,14 +130,20 @@ fn autolrs_searches_then_exploits_and_reports_its_stages() {
     let csv = blobs_csv(3);
     let schedule = LrSchedule::Autolrs { min_lr: 1e-3, max_lr: 1.0, tau_prime: 8, tau: 30, k: 4, tau_max: 60 };
     let mut s = session(&csv, &classification(), SGD, &schedule, limits(200), 5);
-    let (mut lrs, mut stages) = (Vec::new(), Vec::new());
+    let (mut lrs, mut phases, mut stages) = (Vec::new(), Vec::new(), Vec::new());
     s.run(&AtomicBool::new(false), &mut |event| match event {
-        Event::Step(row) => lrs.push(row.values["lr"]),
+        Event::Step(row) => {
+            lrs.push(row.values["lr"]);
+            phases.push(row.phase);
+        }
         Event::Stage(record) => stages.push(record),
         _ => {}
     })
     .unwrap();
     assert_eq!(lrs.len(), 200, "search steps are training steps");
+    // Each step row says what it was spent on.
+    assert!(phases[..32].iter().all(|&p| p == Some(StepPhase::Search)), "{phases:?}");
+    assert!(phases[32..62].iter().all(|&p| p == Some(StepPhase::Exploit)), "{phases:?}");
     // Stage 0: four candidates of 8 steps each at their own LR, then 30 at the chosen one.
     let first = stages.iter().find(|r| r.stage == 0 && r.observed_loss_after_tau.is_some()).expect("stage 0 completed");
     assert_eq!(first.candidates.len(), 4);
@@ -173,7 +179,9 @@ fn dataset(name: &str) -> Option<String> {
 
 #[test]
 fn mlp_learns_handwritten_digits() {
-    let Some(csv) = dataset("digits.csv") else { return };
+    let Some(csv) = dataset("digits.csv") else {
+        return;
+    };
     let schedule = LrSchedule::Constant { lr: 0.05 };
     let limits = Limits { max_steps: 300, eval_every: 100, checkpoint_every: 1000 };
     let mut s = session(&csv, &classification(), SGD, &schedule, limits, 1);
@@ -190,7 +198,9 @@ fn mlp_learns_handwritten_digits() {
 
 #[test]
 fn mlp_regresses_wine_quality() {
-    let Some(csv) = dataset("winequality-red.csv") else { return };
+    let Some(csv) = dataset("winequality-red.csv") else {
+        return;
+    };
     let task = TaskColumns {
         kind: TaskKind::Regression,
         label: "quality".into(),

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use sqlx::Row;
-use tessera_api::train::{Checkpoint, CheckpointFile, LrStage, LrStageRecord};
+use tessera_api::train::{Checkpoint, CheckpointFile, LrStage, LrStageRecord, StepPhase};
 use uuid::Uuid;
 
 use super::db::{self, Db};
@@ -44,9 +44,11 @@ pub struct Point {
     pub value: f64,
     /// Epoch milliseconds.
     pub at: i64,
+    /// AutoLRS's tag of the step (`search` or `exploit`), on each of its points.
+    pub phase: Option<StepPhase>,
 }
 
-/// Rows per INSERT statement: 6 parameters each stays far below both databases' limits.
+/// Rows per INSERT statement: 7 parameters each stays far below both databases' limits.
 const ROWS_PER_STATEMENT: usize = 500;
 
 /// Stores points (last write wins per job, series, name and step) and raises the job's
@@ -64,13 +66,14 @@ pub async fn upsert_metrics(db: &Db, job: Uuid, points: &[Point]) -> Result<()> 
     for chunk in unique.chunks(ROWS_PER_STATEMENT) {
         let values: Vec<String> = (0..chunk.len())
             .map(|i| {
-                let p = i * 6;
-                format!("(${}, ${}, ${}, ${}, ${}, ${})", p + 1, p + 2, p + 3, p + 4, p + 5, p + 6)
+                let p = i * 7;
+                format!("(${}, ${}, ${}, ${}, ${}, ${}, ${})", p + 1, p + 2, p + 3, p + 4, p + 5, p + 6, p + 7)
             })
             .collect();
         let sql = format!(
-            "INSERT INTO job_metrics (job_id, series, name, step, value, at) VALUES {} \
-             ON CONFLICT (job_id, series, name, step) DO UPDATE SET value = excluded.value, at = excluded.at",
+            "INSERT INTO job_metrics (job_id, series, name, step, value, at, phase) VALUES {} \
+             ON CONFLICT (job_id, series, name, step) DO UPDATE SET value = excluded.value, at = excluded.at, \
+             phase = excluded.phase",
             values.join(", ")
         );
         let mut query = sqlx::query(&sql);
@@ -81,7 +84,8 @@ pub async fn upsert_metrics(db: &Db, job: Uuid, points: &[Point]) -> Result<()> 
                 .bind(point.name.clone())
                 .bind(point.step)
                 .bind(point.value)
-                .bind(point.at);
+                .bind(point.at)
+                .bind(point.phase.map(StepPhase::as_str));
         }
         query.execute(&mut *tx).await?;
     }
@@ -98,13 +102,15 @@ pub async fn upsert_metrics(db: &Db, job: Uuid, points: &[Point]) -> Result<()> 
     Ok(())
 }
 
-/// Every point of a job as `(series, name, step, value)`, ordered by series, name, step.
-pub async fn metrics(db: &Db, job: Uuid) -> Result<Vec<(Series, String, i64, f64)>> {
-    let rows =
-        sqlx::query("SELECT series, name, step, value FROM job_metrics WHERE job_id = $1 ORDER BY series, name, step")
-            .bind(job.to_string())
-            .fetch_all(db.pool())
-            .await?;
+/// Every point of a job as `(series, name, step, value, phase)`, ordered by series, name,
+/// step.
+pub async fn metrics(db: &Db, job: Uuid) -> Result<Vec<(Series, String, i64, f64, Option<StepPhase>)>> {
+    let rows = sqlx::query(
+        "SELECT series, name, step, value, phase FROM job_metrics WHERE job_id = $1 ORDER BY series, name, step",
+    )
+    .bind(job.to_string())
+    .fetch_all(db.pool())
+    .await?;
     rows.iter()
         .map(|row| {
             Ok((
@@ -112,6 +118,7 @@ pub async fn metrics(db: &Db, job: Uuid) -> Result<Vec<(Series, String, i64, f64
                 row.try_get("name")?,
                 row.try_get("step")?,
                 row.try_get("value")?,
+                row.try_get::<Option<String>, _>("phase")?.as_deref().and_then(StepPhase::parse),
             ))
         })
         .collect()

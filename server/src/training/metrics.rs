@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use tessera_api::train::{MetricRow, TrainingMetrics};
+use tessera_api::train::{MetricRow, StepPhase, TrainingMetrics};
 use uuid::Uuid;
 
 use super::downsample;
@@ -40,7 +40,7 @@ pub fn points_of(report: &TrainingMetrics, now: i64) -> Result<Vec<Point>> {
         for row in rows {
             let step = i64::try_from(row.step).map_err(|_| Error::invalid("invalid_metric", "A step is too large."))?;
             for (name, value) in &row.values {
-                points.push(Point { series, name: name.clone(), step, value: *value, at: now });
+                points.push(Point { series, name: name.clone(), step, value: *value, at: now, phase: row.phase });
             }
         }
     }
@@ -66,8 +66,12 @@ pub async fn store_report(db: &Db, job: Uuid, report: &TrainingMetrics) -> Resul
 /// own (min/max per bucket), so a row then holds only the metrics kept at its step.
 pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<TrainingMetrics> {
     let mut series: BTreeMap<(Series, String), Vec<(i64, f64)>> = BTreeMap::new();
-    for (kind, name, step, value) in store::metrics(db, job).await? {
+    let mut phases: BTreeMap<(Series, i64), StepPhase> = BTreeMap::new();
+    for (kind, name, step, value, phase) in store::metrics(db, job).await? {
         series.entry((kind, name)).or_default().push((step, value));
+        if let Some(phase) = phase {
+            phases.insert((kind, step), phase);
+        }
     }
     let mut steps: BTreeMap<i64, BTreeMap<String, f64>> = BTreeMap::new();
     let mut evals: BTreeMap<i64, BTreeMap<String, f64>> = BTreeMap::new();
@@ -81,8 +85,10 @@ pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<Train
             target.entry(step).or_default().insert(name.clone(), value);
         }
     }
-    let rows_of = |map: BTreeMap<i64, BTreeMap<String, f64>>| {
-        map.into_iter().map(|(step, values)| MetricRow { step: step as u64, values }).collect()
+    let rows_of = |kind: Series, map: BTreeMap<i64, BTreeMap<String, f64>>| {
+        map.into_iter()
+            .map(|(step, values)| MetricRow { step: step as u64, phase: phases.get(&(kind, step)).copied(), values })
+            .collect()
     };
-    Ok(TrainingMetrics { steps: rows_of(steps), evals: rows_of(evals) })
+    Ok(TrainingMetrics { steps: rows_of(Series::Step, steps), evals: rows_of(Series::Eval, evals) })
 }

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use serde::Deserialize;
 use tessera_api::jobs::{Job, JobSpec};
-use tessera_api::train::{LrSchedule, LrStage, TrainingMetrics};
+use tessera_api::train::{CandidateScore, LrCandidate, LrSchedule, LrStage, LrStageRecord, TrainingMetrics};
 use uuid::Uuid;
 
 use super::{format, render, Layout, WebUser};
@@ -72,6 +72,20 @@ pub struct CandidateRow {
     pub forecast: String,
     pub observed: String,
     pub chosen: bool,
+    /// `forecast`, `observed` (the forecast was not credible) or `failed`.
+    pub scored_by: &'static str,
+    /// Why the forecast was not used or the candidate failed (empty when credible).
+    pub note: String,
+    /// An exploitation at this LR diverged and was abandoned.
+    pub abandoned: bool,
+}
+
+/// An exploitation abandoned for divergence, as the stage panel lists it.
+pub struct FallbackRow {
+    pub lr: String,
+    pub at_step: u64,
+    pub steps: u64,
+    pub reason: String,
 }
 
 pub struct StageRow {
@@ -82,7 +96,10 @@ pub struct StageRow {
     pub metric: String,
     pub chosen_lr: String,
     pub after: String,
+    /// Loss after τ minus the chosen candidate's score.
+    pub forecast_error: String,
     pub candidates: Vec<CandidateRow>,
+    pub fallbacks: Vec<FallbackRow>,
     /// An inline SVG plot: forecast (circles) vs observed (squares) loss over log-LR.
     pub plot: String,
 }
@@ -100,6 +117,7 @@ fn describe(schedule: &LrSchedule) -> String {
     match schedule {
         LrSchedule::Constant { lr } => format!("constant lr {lr}"),
         LrSchedule::Step { lr, step_size, gamma } => format!("step: lr {lr} × {gamma} every {step_size} steps"),
+        LrSchedule::Linear { lr, warmup_steps } => format!("linear: lr {lr} → 0, {warmup_steps} warm-up steps"),
         LrSchedule::Cosine { lr, warmup_steps, min_lr } => {
             format!("cosine: lr {lr} → {min_lr}, {warmup_steps} warm-up steps")
         }
@@ -107,6 +125,22 @@ fn describe(schedule: &LrSchedule) -> String {
         LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
             format!("AutoLRS over [{min_lr}, {max_lr}]: k = {k}, τ' = {tau_prime}, τ = {tau}, τ_max = {tau_max}")
         }
+    }
+}
+
+fn candidate_row(c: &LrCandidate, record: &LrStageRecord) -> CandidateRow {
+    CandidateRow {
+        lr: format::number(c.lr),
+        forecast: optional(c.forecast_loss),
+        observed: optional(c.observed_loss),
+        chosen: c.lr == record.chosen_lr,
+        scored_by: match c.scored_by {
+            CandidateScore::Forecast => "forecast",
+            CandidateScore::Observed => "observed",
+            CandidateScore::Failed => "failed",
+        },
+        note: c.note.clone().unwrap_or_default(),
+        abandoned: record.fallbacks.iter().any(|f| f.lr == c.lr),
     }
 }
 
@@ -190,15 +224,17 @@ pub async fn view(state: &AppState, job: &Job) -> Result<Option<TrainingView>> {
             metric: s.record.metric.clone(),
             chosen_lr: format::number(s.record.chosen_lr),
             after: optional(s.record.observed_loss_after_tau),
-            candidates: s
+            forecast_error: optional(s.record.forecast_error),
+            candidates: s.record.candidates.iter().map(|c| candidate_row(c, &s.record)).collect(),
+            fallbacks: s
                 .record
-                .candidates
+                .fallbacks
                 .iter()
-                .map(|c| CandidateRow {
-                    lr: format::number(c.lr),
-                    forecast: optional(c.forecast_loss),
-                    observed: optional(c.observed_loss),
-                    chosen: c.lr == s.record.chosen_lr,
+                .map(|f| FallbackRow {
+                    lr: format::number(f.lr),
+                    at_step: f.at_step,
+                    steps: f.steps,
+                    reason: f.reason.clone(),
                 })
                 .collect(),
             plot: stage_plot(s),

@@ -194,6 +194,7 @@ pub async fn record_metrics(
             step: p.step,
             value: p.value,
             at: p.at.map(|t| t.timestamp_millis()).unwrap_or(now),
+            phase: None,
         })
         .collect();
     metrics::store(&state.db, job, points).await?;

@@ -1,17 +1,17 @@
-//! The session's learning-rate policies, built from `lr`: a fixed schedule (a function of
-//! the step, nothing to remember) or the AutoLRS stage controller, whose actions
-//! (snapshot, candidate runs, restore, stage steps) this adapter turns into the session's
-//! one-step directives and whose reports it assembles from the losses the session
-//! observes.
+//! The session's learning-rate policies, built from a job's `LrSchedule` in one match
+//! ([`build`]): a fixed schedule (a function of the step, nothing to remember) or the
+//! AutoLRS stage controller, whose actions (snapshot, candidate runs, restore, stage
+//! steps, a closing evaluation) this adapter turns into the session's one-step
+//! directives and whose reports it assembles from the losses the session observes.
 //!
 //! The adapter keeps the running candidate's partial curve in its own state, so a
 //! checkpoint taken in the middle of a candidate's τ' steps resumes that candidate where
 //! it stopped (the controller alone would run it again from the stage snapshot).
 
 use serde::{Deserialize, Serialize};
-use tessera_api::train::{LrSchedule, LrStageRecord};
+use tessera_api::train::{LrSchedule, LrStageRecord, StepPhase};
 
-use super::lr::{Action, AutoLrs, LrPlan, Measure, Report, Schedule};
+use super::lr::{Action, AutoLrs, AutoLrsConfig, Measure, Report, Schedule};
 use super::session::{Directive, LrPolicy};
 
 /// A fixed schedule: the LR of step `n` (0-based) is `schedule.lr(n)`.
@@ -98,6 +98,7 @@ impl LrPolicy for AutoLrsPolicy {
                 progress.awaiting_ack = true;
                 Directive::Restore
             }
+            Action::Evaluate => Directive::Evaluate,
             // In the validation phase a candidate's curve is its validation loss every
             // `every` steps.
             Action::TrainCandidate { measure: Measure::ValidationLoss { every }, .. }
@@ -131,6 +132,9 @@ impl LrPolicy for AutoLrsPolicy {
     }
 
     fn observe_val_loss(&mut self, loss: f64) -> Result<(), String> {
+        if self.state.tuner.action() == Action::Evaluate {
+            return self.report(Report::Evaluated { loss });
+        }
         let Action::TrainCandidate { steps, measure: Measure::ValidationLoss { every }, .. } =
             self.state.tuner.action()
         else {
@@ -166,15 +170,33 @@ impl LrPolicy for AutoLrsPolicy {
         Ok(())
     }
 
-    fn searching(&self) -> bool {
-        matches!(self.state.tuner.action(), Action::TrainCandidate { .. })
+    /// A candidate that blows up scores 1e6; an exploitation that does is restored.
+    fn recovers_from_divergence(&self) -> bool {
+        matches!(self.state.tuner.action(), Action::TrainCandidate { .. } | Action::TrainStage { .. })
+    }
+
+    fn phase(&self) -> Option<StepPhase> {
+        self.state.tuner.action().phase()
     }
 }
 
-/// The policy a job's `lr_schedule` asks for, for a run of `max_steps`.
+/// The policy a job's `lr_schedule` asks for, for a run of `max_steps`; `spec` must have
+/// passed `LrSchedule::validate`.
 pub fn build(spec: &LrSchedule, max_steps: u64, seed: u64) -> Box<dyn LrPolicy> {
-    match LrPlan::from_spec(spec, max_steps, seed) {
-        LrPlan::Fixed { schedule } => Box::new(Fixed(schedule)),
-        LrPlan::AutoLrs { tuner } => Box::new(AutoLrsPolicy::new(tuner)),
+    let fixed = |schedule: Schedule| -> Box<dyn LrPolicy> { Box::new(Fixed(schedule)) };
+    match *spec {
+        LrSchedule::Constant { lr } => fixed(Schedule::Constant { lr }),
+        LrSchedule::Step { lr, step_size, gamma } => fixed(Schedule::Step { lr, step_size, gamma }),
+        LrSchedule::Linear { lr, warmup_steps } => fixed(Schedule::Linear { lr, warmup_steps, total_steps: max_steps }),
+        LrSchedule::Cosine { lr, warmup_steps, min_lr } => {
+            fixed(Schedule::Cosine { lr, min_lr, warmup_steps, total_steps: max_steps })
+        }
+        LrSchedule::Onecycle { max_lr, pct_start, div_factor, final_div_factor } => {
+            fixed(Schedule::OneCycle { max_lr, pct_start, div_factor, final_div_factor, total_steps: max_steps })
+        }
+        LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
+            let config = AutoLrsConfig { min_lr, max_lr, tau_prime, tau, k, tau_max };
+            Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed)))
+        }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use candle_core::Device;
-use tessera_api::train::{LrStageRecord, MetricRow};
+use tessera_api::train::{LrStageRecord, MetricRow, StepPhase};
 
 use super::checkpoint::{self, CheckpointError, CheckpointFiles, Restored};
 use super::trainer::{Evaluation, Snapshot, Trainer};
@@ -41,10 +41,15 @@ pub trait LrPolicy: Send {
     /// Everything needed to continue exactly from here, for a checkpoint.
     fn state(&self) -> serde_json::Value;
     fn restore(&mut self, state: serde_json::Value) -> Result<(), String>;
-    /// Whether the current steps are a search from a snapshot that will be restored, so a
-    /// loss that blows up is a finding (AutoLRS scores it 1e6), not the end of the run.
-    fn searching(&self) -> bool {
+    /// Whether a loss that blows up at the current step is the policy's to handle (AutoLRS
+    /// scores a candidate 1e6 and restores a diverged exploitation's snapshot), not the
+    /// end of the run.
+    fn recovers_from_divergence(&self) -> bool {
         false
+    }
+    /// What the current step is spent on, recorded with its metrics (AutoLRS only).
+    fn phase(&self) -> Option<StepPhase> {
+        None
     }
 }
 
@@ -89,15 +94,17 @@ pub struct Session {
     stage: Option<Snapshot>,
 }
 
-fn row(step: u64, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
-    MetricRow { step, values: values.into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>() }
+fn row(step: u64, phase: Option<StepPhase>, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
+    MetricRow { step, phase, values: values.into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>() }
 }
 
-pub fn eval_row(step: u64, evaluation: &Evaluation) -> MetricRow {
+/// An evaluation's row; `phase` says which model it measured (a search candidate's or
+/// the exploited one) under AutoLRS.
+pub fn eval_row(step: u64, phase: Option<StepPhase>, evaluation: &Evaluation) -> MetricRow {
     let mut values = vec![("val_loss", evaluation.val_loss)];
     values.extend(evaluation.accuracy.map(|a| ("accuracy", a)));
     values.extend(evaluation.rmse.map(|r| ("rmse", r)));
-    row(step, values)
+    row(step, phase, values)
 }
 
 impl Session {
@@ -146,9 +153,9 @@ impl Session {
         Ok(())
     }
 
-    fn evaluate(&mut self, emit: &mut dyn FnMut(Event)) -> Result<Evaluation, SessionError> {
+    fn evaluate(&mut self, phase: Option<StepPhase>, emit: &mut dyn FnMut(Event)) -> Result<Evaluation, SessionError> {
         let evaluation = self.trainer.evaluate()?;
-        emit(Event::Eval(eval_row(self.step, &evaluation)));
+        emit(Event::Eval(eval_row(self.step, phase, &evaluation)));
         Ok(evaluation)
     }
 
@@ -159,14 +166,17 @@ impl Session {
             if cancel.load(Ordering::Relaxed) {
                 return Err(SessionError::Cancelled);
             }
-            match self.policy.next(self.step).map_err(SessionError::Policy)? {
+            let directive = self.policy.next(self.step).map_err(SessionError::Policy)?;
+            // Asked before the policy hears of the step, which may end the phase.
+            let phase = self.policy.phase();
+            match directive {
                 Directive::Snapshot => self.stage = Some(self.trainer.snapshot()?),
                 Directive::Restore => {
                     let stage = self.stage.as_ref().ok_or(SessionError::NoSnapshot)?;
                     self.trainer.restore(stage)?;
                 }
                 Directive::Evaluate => {
-                    let evaluation = self.evaluate(emit)?;
+                    let evaluation = self.evaluate(phase, emit)?;
                     self.policy.observe_val_loss(evaluation.val_loss).map_err(SessionError::Policy)?;
                     last_eval = Some((self.step, evaluation));
                 }
@@ -174,14 +184,15 @@ impl Session {
                     let started = Instant::now();
                     let loss = self.trainer.step(lr)?;
                     self.step += 1;
-                    if !loss.is_finite() && !self.policy.searching() {
+                    if !loss.is_finite() && !self.policy.recovers_from_divergence() {
                         return Err(SessionError::Diverged { step: self.step, loss });
                     }
                     let throughput = self.trainer.batch_size() as f64 / started.elapsed().as_secs_f64().max(1e-9);
-                    // JSON has no NaN: a diverged search step is recorded without its loss.
+                    // JSON has no NaN: a diverged step (AutoLRS recovers from it) is recorded without its loss.
                     let loss_value = Some(("loss", loss)).filter(|_| loss.is_finite());
                     emit(Event::Step(row(
                         self.step,
+                        phase,
                         loss_value.into_iter().chain([("lr", lr), ("throughput", throughput)]),
                     )));
                     self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
@@ -190,7 +201,7 @@ impl Session {
                     }
                     let last = self.step == self.limits.max_steps;
                     if self.step % self.limits.eval_every == 0 || last {
-                        last_eval = Some((self.step, self.evaluate(emit)?));
+                        last_eval = Some((self.step, self.evaluate(phase, emit)?));
                     }
                     if self.step % self.limits.checkpoint_every == 0 || last {
                         emit(Event::Checkpoint(self.checkpoint()?));
@@ -200,7 +211,7 @@ impl Session {
         }
         match last_eval {
             Some((step, evaluation)) if step == self.step => Ok(evaluation),
-            _ => self.evaluate(emit),
+            _ => self.evaluate(self.policy.phase(), emit),
         }
     }
 }

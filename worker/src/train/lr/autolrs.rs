@@ -12,7 +12,7 @@
 //!    ([`super::bayesopt`]); each curve's forecast at `τ` ([`super::forecast`]) is told
 //!    to the GP. A fresh GP every stage, as in the code.
 //! 3. `TrainStage { lr: best, steps: τ }` from the snapshot, `best` being the candidate
-//!    with the lowest forecast (the forecasts, not the GP's posterior).
+//!    with the lowest score (the scores, not the GP's posterior).
 //! 4. `τ'` and `τ` double while `2τ ≤ τ_max` (with the defaults 1000, 2000, 4000, 8000,
 //!    the code's `τ' < τ_max/10` rule); after that, candidates report validation loss
 //!    every `τ'/16` steps instead of per-step training loss, and the forecast's horizon
@@ -20,10 +20,36 @@
 //!
 //! Scoring, as the code does it: a curve with a NaN scores 1e6; in the validation phase
 //! a curve whose maximum reaches the loss AutoLRS started from scores its last value
-//! instead of the forecast. Departures: a curve too short to fit (under four points,
-//! only possible with a tiny `τ'`) scores its observed loss; and the candidate's LR is
-//! used from its first step (the code's `ckpt`/`restore` messages run one step at the
-//! previous LR).
+//! instead of the forecast. Departures:
+//! - A forecast counts only where it is credible ([`super::forecast::Forecast::judge`]:
+//!   the fit follows the curve, stays at or above 0, and does not extrapolate a drop
+//!   the window never showed); otherwise the candidate scores its smoothed observed loss
+//!   at the end of the window, and the record says so (`scored_by`, `note`). A curve too
+//!   short to fit (under four points, only possible with a tiny `τ'`) scores its
+//!   observed loss.
+//! - A candidate whose smoothed loss rises over its window fails: it is never chosen
+//!   (nor fallen back to) while one that did not fail remains. The GP is told its
+//!   smoothed observed loss, not 1e6: later stages start from a low loss that most LRs
+//!   raise, and a stage of 1e6 scores leaves the normalised GP nothing to model (its
+//!   proposals then alternate between the range's ends).
+//! - An exploitation that diverges — a loss that is not a number, or the smoothed
+//!   (EMA, span [`EMA_SPAN`]) training loss above [`DIVERGENCE_FACTOR`] times the
+//!   stage's starting loss after [`EMA_SPAN`] steps — is abandoned: its steps count,
+//!   the snapshot is restored and the next-best candidate exploits a full `τ`; the
+//!   record lists each fallback. With every candidate tried, `min_lr` is exploited;
+//!   should that diverge too, the stage ends at its snapshot.
+//!   The starting loss is the previous stage's smoothed exploitation loss, or in the
+//!   first stage the loss of the first batch from the snapshot.
+//! - After the τ steps, a stage measured in validation loss is evaluated once more
+//!   (`Evaluate`, no training step), so the forecast error compares like with like;
+//!   a training-loss stage uses its smoothed exploitation loss.
+//! - The candidate's LR is used from its first step (the code's `ckpt`/`restore`
+//!   messages run one step at the previous LR).
+//!
+//! The trainer's restore rewinds the data loader with the model and optimizer (the
+//! authors' callback restores only the model and optimizer): a choice, so that the `k`
+//! candidates are compared on the same batches and a difference in their curves is the
+//! LR's, not the data's. The exploitation then sees the batches the candidates saw.
 //!
 //! Every step the controller hands out, search included, counts towards the run:
 //! [`AutoLrs::steps`] is the number trained so far. The whole state serialises, so a
@@ -32,10 +58,10 @@
 //! candidate again from the snapshot.
 
 use serde::{Deserialize, Serialize};
-use tessera_api::train::{LrCandidate, LrSchedule, LrStageRecord};
+use tessera_api::train::{CandidateScore, LrCandidate, LrFallback, LrStageRecord, StepPhase};
 
 use super::bayesopt::{self, LogRange, KAPPA};
-use super::forecast::{forecast, ForecastError};
+use super::forecast::{forecast, ForecastError, Verdict};
 use super::gp::GpError;
 use super::smoothing::CurveKind;
 use crate::train::rng::Rng;
@@ -47,6 +73,12 @@ const EVALS_PER_CANDIDATE: u64 = 16;
 /// The training losses averaged into a candidate's observed loss (the code's
 /// `current_loss`).
 const OBSERVED_WINDOW: usize = 10;
+/// The span of the exponential moving average that smooths exploitation losses, and
+/// the steps an exploitation runs before its average is judged.
+pub const EMA_SPAN: u64 = 20;
+/// An exploitation whose smoothed loss exceeds this many times the stage's starting
+/// loss has diverged.
+pub const DIVERGENCE_FACTOR: f64 = 2.0;
 
 /// The tuner's parameters; defaults live with the wire type.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -57,30 +89,6 @@ pub struct AutoLrsConfig {
     pub tau: u64,
     pub k: u32,
     pub tau_max: u64,
-}
-
-impl AutoLrsConfig {
-    /// `None` unless the spec is `autolrs`.
-    pub fn from_spec(spec: &LrSchedule) -> Option<AutoLrsConfig> {
-        match *spec {
-            LrSchedule::Autolrs {
-                min_lr,
-                max_lr,
-                tau_prime,
-                tau,
-                k,
-                tau_max,
-            } => Some(AutoLrsConfig {
-                min_lr,
-                max_lr,
-                tau_prime,
-                tau,
-                k,
-                tau_max,
-            }),
-            _ => None,
-        }
-    }
 }
 
 /// Which curve a candidate reports.
@@ -109,6 +117,8 @@ pub enum Action {
     Restore,
     /// Train at `lr`; `steps` are those left in the stage and may be reported in parts.
     TrainStage { lr: f64, steps: u64 },
+    /// Evaluate the exploited model on the validation split (no training step).
+    Evaluate,
 }
 
 impl Action {
@@ -118,6 +128,16 @@ impl Action {
             Action::TrainCandidate { .. } => "a candidate's curve",
             Action::Restore => "a restore",
             Action::TrainStage { .. } => "stage steps",
+            Action::Evaluate => "an evaluation",
+        }
+    }
+
+    /// What the steps of this action are spent on; `None` for those that train nothing.
+    pub fn phase(&self) -> Option<StepPhase> {
+        match self {
+            Action::TrainCandidate { .. } => Some(StepPhase::Search),
+            Action::TrainStage { .. } | Action::Evaluate => Some(StepPhase::Exploit),
+            Action::Snapshot | Action::Restore => None,
         }
     }
 }
@@ -136,6 +156,9 @@ pub enum Report {
         steps: u64,
         loss: f64,
     },
+    Evaluated {
+        loss: f64,
+    },
 }
 
 impl Report {
@@ -145,6 +168,7 @@ impl Report {
             Report::CandidateTrained { .. } => "a candidate's curve",
             Report::Restored => "a restore",
             Report::StageTrained { .. } => "stage steps",
+            Report::Evaluated { .. } => "an evaluation",
         }
     }
 }
@@ -166,9 +190,29 @@ pub enum AutoLrsError {
 #[serde(tag = "phase", rename_all = "snake_case")]
 enum Phase {
     Snapshot,
-    Candidate { unit: f64, lr: f64 },
+    Candidate {
+        unit: f64,
+        lr: f64,
+    },
     Restore,
-    Stage { lr: f64, remaining: u64 },
+    Stage {
+        lr: f64,
+        remaining: u64,
+        /// Exploitation steps done at `lr`, and their smoothed loss.
+        #[serde(default)]
+        done: u64,
+        #[serde(default)]
+        smoothed: Option<f64>,
+    },
+    /// The exploitation at the abandoned LR diverged: restore, then exploit `next`, or
+    /// with nothing left to try end the stage there.
+    Fallback {
+        next: Option<f64>,
+    },
+    /// The stage's τ steps are done; its validation loss is wanted.
+    Measure {
+        smoothed: Option<f64>,
+    },
 }
 
 /// One candidate of the current stage: where it sits in the GP's `[0, 1]`, and what the
@@ -177,6 +221,12 @@ enum Phase {
 struct Tried {
     unit: f64,
     score: f64,
+    /// Not a number, or rising: chosen only when every candidate failed.
+    #[serde(default)]
+    failed: bool,
+    /// The training loss of its first step (the snapshot's loss on the first batch).
+    #[serde(default)]
+    first_loss: Option<f64>,
     record: LrCandidate,
 }
 
@@ -194,6 +244,10 @@ pub struct AutoLrs {
     stage_start: u64,
     /// The first training loss seen: the validation phase's guard compares with it.
     init_loss: Option<f64>,
+    /// The loss the current stage started from, which an exploitation must not run far
+    /// above; the previous stage's smoothed exploitation loss once there is one.
+    #[serde(default)]
+    start_loss: Option<f64>,
     history: Vec<LrStageRecord>,
 }
 
@@ -211,6 +265,7 @@ impl AutoLrs {
             steps: 0,
             stage_start: 0,
             init_loss: None,
+            start_loss: None,
             history: Vec::new(),
         }
     }
@@ -224,11 +279,12 @@ impl AutoLrs {
                 steps: self.tau_prime,
                 measure: self.measure(),
             },
-            Phase::Restore => Action::Restore,
-            Phase::Stage { lr, remaining } => Action::TrainStage {
+            Phase::Restore | Phase::Fallback { .. } => Action::Restore,
+            Phase::Stage { lr, remaining, .. } => Action::TrainStage {
                 lr,
                 steps: remaining,
             },
+            Phase::Measure { .. } => Action::Evaluate,
         }
     }
 
@@ -257,17 +313,48 @@ impl AutoLrs {
                     self.close_search()
                 };
             }
-            (Phase::Stage { lr, remaining }, Report::StageTrained { steps, loss }) => {
+            (Phase::Fallback { next: None }, Report::Restored) => self.close_stage(None, None),
+            (Phase::Fallback { next: Some(next) }, Report::Restored) => {
+                if let Some(record) = self.history.last_mut() {
+                    record.chosen_lr = next;
+                }
+                self.phase = Phase::Stage {
+                    lr: next,
+                    remaining: self.tau,
+                    done: 0,
+                    smoothed: None,
+                };
+            }
+            (
+                Phase::Stage {
+                    lr,
+                    remaining,
+                    done,
+                    smoothed,
+                },
+                Report::StageTrained { steps, loss },
+            ) => {
                 let steps = steps.min(remaining);
                 self.steps += steps;
-                if steps < remaining {
+                let done = done + steps;
+                let smoothed = loss.is_finite().then(|| ema(smoothed, loss, steps));
+                if let Some(reason) = self.diverged(loss, done, smoothed) {
+                    self.fall_back(lr, done, reason);
+                } else if steps < remaining {
                     self.phase = Phase::Stage {
                         lr,
                         remaining: remaining - steps,
+                        done,
+                        smoothed,
                     };
+                } else if self.validation {
+                    self.phase = Phase::Measure { smoothed };
                 } else {
-                    self.close_stage(loss);
+                    self.close_stage(smoothed, smoothed);
                 }
+            }
+            (Phase::Measure { smoothed }, Report::Evaluated { loss }) => {
+                self.close_stage(Some(loss).filter(|l| l.is_finite()), smoothed);
             }
             (_, report) => {
                 return Err(AutoLrsError::OutOfOrder {
@@ -293,10 +380,10 @@ impl AutoLrs {
     /// The candidates tried so far in a stage whose search is still running.
     pub fn searching(&self) -> Vec<LrCandidate> {
         match self.phase {
-            Phase::Stage { .. } | Phase::Snapshot => Vec::new(),
             Phase::Candidate { .. } | Phase::Restore => {
                 self.tried.iter().map(|t| t.record.clone()).collect()
             }
+            _ => Vec::new(),
         }
     }
 
@@ -338,50 +425,92 @@ impl AutoLrs {
             Measure::TrainingLoss => CurveKind::Training,
             Measure::ValidationLoss { .. } => CurveKind::Validation,
         };
-        let (observed, horizon) = match self.measure() {
+        let (observed, horizon, first_loss) = match self.measure() {
             Measure::TrainingLoss => {
                 self.init_loss.get_or_insert(curve[0]);
                 let window = &curve[curve.len().saturating_sub(OBSERVED_WINDOW)..];
                 (
                     window.iter().sum::<f64>() / window.len() as f64,
                     self.tau as f64,
+                    Some(curve[0]).filter(|l| l.is_finite()),
                 )
             }
             Measure::ValidationLoss { every } => {
-                (curve[curve.len() - 1], self.tau as f64 / every as f64)
+                (curve[curve.len() - 1], self.tau as f64 / every as f64, None)
             }
         };
-        let diverged = self.validation
+        let guarded = self.validation
             && self
                 .init_loss
                 .is_some_and(|init| curve.iter().copied().fold(f64::MIN, f64::max) >= init);
-        let forecast_loss = forecast(curve, kind, horizon).map(|f| f.loss);
-        let score = match forecast_loss {
-            Err(ForecastError::NonFinite) => FAILED_SCORE,
-            Err(ForecastError::TooShort) => observed,
-            Ok(_) if diverged => observed,
-            Ok(loss) if loss.is_finite() => loss,
-            Ok(_) => FAILED_SCORE,
+        let fitted = forecast(curve, kind, horizon);
+        let (score, scored_by, note) = match &fitted {
+            Err(ForecastError::NonFinite) => (
+                FAILED_SCORE,
+                CandidateScore::Failed,
+                Some("the loss was not a number".to_string()),
+            ),
+            Err(ForecastError::TooShort) => (
+                observed,
+                CandidateScore::Observed,
+                Some("too few points to fit".to_string()),
+            ),
+            Ok(f) => match f.judge() {
+                Verdict::Rising(why) => (f.smoothed_last, CandidateScore::Failed, Some(why)),
+                _ if guarded => (
+                    observed,
+                    CandidateScore::Observed,
+                    Some("the validation loss reached the loss AutoLRS started from".to_string()),
+                ),
+                Verdict::NotCredible(why) => (f.smoothed_last, CandidateScore::Observed, Some(why)),
+                Verdict::Credible => (f.loss, CandidateScore::Forecast, None),
+            },
+        };
+        // A score that is not a number tells the GP nothing; it counts as failed.
+        let (score, scored_by) = if score.is_finite() {
+            (score, scored_by)
+        } else {
+            (FAILED_SCORE, CandidateScore::Failed)
         };
         let finite = |v: f64| Some(v).filter(|v| v.is_finite());
         Tried {
             unit,
             score,
+            failed: scored_by == CandidateScore::Failed,
+            first_loss,
             record: LrCandidate {
                 lr,
-                forecast_loss: forecast_loss.ok().and_then(finite),
+                forecast_loss: fitted.ok().map(|f| f.loss).and_then(finite),
                 observed_loss: finite(observed),
+                score: Some(score),
+                scored_by,
+                note,
             },
         }
     }
 
+    /// The candidates' indices, best first: those that did not fail by score, then the
+    /// failed ones by score.
+    fn ranking(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.tried.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (a, b) = (&self.tried[a], &self.tried[b]);
+            a.failed
+                .cmp(&b.failed)
+                .then(a.score.total_cmp(&b.score))
+                .then(a.record.lr.total_cmp(&b.record.lr))
+        });
+        order
+    }
+
     fn close_search(&mut self) -> Phase {
-        let best = self
-            .tried
-            .iter()
-            .min_by(|a, b| a.score.total_cmp(&b.score))
-            .expect("k ≥ 1 candidates were tried");
+        let best = &self.tried[self.ranking()[0]];
         let lr = best.record.lr;
+        if self.start_loss.is_none() {
+            let firsts: Vec<f64> = self.tried.iter().filter_map(|t| t.first_loss).collect();
+            self.start_loss =
+                (!firsts.is_empty()).then(|| firsts.iter().sum::<f64>() / firsts.len() as f64);
+        }
         self.history.push(LrStageRecord {
             stage: self.stage,
             start_step: self.stage_start,
@@ -396,16 +525,66 @@ impl AutoLrs {
             candidates: self.tried.iter().map(|t| t.record.clone()).collect(),
             chosen_lr: lr,
             observed_loss_after_tau: None,
+            forecast_error: None,
+            fallbacks: Vec::new(),
         });
         Phase::Stage {
             lr,
             remaining: self.tau,
+            done: 0,
+            smoothed: None,
         }
     }
 
-    fn close_stage(&mut self, loss: f64) {
+    /// Why the exploitation at this point has diverged, if it has.
+    fn diverged(&self, loss: f64, done: u64, smoothed: Option<f64>) -> Option<String> {
+        if !loss.is_finite() {
+            return Some(format!("the loss became {loss}"));
+        }
+        let (start, smoothed) = (self.start_loss?, smoothed?);
+        (done >= EMA_SPAN && smoothed > DIVERGENCE_FACTOR * start).then(|| {
+            format!("the smoothed loss reached {smoothed:.4}, above {DIVERGENCE_FACTOR}× the stage's start {start:.4}")
+        })
+    }
+
+    /// Abandons the exploitation at `lr`: the next candidate in the ranking not yet
+    /// exploited (among those that did not fail), then `min_lr`; once that too has been
+    /// abandoned the stage ends at its snapshot (the same state and batches would only
+    /// diverge again).
+    fn fall_back(&mut self, lr: f64, done: u64, reason: String) {
+        let ranking = self.ranking();
+        let record = self.history.last_mut().expect("a stage is being exploited");
+        record.fallbacks.push(LrFallback {
+            lr,
+            at_step: self.steps,
+            steps: done,
+            reason,
+        });
+        let abandoned: Vec<f64> = record.fallbacks.iter().map(|f| f.lr).collect();
+        let next = ranking
+            .iter()
+            .map(|&i| &self.tried[i])
+            .filter(|t| !t.failed)
+            .map(|t| t.record.lr)
+            .chain([self.config.min_lr])
+            .find(|lr| !abandoned.contains(lr));
+        self.phase = Phase::Fallback { next };
+    }
+
+    /// Ends the stage: `observed` is the loss after τ in the stage's metric, `smoothed`
+    /// the smoothed training loss the next stage starts from.
+    fn close_stage(&mut self, observed: Option<f64>, smoothed: Option<f64>) {
+        let chosen = self.history.last().map(|r| r.chosen_lr);
+        let predicted = chosen
+            .and_then(|lr| self.tried.iter().find(|t| t.record.lr == lr))
+            .filter(|t| !t.failed)
+            .map(|t| t.score);
         if let Some(record) = self.history.last_mut() {
-            record.observed_loss_after_tau = Some(loss).filter(|l| l.is_finite());
+            record.observed_loss_after_tau = observed;
+            record.forecast_error = observed.zip(predicted).map(|(o, p)| o - p);
+        }
+        if smoothed.is_some() {
+            self.start_loss = smoothed;
         }
         self.stage += 1;
         if self.tau.saturating_mul(2) <= self.config.tau_max {
@@ -415,6 +594,19 @@ impl AutoLrs {
             self.validation = true;
         }
         self.phase = Phase::Snapshot;
+    }
+}
+
+/// The exponential moving average with span [`EMA_SPAN`], after `steps` more steps whose
+/// last loss is `loss` (a report of several steps carries only its last loss).
+fn ema(previous: Option<f64>, loss: f64, steps: u64) -> f64 {
+    let alpha = 2.0 / (EMA_SPAN as f64 + 1.0);
+    match previous {
+        None => loss,
+        Some(previous) => {
+            let keep = (1.0 - alpha).powi(steps.min(i32::MAX as u64) as i32);
+            keep * previous + (1.0 - keep) * loss
+        }
     }
 }
 
@@ -490,6 +682,7 @@ mod tests {
                     let loss = (0..steps).map(|_| model.step(lr)).last().unwrap();
                     Report::StageTrained { steps, loss }
                 }
+                Action::Evaluate => Report::Evaluated { loss: model.level },
             };
             tuner.report(report).unwrap();
             done.push(action);
@@ -563,7 +756,7 @@ mod tests {
                 stage.chosen_lr,
                 stage.candidates
             );
-            // The choice is the lowest forecast, and τ steps at it come close to the
+            // The choice is the lowest score, and τ steps at it come close to the
             // landscape's best floor, 0.1.
             let best = stage
                 .candidates
@@ -573,11 +766,17 @@ mod tests {
             let lowest = stage
                 .candidates
                 .iter()
-                .filter_map(|c| c.forecast_loss)
+                .filter_map(|c| c.score)
                 .fold(f64::MAX, f64::min);
-            assert_eq!(best.forecast_loss, Some(lowest));
+            assert_eq!(best.score, Some(lowest));
             let reached = stage.observed_loss_after_tau.unwrap();
             assert!(reached < 0.15, "seed {seed}: reached {reached}");
+            // The forecast error is the chosen score's miss after τ steps.
+            let error = stage.forecast_error.unwrap();
+            assert!(
+                (error - (reached - lowest)).abs() < 1e-12 && error.abs() < 0.1,
+                "{error}"
+            );
             assert_eq!(tuner.steps(), 10 * 100 + 1000);
         }
     }
@@ -640,6 +839,13 @@ mod tests {
             .candidates
             .iter()
             .all(|c| c.forecast_loss.is_some()));
+        // A validation-loss stage ends with one evaluation of the exploited model, so its
+        // observed loss (and forecast error) is a validation loss like its forecasts.
+        let evaluations = actions.iter().filter(|a| **a == Action::Evaluate).count();
+        assert_eq!(evaluations, 2);
+        let last = &tuner.stages()[4];
+        assert_eq!(last.observed_loss_after_tau, Some(model.level));
+        assert!(last.forecast_error.is_some());
     }
 
     #[test]
@@ -648,7 +854,7 @@ mod tests {
         let mut tuner = AutoLrs::new(config(), 3);
         // Into stage 1: its snapshot and four candidates done.
         drive(&mut tuner, &mut model, &mut snapshot, STAGE_ACTIONS + 1 + 8);
-        assert_eq!(tuner.searching().len(), 4);
+        assert_eq!(tuner.searching().len(), 4, "{:#?}", tuner.stages());
 
         let saved = serde_json::to_string(&tuner).unwrap();
         let mut restored: AutoLrs = serde_json::from_str(&saved).unwrap();
@@ -720,5 +926,211 @@ mod tests {
         assert_eq!(record.candidates[0].forecast_loss, None);
         assert_eq!(lr, record.candidates[1].lr);
         assert!((record.candidates[1].forecast_loss.unwrap() - 1.0).abs() < 0.01);
+    }
+
+    /// Runs one stage's search from a fresh controller, reporting the given curves, and
+    /// returns the first exploitation action.
+    fn search(tuner: &mut AutoLrs, curves: &[Vec<f64>]) -> Action {
+        tuner.report(Report::SnapshotTaken).unwrap();
+        let mut action = tuner.action();
+        for curve in curves {
+            tuner
+                .report(Report::CandidateTrained {
+                    curve: curve.clone(),
+                })
+                .unwrap();
+            action = tuner.report(Report::Restored).unwrap();
+        }
+        action
+    }
+
+    fn decay(start: f64, end: f64, rate: f64) -> Vec<f64> {
+        (0..100)
+            .map(|t| end + (start - end) * (-rate * t as f64).exp())
+            .collect()
+    }
+
+    /// The digits stage: a curve still falling in a straight line was forecast
+    /// far below 0 and chosen over curves that had settled lower than it had reached.
+    #[test]
+    fn a_forecast_that_is_not_credible_scores_the_smoothed_observed_loss() {
+        let config = AutoLrsConfig { k: 2, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        let straight: Vec<f64> = (0..100).map(|t| 1.2 - 0.006 * t as f64).collect();
+        let settled = decay(1.2, 0.45, 0.1);
+        let Action::TrainStage { lr, .. } = search(&mut tuner, &[straight, settled]) else {
+            panic!("the stage should start");
+        };
+        let record = &tuner.stages()[0];
+        let (line, bent) = (&record.candidates[0], &record.candidates[1]);
+        assert_eq!(line.scored_by, CandidateScore::Observed);
+        assert!(
+            line.note.as_deref().unwrap().contains("below 0"),
+            "{line:?}"
+        );
+        assert!((line.score.unwrap() - 0.606).abs() < 0.01, "{line:?}");
+        assert!(line.forecast_loss.unwrap() >= 0.0, "{line:?}");
+        assert_eq!(bent.scored_by, CandidateScore::Forecast);
+        assert!((bent.score.unwrap() - 0.45).abs() < 0.01, "{bent:?}");
+        assert_eq!(lr, bent.lr);
+    }
+
+    #[test]
+    fn a_candidate_whose_loss_rises_scores_as_failed() {
+        let config = AutoLrsConfig { k: 2, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        let rising = decay(1.0, 1.3, 0.05);
+        let flat_high = vec![2.0; 100];
+        let Action::TrainStage { lr, .. } = search(&mut tuner, &[rising, flat_high]) else {
+            panic!("the stage should start");
+        };
+        let record = &tuner.stages()[0];
+        assert_eq!(record.candidates[0].scored_by, CandidateScore::Failed);
+        assert!(record.candidates[0]
+            .note
+            .as_deref()
+            .unwrap()
+            .contains("rose"));
+        // The GP hears the loss it reached; the choice passes it over although its
+        // score is lower than the flat candidate's.
+        assert!((record.candidates[0].score.unwrap() - 1.3).abs() < 0.01);
+        assert_eq!(lr, record.candidates[1].lr);
+    }
+
+    #[test]
+    fn a_diverging_exploitation_restores_the_snapshot_and_exploits_the_next_best() {
+        let config = AutoLrsConfig { k: 3, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        let curves = [
+            decay(2.0, 0.8, 0.1),
+            decay(2.0, 0.3, 0.1),
+            decay(2.0, 0.5, 0.1),
+        ];
+        let Action::TrainStage {
+            lr: first,
+            steps: 1000,
+        } = search(&mut tuner, &curves)
+        else {
+            panic!("the stage should start");
+        };
+        let lrs: Vec<f64> = tuner.stages()[0].candidates.iter().map(|c| c.lr).collect();
+        assert_eq!(first, lrs[1]);
+
+        // A loss that is not a number: restore, then the second best for a full τ.
+        tuner
+            .report(Report::StageTrained {
+                steps: 10,
+                loss: 0.3,
+            })
+            .unwrap();
+        let action = tuner
+            .report(Report::StageTrained {
+                steps: 1,
+                loss: f64::NAN,
+            })
+            .unwrap();
+        assert_eq!(action, Action::Restore);
+        let action = tuner.report(Report::Restored).unwrap();
+        assert_eq!(
+            action,
+            Action::TrainStage {
+                lr: lrs[2],
+                steps: 1000
+            }
+        );
+
+        // A smoothed loss well above the stage's start (2.0) after EMA_SPAN steps: the
+        // third candidate.
+        let mut action = action;
+        for _ in 0..EMA_SPAN {
+            action = tuner
+                .report(Report::StageTrained {
+                    steps: 1,
+                    loss: 5.0,
+                })
+                .unwrap();
+        }
+        assert_eq!(action, Action::Restore);
+        assert_eq!(
+            tuner.report(Report::Restored).unwrap(),
+            Action::TrainStage {
+                lr: lrs[0],
+                steps: 1000
+            }
+        );
+        tuner
+            .report(Report::StageTrained {
+                steps: 1000,
+                loss: 0.7,
+            })
+            .unwrap();
+
+        let record = &tuner.stages()[0];
+        let fallbacks: Vec<(f64, u64, u64)> = record
+            .fallbacks
+            .iter()
+            .map(|f| (f.lr, f.at_step, f.steps))
+            .collect();
+        assert_eq!(
+            fallbacks,
+            [
+                (lrs[1], 300 + 11, 11),
+                (lrs[2], 300 + 11 + EMA_SPAN, EMA_SPAN)
+            ]
+        );
+        assert!(record.fallbacks[1].reason.contains("smoothed loss"));
+        assert_eq!(record.chosen_lr, lrs[0]);
+        assert_eq!(record.observed_loss_after_tau, Some(0.7));
+        let forecast = record.candidates[0].score.unwrap();
+        assert!((record.forecast_error.unwrap() - (0.7 - forecast)).abs() < 1e-12);
+        // Every step counts: the search, both abandoned exploitations, the full τ.
+        assert_eq!(tuner.steps(), 300 + 11 + EMA_SPAN + 1000);
+        assert_eq!(tuner.action(), Action::Snapshot);
+    }
+
+    #[test]
+    fn with_every_candidate_abandoned_the_lowest_lr_is_exploited_then_the_stage_ends() {
+        let config = AutoLrsConfig { k: 1, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        search(&mut tuner, &[decay(2.0, 0.5, 0.1)]);
+        tuner
+            .report(Report::StageTrained {
+                steps: 1,
+                loss: f64::INFINITY,
+            })
+            .unwrap();
+        assert_eq!(
+            tuner.report(Report::Restored).unwrap(),
+            Action::TrainStage {
+                lr: 1e-4,
+                steps: 1000
+            }
+        );
+        tuner
+            .report(Report::StageTrained {
+                steps: 1,
+                loss: f64::NAN,
+            })
+            .unwrap();
+        assert_eq!(tuner.report(Report::Restored).unwrap(), Action::Snapshot);
+        let record = &tuner.stages()[0];
+        assert_eq!(record.fallbacks.len(), 2);
+        assert_eq!(record.observed_loss_after_tau, None);
+        assert_eq!(tuner.steps(), 100 + 2);
+    }
+
+    #[test]
+    fn search_steps_and_exploitation_steps_are_told_apart() {
+        let (mut model, mut snapshot) = (Toy::new(), Toy::new());
+        let mut tuner = AutoLrs::new(config(), 2);
+        let actions = drive(&mut tuner, &mut model, &mut snapshot, STAGE_ACTIONS);
+        for action in actions {
+            let expected = match action {
+                Action::TrainCandidate { .. } => Some(StepPhase::Search),
+                Action::TrainStage { .. } => Some(StepPhase::Exploit),
+                _ => None,
+            };
+            assert_eq!(action.phase(), expected, "{action:?}");
+        }
     }
 }

@@ -7,10 +7,28 @@
 //! The fit, as the authors do it: write `b = −e^β` so the decay is negative whatever β
 //! is; for a given β the best `(a, c)` is a linear least-squares problem, so the
 //! residual is a function of β alone, minimised by Nelder–Mead (`fmin`, tolerance 1e-5).
-//! Departure: `fmin` starts at β = 0 (`b = −1`, a decay over one step); its residual
-//! is flat at both ends (an instant drop, a straight line) and a simplex started there
-//! can stop on the wrong plateau, so we start it from the best point of a grid over β
-//! from −15 to 5 (time constants from e^{-5} to e^{15} steps).
+//!
+//! Departures, each because the paper's fit alone decided stages on numbers no loss can
+//! take (a −11.55 forecast for a cross-entropy, issue 13):
+//! - `fmin` starts at β = 0 (`b = −1`, a decay over one step); its residual is flat at
+//!   both ends (an instant drop, a straight line) and a simplex started there can stop on
+//!   the wrong plateau, so we start it from the best point of a grid over β from −15 to
+//!   5 (time constants from e^{-5} to e^{15} steps).
+//! - The asymptote is bounded by what the loss can be: `c` lies in [`LOSS_FLOOR`] (every
+//!   loss the trainer computes, cross-entropy or MSE, is ≥ 0) to the highest smoothed
+//!   value of the window. Where the unconstrained `c` falls outside, the least-squares
+//!   `(a, c)` for that β sits on the bound (the residual is a convex quadratic in
+//!   `(a, c)`), so `c` is clamped and `a` refitted.
+//! - [`Forecast::judge`] says whether the forecast is credible: the fit follows the
+//!   smoothed curve (RMS error at most [`MAX_FIT_ERROR`] of the distance the curve moved),
+//!   the paper's unconstrained fit does not forecast below the floor (if it does, the
+//!   curve has not shown where it levels off, and the bounded fit's answer is the bound,
+//!   not a finding), and the further drop the bounded forecast predicts past the
+//!   window is at most [`MAX_EXTRAPOLATION`] times the drop seen within it (a curve that
+//!   has not bent yet pins down no asymptote: a straight line read 10 windows ahead is a
+//!   guess). Where it is not, the caller uses the smoothed observed loss instead. A
+//!   curve whose smoothed loss ends more than [`RISE_TOLERANCE`] above where it began
+//!   rose: the caller scores it as failed.
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +37,17 @@ use super::smoothing::{remove_outliers, CurveKind, SmoothingSpline};
 
 /// Fewer points than this cannot pin down three parameters after cleaning.
 pub const MIN_POINTS: usize = 4;
+/// The lowest value a loss can take: cross-entropy and MSE are never negative.
+pub const LOSS_FLOOR: f64 = 0.0;
+/// The largest RMS distance between the fit and the smoothed curve, as a fraction of
+/// how far the smoothed curve moved, at which the fit still describes the curve.
+pub const MAX_FIT_ERROR: f64 = 0.1;
+/// The largest further drop past the window a credible forecast predicts, in multiples
+/// of the drop within the window (a decay whose time constant is up to about 2.5
+/// windows, read 10 windows ahead).
+pub const MAX_EXTRAPOLATION: f64 = 2.0;
+/// A smoothed curve that ends this fraction above its start rose.
+pub const RISE_TOLERANCE: f64 = 0.02;
 
 /// `L(t) = a·e^{bt} + c`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -33,9 +62,9 @@ impl ExpFit {
         self.a * (self.b * t).exp() + self.c
     }
 
-    /// Least-squares fit to `(xs, ys)`.
-    pub fn fit(xs: &[f64], ys: &[f64]) -> ExpFit {
-        let residual = |beta: f64| linear_part(xs, ys, -beta.exp()).1;
+    /// Least-squares fit to `(xs, ys)` with the asymptote `c` in `c_bounds`.
+    pub fn fit(xs: &[f64], ys: &[f64], c_bounds: (f64, f64)) -> ExpFit {
+        let residual = |beta: f64| linear_part(xs, ys, -beta.exp(), c_bounds).1;
         let grid_best = (0..=80)
             .map(|i| -15.0 + 0.25 * i as f64)
             .min_by(|&p, &q| residual(p).total_cmp(&residual(q)))
@@ -48,14 +77,15 @@ impl ExpFit {
         };
         let (beta, _) = nelder_mead::minimize(|beta| residual(beta[0]), &[grid_best], options);
         let b = -beta[0].exp();
-        let ((a, c), _) = linear_part(xs, ys, b);
+        let ((a, c), _) = linear_part(xs, ys, b, c_bounds);
         ExpFit { a, b, c }
     }
 }
 
-/// The best `(a, c)` for a fixed `b` and its sum of squared residuals. When `e^{bx}` is
-/// constant over the points (no decay visible) only `c` is fitted.
-fn linear_part(xs: &[f64], ys: &[f64], b: f64) -> ((f64, f64), f64) {
+/// The best `(a, c)` for a fixed `b`, with `c` in `c_bounds`, and its sum of squared
+/// residuals. When `e^{bx}` is constant over the points (no decay visible) only `c` is
+/// fitted.
+fn linear_part(xs: &[f64], ys: &[f64], b: f64, (c_min, c_max): (f64, f64)) -> ((f64, f64), f64) {
     let n = xs.len() as f64;
     let us: Vec<f64> = xs.iter().map(|x| (b * x).exp()).collect();
     let (su, suu) = (
@@ -71,6 +101,14 @@ fn linear_part(xs: &[f64], ys: &[f64], b: f64) -> ((f64, f64), f64) {
         ((n * suy - su * sy) / det, (suu * sy - su * suy) / det)
     } else {
         (0.0, sy / n)
+    };
+    // Outside the bounds the optimum over the allowed `c` is on the nearer bound, with
+    // `a` refitted for it.
+    let (a, c) = if (c_min..=c_max).contains(&c) {
+        (a, c)
+    } else {
+        let c = c.clamp(c_min, c_max);
+        (if suu > 0.0 { (suy - c * su) / suu } else { 0.0 }, c)
     };
     let residual = us
         .iter()
@@ -88,11 +126,62 @@ pub enum ForecastError {
     NonFinite,
 }
 
-/// A forecast and the fit it came from.
+/// A forecast, the fit it came from, and what the judgement of it needs.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Forecast {
     pub fit: ExpFit,
     pub loss: f64,
+    /// The smoothed curve at its first and last point.
+    pub smoothed_first: f64,
+    pub smoothed_last: f64,
+    /// The paper's fit, `c` unbounded, read at the same horizon.
+    pub unbounded_loss: f64,
+    /// RMS distance between the fit and the smoothed curve, as a fraction of how far the
+    /// smoothed curve moved.
+    pub fit_error: f64,
+}
+
+/// Whether a forecast can decide a stage.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Credible,
+    /// Use the smoothed observed loss; the reason says why.
+    NotCredible(String),
+    /// The loss rose over the window.
+    Rising(String),
+}
+
+impl Forecast {
+    pub fn judge(&self) -> Verdict {
+        let (first, last) = (self.smoothed_first, self.smoothed_last);
+        if last - first > RISE_TOLERANCE * first.abs() {
+            return Verdict::Rising(format!(
+                "loss rose over the window ({first:.4} to {last:.4})"
+            ));
+        }
+        if self.fit_error > MAX_FIT_ERROR {
+            return Verdict::NotCredible(format!(
+                "fit error {:.2} of the curve's range (limit {MAX_FIT_ERROR})",
+                self.fit_error
+            ));
+        }
+        if self.unbounded_loss < LOSS_FLOOR || self.loss < LOSS_FLOOR {
+            return Verdict::NotCredible(format!(
+                "the unbounded fit forecasts {:.4}, below {LOSS_FLOOR}",
+                self.unbounded_loss.min(self.loss)
+            ));
+        }
+        // A 1 % slack keeps a flat curve's tiny predicted drop from counting as a leap.
+        let drop = (first - last).max(0.0);
+        let further = last - self.loss;
+        if further > MAX_EXTRAPOLATION * drop + 0.01 * last.abs() {
+            return Verdict::NotCredible(format!(
+                "forecast drops {further:.4} past the window, {:.1}× the window's drop (limit {MAX_EXTRAPOLATION}×)",
+                further / drop.max(f64::MIN_POSITIVE)
+            ));
+        }
+        Verdict::Credible
+    }
 }
 
 /// The loss the curve's trend reaches at `horizon` (in the curve's own points).
@@ -107,10 +196,29 @@ pub fn forecast(curve: &[f64], kind: CurveKind, horizon: f64) -> Result<Forecast
     let (kept_x, kept_y) = remove_outliers(&xs, curve, kind);
     let spline = SmoothingSpline::fit(&kept_x, &kept_y);
     let smoothed: Vec<f64> = xs.iter().map(|&x| spline.eval(x)).collect();
-    let fit = ExpFit::fit(&xs, &smoothed);
+    let highest = smoothed.iter().copied().fold(LOSS_FLOOR, f64::max);
+    let fit = ExpFit::fit(&xs, &smoothed, (LOSS_FLOOR, highest));
+    let unbounded = ExpFit::fit(&xs, &smoothed, (f64::NEG_INFINITY, f64::INFINITY));
+    let (lowest, highest) = smoothed
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let rms = (xs
+        .iter()
+        .zip(&smoothed)
+        .map(|(&x, &y)| (fit.at(x) - y).powi(2))
+        .sum::<f64>()
+        / xs.len() as f64)
+        .sqrt();
+    let moved = (highest - lowest)
+        .max(1e-6 * highest.abs())
+        .max(f64::MIN_POSITIVE);
     Ok(Forecast {
         fit,
         loss: fit.at(horizon),
+        smoothed_first: smoothed[0],
+        smoothed_last: smoothed[smoothed.len() - 1],
+        unbounded_loss: unbounded.at(horizon),
+        fit_error: rms / moved,
     })
 }
 
@@ -140,7 +248,7 @@ mod tests {
         };
         let xs: Vec<f64> = (0..100).map(f64::from).collect();
         let ys: Vec<f64> = xs.iter().map(|&t| truth.at(t)).collect();
-        let fit = ExpFit::fit(&xs, &ys);
+        let fit = ExpFit::fit(&xs, &ys, (0.0, f64::MAX));
         assert!(
             (fit.a - 2.0).abs() < 1e-4 && (fit.b + 0.04).abs() < 1e-6 && (fit.c - 0.3).abs() < 1e-4,
             "{fit:?}"
@@ -239,6 +347,114 @@ mod tests {
         assert_eq!(
             forecast(&[1.0, 0.9, f64::NAN, 0.8, 0.7], CurveKind::Training, 10.0).unwrap_err(),
             ForecastError::NonFinite
+        );
+    }
+
+    /// The issue's failure: a curve still falling in a straight line, read 10 windows
+    /// ahead, once gave a cross-entropy forecast far below 0.
+    #[test]
+    fn a_curve_that_has_not_bent_is_never_forecast_below_zero_and_is_not_credible() {
+        let line: Vec<f64> = (0..100).map(|t| 1.0 - 0.004 * t as f64).collect();
+        let forecast = forecast(&line, CurveKind::Training, 1000.0).unwrap();
+        assert!(
+            forecast.loss >= 0.0 && forecast.fit.c >= 0.0,
+            "{forecast:?}"
+        );
+        assert!(forecast.unbounded_loss < -1.0, "{forecast:?}");
+        assert!(
+            matches!(forecast.judge(), Verdict::NotCredible(ref why) if why.contains("below 0")),
+            "{:?}",
+            forecast.judge()
+        );
+        assert!(
+            (forecast.smoothed_last - 0.604).abs() < 1e-3,
+            "{forecast:?}"
+        );
+    }
+
+    #[test]
+    fn a_bending_curve_is_credible_and_its_asymptote_stays_in_the_observed_range() {
+        let truth = ExpFit {
+            a: 1.5,
+            b: -0.03,
+            c: 0.4,
+        };
+        let forecast = forecast(
+            &noisy_curve(truth, 100, 0.005, 1),
+            CurveKind::Training,
+            1000.0,
+        )
+        .unwrap();
+        assert_eq!(forecast.judge(), Verdict::Credible);
+        // An asymptote above anything seen is refused: a curve rising then flat cannot
+        // settle higher than its highest point.
+        let xs: Vec<f64> = (0..50).map(f64::from).collect();
+        let ys: Vec<f64> = xs.iter().map(|&t| 2.0 - (-0.1 * t).exp()).collect();
+        let fit = ExpFit::fit(&xs, &ys, (0.0, 1.5));
+        assert!(fit.c <= 1.5, "{fit:?}");
+    }
+
+    #[test]
+    fn a_rising_curve_is_judged_rising() {
+        let truth = ExpFit {
+            a: -0.5,
+            b: -0.05,
+            c: 1.5,
+        };
+        let forecast = forecast(
+            &noisy_curve(truth, 100, 0.005, 2),
+            CurveKind::Training,
+            1000.0,
+        )
+        .unwrap();
+        assert!(
+            matches!(forecast.judge(), Verdict::Rising(_)),
+            "{:?}",
+            forecast.judge()
+        );
+    }
+
+    #[test]
+    fn a_forecast_leaping_far_past_what_the_window_showed_is_not_credible() {
+        // A slow decay (time constant 5 windows) towards 0.2: the window shows a drop
+        // of 0.18, the fit reads 0.68 more 10 windows ahead.
+        let truth = ExpFit {
+            a: 1.0,
+            b: -0.002,
+            c: 0.2,
+        };
+        let forecast = forecast(
+            &noisy_curve(truth, 100, 0.0005, 4),
+            CurveKind::Training,
+            1000.0,
+        )
+        .unwrap();
+        assert!(forecast.unbounded_loss > 0.0, "{forecast:?}");
+        assert!(
+            matches!(forecast.judge(), Verdict::NotCredible(ref why) if why.contains("past the window")),
+            "{:?} {forecast:?}",
+            forecast.judge()
+        );
+    }
+
+    #[test]
+    fn a_curve_the_exponential_cannot_follow_is_not_credible() {
+        // Flat, a sudden drop in the middle, flat again: no a·e^{bt} + c follows it.
+        let curve: Vec<f64> = (0..100)
+            .map(|t| {
+                if t < 50 {
+                    1.0
+                } else if t < 55 {
+                    1.0 - 0.1 * (t - 49) as f64
+                } else {
+                    0.5
+                }
+            })
+            .collect();
+        let forecast = forecast(&curve, CurveKind::Validation, 1000.0).unwrap();
+        assert!(forecast.fit_error > MAX_FIT_ERROR, "{forecast:?}");
+        assert!(
+            matches!(forecast.judge(), Verdict::NotCredible(ref why) if why.contains("fit error"))
         );
     }
 }

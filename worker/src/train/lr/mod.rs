@@ -20,31 +20,3 @@ pub mod smoothing;
 
 pub use autolrs::{Action, AutoLrs, AutoLrsConfig, AutoLrsError, Measure, Report};
 pub use schedule::Schedule;
-
-use serde::{Deserialize, Serialize};
-use tessera_api::train::LrSchedule;
-
-/// How a run's LR is decided: a fixed schedule, or the AutoLRS controller (whose state
-/// belongs in the run's checkpoints).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum LrPlan {
-    Fixed { schedule: Schedule },
-    AutoLrs { tuner: AutoLrs },
-}
-
-impl LrPlan {
-    /// `spec` must have passed `LrSchedule::validate`.
-    pub fn from_spec(spec: &LrSchedule, max_steps: u64, seed: u64) -> LrPlan {
-        match (
-            Schedule::from_spec(spec, max_steps),
-            AutoLrsConfig::from_spec(spec),
-        ) {
-            (Some(schedule), _) => LrPlan::Fixed { schedule },
-            (None, Some(config)) => LrPlan::AutoLrs {
-                tuner: AutoLrs::new(config, seed),
-            },
-            (None, None) => unreachable!("every LrSchedule is fixed or AutoLRS"),
-        }
-    }
-}

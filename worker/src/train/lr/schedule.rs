@@ -1,10 +1,10 @@
 //! The fixed learning-rate schedules: a pure function from the step (0-based) to the LR.
-//! Their wire form and checks are `tessera_api::train::LrSchedule`; the run's length
-//! (`max_steps`) completes the cosine and one-cycle shapes.
+//! Their wire form and checks are `tessera_api::train::LrSchedule` (turned into one of
+//! these by `train::policy::build`); the run's length (`max_steps`) completes the
+//! linear, cosine and one-cycle shapes.
 
 use serde::{Deserialize, Serialize};
 use std::f64::consts::PI;
-use tessera_api::train::LrSchedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Schedule {
@@ -16,6 +16,15 @@ pub enum Schedule {
         lr: f64,
         step_size: u64,
         gamma: f64,
+    },
+    /// Linear warm-up reaching `lr` at the last warm-up step, then a straight line from
+    /// `lr` at step `warmup_steps` down to 0 at step `total_steps` (Hugging Face's
+    /// `get_linear_schedule_with_warmup`; the last step, `total − 1`, trains at
+    /// `lr / (total − warmup)`).
+    Linear {
+        lr: f64,
+        warmup_steps: u64,
+        total_steps: u64,
     },
     /// Linear warm-up reaching `lr` at the last warm-up step, then a half cosine from
     /// `lr` at step `warmup_steps` down to `min_lr` at the last step.
@@ -39,46 +48,6 @@ pub enum Schedule {
 }
 
 impl Schedule {
-    /// The fixed schedule a spec describes for a run of `max_steps`; `None` for AutoLRS,
-    /// which is a controller ([`super::AutoLrs`]), not a function of the step.
-    pub fn from_spec(spec: &LrSchedule, max_steps: u64) -> Option<Schedule> {
-        Some(match *spec {
-            LrSchedule::Constant { lr } => Schedule::Constant { lr },
-            LrSchedule::Step {
-                lr,
-                step_size,
-                gamma,
-            } => Schedule::Step {
-                lr,
-                step_size,
-                gamma,
-            },
-            LrSchedule::Cosine {
-                lr,
-                warmup_steps,
-                min_lr,
-            } => Schedule::Cosine {
-                lr,
-                min_lr,
-                warmup_steps,
-                total_steps: max_steps,
-            },
-            LrSchedule::Onecycle {
-                max_lr,
-                pct_start,
-                div_factor,
-                final_div_factor,
-            } => Schedule::OneCycle {
-                max_lr,
-                pct_start,
-                div_factor,
-                final_div_factor,
-                total_steps: max_steps,
-            },
-            LrSchedule::Autolrs { .. } => return None,
-        })
-    }
-
     pub fn lr(&self, step: u64) -> f64 {
         match *self {
             Schedule::Constant { lr } => lr,
@@ -87,6 +56,17 @@ impl Schedule {
                 step_size,
                 gamma,
             } => lr * gamma.powf((step / step_size.max(1)) as f64),
+            Schedule::Linear {
+                lr,
+                warmup_steps,
+                total_steps,
+            } => {
+                if step < warmup_steps {
+                    return lr * (step + 1) as f64 / warmup_steps as f64;
+                }
+                let span = total_steps.saturating_sub(warmup_steps).max(1) as f64;
+                lr * (1.0 - (step - warmup_steps) as f64 / span).max(0.0)
+            }
             Schedule::Cosine {
                 lr,
                 min_lr,
@@ -175,13 +155,13 @@ mod tests {
 
     #[test]
     fn one_cycle_matches_pytorch_defaults() {
-        let spec = LrSchedule::Onecycle {
+        let s = Schedule::OneCycle {
             max_lr: 1.0,
             pct_start: 0.3,
             div_factor: 25.0,
             final_div_factor: 1e4,
+            total_steps: 100,
         };
-        let s = Schedule::from_spec(&spec, 100).unwrap();
         // OneCycleLR(max_lr=1, total_steps=100): 0.04 at step 0, peak at step 29,
         // halfway down at step 64, 0.04/1e4 at step 99.
         assert!(close(s.lr(0), 0.04));
@@ -194,15 +174,15 @@ mod tests {
     }
 
     #[test]
-    fn autolrs_is_not_a_fixed_schedule() {
-        let spec = LrSchedule::Autolrs {
-            min_lr: 1e-4,
-            max_lr: 1.0,
-            tau_prime: 100,
-            tau: 1000,
-            k: 10,
-            tau_max: 8000,
+    fn linear_warms_up_then_falls_to_zero_at_the_end() {
+        let s = Schedule::Linear {
+            lr: 1.0,
+            warmup_steps: 10,
+            total_steps: 110,
         };
-        assert!(Schedule::from_spec(&spec, 100).is_none());
+        assert!(close(s.lr(0), 0.1) && close(s.lr(9), 1.0) && close(s.lr(10), 1.0));
+        assert!(close(s.lr(60), 0.5) && close(s.lr(109), 0.01));
+        assert_eq!(s.lr(110), 0.0);
+        assert_eq!(s.lr(500), 0.0);
     }
 }
