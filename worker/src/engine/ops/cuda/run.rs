@@ -1,13 +1,13 @@
-//! Runs an op's [`Plan`] on its inputs' GPU: the one place that launches our kernels. The
-//! module is loaded once per device through candle's module cache, the output is allocated
-//! on the inputs' device, and the launches queue on candle's stream behind candle's own work
-//! (the cuBLAS GEMMs), so a forward pass never waits on the GPU.
+//! Runs an op's [`Plan`](super::Plan) on its inputs' GPU: the one place that launches our
+//! kernels. The module is loaded once per device through candle's module cache, the output
+//! is allocated on the inputs' device, and the launches queue on candle's stream behind
+//! candle's own work (the cuBLAS GEMMs), so a forward pass never waits on the GPU.
 //!
 //! What cannot be checked without reading device memory is trusted: `cu_seqlens` must be a
 //! valid partition of the rows with no empty sequence (the host batcher builds it that way,
 //! `Batch::pack`), and `VarlenAttention::max_seqlen` must be the longest sequence's length.
 
-use super::launch::{Arg, CudaKernel, Module, Operand, Output, Plan};
+use super::launch::{Arg, CudaKernel, Module, Operand, Output};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
