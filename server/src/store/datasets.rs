@@ -34,9 +34,9 @@ fn from_row(row: &AnyRow) -> Result<Dataset> {
 
 /// A dataset `scope` may see.
 pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Dataset>> {
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.id = $1 AND ($2 IS NULL OR d.owner_id = $2)"
-    ))
+    )))
     .bind(id.to_string())
     .bind(scope.owner_filter())
     .fetch_optional(db.pool())
@@ -49,9 +49,9 @@ pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Dat
     if !db::storable(name) {
         return Ok(None);
     }
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id WHERE d.owner_id = $1 AND d.name = $2"
-    ))
+    )))
     .bind(owner.to_string())
     .bind(name)
     .fetch_optional(db.pool())
@@ -61,10 +61,10 @@ pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Dat
 
 /// Datasets `scope` may see, newest first.
 pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Dataset>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id \
          WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.created_at DESC"
-    ))
+    )))
     .bind(scope.owner_filter())
     .fetch_all(db.pool())
     .await?;

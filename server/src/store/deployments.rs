@@ -69,10 +69,10 @@ pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<Stor
     if !db::storable(id_or_name) {
         return Ok(None);
     }
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM deployments d JOIN models m ON m.id = d.model_id \
          JOIN users u ON u.id = d.owner_id WHERE (d.id = $1 OR d.name = $1) AND ($2 IS NULL OR d.owner_id = $2)"
-    ))
+    )))
     .bind(id_or_name)
     .bind(scope.owner_filter())
     .fetch_optional(db.pool())
@@ -90,10 +90,10 @@ pub async fn names_serving(db: &Db, model: Uuid) -> Result<Vec<String>> {
 
 /// The deployments in `scope`, by name.
 pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<StoredDeployment>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM deployments d JOIN models m ON m.id = d.model_id \
          JOIN users u ON u.id = d.owner_id WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.name"
-    ))
+    )))
     .bind(scope.owner_filter())
     .fetch_all(db.pool())
     .await?;

@@ -108,9 +108,9 @@ pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>) -> Result<Uui
 
 /// A job `scope` may see.
 pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id WHERE j.id = $1 AND ($2 IS NULL OR j.owner_id = $2)"
-    ))
+    )))
     .bind(id.to_string())
     .bind(scope.owner_filter())
     .fetch_optional(db.pool())
@@ -121,11 +121,11 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
 /// Jobs `scope` may see, newest first, without serving replicas (those are listed with
 /// their deployment).
 pub async fn list(db: &Db, scope: &Scope, state: Option<JobState>) -> Result<Vec<Job>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
          WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
          ORDER BY j.created_at DESC LIMIT 500"
-    ))
+    )))
     .bind(scope.owner_filter())
     .bind(state.map(JobState::as_str))
     .fetch_all(db.pool())
@@ -146,10 +146,10 @@ pub async fn spec(db: &Db, id: Uuid) -> Result<Option<JobSpec>> {
 /// to cancel. A worker running it learns at its next heartbeat.
 pub async fn cancel(db: &Db, scope: &Scope, id: Uuid, message: &str) -> Result<bool> {
     let now = now_ms();
-    let changed = sqlx::query(&format!(
+    let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'cancelled', message = $1, finished_at = $2, updated_at = $2, lease_expires_at = NULL \
          WHERE id = $3 AND ($4 IS NULL OR owner_id = $4) AND state IN ('queued', 'leased', 'running')"
-    ))
+    )))
     .bind(message)
     .bind(now)
     .bind(id.to_string())
@@ -239,7 +239,7 @@ pub async fn claim(
          RETURNING id, spec, attempts, lease_expires_at",
         kind_params.join(", ")
     );
-    let mut query = sqlx::query(&sql).bind(worker.to_string()).bind(now + lease_ttl_ms).bind(now);
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(worker.to_string()).bind(now + lease_ttl_ms).bind(now);
     for kind in kinds {
         query = query.bind(kind);
     }
@@ -264,7 +264,7 @@ pub async fn renew(db: &Db, worker: Uuid, jobs: &[Uuid], lease_ttl_ms: i64) -> R
     let expires = now_ms() + lease_ttl_ms;
     for job in jobs {
         let renewed =
-            sqlx::query(&format!("UPDATE jobs SET lease_expires_at = $1 WHERE id = $2 AND worker_id = $3 AND {LIVE}"))
+            sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE jobs SET lease_expires_at = $1 WHERE id = $2 AND worker_id = $3 AND {LIVE}")))
                 .bind(expires)
                 .bind(job.to_string())
                 .bind(worker.to_string())
@@ -281,7 +281,7 @@ pub async fn renew(db: &Db, worker: Uuid, jobs: &[Uuid], lease_ttl_ms: i64) -> R
 /// True while `worker` holds the lease on `job`.
 pub async fn holds_lease(db: &Db, worker: Uuid, job: Uuid) -> Result<bool> {
     let held: i64 =
-        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND {LIVE}"))
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND {LIVE}")))
             .bind(job.to_string())
             .bind(worker.to_string())
             .fetch_one(db.pool())
@@ -299,10 +299,10 @@ pub async fn mark_running(
     endpoint: Option<&str>,
 ) -> Result<bool> {
     let now = now_ms();
-    let changed = sqlx::query(&format!(
+    let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2), \
          endpoint = $5 WHERE id = $3 AND worker_id = $4 AND {LIVE}"
-    ))
+    )))
     .bind(message)
     .bind(now)
     .bind(job.to_string())
@@ -318,10 +318,10 @@ pub async fn mark_running(
 /// does not hold it.
 pub async fn mark_finished(db: &Db, worker: Uuid, job: Uuid, state: JobState, message: Option<&str>) -> Result<bool> {
     let now = now_ms();
-    let changed = sqlx::query(&format!(
+    let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = $5, message = $1, updated_at = $2, finished_at = $2, lease_expires_at = NULL, \
          endpoint = NULL WHERE id = $3 AND worker_id = $4 AND {LIVE}"
-    ))
+    )))
     .bind(message)
     .bind(now)
     .bind(job.to_string())
@@ -336,10 +336,10 @@ pub async fn mark_finished(db: &Db, worker: Uuid, job: Uuid, state: JobState, me
 /// Puts every job `worker` holds back in the queue (it restarted: what its previous
 /// incarnation ran is gone).
 pub async fn requeue_held_by(db: &Db, worker: Uuid, message: &str) -> Result<u64> {
-    let touched = sqlx::query(&format!(
+    let touched = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
          message = $2 WHERE worker_id = $3 AND {LIVE}"
-    ))
+    )))
     .bind(now_ms())
     .bind(message)
     .bind(worker.to_string())
@@ -353,7 +353,7 @@ pub async fn requeue_held_by(db: &Db, worker: Uuid, message: &str) -> Result<u64
 /// Returns how many jobs were touched.
 pub async fn expire_leases(db: &Db) -> Result<u64> {
     let now = now_ms();
-    let touched = sqlx::query(&format!(
+    let touched = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET \
            state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \
            message = CASE WHEN attempts >= max_attempts \
@@ -362,7 +362,7 @@ pub async fn expire_leases(db: &Db) -> Result<u64> {
            finished_at = CASE WHEN attempts >= max_attempts THEN $1 ELSE NULL END, \
            worker_id = NULL, lease_expires_at = NULL, updated_at = $1 \
          WHERE {LIVE} AND lease_expires_at < $1"
-    ))
+    )))
     .bind(now)
     .execute(db.pool())
     .await?

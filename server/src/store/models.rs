@@ -50,9 +50,9 @@ pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Mod
     if !db::storable(name) {
         return Ok(None);
     }
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {MODEL_COLUMNS} FROM models m JOIN users u ON u.id = m.owner_id WHERE m.owner_id = $1 AND m.name = $2"
-    ))
+    )))
     .bind(owner.to_string())
     .bind(name)
     .fetch_optional(db.pool())
@@ -65,10 +65,10 @@ pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Mod
 
 /// A model in `scope`, by id.
 pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Model>> {
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {MODEL_COLUMNS} FROM models m JOIN users u ON u.id = m.owner_id \
          WHERE m.id = $1 AND ($2 IS NULL OR m.owner_id = $2)"
-    ))
+    )))
     .bind(id.to_string())
     .bind(scope.owner_filter())
     .fetch_optional(db.pool())
@@ -81,10 +81,10 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Model>> {
 
 /// The models in `scope`, newest first.
 pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Model>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {MODEL_COLUMNS} FROM models m JOIN users u ON u.id = m.owner_id \
          WHERE ($1 IS NULL OR m.owner_id = $1) ORDER BY m.created_at DESC"
-    ))
+    )))
     .bind(scope.owner_filter())
     .fetch_all(db.pool())
     .await?;

@@ -111,12 +111,12 @@ pub async fn replace_gpu(conn: &mut AnyConnection, worker: Uuid, gpu_uuid: &str,
 
 /// Every worker's slices with what holds each, by worker id.
 pub async fn by_worker(db: &Db) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT s.worker_id, {COLUMNS}, j.id AS job_id, d.name AS deployment FROM slices s \
          LEFT JOIN jobs j ON j.slice_uuid = s.uuid AND {HOLDING} \
          LEFT JOIN deployments d ON d.id = j.deployment_id \
          ORDER BY s.worker_id, s.gpu_index, s.start, s.uuid"
-    ))
+    )))
     .fetch_all(db.pool())
     .await?;
     let mut out: HashMap<Uuid, Vec<SliceStatus>> = HashMap::new();
@@ -149,13 +149,13 @@ pub struct FleetSliceRow {
 
 /// The slices of workers seen since `online_since` (ms), by worker name, GPU and start.
 pub async fn online(db: &Db, online_since: i64) -> Result<Vec<FleetSliceRow>> {
-    let rows = sqlx::query(&format!(
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT s.worker_id, w.allow_repartition, {COLUMNS}, \
            (SELECT d.name FROM jobs j JOIN deployments d ON d.id = j.deployment_id WHERE j.slice_uuid = s.uuid AND {HOLDING} \
             LIMIT 1) AS holder \
          FROM slices s JOIN workers w ON w.id = s.worker_id WHERE w.last_seen_at >= $1 \
          ORDER BY w.name, s.gpu_index, s.start"
-    ))
+    )))
     .bind(online_since)
     .fetch_all(db.pool())
     .await?;
@@ -245,7 +245,7 @@ pub async fn bind_claimed(db: &Db, job: Uuid, free: &Free) -> Result<Option<Slic
         uuid
     };
     let Some(uuid) = uuid else { return Ok(None) };
-    let row = sqlx::query(&format!("SELECT {COLUMNS} FROM slices s WHERE s.uuid = $1"))
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {COLUMNS} FROM slices s WHERE s.uuid = $1")))
         .bind(&uuid)
         .fetch_one(db.pool())
         .await?;

@@ -76,7 +76,7 @@ pub async fn upsert_metrics(db: &Db, job: Uuid, points: &[Point]) -> Result<()> 
              phase = excluded.phase",
             values.join(", ")
         );
-        let mut query = sqlx::query(&sql);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for point in chunk {
             query = query
                 .bind(job_id.clone())
@@ -128,9 +128,9 @@ pub async fn metrics(db: &Db, job: Uuid) -> Result<Vec<(Series, String, i64, f64
 /// `highest`, else the lowest.
 pub async fn best_eval(db: &Db, job: Uuid, name: &str, highest: bool) -> Result<Option<(i64, f64)>> {
     let order = if highest { "DESC" } else { "ASC" };
-    let row = sqlx::query(&format!(
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT step, value FROM job_metrics WHERE job_id = $1 AND series = 'eval' AND name = $2 ORDER BY value {order} LIMIT 1"
-    ))
+    )))
     .bind(job.to_string())
     .bind(name)
     .fetch_optional(db.pool())
@@ -191,7 +191,7 @@ impl Steps {
 /// or a pruning releases).
 pub async fn checkpoint_digests(db: &Db, job: Uuid, steps: Steps) -> Result<Vec<String>> {
     let (condition, bound) = steps.condition();
-    Ok(sqlx::query_scalar(&format!("SELECT digest FROM checkpoint_files WHERE job_id = $1 AND {condition}"))
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT digest FROM checkpoint_files WHERE job_id = $1 AND {condition}")))
         .bind(job.to_string())
         .bind(bound)
         .fetch_all(db.pool())

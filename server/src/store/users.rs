@@ -44,7 +44,7 @@ fn user_from_row(row: &AnyRow) -> Result<StoredUser> {
 }
 
 pub async fn find(db: &Db, id: Uuid) -> Result<Option<StoredUser>> {
-    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1"))
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1")))
         .bind(id.to_string())
         .fetch_optional(db.pool())
         .await?;
@@ -55,7 +55,7 @@ pub async fn find_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>>
     if !db::storable(username) {
         return Ok(None);
     }
-    let row = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1"))
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1")))
         .bind(username)
         .fetch_optional(db.pool())
         .await?;
@@ -64,7 +64,7 @@ pub async fn find_by_name(db: &Db, username: &str) -> Result<Option<StoredUser>>
 
 /// Every user, oldest first.
 pub async fn list(db: &Db) -> Result<Vec<StoredUser>> {
-    let rows = sqlx::query(&format!("SELECT {USER_COLUMNS} FROM users ORDER BY created_at")).fetch_all(db.pool()).await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {USER_COLUMNS} FROM users ORDER BY created_at"))).fetch_all(db.pool()).await?;
     rows.iter().map(user_from_row).collect()
 }
 
