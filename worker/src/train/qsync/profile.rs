@@ -1,0 +1,484 @@
+//! What a rank measures before planning (QSync profiles each device once per precision):
+//! every operator of the job's model at every precision it can run, timed through
+//! [`ProfiledOp`] so the real precision ops plug in, and the casts between precisions,
+//! fitted to QSync's linear cast model `t = a·numel + b` by least squares
+//! (`Predictor/casting_cost.py` fits the same line with `curve_fit`).
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use tessera_api::precision::{CastFit, CastModel, CostTable, OpCost, OpKind, OpTiming, Precision};
+
+use super::QsyncError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// One operator of the job's model, on the job's real shapes, runnable at each precision it
+/// supports. The harness runs a forward before every backward, so the backward may use what
+/// the forward saved.
+pub trait ProfiledOp {
+    fn name(&self) -> &str;
+    fn kind(&self) -> OpKind;
+    /// The precisions this rank can run the operator at; must include f32.
+    fn precisions(&self) -> Vec<Precision>;
+    /// Runs one pass and returns only once its result is computed (synchronise the device),
+    /// so wall time is the operator's time.
+    fn run(&mut self, precision: Precision, pass: Pass) -> candle_core::Result<()>;
+}
+
+/// How many times the harness runs each operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileConfig {
+    /// Untimed runs first (caches, allocator, lazy initialisation).
+    pub warmup: usize,
+    /// Timed runs; the table keeps their median.
+    pub iterations: usize,
+}
+
+impl Default for ProfileConfig {
+    fn default() -> Self {
+        ProfileConfig {
+            warmup: 2,
+            iterations: 5,
+        }
+    }
+}
+
+/// Times every operator at every precision it supports: the rank's [`CostTable`], in the
+/// order of `ops` (give them in the model's forward order). Overhead and optimizer time are
+/// left at 0 for the caller, who measures them on the real loop.
+pub fn profile_ops(
+    device: &str,
+    ops: &mut [&mut dyn ProfiledOp],
+    config: &ProfileConfig,
+) -> Result<CostTable, QsyncError> {
+    let mut table = CostTable {
+        device: device.to_string(),
+        ops: Vec::with_capacity(ops.len()),
+        overhead_ms: 0.0,
+        optimizer_ms: 0.0,
+        casts_in_op_time: false,
+    };
+    for op in ops.iter_mut() {
+        let name = op.name().to_string();
+        let mut precisions = op.precisions();
+        precisions.sort();
+        precisions.dedup();
+        if !precisions.contains(&Precision::F32) {
+            return Err(QsyncError::NoF32(name));
+        }
+        let mut timings = Vec::with_capacity(precisions.len());
+        for precision in precisions {
+            let fail = |source| QsyncError::Op {
+                op: name.clone(),
+                precision,
+                source,
+            };
+            for _ in 0..config.warmup {
+                op.run(precision, Pass::Forward).map_err(fail)?;
+                op.run(precision, Pass::Backward).map_err(fail)?;
+            }
+            let mut forward = Vec::with_capacity(config.iterations);
+            let mut backward = Vec::with_capacity(config.iterations);
+            for _ in 0..config.iterations.max(1) {
+                forward.push(timed(|| op.run(precision, Pass::Forward)).map_err(fail)?);
+                backward.push(timed(|| op.run(precision, Pass::Backward)).map_err(fail)?);
+            }
+            timings.push(OpTiming {
+                precision,
+                forward_ms: median(&mut forward),
+                backward_ms: median(&mut backward),
+            });
+        }
+        table.ops.push(OpCost {
+            op: name,
+            kind: op.kind(),
+            timings,
+        });
+    }
+    Ok(table)
+}
+
+/// Casting a tensor between precisions on one device, for [`profile_casts`].
+pub trait ProfiledCast {
+    /// The pairs this device can cast.
+    fn pairs(&self) -> Vec<(Precision, Precision)>;
+    /// Makes a tensor of `numel` elements in `from` to cast next (not timed).
+    fn prepare(&mut self, from: Precision, to: Precision, numel: usize) -> candle_core::Result<()>;
+    /// Casts the prepared tensor and returns once the result is computed (timed).
+    fn cast(&mut self) -> candle_core::Result<()>;
+}
+
+/// Times every pair of `caster` at each size (median of `config.iterations` runs) and fits
+/// `t = a·numel + b` per pair.
+pub fn profile_casts(
+    caster: &mut dyn ProfiledCast,
+    sizes: &[usize],
+    config: &ProfileConfig,
+) -> Result<CastModel, QsyncError> {
+    let mut fits = Vec::new();
+    for (from, to) in caster.pairs() {
+        let fail = |source| QsyncError::Op {
+            op: format!("cast {from}->{to}"),
+            precision: to,
+            source,
+        };
+        let mut points = Vec::with_capacity(sizes.len());
+        for &numel in sizes {
+            caster.prepare(from, to, numel).map_err(fail)?;
+            for _ in 0..config.warmup {
+                caster.cast().map_err(fail)?;
+            }
+            let mut times = Vec::with_capacity(config.iterations);
+            for _ in 0..config.iterations.max(1) {
+                times.push(timed(|| caster.cast()).map_err(fail)?);
+            }
+            points.push((numel as f64, median(&mut times)));
+        }
+        fits.push(cast_fit(from, to, &points)?);
+    }
+    Ok(CastModel { fits })
+}
+
+/// Fits one cast per (from, to) pair from measured `(from, to, numel, ms)` samples.
+pub fn fit_cast_model(
+    samples: &[(Precision, Precision, usize, f64)],
+) -> Result<CastModel, QsyncError> {
+    let mut pairs: Vec<(Precision, Precision)> = samples.iter().map(|s| (s.0, s.1)).collect();
+    pairs.sort();
+    pairs.dedup();
+    let fits = pairs
+        .into_iter()
+        .map(|(from, to)| {
+            let points: Vec<(f64, f64)> = samples
+                .iter()
+                .filter(|s| (s.0, s.1) == (from, to))
+                .map(|s| (s.2 as f64, s.3))
+                .collect();
+            cast_fit(from, to, &points)
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(CastModel { fits })
+}
+
+fn cast_fit(from: Precision, to: Precision, points: &[(f64, f64)]) -> Result<CastFit, QsyncError> {
+    let fit = LinearFit::fit(points)?;
+    Ok(CastFit {
+        from,
+        to,
+        ms_per_element: fit.slope,
+        fixed_ms: fit.intercept,
+        r2: fit.r2,
+        samples: points.len() as u32,
+    })
+}
+
+/// An ordinary least-squares line `y = slope·x + intercept` with its R².
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearFit {
+    pub slope: f64,
+    pub intercept: f64,
+    /// 1 − SS_res/SS_tot; 1 for a perfect fit (also when every y is equal and matched).
+    pub r2: f64,
+}
+
+impl LinearFit {
+    pub fn fit(points: &[(f64, f64)]) -> Result<LinearFit, QsyncError> {
+        let n = points.len() as f64;
+        let mean_x = points.iter().map(|p| p.0).sum::<f64>() / n;
+        let mean_y = points.iter().map(|p| p.1).sum::<f64>() / n;
+        let sxx: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
+        if points.len() < 2 || sxx <= 0.0 {
+            return Err(QsyncError::TooFewSamples(points.len()));
+        }
+        let sxy: f64 = points.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
+        let slope = sxy / sxx;
+        let intercept = mean_y - slope * mean_x;
+        let ss_res: f64 = points
+            .iter()
+            .map(|p| (p.1 - slope * p.0 - intercept).powi(2))
+            .sum();
+        let ss_tot: f64 = points.iter().map(|p| (p.1 - mean_y).powi(2)).sum();
+        let r2 = if ss_tot > 0.0 {
+            1.0 - ss_res / ss_tot
+        } else if ss_res <= f64::EPSILON {
+            1.0
+        } else {
+            0.0
+        };
+        Ok(LinearFit {
+            slope,
+            intercept,
+            r2,
+        })
+    }
+
+    pub fn at(&self, x: f64) -> f64 {
+        self.slope * x + self.intercept
+    }
+}
+
+/// Casts between f32, bf16 and f16 with candle's `to_dtype` on one device. candle has no
+/// int8 dtype: the int8 quantise/dequantise casts come from the int8 op's own code.
+pub struct CandleCasts {
+    device: Device,
+    prepared: Option<(Tensor, DType)>,
+}
+
+impl CandleCasts {
+    pub fn new(device: Device) -> CandleCasts {
+        CandleCasts {
+            device,
+            prepared: None,
+        }
+    }
+}
+
+fn float_dtype(p: Precision) -> candle_core::Result<DType> {
+    match p {
+        Precision::F32 => Ok(DType::F32),
+        Precision::Bf16 => Ok(DType::BF16),
+        Precision::F16 => Ok(DType::F16),
+        Precision::Int8 => Err(candle_core::Error::Msg("candle has no int8 dtype".into())),
+    }
+}
+
+impl ProfiledCast for CandleCasts {
+    fn pairs(&self) -> Vec<(Precision, Precision)> {
+        use Precision::*;
+        vec![(F32, Bf16), (Bf16, F32), (F32, F16), (F16, F32)]
+    }
+
+    fn prepare(&mut self, from: Precision, to: Precision, numel: usize) -> candle_core::Result<()> {
+        let source =
+            Tensor::rand(-1f32, 1f32, numel, &self.device)?.to_dtype(float_dtype(from)?)?;
+        self.prepared = Some((source, float_dtype(to)?));
+        Ok(())
+    }
+
+    fn cast(&mut self) -> candle_core::Result<()> {
+        let (source, to) = self
+            .prepared
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("cast before prepare".into()))?;
+        let cast = source.to_dtype(*to)?;
+        self.device.synchronize()?;
+        drop(cast);
+        Ok(())
+    }
+}
+
+fn timed(run: impl FnOnce() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+    let start = Instant::now();
+    run()?;
+    Ok(start.elapsed().as_secs_f64() * 1e3)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 96×96 matmul: candle's GEMM at f32, a naive triple loop standing in for a second
+    /// precision (`Int8`), and a backward that really runs too (the transposed products).
+    struct MatmulOp {
+        a: Tensor,
+        b: Tensor,
+        a_host: Vec<f32>,
+        b_host: Vec<f32>,
+        n: usize,
+        runs: usize,
+    }
+
+    impl MatmulOp {
+        fn new(n: usize) -> MatmulOp {
+            let a = Tensor::rand(-1f32, 1f32, (n, n), &Device::Cpu).unwrap();
+            let b = Tensor::rand(-1f32, 1f32, (n, n), &Device::Cpu).unwrap();
+            let a_host = a.flatten_all().unwrap().to_vec1().unwrap();
+            let b_host = b.flatten_all().unwrap().to_vec1().unwrap();
+            MatmulOp {
+                a,
+                b,
+                a_host,
+                b_host,
+                n,
+                runs: 0,
+            }
+        }
+
+        fn naive(&self) -> Vec<f32> {
+            let n = self.n;
+            let mut c = vec![0f32; n * n];
+            for i in 0..n {
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for k in 0..n {
+                        acc += self.a_host[i * n + k] * self.b_host[k * n + j];
+                    }
+                    c[i * n + j] = acc;
+                }
+            }
+            c
+        }
+    }
+
+    impl ProfiledOp for MatmulOp {
+        fn name(&self) -> &str {
+            "matmul"
+        }
+        fn kind(&self) -> OpKind {
+            OpKind::Linear
+        }
+        fn precisions(&self) -> Vec<Precision> {
+            vec![Precision::F32, Precision::Int8]
+        }
+        fn run(&mut self, precision: Precision, pass: Pass) -> candle_core::Result<()> {
+            self.runs += 1;
+            match (precision, pass) {
+                (Precision::F32, Pass::Forward) => {
+                    std::hint::black_box(self.a.matmul(&self.b)?);
+                }
+                (Precision::F32, Pass::Backward) => {
+                    std::hint::black_box(self.a.t()?.matmul(&self.b)?);
+                    std::hint::black_box(self.a.matmul(&self.b.t()?)?);
+                }
+                (_, Pass::Forward) => {
+                    std::hint::black_box(self.naive());
+                }
+                (_, Pass::Backward) => {
+                    std::hint::black_box(self.naive());
+                    std::hint::black_box(self.naive());
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn harness_times_a_real_op_at_each_precision() {
+        let mut op = MatmulOp::new(96);
+        let config = ProfileConfig {
+            warmup: 1,
+            iterations: 5,
+        };
+        let table = profile_ops("cpu", &mut [&mut op], &config).unwrap();
+        assert_eq!(op.runs, 2 * (1 + 5) * 2);
+        assert_eq!(table.ops.len(), 1);
+        let timings = &table.ops[0].timings;
+        assert_eq!(
+            timings.iter().map(|t| t.precision).collect::<Vec<_>>(),
+            [Precision::Int8, Precision::F32]
+        );
+        let (naive, gemm) = (timings[0], timings[1]);
+        assert!(gemm.forward_ms > 0.0 && gemm.backward_ms > 0.0);
+        // 96³ scalar FMAs in a dependent chain against a blocked SIMD GEMM: the loop is the
+        // slower by far, which the harness must see.
+        assert!(
+            naive.forward_ms > 2.0 * gemm.forward_ms,
+            "{naive:?} vs {gemm:?}"
+        );
+        assert!(
+            naive.backward_ms > naive.forward_ms,
+            "two products take longer than one: {naive:?}"
+        );
+    }
+
+    #[test]
+    fn harness_refuses_an_op_without_f32() {
+        struct OnlyInt8;
+        impl ProfiledOp for OnlyInt8 {
+            fn name(&self) -> &str {
+                "q"
+            }
+            fn kind(&self) -> OpKind {
+                OpKind::Linear
+            }
+            fn precisions(&self) -> Vec<Precision> {
+                vec![Precision::Int8]
+            }
+            fn run(&mut self, _: Precision, _: Pass) -> candle_core::Result<()> {
+                Ok(())
+            }
+        }
+        let err = profile_ops("cpu", &mut [&mut OnlyInt8], &ProfileConfig::default()).unwrap_err();
+        assert!(
+            matches!(err, QsyncError::NoF32(ref op) if op == "q"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn least_squares_recovers_a_line_and_reports_fit_quality() {
+        let exact: Vec<(f64, f64)> = [1e3, 1e4, 1e5, 1e6]
+            .iter()
+            .map(|&x| (x, 2.5e-7 * x + 0.01))
+            .collect();
+        let fit = LinearFit::fit(&exact).unwrap();
+        assert!((fit.slope - 2.5e-7).abs() < 1e-15 && (fit.intercept - 0.01).abs() < 1e-9);
+        assert!((fit.r2 - 1.0).abs() < 1e-12);
+        assert!((fit.at(2e6) - 0.51).abs() < 1e-9);
+
+        // Four points off any line, solved by hand: x̄ = ȳ = 1.5, Sxx = 5, Sxy = 3.
+        let noisy = [(0.0, 1.0), (1.0, 0.0), (2.0, 3.0), (3.0, 2.0)];
+        let fit = LinearFit::fit(&noisy).unwrap();
+        assert!((fit.slope - 0.6).abs() < 1e-12 && (fit.intercept - 0.6).abs() < 1e-12);
+        // Residuals 0.4, −1.2, 1.2, −0.4 → SS_res 3.2; SS_tot 5 → R² 0.36.
+        assert!((fit.r2 - 0.36).abs() < 1e-12);
+
+        assert!(matches!(
+            LinearFit::fit(&[(1.0, 2.0)]),
+            Err(QsyncError::TooFewSamples(1))
+        ));
+        assert!(matches!(
+            LinearFit::fit(&[(1.0, 2.0), (1.0, 3.0)]),
+            Err(QsyncError::TooFewSamples(2))
+        ));
+    }
+
+    #[test]
+    fn cast_model_fits_each_pair_from_samples() {
+        use Precision::*;
+        let mut samples = Vec::new();
+        for numel in [1_000usize, 10_000, 100_000] {
+            samples.push((F32, Bf16, numel, 1e-6 * numel as f64 + 0.002));
+            samples.push((F32, Int8, numel, 3e-6 * numel as f64 + 0.010));
+        }
+        let model = fit_cast_model(&samples).unwrap();
+        assert_eq!(model.fits.len(), 2);
+        let int8 = model.fits.iter().find(|f| f.to == Int8).unwrap();
+        assert!((int8.ms_per_element - 3e-6).abs() < 1e-15 && (int8.fixed_ms - 0.010).abs() < 1e-9);
+        assert_eq!(int8.samples, 3);
+        assert!(int8.r2 > 0.999_999);
+    }
+
+    #[test]
+    fn candle_casts_profile_and_fit_every_float_pair() {
+        let mut casts = CandleCasts::new(Device::Cpu);
+        let config = ProfileConfig {
+            warmup: 1,
+            iterations: 3,
+        };
+        let model = profile_casts(&mut casts, &[4_096, 65_536, 262_144], &config).unwrap();
+        assert_eq!(model.fits.len(), 4);
+        for fit in &model.fits {
+            assert_eq!(fit.samples, 3);
+            assert!(
+                fit.ms_per_element.is_finite() && fit.r2.is_finite(),
+                "{fit:?}"
+            );
+        }
+    }
+}
