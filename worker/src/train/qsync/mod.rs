@@ -21,8 +21,8 @@ pub mod replay;
 pub use allocate::{greedy, plan_rank, Allocation, Prediction, RankPlanRequest};
 pub use indicator::{IndicatorConfig, Indicators, OpStats};
 pub use profile::{
-    fit_cast_model, profile_casts, profile_ops, CandleCasts, LinearFit, Pass, ProfileConfig,
-    ProfiledCast, ProfiledOp,
+    fit_cast_model, measure_casts, profile_casts, profile_ops, CandleCasts, LinearFit, Pass,
+    ProfileConfig, ProfiledCast, ProfiledOp, Statistic,
 };
 pub use replay::{
     replay_step, GradBucket, GraphOp, RankProfile, RankStep, RankTimeline, StepPrediction,

@@ -30,13 +30,32 @@ pub trait ProfiledOp {
     fn run(&mut self, precision: Precision, pass: Pass) -> candle_core::Result<()>;
 }
 
-/// How many times the harness runs each operator.
+/// How many times the harness runs each operator, and which figure of the timed runs it keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProfileConfig {
     /// Untimed runs first (caches, allocator, lazy initialisation).
     pub warmup: usize,
-    /// Timed runs; the table keeps their median.
+    /// Timed runs.
     pub iterations: usize,
+    pub statistic: Statistic,
+}
+
+/// The figure kept of the timed runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Statistic {
+    Median,
+    /// The least disturbed run: for a device other processes share, where the median
+    /// measures the neighbours as much as the operator.
+    Min,
+}
+
+impl Statistic {
+    pub fn of(self, values: &mut [f64]) -> f64 {
+        match self {
+            Statistic::Median => median(values),
+            Statistic::Min => values.iter().copied().fold(f64::INFINITY, f64::min),
+        }
+    }
 }
 
 impl Default for ProfileConfig {
@@ -44,6 +63,7 @@ impl Default for ProfileConfig {
         ProfileConfig {
             warmup: 2,
             iterations: 5,
+            statistic: Statistic::Median,
         }
     }
 }
@@ -90,8 +110,8 @@ pub fn profile_ops(
             }
             timings.push(OpTiming {
                 precision,
-                forward_ms: median(&mut forward),
-                backward_ms: median(&mut backward),
+                forward_ms: config.statistic.of(&mut forward),
+                backward_ms: config.statistic.of(&mut backward),
             });
         }
         table.ops.push(OpCost {
@@ -113,21 +133,28 @@ pub trait ProfiledCast {
     fn cast(&mut self) -> candle_core::Result<()>;
 }
 
-/// Times every pair of `caster` at each size (median of `config.iterations` runs) and fits
-/// `t = a·numel + b` per pair.
+/// Times every pair of `caster` at each size and fits `t = a·numel + b` per pair.
 pub fn profile_casts(
     caster: &mut dyn ProfiledCast,
     sizes: &[usize],
     config: &ProfileConfig,
 ) -> Result<CastModel, QsyncError> {
-    let mut fits = Vec::new();
+    fit_cast_model(&measure_casts(caster, sizes, config)?)
+}
+
+/// The samples [`profile_casts`] fits: `(from, to, numel, ms)` for every pair and size.
+pub fn measure_casts(
+    caster: &mut dyn ProfiledCast,
+    sizes: &[usize],
+    config: &ProfileConfig,
+) -> Result<Vec<(Precision, Precision, usize, f64)>, QsyncError> {
+    let mut samples = Vec::new();
     for (from, to) in caster.pairs() {
         let fail = |source| QsyncError::Op {
             op: format!("cast {from}->{to}"),
             precision: to,
             source,
         };
-        let mut points = Vec::with_capacity(sizes.len());
         for &numel in sizes {
             caster.prepare(from, to, numel).map_err(fail)?;
             for _ in 0..config.warmup {
@@ -137,11 +164,10 @@ pub fn profile_casts(
             for _ in 0..config.iterations.max(1) {
                 times.push(timed(|| caster.cast()).map_err(fail)?);
             }
-            points.push((numel as f64, median(&mut times)));
+            samples.push((from, to, numel, config.statistic.of(&mut times)));
         }
-        fits.push(cast_fit(from, to, &points)?);
     }
-    Ok(CastModel { fits })
+    Ok(samples)
 }
 
 /// Fits one cast per (from, to) pair from measured `(from, to, numel, ms)` samples.
@@ -373,6 +399,7 @@ mod tests {
         let config = ProfileConfig {
             warmup: 1,
             iterations: 5,
+            statistic: Statistic::Median,
         };
         let table = profile_ops("cpu", &mut [&mut op], &config).unwrap();
         assert_eq!(op.runs, 2 * (1 + 5) * 2);
@@ -470,6 +497,7 @@ mod tests {
         let config = ProfileConfig {
             warmup: 1,
             iterations: 3,
+            statistic: Statistic::Min,
         };
         let model = profile_casts(&mut casts, &[4_096, 65_536, 262_144], &config).unwrap();
         assert_eq!(model.fits.len(), 4);
