@@ -479,6 +479,156 @@ mod tests {
         }
     }
 
+    /// Two ranks replayed for real: random operator kinds and times, the fast rank f32 only,
+    /// casts with random linear costs, one gradient bucket per operator.
+    fn replayed_cluster() -> impl Strategy<Value = (TrainingGraph, Vec<RankProfile>, Indicators)> {
+        let kinds = prop::sample::select(vec![
+            OpKind::Linear,
+            OpKind::Embedding,
+            OpKind::LayerNorm,
+            OpKind::Activation,
+            OpKind::Head,
+        ]);
+        let op = (
+            kinds,
+            prop::array::uniform3(0.1f64..3.0),
+            0.1f64..3.0,
+            0.0f64..2.0,
+        );
+        (
+            prop::collection::vec(op, 1..6),
+            prop::array::uniform2(0.0f64..1e-3),
+        )
+            .prop_map(|(ops, cast)| {
+                let graph = TrainingGraph {
+                    ops: ops
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (kind, ..))| GraphOp {
+                            name: format!("op{i}"),
+                            kind: *kind,
+                            input: i.checked_sub(1),
+                            input_numel: 100 * (i + 1),
+                            weight_numel: 50,
+                            output_numel: 100 * (i + 2),
+                        })
+                        .collect(),
+                    buckets: (0..ops.len())
+                        .rev()
+                        .map(|i| GradBucket {
+                            ops: vec![i],
+                            allreduce_ms: 0.1,
+                        })
+                        .collect(),
+                };
+                let table = |slow: bool| CostTable {
+                    device: if slow { "cpu" } else { "gpu" }.into(),
+                    ops: ops
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (kind, low, fast, _))| {
+                            let mut timings = Vec::new();
+                            if slow {
+                                for (p, ms) in [(Int8, low[0]), (Bf16, low[1]), (F32, low[2] * 2.0)]
+                                {
+                                    timings.push(OpTiming {
+                                        precision: p,
+                                        forward_ms: ms,
+                                        backward_ms: ms,
+                                    });
+                                }
+                            } else {
+                                timings.push(OpTiming {
+                                    precision: F32,
+                                    forward_ms: *fast,
+                                    backward_ms: *fast,
+                                });
+                            }
+                            OpCost {
+                                op: format!("op{i}"),
+                                kind: *kind,
+                                timings,
+                            }
+                        })
+                        .collect(),
+                    overhead_ms: 0.0,
+                    optimizer_ms: 0.2,
+                    casts_in_op_time: false,
+                };
+                let fits = Precision::ALL
+                    .iter()
+                    .flat_map(|&from| {
+                        Precision::ALL.map(|to| CastFit {
+                            from,
+                            to,
+                            ms_per_element: cast[0],
+                            fixed_ms: cast[1],
+                            r2: 1.0,
+                            samples: 2,
+                        })
+                    })
+                    .collect();
+                let casts = CastModel { fits };
+                let profiles = vec![
+                    RankProfile::new(&graph, &table(false), &casts, Bf16).unwrap(),
+                    RankProfile::new(&graph, &table(true), &casts, Bf16).unwrap(),
+                ];
+                let omega = ops
+                    .iter()
+                    .map(|(.., w)| [3.0 * w, 2.0 * w, 1.0 * w, 0.0])
+                    .collect();
+                (graph, profiles, Indicators::from_values(omega))
+            })
+    }
+
+    fn plan_slow_rank(
+        graph: &TrainingGraph,
+        profiles: &[RankProfile],
+        indicators: &Indicators,
+        keep: &[KeepRule],
+        budget_ms: Option<f64>,
+    ) -> Allocation {
+        let plans = vec![vec![F32; graph.ops.len()]; 2];
+        plan_rank(&RankPlanRequest {
+            graph,
+            profiles,
+            plans: &plans,
+            rank: 1,
+            indicators,
+            keep,
+            budget_ms,
+        })
+        .unwrap()
+    }
+
+    proptest! {
+        #[test]
+        fn replayed_plans_keep_the_floors_and_the_budget(
+            (graph, profiles, indicators) in replayed_cluster(),
+            budget in proptest::option::of(0.0f64..40.0),
+            extra in 0.0f64..10.0,
+        ) {
+            let keep = KeepRule::qsync_defaults();
+            let a = plan_slow_rank(&graph, &profiles, &indicators, &keep, budget);
+            for (op, p) in graph.ops.iter().zip(&a.plan) {
+                let floor = match op.kind {
+                    OpKind::LayerNorm | OpKind::Embedding => Bf16,
+                    OpKind::Head => F32,
+                    OpKind::Linear | OpKind::Activation => Int8,
+                };
+                prop_assert!(*p >= floor, "{} at {p} under {floor}", op.name);
+            }
+            // QSync's own budget always admits the start; any budget bounds the plan unless
+            // even the start is over it.
+            prop_assert!(budget.is_some() || !a.start_over_budget);
+            prop_assert!(a.start_over_budget || a.predicted.step_ms <= a.budget_ms);
+            let b = plan_slow_rank(&graph, &profiles, &indicators, &keep, Some(a.budget_ms + extra));
+            for (more, less) in b.plan.iter().zip(&a.plan) {
+                prop_assert!(more >= less, "{:?} vs {:?}", b.plan, a.plan);
+            }
+        }
+    }
+
     #[test]
     fn highest_gain_per_millisecond_goes_first() {
         // op0: int8 → f32 gains 10 for 10 ms; op1 gains 6 for 2 ms; op2 gains 1 for free.

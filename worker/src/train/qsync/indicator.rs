@@ -35,7 +35,7 @@ use crate::train::rng::Rng;
 pub struct IndicatorConfig {
     /// Weight of forward noise against backward noise (the authors' `gamma=4`).
     pub gamma: f64,
-    /// The 16-bit format an int8 operator's backward runs in.
+    /// The format an int8 operator's backward runs in (bf16 or f16 as QSync's ops do).
     pub int8_backward: Precision,
 }
 
@@ -138,13 +138,15 @@ impl OpStats {
 
     /// The forward and backward variance terms at `precision`, before depth weighting.
     pub fn variance(&self, precision: Precision, config: &IndicatorConfig) -> (f64, f64) {
-        let Some(k) = mantissa_k(precision) else {
-            // f32 is the reference: no added variance. int8 handled below.
-            if precision == Precision::F32 {
-                return (0.0, 0.0);
-            }
-            return self.int8_variance(config);
-        };
+        match precision {
+            // The reference: no added variance.
+            Precision::F32 => (0.0, 0.0),
+            Precision::Int8 => self.int8_variance(config),
+            Precision::Bf16 | Precision::F16 => self.half_variance(mantissa_k(precision)),
+        }
+    }
+
+    fn half_variance(&self, k: i32) -> (f64, f64) {
         let eps2 = 2f64.powi(-2 * k);
         match *self {
             OpStats::Weighted {
@@ -182,7 +184,7 @@ impl OpStats {
                 e_v,
                 ..
             } => {
-                let k = mantissa_k(config.int8_backward).unwrap_or(9);
+                let k = mantissa_k(config.int8_backward);
                 (
                     (norm_w * s_v * s_v * d_v + norm_v * s_w * s_w * d_w) / 6.0,
                     (norm_g * s_v * s_v * d_v
@@ -272,12 +274,14 @@ fn precision_index(precision: Precision) -> usize {
         .expect("ALL lists every precision")
 }
 
-/// k of the 16-bit formats (mantissa bits − 1); `None` for int8 and f32.
-fn mantissa_k(precision: Precision) -> Option<i32> {
+/// k of a format's rounding step 2^(−k): its mantissa bits − 1 (f16 9 as the authors use,
+/// bf16 6, f32 22 for an f32 int8 backward). int8 has no mantissa (its step is the scale):
+/// named as the int8 backward format it is read as bf16.
+fn mantissa_k(precision: Precision) -> i32 {
     match precision {
-        Precision::F16 => Some(9),
-        Precision::Bf16 => Some(6),
-        Precision::Int8 | Precision::F32 => None,
+        Precision::F16 => 9,
+        Precision::Bf16 | Precision::Int8 => 6,
+        Precision::F32 => 22,
     }
 }
 

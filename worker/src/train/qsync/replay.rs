@@ -223,6 +223,14 @@ impl RankProfile {
         }
         let forward_casts = cast_ms;
 
+        // Each consumer hands back a gradient in its own backward precision; the loss hands
+        // f32 to an operator no planned operator reads.
+        let mut gradients: Vec<Vec<Precision>> = vec![Vec::new(); graph.ops.len()];
+        for (j, op) in graph.ops.iter().enumerate() {
+            if let Some(i) = op.input {
+                gradients[i].push(self.backward_precision(plan[j]));
+            }
+        }
         let mut done = vec![0.0; graph.ops.len()];
         let mut clock = self.overhead_ms + forward_ms + forward_casts;
         let mut backward_ms = 0.0;
@@ -230,20 +238,12 @@ impl RankProfile {
             let op = &graph.ops[i];
             let bwd = self.backward_precision(plan[i]);
             if !self.casts_in_op_time {
-                // Each consumer hands back a gradient in its own backward precision; the
-                // batch's loss hands back f32 to an operator nothing planned reads.
-                let mut sources: Vec<Precision> = graph
-                    .ops
-                    .iter()
-                    .enumerate()
-                    .skip(i + 1)
-                    .filter(|(_, c)| c.input == Some(i))
-                    .map(|(j, _)| self.backward_precision(plan[j]))
-                    .collect();
-                if sources.is_empty() {
-                    sources.push(Precision::F32);
-                }
-                for source in sources {
+                let sources: &[Precision] = if gradients[i].is_empty() {
+                    &[Precision::F32]
+                } else {
+                    &gradients[i]
+                };
+                for &source in sources {
                     let t = self.cast(source, bwd, op.output_numel)?;
                     cast_ms += t;
                     clock += t;
@@ -432,6 +432,23 @@ mod tests {
             "{t:?}"
         );
         assert!((t.compute_ms - (0.5 + 1.75 + 3.5 + 1.5)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_output_read_twice_gets_a_gradient_cast_from_each_reader() {
+        let (mut graph, rank) = setup(vec![]);
+        // b and c both read a's output (as Q and K read one LayerNorm).
+        graph.ops[2].input = Some(0);
+        let t = rank.replay(&graph, &[F32, Bf16, Int8]).unwrap();
+        // Forward: b casts a's f32 output (0.2) and its weight (0.15); c quantises a's output
+        // (0.2), no weight. Backward: c and b each get f32 from the loss → bf16 (0.3 each),
+        // b's weight gradient → f32 (0.15); a gets a bf16 gradient from b and one from c,
+        // each cast to f32 (0.3 + 0.3).
+        assert!(
+            (t.cast_ms - (0.55 + 0.6 + 0.15 + 0.6)).abs() < 1e-12,
+            "{t:?}"
+        );
+        assert!((t.compute_ms - (0.5 + 1.75 + 3.5 + 1.9)).abs() < 1e-12);
     }
 
     #[test]
