@@ -112,7 +112,7 @@ pub fn greedy(
     let mut state = start.to_vec();
     let mut current = predict(&state)?;
     let start_prediction = current;
-    // (step, prediction after it) along the budget-independent path.
+    // (step, prediction after it, operator index) along the budget-independent path.
     let mut path: Vec<(AllocationStep, Prediction, usize)> = Vec::new();
     loop {
         let mut best: Option<(Candidate, Prediction)> = None;
