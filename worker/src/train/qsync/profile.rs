@@ -396,13 +396,14 @@ mod tests {
     #[test]
     fn harness_times_a_real_op_at_each_precision() {
         let mut op = MatmulOp::new(96);
+        // The least disturbed of 9 runs: the test suite shares the cores with other tests.
         let config = ProfileConfig {
             warmup: 1,
-            iterations: 5,
-            statistic: Statistic::Median,
+            iterations: 9,
+            statistic: Statistic::Min,
         };
         let table = profile_ops("cpu", &mut [&mut op], &config).unwrap();
-        assert_eq!(op.runs, 2 * (1 + 5) * 2);
+        assert_eq!(op.runs, 2 * (1 + 9) * 2);
         assert_eq!(table.ops.len(), 1);
         let timings = &table.ops[0].timings;
         assert_eq!(
