@@ -11,5 +11,6 @@ pub mod error;
 pub mod jobs;
 pub mod mig;
 pub mod models;
+pub mod parallel;
 pub mod train;
 pub mod workers;
