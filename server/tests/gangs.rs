@@ -117,6 +117,13 @@ async fn a_gang_is_claimed_all_or_none() {
         let running = job(&server, &token, &id).await;
         assert_eq!((running["state"].as_str(), running["attempts"].as_u64()), (Some("running"), Some(1)));
 
+        // Cancelling the job stops every rank at its worker's next heartbeat.
+        assert_eq!(server.post(&token, &format!("/jobs/{id}/cancel"), json!({})).await.status(), 200);
+        for (secret, rank_job, _) in &three {
+            let beat: Value = server.post(secret, "/agent/heartbeat", json!({"jobs": [rank_job]})).await.json().await.unwrap();
+            assert_eq!(beat["stop"], json!([rank_job]), "{backend:?}");
+        }
+
         // A worker offering no GPU never claims a CUDA rank.
         let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cuda"}, {"device": "cuda"}]))).await;
         assert_eq!(response.status(), 201);

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::auth::AgentAuth;
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::state::AppState;
-use crate::store::db::now_ms;
+use crate::store::db::{now_ms, Db};
 use crate::store::gangs::{self as store, RankOf, Rendezvous};
 use crate::store::jobs::{self as jobs_store, Claimed, NewJob};
 
@@ -52,11 +52,11 @@ pub async fn leased_job(state: &AppState, worker: Uuid, job: Uuid) -> Result<(Uu
     })
 }
 
-/// After a rank's status changed: bring its gang's job in line.
-pub async fn settle(state: &AppState, job: Uuid) -> Result<()> {
-    if let Some(rank) = store::rank_of(&state.db, job).await? {
-        store::sweep(&state.db, now_ms(), Some(rank.gang)).await?;
-    }
+/// After a rank's status changed, or a gang's job was cancelled: bring the gang's job and
+/// its ranks in line (nothing for other jobs).
+pub async fn settle(db: &Db, job: Uuid) -> Result<()> {
+    let gang = store::rank_of(db, job).await?.map_or(job, |rank| rank.gang);
+    store::sweep(db, now_ms(), Some(gang)).await?;
     Ok(())
 }
 

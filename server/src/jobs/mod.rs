@@ -82,6 +82,8 @@ pub async fn cancel_job(db: &Db, principal: &Principal, id: Uuid) -> Result<Job>
             job.state.as_str()
         )));
     }
+    // A data-parallel job's ranks stop with it.
+    gangs::settle(db, id).await?;
     find(db, &scope, id).await
 }
 

@@ -160,7 +160,7 @@ pub async fn report_status(
     if !held {
         check_lease(&state, agent.worker_id, job).await?;
     }
-    gangs::settle(&state, job).await?;
+    gangs::settle(&state.db, job).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

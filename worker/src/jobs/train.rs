@@ -311,14 +311,15 @@ fn rank_device(context: &JobContext, rank: &RankJob) -> Result<Device, JobError>
     }
 }
 
-/// One rank of a data-parallel job: fetch the data, meet the other ranks through the
-/// server, resume from the gang's latest checkpoint, join the ring and train on this
+/// One rank of a data-parallel job: meet the other ranks through the server, fetch the
+/// data, resume from the gang's latest checkpoint, join the ring and train on this
 /// rank's share of every global batch. A lost ring neighbour ends the run as
 /// `RankLost`, which leaves the gang's recovery to the server.
 pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, JobError> {
     let spec = rank.train.clone();
     let device = rank_device(context, &rank)?;
-    let (bytes, model_folder) = fetch_data(context, &spec).await?;
+    // Meet first, fetch after: the rendezvous clock runs from the first rank's claim, and a
+    // large model's download must not let it run out (the ring waits RING_TIMEOUT instead).
     let listener = std::net::TcpListener::bind((context.host().as_str(), 0))?;
     let address = listener.local_addr()?;
     let address = format!("{}:{}", context.host(), address.port());
@@ -336,6 +337,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             describe(&device)
         ))
         .await?;
+    let (bytes, model_folder) = fetch_data(context, &spec).await?;
     let resume = fetch_checkpoint(context).await?;
     let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
     let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
