@@ -120,9 +120,25 @@ async fn a_gang_is_claimed_all_or_none() {
         // Cancelling the job stops every rank at its worker's next heartbeat.
         assert_eq!(server.post(&token, &format!("/jobs/{id}/cancel"), json!({})).await.status(), 200);
         for (secret, rank_job, _) in &three {
-            let beat: Value = server.post(secret, "/agent/heartbeat", json!({"jobs": [rank_job]})).await.json().await.unwrap();
+            let beat: Value =
+                server.post(secret, "/agent/heartbeat", json!({"jobs": [rank_job]})).await.json().await.unwrap();
             assert_eq!(beat["stop"], json!([rank_job]), "{backend:?}");
         }
+
+        // A rank that fails before its gang forms fails the job (the gang would never form).
+        let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]))).await;
+        let early: Value = response.json().await.unwrap();
+        let ranks = claim_ranks(&server, &["f"]).await;
+        let failure = json!({"state": "failed", "message": "no CUDA here"});
+        assert_eq!(
+            server.post(&ranks[0].0, &format!("/agent/jobs/{}/status", ranks[0].1), failure).await.status(),
+            204
+        );
+        let failed = job(&server, &token, early["id"].as_str().unwrap()).await;
+        assert_eq!(
+            (failed["state"].as_str(), failed["message"].as_str()),
+            (Some("failed"), Some("Rank 0 failed: no CUDA here"))
+        );
 
         // A worker offering no GPU never claims a CUDA rank.
         let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cuda"}, {"device": "cuda"}]))).await;

@@ -286,7 +286,17 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
         let deadline: Option<i64> = gang.try_get("gang_deadline")?;
         let mut tx = db.begin().await?;
         let ranks = ranks_in(&mut tx, &id).await?;
+        let failed = ranks.iter().find(|r| r.state == "failed");
         match state.as_str() {
+            // A rank that failed before or after the gang formed fails the job.
+            "queued" | "running" if failed.is_some() => {
+                let failed = failed.expect("checked");
+                let message =
+                    format!("Rank {} failed: {}", failed.rank, failed.message.as_deref().unwrap_or("no message"));
+                end(&mut tx, &id, JobState::Failed, &message, now).await?;
+                stop_ranks(&mut tx, &id, now).await?;
+                swept.settled += 1;
+            }
             "queued" if deadline.is_some_and(|d| d < now) => {
                 release(&mut tx, &id, now, "The gang did not form within the rendezvous time-out; released.").await?;
                 sqlx::query("UPDATE jobs SET gang_deadline = NULL WHERE id = $1 AND state = 'queued'")
@@ -296,13 +306,7 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                 swept.released += 1;
             }
             "running" => {
-                if let Some(failed) = ranks.iter().find(|r| r.state == "failed") {
-                    let message =
-                        format!("Rank {} failed: {}", failed.rank, failed.message.as_deref().unwrap_or("no message"));
-                    end(&mut tx, &id, JobState::Failed, &message, now).await?;
-                    stop_ranks(&mut tx, &id, now).await?;
-                    swept.settled += 1;
-                } else if let Some(lost) = ranks.iter().find(|r| r.state == "queued" || r.state == "cancelled") {
+                if let Some(lost) = ranks.iter().find(|r| r.state == "queued" || r.state == "cancelled") {
                     let why = lost.message.as_deref().unwrap_or("its worker stopped responding").trim_end_matches('.');
                     if attempts >= max_attempts {
                         let message = format!("Rank {} was lost on the last allowed attempt ({why}).", lost.rank);
