@@ -25,9 +25,10 @@ const BATCH: usize = 32;
 
 /// Relative tolerance on losses and weights. The two ranks sum two half-batch gradients
 /// where one process sums the whole batch in one GEMM, so the f32 rounding differs in the
-/// last bits and grows a little over the steps; anything larger is a wrong share,
-/// weighting or reduction.
-const TOLERANCE: f64 = 1e-4;
+/// last bits and grows a little over the steps (observed on this machine: 6e-8 on the
+/// loss, 2.4e-7 on a weight after 60 steps); a wrong share, weighting or reduction is off
+/// by far more.
+const TOLERANCE: f64 = 1e-5;
 
 fn blobs_csv() -> String {
     let mut rng = Rng::new(11);
@@ -128,6 +129,11 @@ fn assert_matches_one_process(schedule: LrSchedule) {
         }
         assert_eq!(run.timed_steps, STEPS as usize, "rank {rank} times every step");
     }
+    let relative = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1.0);
+    let worst_loss = ranks[0].losses.iter().zip(&single.losses).map(|(a, b)| relative(*a, *b)).fold(0.0, f64::max);
+    let worst_weight =
+        ranks[0].weights.iter().zip(&single.weights).map(|(a, b)| relative(*a as f64, *b as f64)).fold(0.0, f64::max);
+    eprintln!("largest relative difference from one process: loss {worst_loss:.2e}, weight {worst_weight:.2e}");
     // The all-reduce hands both ranks the same bits, so they never drift apart.
     assert_eq!(ranks[0].lrs, ranks[1].lrs);
     assert_eq!(ranks[0].losses, ranks[1].losses);

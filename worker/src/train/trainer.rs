@@ -248,3 +248,20 @@ impl Trainer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Share;
+
+    #[test]
+    fn the_shares_of_a_gang_cover_every_row_of_a_batch_once_in_order() {
+        for (world, rows) in [(2, 64), (3, 64), (4, 7), (5, 5)] {
+            let batch: Vec<usize> = (100..100 + rows).collect();
+            let covered: Vec<usize> = (0..world).flat_map(|rank| Share { rank, world }.of(&batch).to_vec()).collect();
+            assert_eq!(covered, batch, "{world} ranks over {rows} rows");
+            let sizes: Vec<usize> = (0..world).map(|rank| Share { rank, world }.of(&batch).len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+        }
+        assert_eq!(Share::WHOLE.of(&[3, 1, 2]), [3, 1, 2]);
+    }
+}
