@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use crate::parallel::RankJob;
 use crate::train::{TrainJob, TrainProgress, TrainSpec};
 
 /// `queued → leased → running → succeeded | failed | cancelled`; an expired lease puts a
@@ -67,6 +68,8 @@ pub enum JobSpec {
     },
     /// Train a model (see [`crate::train`]); resumes from the job's latest checkpoint.
     Train(TrainJob),
+    /// One rank of a data-parallel training job, claimed with the rest of its gang.
+    TrainRank(RankJob),
     /// Measure a model's throughput and p99 latency per batch size on each kind of slice
     /// the worker has (the planner's throughput table).
     Profile { model: Uuid, batch_sizes: Vec<u32> },
@@ -78,6 +81,7 @@ impl JobSpec {
             JobSpec::Prefetch { .. } => "prefetch",
             JobSpec::Serve { .. } => "serve",
             JobSpec::Train(_) => "train",
+            JobSpec::TrainRank(_) => "train_rank",
             JobSpec::Profile { .. } => "profile",
         }
     }

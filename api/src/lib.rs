@@ -11,6 +11,7 @@ pub mod error;
 pub mod jobs;
 pub mod mig;
 pub mod models;
+pub mod parallel;
 pub mod precision;
 pub mod train;
 pub mod workers;

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::datasets::{DatasetColumn, DatasetFormat};
+use crate::parallel::{ParallelSpec, RankStep};
 
 /// A spec mistake, named by its JSON path (`task.validation_split`), so the 422 says
 /// exactly which field to change.
@@ -59,6 +60,9 @@ pub struct TrainSpec {
     pub checkpoint_every: u64,
     pub lr_schedule: LrSchedule,
     pub seed: u64,
+    /// Data-parallel ranks (issue 12); left out, the job runs on one device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<ParallelSpec>,
 }
 
 /// A registered model (id or name) to fine-tune, or a built-in model trained from
@@ -348,7 +352,11 @@ impl TrainSpec {
         if self.checkpoint_every == 0 {
             return Err(SpecError::new("checkpoint_every", "must be at least 1"));
         }
-        self.lr_schedule.validate()
+        self.lr_schedule.validate()?;
+        match &self.parallel {
+            Some(parallel) => parallel.validate(self.batch_size),
+            None => Ok(()),
+        }
     }
 }
 
@@ -408,6 +416,9 @@ pub struct TrainJob {
     pub checkpoint_every: u64,
     pub lr_schedule: LrSchedule,
     pub seed: u64,
+    /// The ranks of a data-parallel job; `batch_size` is then the global batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<ParallelSpec>,
 }
 
 /// One row of a metric series: the step and the values named at it, e.g.
@@ -454,7 +465,8 @@ impl StepPhase {
 
 /// `POST /api/v1/agent/jobs/{id}/training-metrics` (worker) and the body of
 /// `GET /api/v1/jobs/{id}/metrics`. `steps` are per training step (`loss`, `lr`,
-/// `throughput` in samples/s, …); `evals` per evaluation (`val_loss`, `accuracy`, …).
+/// `throughput` in samples/s, …); `evals` per evaluation (`val_loss`, `accuracy`, …);
+/// `ranks` per rank and step of a data-parallel job (`iter_ms`, `wait_ms`, `allreduce_ms`).
 /// A step reported again (a job resumed from a checkpoint) replaces the earlier value,
 /// so the series stays one run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -463,6 +475,9 @@ pub struct TrainingMetrics {
     pub steps: Vec<MetricRow>,
     #[serde(default)]
     pub evals: Vec<MetricRow>,
+    /// Data-parallel jobs: each rank's step timings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankStep>,
 }
 
 /// One AutoLRS candidate: the LR tried for τ' steps from the stage's snapshot, the loss

@@ -25,7 +25,7 @@ use crate::gateway::{kserve, openai, Gateway, GatewayError};
 use crate::registry::blobs::BlobStore;
 use crate::state::AppState;
 use crate::store::db::Db;
-use crate::{accounts, datasets, deployments, error, fleet, jobs, openapi, registry, telemetry, training, web, workers};
+use crate::{accounts, datasets, deployments, error, fleet, gangs, jobs, openapi, registry, telemetry, training, web, workers};
 
 /// Why the server could not start: a setting is refused, the data directory, the
 /// database, or the first admin could not be set up, or the address could not be bound.
@@ -112,6 +112,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(workers::agent::report_status))
         .routes(routes!(workers::agent::append_logs))
         .routes(routes!(workers::agent::record_metrics))
+        .routes(routes!(gangs::rendezvous))
         .routes(routes!(registry::routes::agent_get))
         .routes(routes!(registry::routes::agent_download))
         .routes(routes!(datasets::agent_get))
@@ -208,6 +209,12 @@ fn spawn_lease_expiry(state: AppState) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(jobs = n, "expired leases requeued or failed"),
                 Err(e) => tracing::warn!(error = %e, "lease expiry failed"),
+            }
+            // After expiry: a gang that just lost a rank is requeued in the same tick.
+            match crate::store::gangs::sweep(&state.db, crate::store::db::now_ms(), None).await {
+                Ok(swept) if swept == Default::default() => {}
+                Ok(swept) => tracing::info!(?swept, "gangs released, requeued or settled"),
+                Err(e) => tracing::warn!(error = %e, "gang sweep failed"),
             }
         }
     });

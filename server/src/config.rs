@@ -53,6 +53,11 @@ pub struct Config {
     #[arg(long, env = "TESSERA_LEASE_TTL_SECS", default_value_t = 30)]
     pub lease_ttl_secs: u64,
 
+    /// How long the ranks of a data-parallel job have, from the first rank's claim, to be
+    /// claimed and meet; a gang that does not form is released with no attempt spent.
+    #[arg(long, env = "TESSERA_GANG_RENDEZVOUS_SECS", default_value_t = 60)]
+    pub gang_rendezvous_secs: u64,
+
     /// How often workers are asked to heartbeat; three missed beats mark one offline.
     #[arg(long, env = "TESSERA_HEARTBEAT_SECS", default_value_t = 5)]
     pub heartbeat_secs: u64,
@@ -91,6 +96,7 @@ impl Config {
             max_upload_bytes: 4 << 30,
             session_hours: 12,
             lease_ttl_secs: 30,
+            gang_rendezvous_secs: 60,
             heartbeat_secs: 5,
             login_burst: 10,
             login_refill_secs: 6,

@@ -9,6 +9,7 @@ pub mod datasets;
 pub mod deployments;
 pub mod error;
 pub mod fleet;
+pub mod gangs;
 pub mod gateway;
 pub mod jobs;
 pub mod openapi;

@@ -103,7 +103,7 @@ impl Agent {
         let used = |u: Use| running.values().filter(|(kind, _)| *kind == u).count();
         let mut kinds = Vec::new();
         if used(Use::Batch) < self.config.slots {
-            kinds.extend(["prefetch", "train", "profile"]);
+            kinds.extend(["prefetch", "train", "train_rank", "profile"]);
         }
         if used(Use::Replica) < self.config.replica_slots {
             kinds.push("serve");

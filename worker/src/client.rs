@@ -12,6 +12,7 @@ use tessera_api::workers::{
     StatusReport,
 };
 use tessera_api::jobs::MetricPoint;
+use tessera_api::parallel::{RendezvousRequest, RendezvousResponse};
 use tessera_api::train::{Checkpoint, LrStageRecord, TrainingMetrics};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
@@ -115,6 +116,12 @@ impl Client {
     pub async fn training_metrics(&self, job: Uuid, metrics: &TrainingMetrics) -> Result<(), ClientError> {
         self.post(&format!("jobs/{job}/training-metrics"), metrics).await?;
         Ok(())
+    }
+
+    /// Posts where this rank accepts its ring neighbour; answers whether the gang formed.
+    pub async fn rendezvous(&self, job: Uuid, address: &str) -> Result<RendezvousResponse, ClientError> {
+        let request = RendezvousRequest { address: address.to_string() };
+        Ok(self.post(&format!("jobs/{job}/rendezvous"), &request).await?.json().await?)
     }
 
     /// One AutoLRS stage record (a record for the same stage replaces it).

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod collective;
 pub mod engine;
 pub mod inventory;
 pub mod jobs;

@@ -13,7 +13,7 @@ use crate::error::{ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, NewJob};
 use crate::store::{db::Db, Scope};
-use crate::{registry, training};
+use crate::{gangs, registry, training};
 
 /// Attempts a job gets when the body does not say.
 const DEFAULT_MAX_ATTEMPTS: u32 = 3;
@@ -50,6 +50,13 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
     let (spec, dataset) = match request {
         CreateJob::Train(train) => {
             let (job, dataset) = training::spec::resolve(state, principal, &train).await?;
+            if let Some(parallel) = &job.parallel {
+                let spec = JobSpec::Train(job.clone());
+                let row = NewJob { dataset: Some(dataset), ..NewJob::new(principal.id, &name, &spec, max_attempts) };
+                let id = gangs::queue(state, &row, &job, parallel).await?;
+                tracing::info!(job = %id, ranks = parallel.ranks.len(), user = %principal.username, "data-parallel job queued");
+                return Ok(id);
+            }
             (JobSpec::Train(job), Some(dataset))
         }
         CreateJob::Generic(job) => match job.spec {
@@ -75,6 +82,8 @@ pub async fn cancel_job(db: &Db, principal: &Principal, id: Uuid) -> Result<Job>
             job.state.as_str()
         )));
     }
+    // A data-parallel job's ranks stop with it.
+    gangs::settle(db, id).await?;
     find(db, &scope, id).await
 }
 

@@ -119,12 +119,12 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
 }
 
 /// Jobs `scope` may see, newest first, without serving replicas (those are listed with
-/// their deployment).
+/// their deployment) or the ranks of data-parallel jobs (those are their job's).
 pub async fn list(db: &Db, scope: &Scope, state: Option<JobState>) -> Result<Vec<Job>> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
          WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
-         ORDER BY j.created_at DESC LIMIT 500"
+         AND j.gang_id IS NULL ORDER BY j.created_at DESC LIMIT 500"
     )))
     .bind(scope.owner_filter())
     .bind(state.map(JobState::as_str))

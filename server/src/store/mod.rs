@@ -7,6 +7,7 @@
 pub mod datasets;
 pub mod deployments;
 pub mod db;
+pub mod gangs;
 pub mod jobs;
 pub mod models;
 pub mod slices;

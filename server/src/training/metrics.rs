@@ -6,12 +6,14 @@
 
 use std::collections::BTreeMap;
 
+use tessera_api::parallel::RankStep;
 use tessera_api::train::{MetricRow, StepPhase, TrainingMetrics};
 use uuid::Uuid;
 
 use super::downsample;
 use crate::error::{Error, Result};
 use crate::store::db::{now_ms, Db};
+use crate::store::gangs;
 use crate::store::training::{self as store, Point, Series};
 
 /// Points one report may carry (the JSON body limit caps it too).
@@ -57,8 +59,19 @@ pub async fn store(db: &Db, job: Uuid, points: Vec<Point>) -> Result<()> {
     Ok(store::upsert_metrics(db, job, &points).await?)
 }
 
-/// Stores a worker's report, stamped with the server's clock.
-pub async fn store_report(db: &Db, job: Uuid, report: &TrainingMetrics) -> Result<()> {
+/// Stores a worker's report, stamped with the server's clock. `rank`: the reporting rank
+/// of a data-parallel job, whose timings are the only rank rows it may send.
+pub async fn store_report(db: &Db, job: Uuid, report: &TrainingMetrics, rank: Option<u32>) -> Result<()> {
+    if !report.ranks.is_empty() {
+        if report.ranks.iter().any(|r| Some(r.rank) != rank) {
+            return Err(Error::invalid("invalid_metric", "A rank reports its own step timings only."));
+        }
+        let finite = |r: &RankStep| [r.iter_ms, r.wait_ms, r.allreduce_ms].iter().all(|v| v.is_finite() && *v >= 0.0);
+        if !report.ranks.iter().all(finite) || report.ranks.len() > MAX_POINTS_PER_REPORT {
+            return Err(Error::invalid("invalid_metric", "Step timings are finite milliseconds, 0 or more."));
+        }
+        gangs::upsert_rank_steps(db, job, &report.ranks).await?;
+    }
     store(db, job, points_of(report, now_ms())?).await
 }
 
@@ -90,5 +103,12 @@ pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<Train
             .map(|(step, values)| MetricRow { step: step as u64, phase: phases.get(&(kind, step)).copied(), values })
             .collect()
     };
-    Ok(TrainingMetrics { steps: rows_of(Series::Step, steps), evals: rows_of(Series::Eval, evals) })
+    let mut ranks = gangs::rank_steps(db, job).await?;
+    if let Some(max) = max_points {
+        // Every k-th step of each rank, so the series keep their shape.
+        let per_rank = ranks.iter().map(|r| r.rank).max().map_or(1, |m| m as usize + 1);
+        let stride = ranks.len().div_ceil(max.saturating_mul(per_rank).max(1)).max(1);
+        ranks.retain(|r| r.step % stride as u64 == 0);
+    }
+    Ok(TrainingMetrics { steps: rows_of(Series::Step, steps), evals: rows_of(Series::Eval, evals), ranks })
 }

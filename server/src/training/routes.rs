@@ -11,9 +11,8 @@ use uuid::Uuid;
 use super::{checkpoints, lr_stages, metrics};
 use crate::auth::{AgentAuth, Principal};
 use crate::error::{ApiJson, ApiMultipart, ApiPath, ApiQuery, Error, Result};
-use crate::jobs;
 use crate::state::AppState;
-use crate::workers::agent::check_lease;
+use crate::{gangs, jobs};
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 pub struct MetricsQuery {
@@ -89,8 +88,8 @@ pub async fn agent_metrics(
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(report): ApiJson<TrainingMetrics>,
 ) -> Result<StatusCode> {
-    check_lease(&state, agent.worker_id, job).await?;
-    metrics::store_report(&state.db, job, &report).await?;
+    let (job, rank) = gangs::leased_job(&state, agent.worker_id, job).await?;
+    metrics::store_report(&state.db, job, &report, rank.map(|r| r.rank)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -104,7 +103,7 @@ pub async fn agent_lr_stage(
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(record): ApiJson<LrStageRecord>,
 ) -> Result<StatusCode> {
-    check_lease(&state, agent.worker_id, job).await?;
+    let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
     lr_stages::store(&state.db, job, &record).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -122,7 +121,7 @@ pub async fn agent_upload_checkpoint(
     ApiPath(job): ApiPath<Uuid>,
     ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Checkpoint>)> {
-    check_lease(&state, agent.worker_id, job).await?;
+    let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
     let checkpoint = checkpoints::upload(&state, job, &mut multipart).await?;
     Ok((StatusCode::CREATED, ApiJson(checkpoint)))
 }
@@ -137,7 +136,7 @@ pub async fn agent_latest_checkpoint(
     agent: AgentAuth,
     ApiPath(job): ApiPath<Uuid>,
 ) -> Result<Response> {
-    check_lease(&state, agent.worker_id, job).await?;
+    let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
     Ok(match checkpoints::latest(&state, job).await? {
         Some(checkpoint) => ApiJson(checkpoint).into_response(),
         None => StatusCode::NO_CONTENT.into_response(),
@@ -154,6 +153,6 @@ pub async fn agent_checkpoint_file(
     agent: AgentAuth,
     ApiPath((job, step, name)): ApiPath<(Uuid, u64, String)>,
 ) -> Result<Response> {
-    check_lease(&state, agent.worker_id, job).await?;
+    let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
     checkpoints::file_response(&state, job, step, &name).await
 }

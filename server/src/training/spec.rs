@@ -149,6 +149,7 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
         checkpoint_every: spec.checkpoint_every,
         lr_schedule: spec.lr_schedule.clone(),
         seed: spec.seed,
+        parallel: spec.parallel.clone(),
     };
     Ok((job, dataset.id))
 }

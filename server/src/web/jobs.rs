@@ -279,6 +279,13 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
             TrainModel::Registered { id, .. } => (Some(*id), " (fine-tuned)".to_string()),
             TrainModel::Mlp { hidden } => (None, format!("MLP {hidden:?}")),
         },
+        JobSpec::TrainRank(rank) => {
+            let purpose = format!(" (rank {} of {} of job {})", rank.rank, rank.world, &rank.gang.to_string()[..8]);
+            match &rank.train.model {
+                TrainModel::Registered { id, .. } => (Some(*id), purpose),
+                TrainModel::Mlp { hidden } => (None, format!("MLP {hidden:?}{purpose}")),
+            }
+        }
     };
     let (target_label, target_href) = match model {
         None => (purpose, None),

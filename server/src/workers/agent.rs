@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use crate::auth::{secrets, AgentAuth};
 use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::gangs;
 use crate::state::AppState;
 use crate::store::db::{self, now_ms};
 use crate::store::training::{Point, Series};
@@ -98,9 +99,16 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
+    // A rank of a forming gang first: its gang waits on it.
+    let ranks = request.kinds.iter().any(|k| k == "train_rank");
+    let gang_rank = if ranks { gangs::claim_rank(&state, agent.worker_id, lease_ttl_ms(&state)).await? } else { None };
+    let kinds: Vec<String> = request.kinds.into_iter().filter(|k| k != "train_rank").collect();
     let free = slices::free_for(&state.db, agent.worker_id).await?;
-    let Some(claimed) = jobs::claim(&state.db, agent.worker_id, &request.kinds, lease_ttl_ms(&state), &free).await?
-    else {
+    let claimed = match gang_rank {
+        Some(claimed) => Some(claimed),
+        None => jobs::claim(&state.db, agent.worker_id, &kinds, lease_ttl_ms(&state), &free).await?,
+    };
+    let Some(claimed) = claimed else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let slice = slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
@@ -152,6 +160,7 @@ pub async fn report_status(
     if !held {
         check_lease(&state, agent.worker_id, job).await?;
     }
+    gangs::settle(&state.db, job).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -164,11 +173,14 @@ pub async fn append_logs(
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(batch): ApiJson<LogBatch>,
 ) -> Result<StatusCode> {
-    check_lease(&state, agent.worker_id, job).await?;
+    let (job, rank) = gangs::leased_job(&state, agent.worker_id, job).await?;
     if batch.lines.len() > 10_000 {
         return Err(Error::PayloadTooLarge("Send at most 10000 log lines per request.".into()));
     }
-    let lines: Vec<String> = batch.lines.iter().map(|line| line.chars().take(8192).collect()).collect();
+    // A gang's ranks write to its job's one log, each line saying whose it is.
+    let prefix = rank.map(|r| format!("rank {}: ", r.rank)).unwrap_or_default();
+    let lines: Vec<String> =
+        batch.lines.iter().map(|line| format!("{prefix}{}", line.chars().take(8192).collect::<String>())).collect();
     jobs::append_logs(&state.db, job, &lines, now_ms()).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -49,6 +49,17 @@ impl JobContext {
         self.client.logs(self.job, vec![line]).await
     }
 
+    /// The host the server reaches this worker at (its engine endpoint's), where a
+    /// data-parallel rank listens for its ring neighbour.
+    pub fn host(&self) -> String {
+        let url = self.endpoint.url.as_str();
+        let authority = url.split("://").nth(1).unwrap_or(url).split('/').next().unwrap_or_default();
+        match authority.rsplit_once(':') {
+            Some((host, port)) if port.parse::<u16>().is_ok() => host.to_string(),
+            _ => authority.to_string(),
+        }
+    }
+
     pub async fn metric(&self, name: &str, step: i64, value: f64) -> Result<(), ClientError> {
         self.client.metrics(self.job, vec![MetricPoint { name: name.into(), step, value, at: None }]).await
     }
@@ -74,6 +85,9 @@ pub enum JobError {
     Train(String),
     #[error(transparent)]
     Process(#[from] crate::serve::process::ProcessError),
+    /// A data-parallel rank lost its ring (a peer died or went silent).
+    #[error("the gang lost a rank: {0}")]
+    RankLost(String),
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -86,16 +100,26 @@ pub async fn run(context: JobContext, spec: JobSpec) {
             Err(e) => Err(e.into()),
         },
         JobSpec::Serve { model, limits, .. } => serve::run(&context, model, limits).await,
-        JobSpec::Profile { model, batch_sizes } => match context.client.status(job, JobState::Running, None, None).await {
-            Ok(()) => profile::run(&context, model, batch_sizes).await,
-            Err(e) => Err(e.into()),
-        },
+        JobSpec::Profile { model, batch_sizes } => {
+            match context.client.status(job, JobState::Running, None, None).await {
+                Ok(()) => profile::run(&context, model, batch_sizes).await,
+                Err(e) => Err(e.into()),
+            }
+        }
         JobSpec::Train(spec) => train::run(&context, spec).await,
+        JobSpec::TrainRank(rank) => train::run_rank(&context, rank).await,
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),
         Err(JobError::Client(ClientError::LeaseLost)) => {
             tracing::info!(%job, "lease lost while running; leaving the job to the server");
+            return;
+        }
+        Err(JobError::RankLost(reason)) => {
+            // Not this rank's failure: the server requeues the gang once the lost rank's
+            // lease expires, and it resumes from its last checkpoint.
+            let _ = context.log(format!("the gang lost a rank: {reason}")).await;
+            tracing::warn!(%job, %reason, "the gang lost a rank; leaving the job to the server");
             return;
         }
         Err(e) => {

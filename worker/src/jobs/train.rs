@@ -5,6 +5,10 @@
 //! sent before the checkpoint itself, so a resumed run re-reports (and so overwrites)
 //! only steps after the checkpoint. Dropping this task (lease revoked, job cancelled)
 //! stops the training thread at its next step.
+//!
+//! A rank of a data-parallel job (`run_rank`) does the same after meeting the other ranks
+//! through the server's rendezvous and joining their all-reduce ring; rank 0 reports the
+//! job's metrics and checkpoints, every rank its own step timings.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,10 +17,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use tessera_api::jobs::JobState;
+use tessera_api::parallel::{RankDevice, RankJob, RendezvousResponse};
 use tessera_api::train::{OptimizerSpec, TaskType, TrainJob, TrainModel, TrainingMetrics};
 use tokio::sync::mpsc;
 
 use super::{prefetch, JobContext, JobError};
+use crate::collective::ring::{Hello, Ring};
+use crate::collective::{RingFault, RingSync};
 use crate::train::data::{self, TaskColumns, TaskKind};
 use crate::train::model::bert::BertClassifier;
 use crate::train::model::mlp::Mlp;
@@ -30,12 +37,16 @@ use crate::train::trainer::{Evaluation, Trainer};
 const FLUSH_ROWS: usize = 500;
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
-/// Sets the flag when dropped, which the training thread polls every step.
-struct CancelOnDrop(Arc<AtomicBool>);
+/// Sets the flag when dropped, which the training thread polls every step, and shuts a
+/// rank's ring connections so a thread blocked on its neighbours stops at once.
+struct CancelOnDrop(Arc<AtomicBool>, Vec<std::net::TcpStream>);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
+        for stream in &self.1 {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -88,11 +99,13 @@ struct Uplink<'a> {
     context: &'a JobContext,
     pending: TrainingMetrics,
     last_flush: Instant,
+    /// Reports the job's metrics, stages and checkpoints (a gang's rank 0, or a one-device run).
+    leader: bool,
 }
 
 impl Uplink<'_> {
     async fn flush(&mut self) -> Result<(), JobError> {
-        if !self.pending.steps.is_empty() || !self.pending.evals.is_empty() {
+        if !self.pending.steps.is_empty() || !self.pending.evals.is_empty() || !self.pending.ranks.is_empty() {
             let batch = std::mem::take(&mut self.pending);
             self.context.client.training_metrics(self.context.job, &batch).await?;
         }
@@ -102,6 +115,9 @@ impl Uplink<'_> {
 
     async fn handle(&mut self, event: Event) -> Result<(), JobError> {
         match event {
+            // The other ranks' copies of what the leader reports.
+            Event::Step(_) | Event::Eval(_) | Event::Stage(_) | Event::Checkpoint(_) if !self.leader => {}
+            Event::RankStep(timing) => self.pending.ranks.push(timing),
             Event::Step(row) => self.pending.steps.push(row),
             Event::Eval(row) => {
                 let line = row.values.iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join(", ");
@@ -120,7 +136,8 @@ impl Uplink<'_> {
                 self.context.log(format!("checkpoint at step {} uploaded ({size} bytes)", checkpoint.step)).await?;
             }
         }
-        if self.pending.steps.len() + self.pending.evals.len() >= FLUSH_ROWS || self.last_flush.elapsed() >= FLUSH_EVERY
+        if self.pending.steps.len() + self.pending.evals.len() + self.pending.ranks.len() >= FLUSH_ROWS
+            || self.last_flush.elapsed() >= FLUSH_EVERY
         {
             self.flush().await?;
         }
@@ -137,8 +154,15 @@ fn training_device() -> Device {
     Device::Cpu
 }
 
-pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobError> {
-    context.client.status(context.job, JobState::Running, None, None).await?;
+/// What a run needs before its session is built: the dataset's bytes, the model's
+/// folder (fine-tuning) and the checkpoint to resume from.
+struct Inputs {
+    bytes: Vec<u8>,
+    model_folder: Option<std::path::PathBuf>,
+    resume: Option<(u64, HashMap<String, Vec<u8>>)>,
+}
+
+async fn fetch_data(context: &JobContext, spec: &TrainJob) -> Result<(Vec<u8>, Option<std::path::PathBuf>), JobError> {
     let bytes = context.client.dataset(spec.dataset.id, &spec.dataset.digest).await?;
     context
         .log(format!("dataset {} fetched ({} bytes, {} rows)", spec.dataset.id, bytes.len(), spec.dataset.rows))
@@ -147,66 +171,98 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
         TrainModel::Registered { id, .. } => Some(prefetch::fetch(context, *id).await?.0),
         TrainModel::Mlp { .. } => None,
     };
+    Ok((bytes, model_folder))
+}
+
+async fn fetch_checkpoint(context: &JobContext) -> Result<Option<(u64, HashMap<String, Vec<u8>>)>, JobError> {
     let resume = latest_checkpoint(context).await?;
     if let Some((step, _)) = &resume {
         context.log(format!("resuming from the checkpoint at step {step}")).await?;
     }
+    Ok(resume)
+}
 
+/// Builds the session (on the calling thread: it parses and loads), resumed when
+/// `inputs` hold a checkpoint.
+fn build_session(spec: &TrainJob, inputs: Inputs, device: &Device) -> Result<Session, JobError> {
+    let columns = task_columns(spec);
+    let table = data::Table::parse(&inputs.bytes)?;
+    let prepared = Arc::new(data::prepare(&table, &columns, spec.seed)?);
+    let network: Box<dyn Network> = match (&spec.model, &inputs.model_folder) {
+        (TrainModel::Mlp { hidden }, _) => {
+            let hidden: Vec<usize> = hidden.iter().map(|&h| h as usize).collect();
+            let outputs = if columns.kind == TaskKind::Classification { prepared.classes.len() } else { 1 };
+            Box::new(Mlp::new(prepared.input_dim(), &hidden, outputs, spec.seed, device)?)
+        }
+        (TrainModel::Registered { .. }, folder) => {
+            let folder = folder.as_ref().expect("the model folder is fetched first");
+            Box::new(BertClassifier::load(folder, &prepared, columns.kind, spec.seed, device)?)
+        }
+    };
+    let trainer = Trainer::new(
+        network,
+        optimizer_kind(&spec.optimizer),
+        prepared,
+        columns.kind,
+        spec.batch_size as usize,
+        spec.seed,
+        device.clone(),
+    )?;
+    let policy = policy::build(&spec.lr_schedule, spec.max_steps, spec.seed);
+    let limits =
+        Limits { max_steps: spec.max_steps, eval_every: spec.eval_every, checkpoint_every: spec.checkpoint_every };
+    let mut session = Session::new(trainer, policy, limits);
+    if let Some((_, files)) = &inputs.resume {
+        session.resume(files, device)?;
+    }
+    Ok(session)
+}
+
+pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobError> {
+    context.client.status(context.job, JobState::Running, None, None).await?;
+    let (bytes, model_folder) = fetch_data(context, &spec).await?;
+    let resume = fetch_checkpoint(context).await?;
     let device = training_device();
     context.log(format!("training on {}", if device.is_cuda() { "CUDA device 0" } else { "the CPU" })).await?;
-    let columns = task_columns(&spec);
     let setup_spec = spec.clone();
-    let session = tokio::task::spawn_blocking(move || -> Result<Session, JobError> {
-        let table = data::Table::parse(&bytes)?;
-        let prepared = Arc::new(data::prepare(&table, &columns, setup_spec.seed)?);
-        let network: Box<dyn Network> = match (&setup_spec.model, &model_folder) {
-            (TrainModel::Mlp { hidden }, _) => {
-                let hidden: Vec<usize> = hidden.iter().map(|&h| h as usize).collect();
-                let outputs = if columns.kind == TaskKind::Classification { prepared.classes.len() } else { 1 };
-                Box::new(Mlp::new(prepared.input_dim(), &hidden, outputs, setup_spec.seed, &device)?)
-            }
-            (TrainModel::Registered { .. }, folder) => {
-                let folder = folder.as_ref().expect("the model folder is fetched above");
-                Box::new(BertClassifier::load(folder, &prepared, columns.kind, setup_spec.seed, &device)?)
-            }
-        };
-        let trainer = Trainer::new(
-            network,
-            optimizer_kind(&setup_spec.optimizer),
-            prepared,
-            columns.kind,
-            setup_spec.batch_size as usize,
-            setup_spec.seed,
-            device.clone(),
-        )?;
-        let policy = policy::build(&setup_spec.lr_schedule, setup_spec.max_steps, setup_spec.seed);
-        let limits = Limits {
-            max_steps: setup_spec.max_steps,
-            eval_every: setup_spec.eval_every,
-            checkpoint_every: setup_spec.checkpoint_every,
-        };
-        let mut session = Session::new(trainer, policy, limits);
-        if let Some((_, files)) = &resume {
-            session.resume(files, &device)?;
-        }
-        Ok(session)
+    let session = tokio::task::spawn_blocking(move || {
+        build_session(&setup_spec, Inputs { bytes, model_folder, resume }, &device)
     })
     .await
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
+    let (step, outcome) = drive(context, session, None, Vec::new(), true).await?;
+    Ok(summary(step, &outcome?))
+}
 
+/// Runs the session on a blocking thread (inside `pool` when given) and streams what it
+/// produces; `leader`: this run reports the job's metrics and checkpoints (a gang's other
+/// ranks report only their timings). `breakers` are shut down if this task is dropped.
+async fn drive(
+    context: &JobContext,
+    session: Session,
+    pool: Option<rayon::ThreadPool>,
+    breakers: Vec<std::net::TcpStream>,
+    leader: bool,
+) -> Result<(u64, Result<Evaluation, crate::train::session::SessionError>), JobError> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let _cancel_on_drop = CancelOnDrop(cancel.clone());
+    let _cancel_on_drop = CancelOnDrop(cancel.clone(), breakers);
     let (sender, mut events) = mpsc::unbounded_channel();
     let thread_cancel = cancel.clone();
     let training = tokio::task::spawn_blocking(move || {
         let mut session = session;
-        let outcome = session.run(&thread_cancel, &mut |event| {
-            let _ = sender.send(event);
-        });
+        let mut run = || {
+            session.run(&thread_cancel, &mut |event| {
+                let _ = sender.send(event);
+            })
+        };
+        let outcome = match &pool {
+            Some(pool) => pool.install(run),
+            None => run(),
+        };
         (session.step(), outcome)
     });
-    let mut uplink = Uplink { context, pending: TrainingMetrics::default(), last_flush: Instant::now() };
+    let mut uplink = Uplink { context, pending: TrainingMetrics::default(), last_flush: Instant::now(), leader };
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     loop {
         tokio::select! {
@@ -218,7 +274,113 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
         }
     }
     uplink.flush().await?;
-    let (step, outcome) = training.await.map_err(|e| JobError::Train(format!("the training thread panicked: {e}")))?;
-    let evaluation = outcome?;
-    Ok(summary(step, &evaluation))
+    training.await.map_err(|e| JobError::Train(format!("the training thread panicked: {e}")))
+}
+
+/// How long a rank waits on a silent neighbour before calling it dead. Generous: the
+/// leader evaluates the whole validation split while the others wait on its result.
+const RING_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often a rank asks whether its gang formed.
+const RENDEZVOUS_POLL: Duration = Duration::from_millis(250);
+
+/// Where a rank trains: CPU ranks (and ranks on simulated slices) on the CPU, CUDA ranks
+/// on the worker's first GPU. A real MIG slice needs a process confined to it, which
+/// training does not have yet.
+fn rank_device(context: &JobContext, rank: &RankJob) -> Result<Device, JobError> {
+    match (&rank.device.device, &rank.device.slice) {
+        (_, Some(profile)) => {
+            let simulated =
+                context.offered.iter().any(|s| s.profile.as_deref() == Some(profile.as_str()) && s.simulated);
+            if simulated {
+                Ok(Device::Cpu)
+            } else {
+                Err(JobError::Train(format!(
+                    "training ranks on real MIG slices ({profile}) need a process confined to the slice, which is not built yet"
+                )))
+            }
+        }
+        (Some(RankDevice::Cuda), None) => {
+            let device = training_device();
+            if device.is_cuda() || context.offered.iter().all(|s| s.simulated) {
+                Ok(device)
+            } else {
+                Err(JobError::Train("this worker build has no CUDA; run a cuda build for CUDA ranks".into()))
+            }
+        }
+        _ => Ok(Device::Cpu),
+    }
+}
+
+/// One rank of a data-parallel job: meet the other ranks through the server, fetch the
+/// data, resume from the gang's latest checkpoint, join the ring and train on this
+/// rank's share of every global batch. A lost ring neighbour ends the run as
+/// `RankLost`, which leaves the gang's recovery to the server.
+pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, JobError> {
+    let spec = rank.train.clone();
+    let device = rank_device(context, &rank)?;
+    // Meet first, fetch after: the rendezvous clock runs from the first rank's claim, and a
+    // large model's download must not let it run out (the ring waits RING_TIMEOUT instead).
+    let listener = std::net::TcpListener::bind((context.host().as_str(), 0))?;
+    let address = listener.local_addr()?;
+    let address = format!("{}:{}", context.host(), address.port());
+    let (generation, peers) = loop {
+        match context.client.rendezvous(context.job, &address).await? {
+            RendezvousResponse::Formed { generation, peers } => break (generation, peers),
+            RendezvousResponse::Waiting => tokio::time::sleep(RENDEZVOUS_POLL).await,
+        }
+    };
+    context
+        .log(format!(
+            "rank {} of {} joined attempt {generation} at {address} on {}",
+            rank.rank,
+            rank.world,
+            describe(&device)
+        ))
+        .await?;
+    let (bytes, model_folder) = fetch_data(context, &spec).await?;
+    let resume = fetch_checkpoint(context).await?;
+    let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
+    let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
+    let threads = rank.device.threads;
+    let setup =
+        tokio::task::spawn_blocking(move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault), JobError> {
+            let ring =
+                Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
+            let breakers = ring.breakers()?;
+            let sync = RingSync::new(ring);
+            let fault = sync.fault();
+            let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
+            let session = Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)));
+            Ok((session, breakers, fault))
+        });
+    let (session, breakers, fault) =
+        setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    let pool = match threads {
+        Some(n) => Some(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n as usize)
+                .build()
+                .map_err(|e| JobError::Train(format!("cannot start {n} training threads: {e}")))?,
+        ),
+        None => None,
+    };
+    context
+        .log(format!("rank {} training from step {} to {}", rank.rank, session.step(), rank.train.max_steps))
+        .await?;
+    let (step, outcome) = drive(context, session, pool, breakers, rank.rank == 0).await?;
+    match outcome {
+        Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Err(error) => match fault.get() {
+            Some(reason) => Err(JobError::RankLost(reason.clone())),
+            None => Err(error.into()),
+        },
+    }
+}
+
+fn describe(device: &Device) -> &'static str {
+    if device.is_cuda() {
+        "CUDA device 0"
+    } else {
+        "the CPU"
+    }
 }

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use candle_core::Device;
+use tessera_api::parallel::RankStep;
 use tessera_api::train::{LrStageRecord, MetricRow, StepPhase};
 
 use super::checkpoint::{self, CheckpointError, CheckpointFiles, Restored};
@@ -66,6 +67,8 @@ pub enum Event {
     Eval(MetricRow),
     Stage(LrStageRecord),
     Checkpoint(CheckpointFiles),
+    /// A data-parallel replica's timing of the step just taken.
+    RankStep(RankStep),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +113,12 @@ pub fn eval_row(step: u64, phase: Option<StepPhase>, evaluation: &Evaluation) ->
 impl Session {
     pub fn new(trainer: Trainer, policy: Box<dyn LrPolicy>, limits: Limits) -> Session {
         Session { trainer, policy, limits, step: 0, stage: None }
+    }
+
+    /// The same session with its trainer changed (a data-parallel rank's gradient sync
+    /// is attached after the checkpoint has been restored).
+    pub fn with_trainer(session: Session, change: impl FnOnce(Trainer) -> Trainer) -> Session {
+        Session { trainer: change(session.trainer), ..session }
     }
 
     pub fn step(&self) -> u64 {
@@ -187,7 +196,8 @@ impl Session {
                     if !loss.is_finite() && !self.policy.recovers_from_divergence() {
                         return Err(SessionError::Diverged { step: self.step, loss });
                     }
-                    let throughput = self.trainer.batch_size() as f64 / started.elapsed().as_secs_f64().max(1e-9);
+                    let elapsed = started.elapsed();
+                    let throughput = self.trainer.batch_size() as f64 / elapsed.as_secs_f64().max(1e-9);
                     // JSON has no NaN: a diverged step (AutoLRS recovers from it) is recorded without its loss.
                     let loss_value = Some(("loss", loss)).filter(|_| loss.is_finite());
                     emit(Event::Step(row(
@@ -195,6 +205,16 @@ impl Session {
                         phase,
                         loss_value.into_iter().chain([("lr", lr), ("throughput", throughput)]),
                     )));
+                    if let Some(timing) = self.trainer.last_timing() {
+                        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                        emit(Event::RankStep(RankStep {
+                            rank: self.trainer.share().rank as u32,
+                            step: self.step,
+                            iter_ms: ms(elapsed),
+                            wait_ms: ms(timing.wait),
+                            allreduce_ms: ms(timing.reduce),
+                        }));
+                    }
                     self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
                     for record in self.policy.take_stage_updates() {
                         emit(Event::Stage(record));
@@ -203,7 +223,9 @@ impl Session {
                     if self.step % self.limits.eval_every == 0 || last {
                         last_eval = Some((self.step, self.evaluate(phase, emit)?));
                     }
-                    if self.step % self.limits.checkpoint_every == 0 || last {
+                    // In a gang the ranks hold the same state; the leader writes it.
+                    let checkpoint = self.step % self.limits.checkpoint_every == 0 || last;
+                    if checkpoint && self.trainer.share().is_leader() {
                         emit(Event::Checkpoint(self.checkpoint()?));
                     }
                 }

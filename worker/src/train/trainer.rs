@@ -3,11 +3,13 @@
 //! given learning rate, evaluate on the validation split, and snapshot / restore the
 //! whole trainable state.
 //!
-//! QSync seam (gradient synchronisation): `step` computes the local gradients, hands them
-//! to a [`GradientSync`], then applies the optimizer. Data-parallel training across
-//! devices replaces `LocalGradients` with an all-reduce; nothing else changes.
+//! QSync seam (gradient synchronisation): `step` computes the gradients of this replica's
+//! share of the global batch, hands them to a [`GradientSync`], then applies the
+//! optimizer. Data-parallel training (`collective::RingSync`) replaces `LocalGradients`
+//! with an all-reduce; nothing else changes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -17,17 +19,67 @@ use super::loader::{Loader, LoaderPosition};
 use super::model::Network;
 use super::optim::{Optimizer, OptimizerKind, OptimizerState};
 
-/// Combines the gradients of the replicas of one synchronous step.
+/// The rows of every global batch one replica computes: a contiguous share, the same
+/// share on every step, so the replicas together cover the batch exactly once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Share {
+    pub const WHOLE: Share = Share { rank: 0, world: 1 };
+
+    pub fn of<'a>(&self, rows: &'a [usize]) -> &'a [usize] {
+        let n = rows.len();
+        &rows[self.rank * n / self.world..(self.rank + 1) * n / self.world]
+    }
+
+    /// Rank 0 evaluates for everyone and writes the checkpoints.
+    pub fn is_leader(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// How one synchronous step's all-reduce spent its time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SyncTiming {
+    /// Waiting for the slowest replica to reach the all-reduce.
+    pub wait: Duration,
+    /// Transfers and sums.
+    pub reduce: Duration,
+}
+
+/// Combines the replicas of one synchronous step.
 pub trait GradientSync: Send {
-    fn synchronise(&mut self, parameters: &[(String, Var)], grads: &mut GradStore) -> Result<()>;
+    /// This replica's rows of each global batch.
+    fn share(&self) -> Share {
+        Share::WHOLE
+    }
+
+    /// Sums `grads` and `loss` over the replicas, in place; each replica's loss (and so
+    /// its gradients) is already weighted by its share of the global batch, so the sums
+    /// are the global batch's. Returns the summed loss.
+    fn synchronise(&mut self, parameters: &[(String, Var)], grads: &mut GradStore, loss: f64) -> Result<f64>;
+
+    /// One evaluation every replica agrees on, from running `evaluate` where the sync
+    /// chooses (the leader, for a data-parallel gang).
+    fn evaluation(&mut self, evaluate: &mut dyn FnMut() -> Result<Evaluation>) -> Result<Evaluation> {
+        evaluate()
+    }
+
+    /// The last `synchronise`'s timing, when it communicated.
+    fn last_timing(&self) -> Option<SyncTiming> {
+        None
+    }
 }
 
 /// One device, one replica: its gradients are the step's gradients.
 pub struct LocalGradients;
 
 impl GradientSync for LocalGradients {
-    fn synchronise(&mut self, _parameters: &[(String, Var)], _grads: &mut GradStore) -> Result<()> {
-        Ok(())
+    fn synchronise(&mut self, _parameters: &[(String, Var)], _grads: &mut GradStore, loss: f64) -> Result<f64> {
+        Ok(loss)
     }
 }
 
@@ -76,6 +128,20 @@ impl Trainer {
         Ok(Trainer { network, optimizer, loader, data, kind, device, sync: Box::new(LocalGradients) })
     }
 
+    /// Trains as one replica of a data-parallel gang: `sync` picks this replica's share of
+    /// each global batch and combines the replicas' gradients.
+    pub fn with_sync(self, sync: Box<dyn GradientSync>) -> Trainer {
+        Trainer { sync, ..self }
+    }
+
+    pub fn share(&self) -> Share {
+        self.sync.share()
+    }
+
+    pub fn last_timing(&self) -> Option<SyncTiming> {
+        self.sync.last_timing()
+    }
+
     pub fn batch_size(&self) -> usize {
         self.loader.batch_size()
     }
@@ -102,19 +168,35 @@ impl Trainer {
         }
     }
 
-    /// One optimizer step on the next batch at learning rate `lr`; returns the batch loss
-    /// before the update.
+    /// One optimizer step on the next global batch at learning rate `lr`; returns the
+    /// batch loss before the update.
     pub fn step(&mut self, lr: f64) -> Result<f64> {
-        let rows = self.loader.next_batch();
-        let outputs = self.network.forward(&self.data.train, &rows, true)?;
-        let loss = self.loss(&outputs, &self.data.train, &rows)?;
+        let batch = self.loader.next_batch();
+        let share = self.sync.share();
+        let rows = share.of(&batch);
+        let outputs = self.network.forward(&self.data.train, rows, true)?;
+        let mut loss = self.loss(&outputs, &self.data.train, rows)?;
+        if share.world > 1 {
+            // The mean over this share, weighted so the replicas' sum is the global mean.
+            loss = (loss * (rows.len() as f64 / batch.len() as f64))?;
+        }
         let mut grads = loss.backward()?;
-        self.sync.synchronise(self.network.parameters(), &mut grads)?;
+        let loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let loss = self.sync.synchronise(self.network.parameters(), &mut grads, loss)?;
         self.optimizer.step(&grads, lr)?;
-        loss.to_dtype(DType::F64)?.to_scalar::<f64>()
+        Ok(loss)
     }
 
-    pub fn evaluate(&self) -> Result<Evaluation> {
+    /// Evaluates on the validation split; in a gang, the leader evaluates and the others
+    /// receive its result, so every replica's LR policy hears the same loss.
+    pub fn evaluate(&mut self) -> Result<Evaluation> {
+        let mut sync = std::mem::replace(&mut self.sync, Box::new(LocalGradients));
+        let evaluation = sync.evaluation(&mut || self.evaluate_here());
+        self.sync = sync;
+        evaluation
+    }
+
+    fn evaluate_here(&self) -> Result<Evaluation> {
         let examples = &self.data.validation;
         let rows: Vec<usize> = (0..examples.len()).collect();
         let (mut loss_sum, mut correct) = (0.0, 0usize);
@@ -164,5 +246,22 @@ impl Trainer {
         self.optimizer.restore(snapshot.optimizer.clone())?;
         self.loader = Loader::resume(self.data.train.len(), self.loader.batch_size(), snapshot.loader.clone());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Share;
+
+    #[test]
+    fn the_shares_of_a_gang_cover_every_row_of_a_batch_once_in_order() {
+        for (world, rows) in [(2, 64), (3, 64), (4, 7), (5, 5)] {
+            let batch: Vec<usize> = (100..100 + rows).collect();
+            let covered: Vec<usize> = (0..world).flat_map(|rank| Share { rank, world }.of(&batch).to_vec()).collect();
+            assert_eq!(covered, batch, "{world} ranks over {rows} rows");
+            let sizes: Vec<usize> = (0..world).map(|rank| Share { rank, world }.of(&batch).len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+        }
+        assert_eq!(Share::WHOLE.of(&[3, 1, 2]), [3, 1, 2]);
     }
 }

@@ -1,0 +1,194 @@
+//! Data-parallel training (issue 12): the ranks a training job asks for, one rank's job
+//! as a worker claims it, the rendezvous through the server that forms the gang, and the
+//! timings each rank reports per step.
+//!
+//! A job with `"parallel": {"ranks": [...]}` runs as a gang: every rank is claimed, or
+//! none is. The ranks all-reduce their gradients every step over a fixed global batch of
+//! `batch_size` rows, each rank taking its own contiguous share of it.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::train::{SpecError, TrainJob};
+
+/// Ranks one job may ask for.
+pub const MAX_RANKS: usize = 64;
+
+/// `"parallel"` of a training spec. QSync's per-rank precision plan joins it later.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSpec {
+    /// One entry per rank, rank 0 first (rank 0 evaluates and checkpoints).
+    pub ranks: Vec<RankSpec>,
+}
+
+/// Where one rank runs: `{"device": "cpu", "threads": 4}`, `{"device": "cuda"}`, or
+/// `{"slice": "1g.10gb"}` (a MIG slice of that profile).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RankSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<RankDevice>,
+    /// CPU ranks: threads of the rank's matrix work (default: the host's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads: Option<u32>,
+    /// A MIG profile (`1g.10gb`); the rank waits for a worker offering one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RankDevice {
+    Cpu,
+    Cuda,
+}
+
+impl RankSpec {
+    /// What a worker must offer to claim this rank: `cpu`, `cuda` or `slice:<profile>`.
+    pub fn placement(&self) -> String {
+        match (&self.device, &self.slice) {
+            (_, Some(profile)) => format!("slice:{profile}"),
+            (Some(RankDevice::Cuda), None) => "cuda".into(),
+            _ => "cpu".into(),
+        }
+    }
+
+    fn validate(&self, field: &str) -> Result<(), SpecError> {
+        match (&self.device, &self.slice) {
+            (Some(_), Some(_)) | (None, None) => {
+                return Err(SpecError::new(field, "give either a device (\"cpu\" or \"cuda\") or a MIG slice profile"))
+            }
+            (None, Some(profile)) => {
+                let valid = !profile.is_empty()
+                    && profile.len() <= 32
+                    && profile.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '+');
+                if !valid {
+                    return Err(SpecError::new(format!("{field}.slice"), "give a MIG profile such as \"1g.10gb\""));
+                }
+            }
+            (Some(_), None) => {}
+        }
+        if let Some(threads) = self.threads {
+            if self.device != Some(RankDevice::Cpu) {
+                return Err(SpecError::new(format!("{field}.threads"), "only a CPU rank takes a thread count"));
+            }
+            if !(1..=1024).contains(&threads) {
+                return Err(SpecError::new(format!("{field}.threads"), "must be 1 to 1024"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ParallelSpec {
+    /// Checks the ranks against the job's global batch (every rank needs rows of it).
+    pub fn validate(&self, batch_size: u32) -> Result<(), SpecError> {
+        if !(2..=MAX_RANKS).contains(&self.ranks.len()) {
+            return Err(SpecError::new(
+                "parallel.ranks",
+                format!("give 2 to {MAX_RANKS} ranks (a one-rank job leaves `parallel` out)"),
+            ));
+        }
+        for (i, rank) in self.ranks.iter().enumerate() {
+            rank.validate(&format!("parallel.ranks[{i}]"))?;
+        }
+        if (batch_size as usize) < self.ranks.len() {
+            return Err(SpecError::new(
+                "batch_size",
+                format!("the global batch must give each of the {} ranks at least one row", self.ranks.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `JobSpec::TrainRank`: one rank of a data-parallel training job (the gang), as the
+/// worker claiming it receives it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RankJob {
+    /// The training job the rank belongs to (what users see; metrics and checkpoints are
+    /// kept under it).
+    pub gang: Uuid,
+    pub rank: u32,
+    pub world: u32,
+    pub device: RankSpec,
+    pub train: TrainJob,
+}
+
+/// `POST /api/v1/agent/jobs/{id}/rendezvous`: where this rank accepts its ring neighbour's
+/// connection for the all-reduce. Posted again (same address) to poll.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RendezvousRequest {
+    /// `host:port`.
+    pub address: String,
+}
+
+/// The rendezvous answer. A gang that does not form in time is released (every rank
+/// back to the queue, no attempt spent): the server then answers 409, as for any lease
+/// the worker lost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum RendezvousResponse {
+    /// Not every rank is claimed and posted yet: ask again shortly.
+    Waiting,
+    /// Every rank is here. `peers[r]` is rank r's address; `generation` counts the gang's
+    /// attempts, so ranks of an earlier attempt never connect to this one.
+    Formed { generation: u32, peers: Vec<String> },
+}
+
+/// One rank's timing of one step (`GET /api/v1/jobs/{id}/metrics`, `ranks`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RankStep {
+    pub rank: u32,
+    pub step: u64,
+    /// The whole step: forward, backward, all-reduce, optimizer.
+    pub iter_ms: f64,
+    /// Waiting for the slowest rank: from entering the all-reduce to the first bytes
+    /// from the ring neighbour.
+    pub wait_ms: f64,
+    /// The rest of the all-reduce: transfers and sums.
+    pub allreduce_ms: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: serde_json::Value) -> ParallelSpec {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn ranks_name_a_device_or_a_slice() {
+        let parallel = spec(
+            serde_json::json!({"ranks": [{"device": "cpu", "threads": 1}, {"device": "cuda"}, {"slice": "1g.10gb"}]}),
+        );
+        parallel.validate(8).unwrap();
+        let placements: Vec<String> = parallel.ranks.iter().map(RankSpec::placement).collect();
+        assert_eq!(placements, ["cpu", "cuda", "slice:1g.10gb"]);
+    }
+
+    #[test]
+    fn mistakes_name_the_rank_and_field() {
+        let both = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cuda", "slice": "1g.10gb"}]}));
+        assert_eq!(both.validate(8).unwrap_err().field, "parallel.ranks[1]");
+        let threads = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cuda", "threads": 2}]}));
+        assert_eq!(threads.validate(8).unwrap_err().field, "parallel.ranks[1].threads");
+        let one = spec(serde_json::json!({"ranks": [{"device": "cpu"}]}));
+        assert_eq!(one.validate(8).unwrap_err().field, "parallel.ranks");
+        let many = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}]}));
+        assert_eq!(many.validate(2).unwrap_err().field, "batch_size");
+        let error = serde_json::from_value::<ParallelSpec>(serde_json::json!({"ranks": [{"gpu": 1}]})).unwrap_err();
+        assert!(error.to_string().contains("gpu"), "{error}");
+    }
+
+    #[test]
+    fn a_rendezvous_answer_is_tagged_by_state() {
+        let formed = RendezvousResponse::Formed { generation: 2, peers: vec!["127.0.0.1:1".into()] };
+        let json = serde_json::to_value(&formed).unwrap();
+        assert_eq!(json, serde_json::json!({"state": "formed", "generation": 2, "peers": ["127.0.0.1:1"]}));
+        assert_eq!(serde_json::to_value(RendezvousResponse::Waiting).unwrap(), serde_json::json!({"state": "waiting"}));
+    }
+}

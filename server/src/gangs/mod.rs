@@ -1,0 +1,101 @@
+//! Data-parallel training jobs as gangs (issue 12): queueing a job's ranks, handing them
+//! to workers that can host them, the rendezvous at which the ranks learn each other's
+//! ring addresses, and keeping a gang's job in step with its ranks. How a gang is
+//! claimed all or none is `store::gangs`' doc comment.
+
+use axum::extract::State;
+use tessera_api::parallel::{ParallelSpec, RankJob, RendezvousRequest, RendezvousResponse};
+use tessera_api::train::TrainJob;
+use uuid::Uuid;
+
+use crate::auth::AgentAuth;
+use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::state::AppState;
+use crate::store::db::{now_ms, Db};
+use crate::store::gangs::{self as store, RankOf, Rendezvous};
+use crate::store::jobs::{self as jobs_store, Claimed, NewJob};
+
+/// Queues a data-parallel job: its job row and one rank row per entry of `parallel`.
+pub async fn queue(state: &AppState, job: &NewJob<'_>, train: &TrainJob, parallel: &ParallelSpec) -> Result<Uuid> {
+    let world = parallel.ranks.len() as u32;
+    let ranks: Vec<(String, RankJob)> = parallel
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(rank, device)| {
+            let spec =
+                RankJob { gang: Uuid::nil(), rank: rank as u32, world, device: device.clone(), train: train.clone() };
+            (device.placement(), spec)
+        })
+        .collect();
+    Ok(store::insert(&state.db, job, &ranks).await?)
+}
+
+/// Leases `worker` a rank of the oldest gang it can host, if any.
+pub async fn claim_rank(state: &AppState, worker: Uuid, lease_ttl_ms: i64) -> Result<Option<Claimed>> {
+    let placements = store::placements(&state.db, worker).await?;
+    let deadline = now_ms() + state.config.gang_rendezvous_secs as i64 * 1000;
+    Ok(store::claim_rank(&state.db, worker, &placements, lease_ttl_ms, deadline).await?)
+}
+
+/// The job `worker` reports on through `job`: the job itself, or for a rank its gang's
+/// job (metrics, checkpoints and logs of a gang live there). 409 unless it holds `job`.
+pub async fn leased_job(state: &AppState, worker: Uuid, job: Uuid) -> Result<(Uuid, Option<RankOf>)> {
+    if !jobs_store::holds_lease(&state.db, worker, job).await? {
+        return Err(Error::Conflict(
+            "This worker does not hold the job's lease (it expired or the job was cancelled); stop it.".into(),
+        ));
+    }
+    Ok(match store::rank_of(&state.db, job).await? {
+        Some(rank) => (rank.gang, Some(rank)),
+        None => (job, None),
+    })
+}
+
+/// After a rank's status changed, or a gang's job was cancelled: bring the gang's job and
+/// its ranks in line (nothing for other jobs).
+pub async fn settle(db: &Db, job: Uuid) -> Result<()> {
+    let gang = store::rank_of(db, job).await?.map_or(job, |rank| rank.gang);
+    store::sweep(db, now_ms(), Some(gang)).await?;
+    Ok(())
+}
+
+fn check_address(address: &str) -> Result<()> {
+    let valid = address.len() <= 300
+        && address
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::invalid("invalid_address", "Post the ring address as host:port with a port above 0."))
+    }
+}
+
+/// Post where this rank accepts its ring neighbour, and learn whether the gang formed
+/// (every rank's address, by rank) or is still waiting. 409 once the rank is no longer
+/// this worker's (the gang was released after its rendezvous time-out, or requeued).
+#[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/rendezvous", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)), request_body = RendezvousRequest,
+    responses((status = 200, body = RendezvousResponse), (status = 409, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody)))]
+pub async fn rendezvous(
+    State(state): State<AppState>,
+    agent: AgentAuth,
+    ApiPath(job): ApiPath<Uuid>,
+    ApiJson(request): ApiJson<RendezvousRequest>,
+) -> Result<ApiJson<RendezvousResponse>> {
+    check_address(&request.address)?;
+    if let Some(rank) = store::rank_of(&state.db, job).await? {
+        // A gang past its deadline is released before anyone waits on it longer.
+        store::sweep(&state.db, now_ms(), Some(rank.gang)).await?;
+    }
+    match store::rendezvous(&state.db, agent.worker_id, job, &request.address).await? {
+        Rendezvous::NotHeld => Err(Error::Conflict(
+            "This worker does not hold this rank (the gang did not form in time and was released, or was requeued); drop it."
+                .into(),
+        )),
+        Rendezvous::Waiting => Ok(ApiJson(RendezvousResponse::Waiting)),
+        Rendezvous::Formed { generation, peers } => Ok(ApiJson(RendezvousResponse::Formed { generation, peers })),
+    }
+}

@@ -1,0 +1,433 @@
+//! Gangs: data-parallel training jobs whose ranks are placed all or none (issue 12).
+//!
+//! A gang is one job row users see (kind `train_gang`, never claimed itself) and one row
+//! per rank (kind `train_rank`, `gang_id` pointing at it) that workers claim and lease
+//! like any job, so heartbeats, lease expiry and worker restarts work unchanged. The
+//! choice: a claimed rank is only held while its gang forms. Claiming the first rank sets
+//! the gang's deadline (the rendezvous time-out); each rank posts its ring address; when
+//! every rank is claimed and posted, the gang *forms* in one conditional update (its job
+//! `running`, its attempts + 1, the ranks `running`). A gang not formed by its deadline
+//! is released: every rank goes back to the queue and no attempt is spent.
+//!
+//! Once formed, a rank that stops (its lease expired, its worker restarted) ends the
+//! attempt: every rank is requeued and the gang forms again and resumes from its last
+//! checkpoint, or fails once its attempts are spent. A rank that reports a failure fails
+//! the job, as a one-process job's failure does; the job succeeds when every rank has.
+//! Rank rows get a `max_attempts` no requeue reaches: the gang's job counts attempts.
+
+use sqlx::{AnyConnection, Row};
+use tessera_api::jobs::{JobSpec, JobState};
+use tessera_api::parallel::{RankJob, RankStep};
+use uuid::Uuid;
+
+use super::db::{now_ms, Backend, Db};
+use super::jobs::{self, Claimed, NewJob};
+use super::{parse_json, parse_uuid, Result};
+
+/// A rank row's attempts are claims, which a gang that does not form repeats; the gang's
+/// job holds the real count, so this is only a bound no rank reaches.
+const RANK_MAX_ATTEMPTS: i64 = 1 << 40;
+
+/// The states in which a worker holds a rank.
+const LIVE: &str = "('leased', 'running')";
+
+/// Queues a gang: its job (what users see) and one row per rank, in one transaction.
+/// `ranks[i]` is rank i's placement (`cpu`, `cuda`, `slice:<profile>`) and spec.
+pub async fn insert(db: &Db, job: &NewJob<'_>, ranks: &[(String, RankJob)]) -> Result<Uuid> {
+    let mut tx = db.begin().await?;
+    let gang = jobs::insert_in(&mut tx, job).await?;
+    sqlx::query("UPDATE jobs SET kind = 'train_gang' WHERE id = $1").bind(gang.to_string()).execute(&mut *tx).await?;
+    for (placement, rank) in ranks {
+        let spec = JobSpec::TrainRank(RankJob { gang, ..rank.clone() });
+        let name = format!("{} rank {}", job.name, rank.rank);
+        let row = NewJob { dataset: job.dataset, ..NewJob::new(job.owner, &name, &spec, 1) };
+        let id = jobs::insert_in(&mut tx, &row).await?;
+        sqlx::query(
+            "UPDATE jobs SET gang_id = $1, gang_rank = $2, gang_placement = $3, max_attempts = $4 WHERE id = $5",
+        )
+        .bind(gang.to_string())
+        .bind(rank.rank as i64)
+        .bind(placement)
+        .bind(RANK_MAX_ATTEMPTS)
+        .bind(id.to_string())
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(gang)
+}
+
+/// What `worker` can host: `cpu` always, `cuda` with a GPU, `slice:<profile>` per MIG
+/// profile it offers.
+pub async fn placements(db: &Db, worker: Uuid) -> Result<Vec<String>> {
+    let inventory: Option<String> = sqlx::query_scalar("SELECT inventory FROM workers WHERE id = $1")
+        .bind(worker.to_string())
+        .fetch_optional(db.pool())
+        .await?;
+    let mut offered = vec!["cpu".to_string()];
+    if let Some(text) = inventory {
+        let inventory: tessera_api::workers::Inventory = parse_json("workers", "inventory", &text)?;
+        if !inventory.gpus.is_empty() {
+            offered.push("cuda".into());
+        }
+        for slice in &inventory.slices {
+            if let Some(profile) = &slice.profile {
+                let placement = format!("slice:{profile}");
+                if !offered.contains(&placement) {
+                    offered.push(placement);
+                }
+            }
+        }
+    }
+    Ok(offered)
+}
+
+/// Leases `worker` the next queued rank it can host, oldest gang first and lowest rank
+/// first (so claimers fill one gang before the next), and starts the gang's rendezvous
+/// clock: unless every rank is claimed and posted by `deadline`, all are released.
+pub async fn claim_rank(
+    db: &Db,
+    worker: Uuid,
+    placements: &[String],
+    lease_ttl_ms: i64,
+    deadline: i64,
+) -> Result<Option<Claimed>> {
+    if placements.is_empty() {
+        return Ok(None);
+    }
+    let now = now_ms();
+    let params: Vec<String> = (0..placements.len()).map(|i| format!("${}", i + 4)).collect();
+    let lock = match db.backend() {
+        Backend::Postgres => "FOR UPDATE OF r SKIP LOCKED",
+        Backend::Sqlite => "",
+    };
+    let sql = format!(
+        "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
+         updated_at = $3, message = NULL, gang_address = NULL \
+         WHERE state = 'queued' AND id = (SELECT r.id FROM jobs r JOIN jobs g ON g.id = r.gang_id \
+         WHERE r.state = 'queued' AND r.kind = 'train_rank' AND g.state = 'queued' AND r.gang_placement IN ({}) \
+         ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
+         RETURNING id, spec, attempts, lease_expires_at, gang_id",
+        params.join(", ")
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(worker.to_string()).bind(now + lease_ttl_ms).bind(now);
+    for placement in placements {
+        query = query.bind(placement);
+    }
+    let Some(row) = query.fetch_optional(db.pool()).await? else {
+        return Ok(None);
+    };
+    let gang: String = row.try_get("gang_id")?;
+    sqlx::query("UPDATE jobs SET gang_deadline = $1 WHERE id = $2 AND state = 'queued' AND gang_deadline IS NULL")
+        .bind(deadline)
+        .bind(&gang)
+        .execute(db.pool())
+        .await?;
+    Ok(Some(Claimed {
+        job_id: parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?,
+        spec: parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?,
+        attempt: row.try_get::<i64, _>("attempts")? as u32,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+    }))
+}
+
+/// A rank row: its gang and rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOf {
+    pub gang: Uuid,
+    pub rank: u32,
+}
+
+/// The gang and rank of `job` when it is a rank row.
+pub async fn rank_of(db: &Db, job: Uuid) -> Result<Option<RankOf>> {
+    let row = sqlx::query("SELECT gang_id, gang_rank FROM jobs WHERE id = $1 AND gang_id IS NOT NULL")
+        .bind(job.to_string())
+        .fetch_optional(db.pool())
+        .await?;
+    row.map(|row| {
+        Ok(RankOf {
+            gang: parse_uuid("jobs", "gang_id", &row.try_get::<String, _>("gang_id")?)?,
+            rank: row.try_get::<i64, _>("gang_rank")? as u32,
+        })
+    })
+    .transpose()
+}
+
+/// Where the rendezvous stands for one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// The worker does not hold this rank (released, requeued, cancelled).
+    NotHeld,
+    Waiting,
+    /// The gang formed: its attempt number and every rank's address, by rank.
+    Formed {
+        generation: u32,
+        peers: Vec<String>,
+    },
+}
+
+struct RankRow {
+    state: String,
+    address: Option<String>,
+    message: Option<String>,
+    rank: u32,
+}
+
+async fn ranks_in(conn: &mut AnyConnection, gang: &str) -> Result<Vec<RankRow>> {
+    let rows =
+        sqlx::query("SELECT gang_rank, state, gang_address, message FROM jobs WHERE gang_id = $1 ORDER BY gang_rank")
+            .bind(gang)
+            .fetch_all(conn)
+            .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(RankRow {
+                rank: r.try_get::<i64, _>("gang_rank")? as u32,
+                state: r.try_get("state")?,
+                address: r.try_get("gang_address")?,
+                message: r.try_get("message")?,
+            })
+        })
+        .collect()
+}
+
+/// Records the address `worker`'s rank `job` accepts its ring neighbour on, and forms the
+/// gang when it was the last rank missing.
+pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Result<Rendezvous> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let posted = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET gang_address = $1, updated_at = $2 WHERE id = $3 AND worker_id = $4 AND state IN {LIVE} \
+         AND gang_id IS NOT NULL RETURNING gang_id"
+    )))
+    .bind(address)
+    .bind(now)
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(posted) = posted else {
+        return Ok(Rendezvous::NotHeld);
+    };
+    let gang: String = posted.try_get("gang_id")?;
+    let ranks = ranks_in(&mut tx, &gang).await?;
+    let all_here = ranks.iter().all(|r| matches!(r.state.as_str(), "leased" | "running") && r.address.is_some());
+    if all_here {
+        // Conditional: of ranks posting at once, one forms the gang, the others see it formed.
+        sqlx::query(
+            "UPDATE jobs SET state = 'running', attempts = attempts + 1, started_at = COALESCE(started_at, $1), \
+             updated_at = $1, gang_deadline = NULL, message = NULL WHERE id = $2 AND state = 'queued'",
+        )
+        .bind(now)
+        .bind(&gang)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE jobs SET state = 'running', started_at = COALESCE(started_at, $1), updated_at = $1 \
+             WHERE gang_id = $2 AND state = 'leased'",
+        )
+        .bind(now)
+        .bind(&gang)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let formed = sqlx::query("SELECT attempts FROM jobs WHERE id = $1 AND state = 'running'")
+        .bind(&gang)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let this_running: Option<String> = sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1")
+        .bind(job.to_string())
+        .fetch_optional(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    match formed {
+        Some(row) if this_running.as_deref() == Some("running") => {
+            let ranks = ranks_in(&mut *db.pool().acquire().await?, &gang).await?;
+            Ok(Rendezvous::Formed {
+                generation: row.try_get::<i64, _>("attempts")? as u32,
+                peers: ranks.into_iter().map(|r| r.address.unwrap_or_default()).collect(),
+            })
+        }
+        _ => Ok(Rendezvous::Waiting),
+    }
+}
+
+/// What a sweep did to gangs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Gangs not formed by their deadline, their ranks released.
+    pub released: u64,
+    /// Formed gangs that lost a rank and went back to the queue.
+    pub requeued: u64,
+    /// Gangs that ended (succeeded, failed) or whose ranks were stopped after the job ended.
+    pub settled: u64,
+}
+
+/// Brings every gang's job and ranks into agreement: releases gangs not formed by their
+/// deadline (no attempt spent), requeues or fails formed gangs that lost a rank, ends
+/// gangs whose ranks all ended, and stops the ranks of gangs that ended (cancelled).
+/// `only` limits it to one gang. Every update is conditional on the state it read, so
+/// sweeps running at once (several servers) do each change once.
+pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
+    let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline FROM jobs g WHERE g.kind = 'train_gang' \
+         AND ($1 IS NULL OR g.id = $1) AND (g.state IN ('queued', 'running') OR EXISTS (SELECT 1 FROM jobs r \
+         WHERE r.gang_id = g.id AND r.state IN ('queued', 'leased', 'running')))"
+    )))
+    .bind(only.map(|id| id.to_string()))
+    .fetch_all(db.pool())
+    .await?;
+    let mut swept = Swept::default();
+    for gang in gangs {
+        let id: String = gang.try_get("id")?;
+        let state: String = gang.try_get("state")?;
+        let attempts: i64 = gang.try_get("attempts")?;
+        let max_attempts: i64 = gang.try_get("max_attempts")?;
+        let deadline: Option<i64> = gang.try_get("gang_deadline")?;
+        let mut tx = db.begin().await?;
+        let ranks = ranks_in(&mut tx, &id).await?;
+        let failed = ranks.iter().find(|r| r.state == "failed");
+        match state.as_str() {
+            // A rank that failed before or after the gang formed fails the job.
+            "queued" | "running" if failed.is_some() => {
+                let failed = failed.expect("checked");
+                let message =
+                    format!("Rank {} failed: {}", failed.rank, failed.message.as_deref().unwrap_or("no message"));
+                end(&mut tx, &id, JobState::Failed, &message, now).await?;
+                stop_ranks(&mut tx, &id, now).await?;
+                swept.settled += 1;
+            }
+            "queued" if deadline.is_some_and(|d| d < now) => {
+                release(&mut tx, &id, now, "The gang did not form within the rendezvous time-out; released.").await?;
+                sqlx::query("UPDATE jobs SET gang_deadline = NULL WHERE id = $1 AND state = 'queued'")
+                    .bind(&id)
+                    .execute(&mut *tx)
+                    .await?;
+                swept.released += 1;
+            }
+            "running" => {
+                if let Some(lost) = ranks.iter().find(|r| r.state == "queued" || r.state == "cancelled") {
+                    let why = lost.message.as_deref().unwrap_or("its worker stopped responding").trim_end_matches('.');
+                    if attempts >= max_attempts {
+                        let message = format!("Rank {} was lost on the last allowed attempt ({why}).", lost.rank);
+                        end(&mut tx, &id, JobState::Failed, &message, now).await?;
+                        stop_ranks(&mut tx, &id, now).await?;
+                    } else {
+                        let message = format!(
+                            "Rank {} was lost ({why}); the gang was requeued and resumes from its last checkpoint.",
+                            lost.rank
+                        );
+                        release(&mut tx, &id, now, &message).await?;
+                        sqlx::query(
+                            "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2 WHERE id = $3 AND state = 'running'",
+                        )
+                        .bind(&message)
+                        .bind(now)
+                        .bind(&id)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    swept.requeued += 1;
+                } else if ranks.iter().all(|r| r.state == "succeeded") {
+                    let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();
+                    end(&mut tx, &id, JobState::Succeeded, &message, now).await?;
+                    swept.settled += 1;
+                }
+            }
+            "queued" => {}
+            _ => {
+                stop_ranks(&mut tx, &id, now).await?;
+                swept.settled += 1;
+            }
+        }
+        tx.commit().await?;
+    }
+    Ok(swept)
+}
+
+/// Every rank back to the queue, unheld and unposted (one that already finished too: the
+/// gang reruns from its checkpoint as a whole).
+async fn release(conn: &mut AnyConnection, gang: &str, now: i64, message: &str) -> Result<()> {
+    sqlx::query(
+        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, gang_address = NULL, \
+         message = $1, updated_at = $2, finished_at = NULL \
+         WHERE gang_id = $3 AND state IN ('queued', 'leased', 'running', 'cancelled', 'succeeded')",
+    )
+    .bind(message)
+    .bind(now)
+    .bind(gang)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Cancels the ranks still queued or held: their workers learn at the next heartbeat.
+async fn stop_ranks(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()> {
+    sqlx::query(
+        "UPDATE jobs SET state = 'cancelled', message = 'The training job ended.', worker_id = NULL, \
+         lease_expires_at = NULL, finished_at = $1, updated_at = $1 \
+         WHERE gang_id = $2 AND state IN ('queued', 'leased', 'running')",
+    )
+    .bind(now)
+    .bind(gang)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+async fn end(conn: &mut AnyConnection, gang: &str, state: JobState, message: &str, now: i64) -> Result<()> {
+    sqlx::query(
+        "UPDATE jobs SET state = $1, message = $2, finished_at = $3, updated_at = $3, gang_deadline = NULL \
+         WHERE id = $4 AND state IN ('queued', 'running')",
+    )
+    .bind(state.as_str())
+    .bind(message)
+    .bind(now)
+    .bind(gang)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Stores ranks' step timings under the gang's job (a step reported again replaces it).
+pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Result<()> {
+    let mut tx = db.begin().await?;
+    for step in steps {
+        sqlx::query(
+            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms) VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
+             allreduce_ms = excluded.allreduce_ms",
+        )
+        .bind(gang.to_string())
+        .bind(step.rank as i64)
+        .bind(step.step as i64)
+        .bind(step.iter_ms)
+        .bind(step.wait_ms)
+        .bind(step.allreduce_ms)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// A gang's step timings, by rank then step.
+pub async fn rank_steps(db: &Db, gang: Uuid) -> Result<Vec<RankStep>> {
+    let rows = sqlx::query(
+        "SELECT rank, step, iter_ms, wait_ms, allreduce_ms FROM rank_steps WHERE job_id = $1 ORDER BY rank, step",
+    )
+    .bind(gang.to_string())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(RankStep {
+                rank: r.try_get::<i64, _>("rank")? as u32,
+                step: r.try_get::<i64, _>("step")?.max(0) as u64,
+                iter_ms: r.try_get("iter_ms")?,
+                wait_ms: r.try_get("wait_ms")?,
+                allreduce_ms: r.try_get("allreduce_ms")?,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,272 @@
+//! Data-parallel training jobs as gangs, over real HTTP on SQLite and PostgreSQL: ranks
+//! are claimed all or none (a gang that does not form in time is released with no
+//! attempt spent), they rendezvous through the server, a lost rank requeues the whole
+//! gang, rank timings and logs land on the gang's job, and the job ends with its ranks.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{backends, Backend, TestServer};
+use tessera_server::store::db::now_ms;
+use tessera_server::store::gangs;
+
+fn csv() -> String {
+    let mut csv = String::from("f0,f1,label\n");
+    for i in 0..40 {
+        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
+    }
+    csv
+}
+
+async fn dataset(server: &TestServer, token: &str) -> String {
+    let form = reqwest::multipart::Form::new()
+        .text("name", "d")
+        .part("file", reqwest::multipart::Part::bytes(csv().into_bytes()).file_name("d.csv"));
+    let response = server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
+    assert_eq!(response.status(), 201);
+    response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+}
+
+fn body(dataset: &str, ranks: Value) -> Value {
+    json!({"name": "dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": dataset,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1, "max_attempts": 2, "parallel": {"ranks": ranks}})
+}
+
+async fn claim(server: &TestServer, secret: &str) -> Option<Value> {
+    let response = server.post(secret, "/agent/claim", json!({"kinds": ["train", "train_rank"]})).await;
+    match response.status().as_u16() {
+        204 => None,
+        200 => Some(response.json().await.unwrap()),
+        other => panic!("claim answered {other}"),
+    }
+}
+
+async fn rendezvous(server: &TestServer, secret: &str, rank_job: &str, port: u16) -> (u16, Value) {
+    let path = format!("/agent/jobs/{rank_job}/rendezvous");
+    let response = server.post(secret, &path, json!({"address": format!("127.0.0.1:{port}")})).await;
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn job(server: &TestServer, token: &str, id: &str) -> Value {
+    server.get(token, &format!("/jobs/{id}")).await.json().await.unwrap()
+}
+
+/// Registers `n` workers and has each claim one rank; returns (secret, rank job id, rank).
+async fn claim_ranks(server: &TestServer, names: &[&str]) -> Vec<(String, String, u64)> {
+    let mut held = Vec::new();
+    for name in names {
+        let (_, secret) = server.register_worker(name).await;
+        let assignment = claim(server, &secret).await.expect("a rank to claim");
+        assert_eq!(assignment["spec"]["kind"], "train_rank");
+        let rank = assignment["spec"]["rank"].as_u64().unwrap();
+        held.push((secret, assignment["job_id"].as_str().unwrap().to_string(), rank));
+    }
+    held
+}
+
+#[tokio::test]
+async fn a_gang_is_claimed_all_or_none() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |c| c.gang_rendezvous_secs = 1).await;
+        let token = server.admin().await;
+        let data = dataset(&server, &token).await;
+        let response = server
+            .post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}])))
+            .await;
+        assert_eq!(response.status(), 201);
+        let created: Value = response.json().await.unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        assert_eq!(created["spec"]["parallel"]["ranks"].as_array().unwrap().len(), 3);
+        let listed: Vec<Value> = server.get(&token, "/jobs").await.json().await.unwrap();
+        assert_eq!(listed.len(), 1, "the ranks are the job's, not jobs of their own ({backend:?})");
+
+        // Two of three ranks claimed: they wait, then the gang is released, no attempt spent.
+        let two = claim_ranks(&server, &["a", "b"]).await;
+        assert_eq!(two.iter().map(|h| h.2).collect::<Vec<_>>(), [0, 1], "lowest ranks first");
+        for (secret, rank_job, rank) in &two {
+            let (status, answer) = rendezvous(&server, secret, rank_job, 7000 + *rank as u16).await;
+            assert_eq!((status, answer), (200, json!({"state": "waiting"})), "{backend:?}");
+        }
+        assert_eq!(job(&server, &token, &id).await["state"], "queued");
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let (status, _) = rendezvous(&server, &two[0].0, &two[0].1, 7000).await;
+        assert_eq!(status, 409, "released after the rendezvous time-out ({backend:?})");
+        let (status, _) = rendezvous(&server, &two[1].0, &two[1].1, 7001).await;
+        assert_eq!(status, 409);
+        let released = job(&server, &token, &id).await;
+        assert_eq!((released["state"].as_str(), released["attempts"].as_u64()), (Some("queued"), Some(0)));
+
+        // All three claimed and posted: the gang forms, every rank gets every address.
+        let three = claim_ranks(&server, &["c", "d", "e"]).await;
+        assert_eq!(three.iter().map(|h| h.2).collect::<Vec<_>>(), [0, 1, 2], "the released ranks are claimable again");
+        let mut answers = Vec::new();
+        for (secret, rank_job, rank) in &three {
+            answers.push(rendezvous(&server, secret, rank_job, 7100 + *rank as u16).await);
+        }
+        assert_eq!(answers[0].1, json!({"state": "waiting"}));
+        let formed = json!({"state": "formed", "generation": 1,
+            "peers": ["127.0.0.1:7100", "127.0.0.1:7101", "127.0.0.1:7102"]});
+        assert_eq!(answers[2].1, formed, "{backend:?}");
+        let again = rendezvous(&server, &three[0].0, &three[0].1, 7100).await;
+        assert_eq!(again.1, formed, "an earlier rank learns it on its next poll");
+        let running = job(&server, &token, &id).await;
+        assert_eq!((running["state"].as_str(), running["attempts"].as_u64()), (Some("running"), Some(1)));
+
+        // Cancelling the job stops every rank at its worker's next heartbeat.
+        assert_eq!(server.post(&token, &format!("/jobs/{id}/cancel"), json!({})).await.status(), 200);
+        for (secret, rank_job, _) in &three {
+            let beat: Value =
+                server.post(secret, "/agent/heartbeat", json!({"jobs": [rank_job]})).await.json().await.unwrap();
+            assert_eq!(beat["stop"], json!([rank_job]), "{backend:?}");
+        }
+
+        // A rank that fails before its gang forms fails the job (the gang would never form).
+        let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]))).await;
+        let early: Value = response.json().await.unwrap();
+        let ranks = claim_ranks(&server, &["f"]).await;
+        let failure = json!({"state": "failed", "message": "no CUDA here"});
+        assert_eq!(
+            server.post(&ranks[0].0, &format!("/agent/jobs/{}/status", ranks[0].1), failure).await.status(),
+            204
+        );
+        let failed = job(&server, &token, early["id"].as_str().unwrap()).await;
+        assert_eq!(
+            (failed["state"].as_str(), failed["message"].as_str()),
+            (Some("failed"), Some("Rank 0 failed: no CUDA here"))
+        );
+
+        // A worker offering no GPU never claims a CUDA rank.
+        let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cuda"}, {"device": "cuda"}]))).await;
+        assert_eq!(response.status(), 201);
+        let (_, secret) = server.register_worker("cpu-only").await;
+        assert!(claim(&server, &secret).await.is_none(), "{backend:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = dataset(&server, &token).await;
+        let created: Value = server
+            .post(&token, "/jobs", body(&data, json!([{"device": "cpu", "threads": 1}, {"device": "cpu"}])))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        let ranks = claim_ranks(&server, &["a", "b"]).await;
+        for (secret, rank_job, rank) in &ranks {
+            rendezvous(&server, secret, rank_job, 7200 + *rank as u16).await;
+        }
+        assert_eq!(job(&server, &token, &id).await["state"], "running");
+
+        // Rank 0 reports the job's metrics and its timing, rank 1 only its own timing.
+        let (secret0, rank0, _) = &ranks[0];
+        let (secret1, rank1, _) = &ranks[1];
+        let report = json!({"steps": [{"step": 1, "loss": 0.5, "lr": 0.1}],
+            "ranks": [{"rank": 0, "step": 1, "iter_ms": 9.0, "wait_ms": 1.0, "allreduce_ms": 2.0}]});
+        let response = server.post(secret0, &format!("/agent/jobs/{rank0}/training-metrics"), report).await;
+        assert_eq!(response.status(), 204);
+        let spoofed = json!({"ranks": [{"rank": 0, "step": 1, "iter_ms": 1.0, "wait_ms": 0.0, "allreduce_ms": 0.0}]});
+        let response = server.post(secret1, &format!("/agent/jobs/{rank1}/training-metrics"), spoofed).await;
+        assert_eq!(response.status(), 422, "a rank reports its own timings only");
+        let own = json!({"ranks": [{"rank": 1, "step": 1, "iter_ms": 8.0, "wait_ms": 3.0, "allreduce_ms": 2.0}]});
+        assert_eq!(server.post(secret1, &format!("/agent/jobs/{rank1}/training-metrics"), own).await.status(), 204);
+        assert_eq!(
+            server.post(secret1, &format!("/agent/jobs/{rank1}/logs"), json!({"lines": ["hello"]})).await.status(),
+            204
+        );
+        let metrics: Value = server.get(&token, &format!("/jobs/{id}/metrics")).await.json().await.unwrap();
+        assert_eq!(metrics["steps"], json!([{"step": 1, "loss": 0.5, "lr": 0.1}]));
+        assert_eq!(
+            metrics["ranks"],
+            json!([{"rank": 0, "step": 1, "iter_ms": 9.0, "wait_ms": 1.0, "allreduce_ms": 2.0},
+                   {"rank": 1, "step": 1, "iter_ms": 8.0, "wait_ms": 3.0, "allreduce_ms": 2.0}])
+        );
+        assert_eq!(job(&server, &token, &id).await["progress"]["step"], 1);
+        let logs: Vec<Value> = server.get(&token, &format!("/jobs/{id}/logs")).await.json().await.unwrap();
+        assert_eq!(logs.last().unwrap()["line"], "rank 1: hello");
+
+        // Rank 1's worker restarts: the gang's attempt ends, both ranks go back.
+        server.register_worker("b").await;
+        let swept = gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
+        assert_eq!(swept.requeued, 1, "{backend:?}");
+        let requeued = job(&server, &token, &id).await;
+        assert_eq!(requeued["state"], "queued");
+        assert!(requeued["message"].as_str().unwrap().contains("Rank 1 was lost"), "{requeued}");
+        let beat: Value =
+            server.post(secret0, "/agent/heartbeat", json!({"jobs": [rank0]})).await.json().await.unwrap();
+        assert_eq!(beat["stop"], json!([rank0]), "the surviving rank is told to stop");
+
+        // The second attempt forms, both ranks succeed, and so does the job.
+        let ranks = claim_ranks(&server, &["c", "d"]).await;
+        let mut last = Value::Null;
+        for (secret, rank_job, rank) in &ranks {
+            last = rendezvous(&server, secret, rank_job, 7300 + *rank as u16).await.1;
+        }
+        assert_eq!(last["generation"], 2);
+        for (secret, rank_job, _) in &ranks {
+            let done = json!({"state": "succeeded", "message": "Trained 10 steps."});
+            assert_eq!(server.post(secret, &format!("/agent/jobs/{rank_job}/status"), done).await.status(), 204);
+        }
+        let finished = job(&server, &token, &id).await;
+        assert_eq!(
+            (finished["state"].as_str(), finished["message"].as_str()),
+            (Some("succeeded"), Some("Trained 10 steps."))
+        );
+
+        // A gang out of attempts fails; a rank reporting a failure fails the job at once.
+        let created: Value = server
+            .post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}])))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        let ranks = claim_ranks(&server, &["e", "f"]).await;
+        for (secret, rank_job, rank) in &ranks {
+            rendezvous(&server, secret, rank_job, 7400 + *rank as u16).await;
+        }
+        let failure = json!({"state": "failed", "message": "dataset: no rows"});
+        assert_eq!(
+            server.post(&ranks[1].0, &format!("/agent/jobs/{}/status", ranks[1].1), failure).await.status(),
+            204
+        );
+        let failed = job(&server, &token, &id).await;
+        assert_eq!(failed["state"], "failed", "{backend:?}");
+        assert_eq!(failed["message"], "Rank 1 failed: dataset: no rows");
+        let beat: Value =
+            server.post(&ranks[0].0, "/agent/heartbeat", json!({"jobs": [ranks[0].1]})).await.json().await.unwrap();
+        assert_eq!(beat["stop"], json!([ranks[0].1]));
+    }
+}
+
+#[tokio::test]
+async fn parallel_specs_get_a_422_naming_the_field() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    let data = dataset(&server, &token).await;
+    let cases = [
+        (json!([{"device": "cpu"}]), "parallel.ranks"),
+        (json!([{"device": "cpu"}, {"device": "cuda", "threads": 2}]), "parallel.ranks[1].threads"),
+        (json!([{"device": "cpu"}, {"device": "cpu", "slice": "1g.10gb"}]), "parallel.ranks[1]"),
+        (json!([{"device": "cpu"}, {"slice": ""}]), "parallel.ranks[1].slice"),
+        (json!([{"device": "cpu"}, {"device": "tpu"}]), "parallel.ranks[1].device"),
+        (json!([{"device": "cpu"}, {"gpu": 0}]), "parallel.ranks[1]"),
+        (json!((0..9).map(|_| json!({"device": "cpu"})).collect::<Vec<_>>()), "batch_size"),
+    ];
+    for (ranks, field) in cases {
+        let response = server.post(&token, "/jobs", body(&data, ranks)).await;
+        assert_eq!(response.status(), 422, "{field}");
+        let error: Value = response.json().await.unwrap();
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field), "the message {message:?} should name {field:?}");
+    }
+}

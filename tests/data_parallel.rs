@@ -1,0 +1,218 @@
+//! End to end, data-parallel training (issue 12): the real server runs a two-rank job on
+//! two real worker processes, which meet through the server's rendezvous and all-reduce
+//! over TCP; and when one rank's worker is killed, the gang is requeued and resumes from
+//! rank 0's last checkpoint with one continuous metrics series.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tessera_tests::{binary, eventually, start_server, Process};
+
+const WORKER_TOKEN: &str = "e2e-data-parallel-token-at-least-32-bytes";
+
+fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
+    Process::spawn(
+        Command::new(binary("tessera-worker"))
+            .args(["--server", server, "--name", name, "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
+    )
+}
+
+fn digits_csv() -> Option<Vec<u8>> {
+    let root = std::env::var("TESSERA_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+    let path = root.join("datasets/digits.csv");
+    match std::fs::read(&path) {
+        Ok(bytes) => Some(bytes),
+        Err(_) => {
+            assert!(
+                std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
+                "{} is missing; run scripts/fetch-datasets.sh",
+                path.display()
+            );
+            eprintln!("skipping: {} is missing; run scripts/fetch-datasets.sh", path.display());
+            None
+        }
+    }
+}
+
+struct User {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl User {
+    async fn login(server: &mut Process, url: &str) -> User {
+        let line = server.wait_for_line("with password: ", Duration::from_secs(5));
+        let password = line.rsplit(' ').next().unwrap().to_string();
+        let http = reqwest::Client::new();
+        let response = http
+            .post(format!("{url}/api/v1/auth/login"))
+            .json(&json!({"username": "admin", "password": password}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let token = response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string();
+        User { http, url: url.to_string(), token }
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let response =
+            self.http.get(format!("{}/api/v1{path}", self.url)).bearer_auth(&self.token).send().await.unwrap();
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    async fn upload_dataset(&self, bytes: Vec<u8>) -> String {
+        let form = reqwest::multipart::Form::new()
+            .text("name", "digits")
+            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("digits.csv"));
+        let response = self
+            .http
+            .post(format!("{}/api/v1/datasets", self.url))
+            .bearer_auth(&self.token)
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+    }
+
+    async fn submit(&self, body: Value) -> String {
+        let response = self
+            .http
+            .post(format!("{}/api/v1/jobs", self.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }
+
+    async fn finished(&self, job: &str, workers: &[&Process], timeout: Duration) -> Value {
+        let job = eventually("the training job ends", timeout, || async {
+            let job = self.get(&format!("/jobs/{job}")).await;
+            ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()).then_some(job)
+        })
+        .await;
+        let output: Vec<String> = workers.iter().map(|w| w.output()).collect();
+        assert_eq!(job["state"], "succeeded", "{job}\n{}", output.join("\n----\n"));
+        job
+    }
+
+    async fn log_lines(&self, job: &str) -> Vec<String> {
+        let logs = self.get(&format!("/jobs/{job}/logs?limit=10000")).await;
+        logs.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect()
+    }
+}
+
+fn two_rank_job(dataset: &str, max_steps: u64) -> Value {
+    json!({
+        "name": "digits-dp", "model": {"kind": "mlp", "hidden": [64]}, "dataset": dataset,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.2},
+        "optimizer": {"type": "sgd", "momentum": 0.9}, "batch_size": 64, "max_steps": max_steps,
+        "eval_every": 50, "checkpoint_every": 100, "lr_schedule": {"type": "constant", "lr": 0.05}, "seed": 1,
+        "parallel": {"ranks": [{"device": "cpu", "threads": 1}, {"device": "cpu"}]}
+    })
+}
+
+/// Steps 1..=max_steps once each with a finite loss, and both ranks' timings of each step
+/// after `timed_from` (a killed rank's last unsent timings before it are lost with it).
+fn assert_one_series_with_rank_timings(metrics: &Value, max_steps: u64, timed_from: u64) {
+    let steps = metrics["steps"].as_array().unwrap();
+    let numbers: Vec<u64> = steps.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, (1..=max_steps).collect::<Vec<_>>());
+    assert!(steps.iter().all(|r| r["loss"].as_f64().is_some_and(f64::is_finite)), "{metrics}");
+    let ranks = metrics["ranks"].as_array().unwrap();
+    for rank in 0..2 {
+        let timed: Vec<u64> = ranks
+            .iter()
+            .filter(|r| r["rank"] == rank)
+            .map(|r| r["step"].as_u64().unwrap())
+            .filter(|&s| s > timed_from)
+            .collect();
+        assert_eq!(timed, (timed_from + 1..=max_steps).collect::<Vec<_>>(), "rank {rank} timed every step");
+    }
+    for row in ranks {
+        let (iter, wait, reduce) =
+            (row["iter_ms"].as_f64().unwrap(), row["wait_ms"].as_f64().unwrap(), row["allreduce_ms"].as_f64().unwrap());
+        assert!(iter > 0.0 && wait >= 0.0 && reduce > 0.0 && wait + reduce <= iter, "{row}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_rank_job_trains_on_two_workers() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let first = start_worker(&url, &data.path().join("worker-1"), "rank-host-1");
+    let second = start_worker(&url, &data.path().join("worker-2"), "rank-host-2");
+
+    let job = user.submit(two_rank_job(&dataset, 300)).await;
+    let finished = user.finished(&job, &[&first, &second], Duration::from_secs(240)).await;
+    assert_eq!(finished["attempts"], 1, "{finished}");
+    assert!(finished["message"].as_str().unwrap().contains("accuracy"), "{finished}");
+
+    let metrics = user.get(&format!("/jobs/{job}/metrics")).await;
+    assert_one_series_with_rank_timings(&metrics, 300, 0);
+    let accuracy = metrics["evals"].as_array().unwrap().last().unwrap()["accuracy"].as_f64().unwrap();
+    assert!(accuracy > 0.9, "final validation accuracy {accuracy}");
+    let checkpoints = user.get(&format!("/jobs/{job}/checkpoints")).await;
+    let steps: Vec<u64> = checkpoints.as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [100, 200, 300], "rank 0 checkpoints");
+    // Each worker ran one rank.
+    let lines = user.log_lines(&job).await;
+    for rank in 0..2 {
+        let joined = format!("rank {rank}: rank {rank} of 2 joined attempt 1");
+        assert!(lines.iter().any(|l| l.starts_with(&joined)), "{joined:?} in {lines:?}");
+    }
+    let jobs = user.get("/jobs").await;
+    assert_eq!(jobs.as_array().unwrap().len(), 1, "the ranks are not listed as jobs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let mut first = start_worker(&url, &data.path().join("worker-1"), "rank-host-1");
+    let second = start_worker(&url, &data.path().join("worker-2"), "rank-host-2");
+
+    let max_steps = 3000;
+    let job = user.submit(two_rank_job(&dataset, max_steps)).await;
+    let checkpoint = eventually("a checkpoint is uploaded", Duration::from_secs(120), || async {
+        let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
+        list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
+    })
+    .await;
+    first.kill();
+    assert!(checkpoint < max_steps, "the job must still be running when a rank dies");
+
+    let third = start_worker(&url, &data.path().join("worker-3"), "rank-host-3");
+    let finished = user.finished(&job, &[&second, &third], Duration::from_secs(300)).await;
+    assert_eq!(finished["attempts"], 2, "{finished}");
+    let lines = user.log_lines(&job).await;
+    assert!(lines.iter().any(|l| l.contains("the gang lost a rank")), "the surviving rank saw its peer go: {lines:?}");
+    let resumed: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.split("resuming from the checkpoint at step ").nth(1).map(|s| s.parse().unwrap()))
+        .collect();
+    assert_eq!(resumed.len(), 2, "both ranks of the second attempt resumed: {lines:?}");
+    assert!(resumed[0] == resumed[1] && resumed[0] >= checkpoint && resumed[0] < max_steps, "{resumed:?}");
+    assert_one_series_with_rank_timings(&user.get(&format!("/jobs/{job}/metrics")).await, max_steps, resumed[0]);
+}
