@@ -87,7 +87,10 @@ fn method_label(method: &Method) -> &'static str {
 /// Who may scrape: the configured scrape token, or an admin's session or API token.
 async fn check_scraper(state: &AppState, headers: &HeaderMap) -> Result<()> {
     let Some(token) = auth::bearer_of(headers) else {
-        let how = if state.config.metrics_token.is_some() { "the scrape token (TESSERA_METRICS_TOKEN)" } else { "an admin's API token, or set TESSERA_METRICS_TOKEN" };
+        let how = match state.config.metrics_token {
+            Some(_) => "the scrape token (TESSERA_METRICS_TOKEN) or an admin's API token",
+            None => "an admin's API token, or start the server with TESSERA_METRICS_TOKEN for Prometheus",
+        };
         return Err(Error::Unauthorized(format!("/metrics needs `Authorization: Bearer <token>` with {how}.")));
     };
     if let Some(expected) = &state.config.metrics_token {
@@ -99,7 +102,9 @@ async fn check_scraper(state: &AppState, headers: &HeaderMap) -> Result<()> {
     if principal.is_admin() {
         Ok(())
     } else {
-        Err(Error::Forbidden("/metrics names every tenant's deployments; only admins and the scrape token may read it.".into()))
+        Err(Error::Forbidden(
+            "/metrics names every tenant's deployments; only admins and the scrape token may read it.".into(),
+        ))
     }
 }
 

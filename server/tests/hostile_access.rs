@@ -680,7 +680,7 @@ async fn a_second_worker_cannot_take_a_live_workers_name() {
         assert_eq!(server.post(WORKER_TOKEN, "/agent/register", wrong).await.status(), 409);
 
         // The same worker restarting proves itself with its secret and rejoins at once.
-        let (same_id, fresh) = server.rejoin_worker("w1", &secret).await;
+        let (same_id, _) = server.rejoin_worker("w1", &secret).await;
         assert_eq!(same_id, id);
         assert_eq!(
             server
@@ -691,7 +691,6 @@ async fn a_second_worker_cannot_take_a_live_workers_name() {
         );
 
         // A worker silent for three heartbeats is gone, and its name is free.
-        let _ = fresh;
         tokio::time::sleep(std::time::Duration::from_millis(3_300)).await;
         assert_eq!(
             server.post(WORKER_TOKEN, "/agent/register", intruder).await.status(),

@@ -91,7 +91,8 @@ impl Agent {
         let path = self.secret_file();
         let written = std::fs::create_dir_all(&self.config.data_dir).and_then(|_| write_private(&path, secret));
         if let Err(error) = written {
-            tracing::warn!(%error, path = %path.display(), "could not keep the worker secret; a restart waits for the old registration to go quiet");
+            let why = "could not keep the worker secret; a restart waits for the old registration to go quiet";
+            tracing::warn!(%error, path = %path.display(), "{why}");
         }
     }
 

@@ -188,7 +188,8 @@ fn bearer_session(state: &AppState, headers: &HeaderMap) -> Option<Uuid> {
               (status = 401, body = tessera_api::error::ErrorBody)))]
 pub async fn logout(State(state): State<AppState>, _principal: Principal, headers: HeaderMap) -> Result<StatusCode> {
     let session = bearer_session(&state, &headers).ok_or_else(|| {
-        Error::BadRequest("This request uses an API token, not a session; revoke it with DELETE /api/v1/tokens/{id}.".into())
+        let message = "This request uses an API token, not a session; revoke it with DELETE /api/v1/tokens/{id}.";
+        Error::BadRequest(message.into())
     })?;
     auth::end_session(&state, session).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -217,7 +218,8 @@ pub async fn password(
 #[utoipa::path(patch, path = "/api/v1/users/{id}", tag = "accounts", security(("bearer" = [])),
     params(("id" = Uuid, Path)), request_body = UpdateUser,
     responses((status = 200, body = User), (status = 403, body = tessera_api::error::ErrorBody),
-              (status = 404, body = tessera_api::error::ErrorBody), (status = 409, body = tessera_api::error::ErrorBody)))]
+              (status = 404, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody)))]
 pub async fn update(
     State(state): State<AppState>,
     principal: Principal,

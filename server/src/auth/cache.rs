@@ -1,9 +1,8 @@
 //! A short memory of credentials this server has already checked against the database:
 //! API-token digests and live sessions to their user, and users to the principal they
-//! sign in as. With it
-//! an inference call carrying a known token costs a SHA-256 and two map lookups instead
-//! of a database write (`last_used_at`) and a read, which is most of what the gateway
-//! used to add to a request.
+//! sign in as. With it an inference call carrying a known token costs a SHA-256 and two
+//! map lookups instead of a database write (`last_used_at`) and a read, which is most of
+//! what the gateway used to add to a request.
 //!
 //! Entries live `ttl` at most. Revoking a token, ending a session or changing a user on
 //! this server forgets the entry at once; another server sharing the same PostgreSQL

@@ -182,12 +182,11 @@ pub async fn delete_tokens_of(db: &Db, user: Uuid) -> Result<Vec<String>> {
         .await?)
 }
 
-/// Records a new session of `user` valid until `expires_at` (ms), dropping the user's
-/// expired ones on the way so the table holds only live sessions.
+/// Records a new session of `user` valid until `expires_at` (ms), dropping expired ones
+/// on the way, so the table holds only the sessions of the last `TESSERA_SESSION_HOURS`.
 pub async fn insert_session(db: &Db, id: Uuid, user: Uuid, expires_at: i64) -> Result<()> {
     let now = now_ms();
-    sqlx::query("DELETE FROM sessions WHERE user_id = $1 AND expires_at <= $2")
-        .bind(user.to_string())
+    sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")
         .bind(now)
         .execute(db.pool())
         .await?;
