@@ -158,6 +158,47 @@ async fn logout_ends_the_api_session_on_the_server() {
     }
 }
 
+/// Polls `check` every 20 ms for up to two seconds (far below the auth cache's 10 s).
+async fn within_two_seconds(mut check: impl AsyncFnMut() -> bool) -> bool {
+    for _ in 0..100 {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn a_revocation_on_one_server_reaches_the_others_sharing_postgres_at_once() {
+    if !backends().contains(&Backend::Postgres) {
+        return;
+    }
+    let first = TestServer::start_tweaked(Backend::Postgres, |c| c.jwt_secret = Some("j".repeat(40))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = first.config.clone();
+    config.data_dir = dir.path().to_path_buf();
+    let second = TestServer::start_with(config, dir.path().to_path_buf(), Some(dir)).await;
+    let admin = first.admin().await;
+    let alice = first.user(&admin, "alice").await;
+    let token = api_token(&first, &alice).await;
+    let bob = first.user(&admin, "bob").await;
+    // The second server checks each credential once and caches it for 10 s.
+    for credential in [&alice, &token, &bob] {
+        assert_eq!(me_status(&second, credential).await, 200);
+    }
+
+    assert_eq!(first.post(&alice, "/auth/logout", json!({})).await.status(), 204);
+    assert!(within_two_seconds(async || me_status(&second, &alice).await == 401).await, "the session lived on");
+    let tokens: Vec<Value> = first.get(&admin, "/tokens").await.json().await.unwrap();
+    let id = tokens[0]["id"].as_str().unwrap();
+    assert_eq!(first.delete(&admin, &format!("/tokens/{id}")).await.status(), 204);
+    assert!(within_two_seconds(async || me_status(&second, &token).await == 401).await, "the token lived on");
+    let bob_id = user_id(&first, &admin, "bob").await;
+    assert_eq!(patch_user(&first, &admin, &bob_id, json!({"disabled": true})).await.status(), 200);
+    assert!(within_two_seconds(async || me_status(&second, &bob).await == 401).await, "the disabled user lived on");
+}
+
 #[tokio::test]
 async fn dashboard_logout_ends_the_cookie_session_on_the_server() {
     let server = TestServer::start(Backend::Sqlite).await;

@@ -12,10 +12,11 @@ use axum::http::{HeaderMap, StatusCode};
 use tessera_api::accounts::{ChangePassword, CreateUser, LoginRequest, LoginResponse, Role, UpdateUser, User};
 use uuid::Uuid;
 
-use crate::auth::{self, password, Principal};
+use crate::auth::{self, password, revocations, Principal};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::state::AppState;
 use crate::store::db::{now_ms, Db};
+use crate::store::revocations::Revoked;
 use crate::store::users::{self, StoredUser};
 
 fn check_username(username: &str) -> Result<()> {
@@ -147,12 +148,12 @@ pub async fn set_disabled(state: &AppState, principal: &Principal, id: Uuid, dis
         return Err(Error::not_found("User"));
     }
     // The flag first, so nothing new can be issued; then what the user already holds.
-    state.auth_cache.forget_user(id);
+    revocations::revoked(state, Revoked::User(id)).await;
     if disabled {
         let sessions = auth::end_sessions_of(state, id, None).await?;
         let tokens = users::delete_tokens_of(&state.db, id).await?;
-        for digest in &tokens {
-            state.auth_cache.forget_token(digest);
+        for digest in tokens.iter().cloned() {
+            revocations::revoked(state, Revoked::Token(digest)).await;
         }
         tracing::info!(user = %id, by = %principal.username, sessions, tokens = tokens.len(), "user disabled");
     } else {

@@ -6,9 +6,10 @@
 //!
 //! Entries live `ttl` at most. Revoking a token, ending a session or changing a user on
 //! this server forgets the entry at once; another server sharing the same PostgreSQL
-//! database keeps trusting its own entry until it expires, so `ttl` bounds how long a
-//! revoked token or ended session may still work there (`TESSERA_AUTH_CACHE_SECS`, 0
-//! turns the cache off).
+//! database hears of it through `revocations` and forgets its entry too, within
+//! milliseconds; only if that announcement is lost does it trust its entry until it
+//! expires, so `ttl` bounds how long a revoked token or ended session may still work
+//! there (`TESSERA_AUTH_CACHE_SECS`, 0 turns the cache off).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -105,6 +106,16 @@ impl AuthCache {
         let mut entries = self.lock();
         entries.generation += 1;
         entries.sessions.remove(&session);
+    }
+
+    /// Forgets everything: revocations may have been missed (another server's
+    /// announcements while this one was not listening).
+    pub fn forget_all(&self) {
+        let mut entries = self.lock();
+        entries.generation += 1;
+        entries.tokens.clear();
+        entries.sessions.clear();
+        entries.users.clear();
     }
 
     pub fn user(&self, id: Uuid) -> Option<Principal> {

@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod password;
 pub mod rate_limit;
+pub mod revocations;
 pub mod secrets;
 pub mod session;
 
@@ -14,6 +15,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::state::AppState;
+use crate::store::revocations::Revoked;
 use crate::store::{users, workers, Scope};
 
 /// A signed-in person.
@@ -127,10 +129,11 @@ pub async fn start_session(state: &AppState, user: Uuid) -> Result<(String, chro
     Ok((token, expires_at))
 }
 
-/// Ends one session, here at once (other servers: within `TESSERA_AUTH_CACHE_SECS`).
+/// Ends one session: at once here, and on the other servers of a shared PostgreSQL
+/// database as soon as they hear of it (`revocations`).
 pub async fn end_session(state: &AppState, session: Uuid) -> Result<(), Error> {
     users::delete_session(&state.db, session).await?;
-    state.auth_cache.forget_session(session);
+    revocations::revoked(state, Revoked::Session(session)).await;
     Ok(())
 }
 
@@ -138,7 +141,7 @@ pub async fn end_session(state: &AppState, session: Uuid) -> Result<(), Error> {
 pub async fn end_sessions_of(state: &AppState, user: Uuid, keep: Option<Uuid>) -> Result<usize, Error> {
     let ended = users::delete_sessions_of(&state.db, user, keep).await?;
     for session in &ended {
-        state.auth_cache.forget_session(*session);
+        revocations::revoked(state, Revoked::Session(*session)).await;
     }
     Ok(ended.len())
 }

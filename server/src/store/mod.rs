@@ -9,6 +9,7 @@ pub mod deployments;
 pub mod db;
 pub mod jobs;
 pub mod models;
+pub mod revocations;
 pub mod slices;
 pub mod training;
 pub mod users;
