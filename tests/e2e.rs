@@ -136,8 +136,8 @@ async fn server_and_worker_binaries_serve_a_real_model_end_to_end() {
     let cached = worker_dir.join("models").join(&model_id).join("model.safetensors");
     assert_eq!(std::fs::read(&cached).unwrap(), std::fs::read(model_dir.join("model.safetensors")).unwrap());
 
-    // Prometheus sees the traffic and the worker.
-    let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    // Prometheus (here with an admin's token) sees the traffic and the worker.
+    let metrics = http.get(format!("{url}/metrics")).bearer_auth(&admin).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("http_requests_total{method=\"POST\",route=\"/api/v1/models\",status=\"201\"}"), "{metrics}");
     assert!(metrics.contains("tessera_workers_online 1"));
 
@@ -476,7 +476,7 @@ async fn deployments_serve_embeddings_and_classifiers_to_openai_and_kserve_clien
     serve_a_classifier(&http, &url, &admin, &model_dir, &data.path().join("classifier"), &worker).await;
 
     // The gateway's metrics saw the traffic.
-    let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = http.get(format!("{url}/metrics")).bearer_auth(&admin).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("tessera_inference_batch_tokens"), "{metrics}");
     server.process.kill();
 }

@@ -60,6 +60,26 @@ pub struct User {
     pub username: String,
     pub role: Role,
     pub created_at: DateTime<Utc>,
+    /// A disabled user cannot sign in and holds no session or API token.
+    #[serde(default)]
+    pub disabled: bool,
+}
+
+/// `PATCH /api/v1/users/{id}` (admins): the fields to change.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateUser {
+    /// `true` ends every session and API token of the user and refuses its logins;
+    /// `false` lets it sign in again (its old tokens stay revoked).
+    #[serde(default)]
+    pub disabled: Option<bool>,
+}
+
+/// `POST /api/v1/auth/password`: the caller's own password.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChangePassword {
+    pub current_password: String,
+    pub new_password: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -38,8 +38,11 @@ pub struct SliceStatus {
     pub slice: Slice,
     /// The live replica (serve job) bound to it.
     pub replica: Option<Uuid>,
-    /// The deployment that replica serves.
+    /// The deployment that replica serves; shown only to its owner and to admins.
     pub deployment: Option<String>,
+    /// A replica holds the slice, whether or not the caller may see whose.
+    #[serde(default)]
+    pub in_use: bool,
 }
 
 /// A slice the planner chose for an SLO deployment.
@@ -67,7 +70,8 @@ pub struct TransitionStep {
     pub worker_id: Option<Uuid>,
     pub profile: String,
     pub start: u8,
-    /// The deployment the replica serves.
+    /// The deployment the replica serves; `None` also when it is another tenant's (only
+    /// its owner and admins see its name).
     pub service: Option<String>,
 }
 

@@ -52,6 +52,11 @@ pub struct RegisterRequest {
     /// simulated GPUs are repartitioned today; real ones get "would change" steps).
     #[serde(default)]
     pub allow_repartition: bool,
+    /// The secret this worker got when it last registered. While a worker of this name
+    /// is online (heartbeats fresh), only one that presents its secret may take the name
+    /// over: a restart of the same worker, never a second machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_secret: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

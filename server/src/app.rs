@@ -25,7 +25,9 @@ use crate::gateway::{kserve, openai, Gateway, GatewayError};
 use crate::registry::blobs::BlobStore;
 use crate::state::AppState;
 use crate::store::db::Db;
-use crate::{accounts, datasets, deployments, error, fleet, gangs, jobs, openapi, registry, telemetry, training, web, workers};
+use crate::{
+    accounts, auth, datasets, deployments, error, fleet, gangs, jobs, openapi, registry, telemetry, training, web, workers,
+};
 
 /// Why the server could not start: a setting is refused, the data directory, the
 /// database, or the first admin could not be set up, or the address could not be bound.
@@ -63,7 +65,7 @@ impl AppState {
             .into_iter()
             .map(|(path, item)| (path.replace("{*", "{"), item))
             .collect();
-        Ok(AppState {
+        let state = AppState {
             blobs: BlobStore::open(&config.data_dir)?,
             login_limiter: Arc::new(LoginLimiter::new(config.login_burst, Duration::from_secs(config.login_refill_secs))),
             sessions: Arc::new(sessions),
@@ -74,7 +76,9 @@ impl AppState {
             gateway: Arc::new(Gateway::new(Duration::from_secs(config.inference_timeout_secs))),
             config: Arc::new(config),
             db,
-        })
+        };
+        auth::revocations::spawn_listener(&state);
+        Ok(state)
     }
 }
 
@@ -83,7 +87,10 @@ fn api_router() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(accounts::login))
         .routes(routes!(accounts::me))
+        .routes(routes!(accounts::logout))
+        .routes(routes!(accounts::password))
         .routes(routes!(accounts::create, accounts::list))
+        .routes(routes!(accounts::update))
         .routes(routes!(accounts::tokens::create, accounts::tokens::list))
         .routes(routes!(accounts::tokens::revoke))
         .routes(without_body_limit(routes!(registry::routes::upload, registry::routes::list)))

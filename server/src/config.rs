@@ -81,6 +81,17 @@ pub struct Config {
     /// gives the client a 504, so a hung worker cannot hold requests forever.
     #[arg(long, env = "TESSERA_INFERENCE_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_timeout_secs: u64,
+
+    /// Bearer token Prometheus sends to scrape `/metrics` (at least 32 bytes). An admin's
+    /// session or API token is accepted too; without this setting only admins may scrape.
+    #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
+
+    /// Accept any engine endpoint a worker reports (`TESSERA_WORKER_ADVERTISE_URL` behind
+    /// NAT or a proxy). By default its host must be the address the worker connects from,
+    /// so a worker cannot point the gateway, and its engine token, at another machine.
+    #[arg(long, env = "TESSERA_ALLOW_ADVERTISED_ENDPOINTS", default_value_t = false)]
+    pub allow_advertised_endpoints: bool,
 }
 
 impl Config {
@@ -102,13 +113,19 @@ impl Config {
             login_refill_secs: 6,
             auth_cache_secs: 10,
             inference_timeout_secs: 60,
+            metrics_token: None,
+            allow_advertised_endpoints: false,
         }
     }
 
     /// Refuses secrets short enough to guess: an empty worker token would let anyone
     /// register a worker, and an empty JWT secret would let anyone sign an admin session.
     pub fn check_secrets(&self) -> Result<(), ConfigError> {
-        let settings = [("TESSERA_WORKER_TOKEN", &self.worker_token), ("TESSERA_JWT_SECRET", &self.jwt_secret)];
+        let settings = [
+            ("TESSERA_WORKER_TOKEN", &self.worker_token),
+            ("TESSERA_JWT_SECRET", &self.jwt_secret),
+            ("TESSERA_METRICS_TOKEN", &self.metrics_token),
+        ];
         for (setting, value) in settings {
             if let Some(value) = value {
                 if value.len() < MIN_SECRET_BYTES {

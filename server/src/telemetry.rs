@@ -1,15 +1,18 @@
 //! Prometheus metrics: request counts and latencies by route and status, plus gauges
-//! (queue depth, workers online) refreshed when `/metrics` is scraped.
+//! (queue depth, workers online) refreshed when `/metrics` is scraped. The metrics name
+//! every tenant's deployments, so scraping needs the scrape token or an admin.
 
 use std::sync::OnceLock;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderMap, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::error::Result;
+use crate::auth::{self, secrets};
+use crate::error::{Error, Result};
 use crate::state::AppState;
 
 /// Latency buckets, 0.5 ms to 10 s: an HTTP request, or one stage of an inference.
@@ -55,7 +58,7 @@ pub async fn track(request: Request, next: Next) -> Response {
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".into());
-    let method = request.method().to_string();
+    let method = method_label(request.method()).to_string();
     let started = Instant::now();
     let response = next.run(request).await;
     let labels = [("method", method), ("route", route), ("status", response.status().as_u16().to_string())];
@@ -64,10 +67,64 @@ pub async fn track(request: Request, next: Next) -> Response {
     response
 }
 
-/// `GET /metrics` in the Prometheus text format.
-pub async fn render(State(state): State<AppState>) -> Result<Response> {
+/// The method as a label value: the standard ones by name, anything else (`FOO`, a
+/// random extension method per request) as `other`, so a client cannot mint series.
+fn method_label(method: &Method) -> &'static str {
+    const KNOWN: [Method; 9] = [
+        Method::GET,
+        Method::POST,
+        Method::PUT,
+        Method::PATCH,
+        Method::DELETE,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::CONNECT,
+        Method::TRACE,
+    ];
+    KNOWN.iter().find(|m| *m == method).map_or("other", |m| m.as_str())
+}
+
+/// Who may scrape: the configured scrape token, or an admin's session or API token.
+async fn check_scraper(state: &AppState, headers: &HeaderMap) -> Result<()> {
+    let Some(token) = auth::bearer_of(headers) else {
+        let how = match state.config.metrics_token {
+            Some(_) => "the scrape token (TESSERA_METRICS_TOKEN) or an admin's API token",
+            None => "an admin's API token, or start the server with TESSERA_METRICS_TOKEN for Prometheus",
+        };
+        return Err(Error::Unauthorized(format!("/metrics needs `Authorization: Bearer <token>` with {how}.")));
+    };
+    if let Some(expected) = &state.config.metrics_token {
+        if secrets::equal(token, expected) {
+            return Ok(());
+        }
+    }
+    let principal = auth::authenticate(state, token).await?;
+    if principal.is_admin() {
+        Ok(())
+    } else {
+        Err(Error::Forbidden(
+            "/metrics names every tenant's deployments; only admins and the scrape token may read it.".into(),
+        ))
+    }
+}
+
+/// `GET /metrics` in the Prometheus text format, for the scrape token or an admin.
+pub async fn render(State(state): State<AppState>, headers: HeaderMap) -> Result<Response> {
+    check_scraper(&state, &headers).await?;
     metrics::gauge!("tessera_queue_depth").set(crate::store::jobs::depth(&state.db).await? as f64);
     metrics::gauge!("tessera_workers_online").set(crate::workers::count_online(&state).await? as f64);
     let body = state.metrics.render();
     Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_methods_share_one_label() {
+        assert_eq!(method_label(&Method::PATCH), "PATCH");
+        assert_eq!(method_label(&Method::from_bytes(b"FOO").unwrap()), "other");
+        assert_eq!(method_label(&Method::from_bytes(b"BREW").unwrap()), "other");
+    }
 }

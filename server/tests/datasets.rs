@@ -153,6 +153,16 @@ async fn a_worker_downloads_a_dataset_and_users_cannot_use_the_agent_route() {
     let wine: Value = upload(&server, &token, "wine", "wine.csv", WINE.as_bytes()).await.json().await.unwrap();
     let id = wine["id"].as_str().unwrap();
     let (_, secret) = server.register_worker("w1").await;
+    // A worker fetches a dataset only while it holds a training job on it.
+    assert_eq!(server.get(&secret, &format!("/agent/datasets/{id}/file")).await.status(), 403);
+    let train = json!({"name": "t", "model": {"kind": "mlp", "hidden": [8]}, "dataset": id,
+        "task": {"type": "regression", "label_column": "quality", "feature_columns": ["fixed_acidity", "alcohol"],
+                 "validation_split": 0.4},
+        "optimizer": {"type": "sgd"}, "batch_size": 2, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+    let response = server.post(&token, "/jobs", train).await;
+    assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+    assert_eq!(server.post(&secret, "/agent/claim", json!({"kinds": ["train"]})).await.status(), 200);
     let meta: Value = server.get(&secret, &format!("/agent/datasets/{id}")).await.json().await.unwrap();
     assert_eq!(meta["rows"], 3);
     let bytes = server.get(&secret, &format!("/agent/datasets/{id}/file")).await.bytes().await.unwrap();

@@ -169,7 +169,8 @@ async fn gateway_requests_feed_the_owner_checked_stats_route() {
         assert_eq!(buckets.iter().map(|b| b["requests"].as_u64().unwrap()).sum::<u64>(), 6);
 
         // Prometheus gets histograms (bucketed, so they aggregate), not summaries.
-        let metrics = server.http.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap();
+        let metrics =
+            server.http.get(format!("{}/metrics", server.url)).bearer_auth(&admin).send().await.unwrap().text().await.unwrap();
         for name in [
             "tessera_inference_queue_seconds",
             "tessera_inference_tokenization_seconds",

@@ -18,11 +18,16 @@ fn slice(worker: &str, gpu: usize, i: usize, model: &str, profile: Option<&str>)
 
 /// Registers a worker offering simulated H100 slices with these profiles on GPU 0.
 async fn register(server: &TestServer, name: &str, profiles: &[&str], allow_repartition: bool) -> reqwest::Response {
+    rejoin(server, name, profiles, allow_repartition, None).await
+}
+
+/// `register`, presenting the secret of the worker's last registration (a restart).
+async fn rejoin(server: &TestServer, name: &str, profiles: &[&str], allow_repartition: bool, previous_secret: Option<&str>) -> reqwest::Response {
     let slices: Vec<Value> = profiles.iter().enumerate().map(|(i, p)| slice(name, 0, i, "H100-80GB", Some(p))).collect();
     let inventory = json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1024, "slices": slices});
-    server
-        .post(WORKER_TOKEN, "/agent/register", json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": allow_repartition}))
-        .await
+    let body = json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": allow_repartition,
+                      "previous_secret": previous_secret});
+    server.post(WORKER_TOKEN, "/agent/register", body).await
 }
 
 async fn secret_of(response: reqwest::Response) -> String {
@@ -218,7 +223,7 @@ async fn an_idle_simulated_gpu_is_repartitioned_when_its_worker_allows_it() {
         assert!(html.contains("Steps applied") && html.contains("destroy slice"), "{html}");
 
         // Registering again (a restart) keeps the partition the scheduler applied.
-        secret_of(register(&server, "mig-1", &["7g.80gb"], true).await).await;
+        secret_of(rejoin(&server, "mig-1", &["7g.80gb"], true, Some(&secret)).await).await;
         let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
         assert_eq!(workers[0]["slices"].as_array().unwrap().len(), slices.len());
     }

@@ -349,8 +349,9 @@ async fn checkpoints_round_trip_and_a_resuming_worker_gets_the_latest() {
         assert_eq!(created["step"], 1000);
         assert_eq!(created["files"].as_array().unwrap().len(), 2);
 
-        // The worker dies; re-registering requeues its job and another worker claims it.
-        server.register_worker("w1").await;
+        // The worker dies; its restart re-registers (proving itself with its secret), which
+        // requeues its job, and another worker claims it.
+        server.rejoin_worker("w1", &secret).await;
         let (_, second) = server.register_worker("w2").await;
         let claim: Value =
             server.post(&second, "/agent/claim", json!({"kinds": ["train"]})).await.json().await.unwrap();

@@ -72,6 +72,30 @@ impl Agent {
         }
     }
 
+    /// Where the secret of the last registration is kept, so a restarted worker proves it
+    /// is the same one and takes its name back at once (the server refuses a live name to
+    /// anyone else).
+    fn secret_file(&self) -> PathBuf {
+        self.config.data_dir.join("worker-secret")
+    }
+
+    fn previous_secret(&self) -> Option<String> {
+        let in_memory = self.client.secret();
+        if !in_memory.is_empty() {
+            return Some(in_memory.to_string());
+        }
+        std::fs::read_to_string(self.secret_file()).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+    }
+
+    fn keep_secret(&self, secret: &str) {
+        let path = self.secret_file();
+        let written = std::fs::create_dir_all(&self.config.data_dir).and_then(|_| write_private(&path, secret));
+        if let Err(error) = written {
+            let why = "could not keep the worker secret; a restart waits for the old registration to go quiet";
+            tracing::warn!(%error, path = %path.display(), "{why}");
+        }
+    }
+
     /// Registers, retrying with backoff until the server answers. Returns the heartbeat
     /// interval the server asks for.
     async fn register(&mut self) -> Duration {
@@ -80,12 +104,14 @@ impl Agent {
             version: env!("CARGO_PKG_VERSION").into(),
             inventory: self.config.inventory.clone(),
             allow_repartition: self.config.allow_repartition,
+            previous_secret: self.previous_secret(),
         };
         let mut backoff = Duration::from_millis(250);
         loop {
             match self.client.register(&self.config.worker_token, &request).await {
                 Ok(registered) => {
                     tracing::info!(worker = %registered.worker_id, server = %self.config.server, "registered");
+                    self.keep_secret(&registered.secret);
                     self.config.endpoint.set_token(registered.engine_token);
                     return Duration::from_secs(registered.heartbeat_interval_secs.max(1));
                 }
@@ -158,4 +184,16 @@ impl Agent {
             }
         }
     }
+}
+
+/// Writes a file only its owner may read (the worker secret).
+fn write_private(path: &std::path::Path, contents: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    options.mode(0o600);
+    options.open(path)?.write_all(contents.as_bytes())
 }

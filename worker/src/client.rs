@@ -63,6 +63,11 @@ impl Client {
         check(self.http.post(self.url(path)).bearer_auth(&self.secret).json(body).send().await?).await
     }
 
+    /// The secret of the last registration (empty before the first).
+    pub fn secret(&self) -> &str {
+        &self.secret
+    }
+
     /// Joins with the shared token; later calls use the secret the server hands back.
     pub async fn register(&mut self, token: &str, request: &RegisterRequest) -> Result<RegisterResponse, ClientError> {
         let response = check(self.http.post(self.url("register")).bearer_auth(token).json(request).send().await?).await?;

@@ -1,4 +1,6 @@
-//! Users and logins. The first start creates `admin`; admins create everyone else.
+//! Users and logins. The first start creates `admin`; admins create everyone else and
+//! may disable them. A sign-in is a session row the server can end (log out, a password
+//! change, a disabled user), not only a JWT that lives until it expires.
 
 pub mod tokens;
 
@@ -6,14 +8,15 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use axum::extract::{ConnectInfo, State};
-use axum::http::StatusCode;
-use tessera_api::accounts::{CreateUser, LoginRequest, LoginResponse, Role, User};
+use axum::http::{HeaderMap, StatusCode};
+use tessera_api::accounts::{ChangePassword, CreateUser, LoginRequest, LoginResponse, Role, UpdateUser, User};
 use uuid::Uuid;
 
-use crate::auth::{password, Principal};
-use crate::error::{ApiJson, Error, Result};
+use crate::auth::{self, password, revocations, Principal};
+use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::state::AppState;
 use crate::store::db::{now_ms, Db};
+use crate::store::revocations::Revoked;
 use crate::store::users::{self, StoredUser};
 
 fn check_username(username: &str) -> Result<()> {
@@ -40,6 +43,7 @@ pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
         role: request.role,
         password_hash: hash,
         created_at: now_ms(),
+        disabled_at: None,
     };
     users::insert(db, &user).await.map_err(|e| {
         if e.is_unique_violation() {
@@ -91,11 +95,72 @@ pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRe
         let _ = password::hash(request.password.clone()).await;
         return Err(wrong());
     };
-    if password::verify(request.password.clone(), user.password_hash.clone()).await? {
-        Ok(user)
-    } else {
-        Err(wrong())
+    if !password::verify(request.password.clone(), user.password_hash.clone()).await? {
+        return Err(wrong());
     }
+    // Said only after the right password, so it tells a guesser nothing.
+    if user.disabled_at.is_some() {
+        return Err(Error::Forbidden("This account is disabled; ask an admin to enable it.".into()));
+    }
+    Ok(user)
+}
+
+/// Changes the caller's password after checking the current one (throttled like a
+/// login), and ends every other session of theirs; `session` (the one making the change,
+/// if it is one) stays signed in. API tokens are separate credentials and stay valid.
+/// Returns how many sessions were ended.
+pub async fn change_password(
+    state: &AppState,
+    principal: &Principal,
+    session: Option<Uuid>,
+    client: SocketAddr,
+    request: ChangePassword,
+) -> Result<usize> {
+    if request.current_password.len() > MAX_LOGIN_PASSWORD_BYTES {
+        return Err(Error::BadRequest(format!("A password has at most {MAX_LOGIN_PASSWORD_BYTES} bytes.")));
+    }
+    password::check_strength(&request.new_password)?;
+    state
+        .login_limiter
+        .attempt(client.ip(), &principal.username, Instant::now())
+        .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
+    let user = users::find(&state.db, principal.id).await?.ok_or_else(|| Error::not_found("User"))?;
+    if !password::verify(request.current_password, user.password_hash).await? {
+        return Err(Error::Forbidden("The current password is wrong; the password was not changed.".into()));
+    }
+    let hash = password::hash(request.new_password).await?;
+    users::set_password_hash(&state.db, principal.id, &hash).await?;
+    let ended = auth::end_sessions_of(state, principal.id, session).await?;
+    tracing::info!(user = %principal.username, sessions_ended = ended, "password changed");
+    Ok(ended)
+}
+
+/// Disables a user (ending every session and API token it holds, and refusing its
+/// logins) or enables it again. Admins only, and never themselves: the last admin
+/// could otherwise lock everyone out.
+pub async fn set_disabled(state: &AppState, principal: &Principal, id: Uuid, disabled: bool) -> Result<User> {
+    principal.require_admin()?;
+    if disabled && id == principal.id {
+        return Err(Error::Conflict("You cannot disable yourself; ask another admin.".into()));
+    }
+    let disabled_at = disabled.then(now_ms);
+    if !users::set_disabled(&state.db, id, disabled_at).await? {
+        return Err(Error::not_found("User"));
+    }
+    // The flag first, so nothing new can be issued; then what the user already holds.
+    revocations::revoked(state, Revoked::User(id)).await;
+    if disabled {
+        let sessions = auth::end_sessions_of(state, id, None).await?;
+        let tokens = users::delete_tokens_of(&state.db, id).await?;
+        for digest in tokens.iter().cloned() {
+            revocations::revoked(state, Revoked::Token(digest)).await;
+        }
+        tracing::info!(user = %id, by = %principal.username, sessions, tokens = tokens.len(), "user disabled");
+    } else {
+        tracing::info!(user = %id, by = %principal.username, "user enabled");
+    }
+    let user = users::find(&state.db, id).await?.ok_or_else(|| Error::not_found("User"))?;
+    Ok(user.to_api())
 }
 
 /// Exchange a username and password for a session token.
@@ -108,8 +173,66 @@ pub async fn login(
     ApiJson(request): ApiJson<LoginRequest>,
 ) -> Result<ApiJson<LoginResponse>> {
     let user = check_login(&state, client, &request).await?;
-    let (token, expires_at) = state.sessions.issue(&user.id.to_string());
+    let (token, expires_at) = auth::start_session(&state, user.id).await?;
     Ok(ApiJson(LoginResponse { token, expires_at }))
+}
+
+/// The session a request's bearer JWT names (`None` for an API token).
+fn bearer_session(state: &AppState, headers: &HeaderMap) -> Option<Uuid> {
+    auth::bearer_of(headers).and_then(|token| auth::session_of(state, token))
+}
+
+/// End the session this request is signed in with: its token stops working at once on
+/// this server (on other servers of a shared database within `TESSERA_AUTH_CACHE_SECS`).
+#[utoipa::path(post, path = "/api/v1/auth/logout", tag = "accounts", security(("bearer" = [])),
+    responses((status = 204), (status = 400, body = tessera_api::error::ErrorBody),
+              (status = 401, body = tessera_api::error::ErrorBody)))]
+pub async fn logout(State(state): State<AppState>, _principal: Principal, headers: HeaderMap) -> Result<StatusCode> {
+    let session = bearer_session(&state, &headers).ok_or_else(|| {
+        let message = "This request uses an API token, not a session; revoke it with DELETE /api/v1/tokens/{id}.";
+        Error::BadRequest(message.into())
+    })?;
+    auth::end_session(&state, session).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Change your password. Every other session of yours ends; the one making the change
+/// stays signed in, and API tokens stay valid (revoke them under /api/v1/tokens).
+#[utoipa::path(post, path = "/api/v1/auth/password", tag = "accounts", security(("bearer" = [])),
+    request_body = ChangePassword,
+    responses((status = 204), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody), (status = 429, description = "Too many attempts")))]
+pub async fn password(
+    State(state): State<AppState>,
+    principal: Principal,
+    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    ApiJson(request): ApiJson<ChangePassword>,
+) -> Result<StatusCode> {
+    let session = bearer_session(&state, &headers);
+    change_password(&state, &principal, session, client, request).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Disable or enable a user (admins only). Disabling ends every session and API token
+/// the user holds and refuses its logins; enabling lets it sign in again.
+#[utoipa::path(patch, path = "/api/v1/users/{id}", tag = "accounts", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), request_body = UpdateUser,
+    responses((status = 200, body = User), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody)))]
+pub async fn update(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+    ApiJson(request): ApiJson<UpdateUser>,
+) -> Result<ApiJson<User>> {
+    principal.require_admin()?;
+    let user = match request.disabled {
+        Some(disabled) => set_disabled(&state, &principal, id, disabled).await?,
+        None => users::find(&state.db, id).await?.ok_or_else(|| Error::not_found("User"))?.to_api(),
+    };
+    Ok(ApiJson(user))
 }
 
 /// The user the request is authenticated as.

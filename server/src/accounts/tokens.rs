@@ -44,8 +44,8 @@ pub async fn list(State(state): State<AppState>, principal: Principal) -> Result
     Ok(ApiJson(users::list_tokens(&state.db, &principal.scope()).await?))
 }
 
-/// Revoke an API token: it stops working at once on this server (on other servers of a
-/// shared database within `TESSERA_AUTH_CACHE_SECS`).
+/// Revoke an API token: it stops working at once on this server, and on the other
+/// servers of a shared database as soon as they hear of it.
 #[utoipa::path(delete, path = "/api/v1/tokens/{id}", tag = "tokens", security(("bearer" = [])),
     params(("id" = Uuid, Path)), responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn revoke(
@@ -57,8 +57,8 @@ pub async fn revoke(
     if deleted.is_empty() {
         return Err(Error::not_found("Token"));
     }
-    for digest in &deleted {
-        state.auth_cache.forget_token(digest);
+    for digest in deleted {
+        crate::auth::revocations::revoked(&state, crate::store::revocations::Revoked::Token(digest)).await;
     }
     Ok(StatusCode::NO_CONTENT)
 }

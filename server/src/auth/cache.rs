@@ -1,13 +1,15 @@
 //! A short memory of credentials this server has already checked against the database:
-//! API-token digests to their user, and users to the principal they sign in as. With it
-//! an inference call carrying a known token costs a SHA-256 and two map lookups instead
-//! of a database write (`last_used_at`) and a read, which is most of what the gateway
-//! used to add to a request.
+//! API-token digests and live sessions to their user, and users to the principal they
+//! sign in as. With it an inference call carrying a known token costs a SHA-256 and two
+//! map lookups instead of a database write (`last_used_at`) and a read, which is most of
+//! what the gateway used to add to a request.
 //!
-//! Entries live `ttl` at most. Revoking a token or changing a user on this server
-//! forgets the entry at once; another server sharing the same PostgreSQL database keeps
-//! trusting its own entry until it expires, so `ttl` bounds how long a revoked token may
-//! still work there (`TESSERA_AUTH_CACHE_SECS`, 0 turns the cache off).
+//! Entries live `ttl` at most. Revoking a token, ending a session or changing a user on
+//! this server forgets the entry at once; another server sharing the same PostgreSQL
+//! database hears of it through `revocations` and forgets its entry too, within
+//! milliseconds; only if that announcement is lost does it trust its entry until it
+//! expires, so `ttl` bounds how long a revoked token or ended session may still work
+//! there (`TESSERA_AUTH_CACHE_SECS`, 0 turns the cache off).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -31,6 +33,7 @@ struct Entries {
     /// cannot store what it read after it (see `Generation`).
     generation: u64,
     tokens: HashMap<String, Entry<Uuid>>,
+    sessions: HashMap<Uuid, Entry<Uuid>>,
     users: HashMap<Uuid, Entry<Principal>>,
 }
 
@@ -87,6 +90,34 @@ impl AuthCache {
         entries.tokens.remove(digest);
     }
 
+    /// The user a session belongs to, if it was live less than `ttl` ago.
+    pub fn session_user(&self, session: Uuid) -> Option<Uuid> {
+        fresh(self.lock().sessions.get(&session), self.ttl)
+    }
+
+    pub fn remember_session(&self, session: Uuid, user: Uuid, read_at: Generation) {
+        let mut entries = self.lock();
+        if !self.ttl.is_zero() && entries.generation == read_at.0 {
+            insert(&mut entries.sessions, session, user, self.ttl);
+        }
+    }
+
+    pub fn forget_session(&self, session: Uuid) {
+        let mut entries = self.lock();
+        entries.generation += 1;
+        entries.sessions.remove(&session);
+    }
+
+    /// Forgets everything: revocations may have been missed (another server's
+    /// announcements while this one was not listening).
+    pub fn forget_all(&self) {
+        let mut entries = self.lock();
+        entries.generation += 1;
+        entries.tokens.clear();
+        entries.sessions.clear();
+        entries.users.clear();
+    }
+
     pub fn user(&self, id: Uuid) -> Option<Principal> {
         fresh(self.lock().users.get(&id), self.ttl)
     }
@@ -123,10 +154,15 @@ mod tests {
         cache.remember_user(user.clone(), cache.generation());
         assert_eq!(cache.token_user("digest"), Some(user.id));
         assert_eq!(cache.user(user.id).map(|p| p.username), Some("alice".into()));
+        let session = Uuid::new_v4();
+        cache.remember_session(session, user.id, cache.generation());
+        assert_eq!(cache.session_user(session), Some(user.id));
         cache.forget_token("digest");
         cache.forget_user(user.id);
+        cache.forget_session(session);
         assert_eq!(cache.token_user("digest"), None);
         assert!(cache.user(user.id).is_none());
+        assert_eq!(cache.session_user(session), None);
     }
 
     #[test]

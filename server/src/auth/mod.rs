@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod password;
 pub mod rate_limit;
+pub mod revocations;
 pub mod secrets;
 pub mod session;
 
@@ -14,6 +15,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::state::AppState;
+use crate::store::revocations::Revoked;
 use crate::store::{users, workers, Scope};
 
 /// A signed-in person.
@@ -50,8 +52,13 @@ impl Principal {
 const MISSING_CREDENTIALS: &str =
     "Send `Authorization: Bearer <token>`; get a token from POST /api/v1/auth/login.";
 
-fn bearer(parts: &Parts) -> Option<&str> {
-    let value = parts.headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
+/// The bearer credential of a request, if it sends one.
+pub fn bearer(parts: &Parts) -> Option<&str> {
+    bearer_of(&parts.headers)
+}
+
+pub fn bearer_of(headers: &axum::http::HeaderMap) -> Option<&str> {
+    let value = headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
@@ -65,9 +72,10 @@ impl FromRequestParts<AppState> for Principal {
     }
 }
 
-/// Resolves a session JWT or a personal API token to the user it belongs to. What the
-/// database said is remembered for a few seconds (see `cache`), so repeated calls with
-/// the same credential cost no round trip; `last_used_at` is written when it is read.
+/// Resolves a session JWT (whose session must not have ended) or a personal API token to
+/// the user it belongs to, who must not be disabled. What the database said is remembered
+/// for a few seconds (see `cache`), so repeated calls with the same credential cost no
+/// round trip; `last_used_at` is written when it is read.
 pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Error> {
     let invalid = || Error::Unauthorized("The token is invalid, expired or revoked; log in again.".into());
     let cache = &state.auth_cache;
@@ -83,17 +91,59 @@ pub async fn authenticate(state: &AppState, token: &str) -> Result<Principal, Er
             }
         }
     } else {
-        let subject = state.sessions.verify(token).ok_or_else(invalid)?;
-        subject.parse::<Uuid>().map_err(|_| invalid())?
+        let claims = state.sessions.verify(token).ok_or_else(invalid)?;
+        let owner = match cache.session_user(claims.session) {
+            Some(owner) => owner,
+            None => {
+                let read_at = cache.generation();
+                let owner = users::session_user(&state.db, claims.session).await?.ok_or_else(invalid)?;
+                cache.remember_session(claims.session, owner, read_at);
+                owner
+            }
+        };
+        if owner != claims.user {
+            return Err(invalid());
+        }
+        owner
     };
     if let Some(principal) = cache.user(user_id) {
         return Ok(principal);
     }
     let read_at = cache.generation();
-    let user = users::find(&state.db, user_id).await?.ok_or_else(invalid)?;
+    let user = users::find(&state.db, user_id).await?.filter(|u| u.disabled_at.is_none()).ok_or_else(invalid)?;
     let principal = Principal { id: user.id, username: user.username, role: user.role };
     cache.remember_user(principal.clone(), read_at);
     Ok(principal)
+}
+
+/// The session a request's bearer JWT names, if it carries one (an API token has none).
+pub fn session_of(state: &AppState, token: &str) -> Option<Uuid> {
+    state.sessions.verify(token).map(|claims| claims.session)
+}
+
+/// Starts a session for `user`: its row, then the JWT that names it.
+pub async fn start_session(state: &AppState, user: Uuid) -> Result<(String, chrono::DateTime<chrono::Utc>), Error> {
+    let session = Uuid::new_v4();
+    let (token, expires_at) = state.sessions.issue(user, session);
+    users::insert_session(&state.db, session, user, expires_at.timestamp_millis()).await?;
+    Ok((token, expires_at))
+}
+
+/// Ends one session: at once here, and on the other servers of a shared PostgreSQL
+/// database as soon as they hear of it (`revocations`).
+pub async fn end_session(state: &AppState, session: Uuid) -> Result<(), Error> {
+    users::delete_session(&state.db, session).await?;
+    revocations::revoked(state, Revoked::Session(session)).await;
+    Ok(())
+}
+
+/// Ends every session of `user` except `keep`.
+pub async fn end_sessions_of(state: &AppState, user: Uuid, keep: Option<Uuid>) -> Result<usize, Error> {
+    let ended = users::delete_sessions_of(&state.db, user, keep).await?;
+    for session in &ended {
+        revocations::revoked(state, Revoked::Session(*session)).await;
+    }
+    Ok(ended.len())
 }
 
 /// A registered worker calling the agent protocol with its own secret.

@@ -234,27 +234,31 @@ pub async fn download(
     file_response(&state, &dataset).await
 }
 
-/// A dataset's metadata for a worker (any dataset: workers run every user's jobs).
+/// A dataset's metadata for a worker holding a training job on it (any user's dataset).
 #[utoipa::path(get, path = "/api/v1/agent/datasets/{id}", tag = "agent", security(("worker" = [])),
-    params(("id" = Uuid, Path)), responses((status = 200, body = Dataset), (status = 404, body = tessera_api::error::ErrorBody)))]
+    params(("id" = Uuid, Path)), responses((status = 200, body = Dataset), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn agent_get(
     State(state): State<AppState>,
-    _agent: AgentAuth,
+    agent: AgentAuth,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<ApiJson<Dataset>> {
+    crate::workers::agent::check_uses_dataset(&state, agent.worker_id, id).await?;
     Ok(ApiJson(find(&state, &Scope::all(), id).await?))
 }
 
-/// A worker downloading a dataset's file for a training job; check it against the
-/// `digest` in the job spec.
+/// A worker downloading a dataset's file for a training job it holds; check it against
+/// the `digest` in the job spec.
 #[utoipa::path(get, path = "/api/v1/agent/datasets/{id}/file", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)),
-    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+    responses((status = 200, content_type = "application/octet-stream"), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn agent_download(
     State(state): State<AppState>,
-    _agent: AgentAuth,
+    agent: AgentAuth,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Response> {
+    crate::workers::agent::check_uses_dataset(&state, agent.worker_id, id).await?;
     let dataset = find(&state, &Scope::all(), id).await?;
     file_response(&state, &dataset).await
 }

@@ -9,6 +9,8 @@
 pub mod routes;
 pub mod slo;
 
+use std::collections::HashSet;
+
 use tessera_api::deployments::{CreateDeployment, Deployment, Replica, ServingState};
 use tessera_api::jobs::JobSpec;
 use uuid::Uuid;
@@ -82,9 +84,26 @@ async fn find(db: &Db, scope: &Scope, id_or_name: &str) -> Result<StoredDeployme
     store::get(db, scope, id_or_name).await?.ok_or_else(|| Error::not_found(&format!("Deployment '{id_or_name}'")))
 }
 
+/// An SLO plan's transition steps may drain or move other deployments' replicas; a
+/// caller who cannot see those deployments reads the step without their name.
+fn hide_foreign_services(deployment: &mut Deployment, visible: &HashSet<String>) {
+    if let Some(slo) = deployment.slo.as_mut() {
+        for step in &mut slo.steps {
+            if step.service.as_ref().is_some_and(|name| !visible.contains(name)) {
+                step.service = None;
+            }
+        }
+    }
+}
+
 /// A deployment in `scope`, by id or by name.
 pub async fn resolve(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Deployment> {
-    with_status(db, find(db, scope, id_or_name).await?).await
+    let mut deployment = with_status(db, find(db, scope, id_or_name).await?).await?;
+    if *scope != Scope::all() && deployment.slo.is_some() {
+        let visible = store::list(db, scope).await?.into_iter().map(|d| d.name).collect();
+        hide_foreign_services(&mut deployment, &visible);
+    }
+    Ok(deployment)
 }
 
 /// The deployments in `scope`, by name.
@@ -92,6 +111,12 @@ pub async fn list_visible(db: &Db, scope: &Scope) -> Result<Vec<Deployment>> {
     let mut deployments = Vec::new();
     for stored in store::list(db, scope).await? {
         deployments.push(with_status(db, stored).await?);
+    }
+    if *scope != Scope::all() {
+        let visible: HashSet<String> = deployments.iter().map(|d| d.name.clone()).collect();
+        for deployment in &mut deployments {
+            hide_foreign_services(deployment, &visible);
+        }
     }
     Ok(deployments)
 }

@@ -73,22 +73,26 @@ pub async fn download(
     file_response(&state, &model, &path).await
 }
 
-/// A worker fetching a model file for a job it holds.
+/// A worker fetching a model file for a job it holds (403 for a model none of its jobs use).
 #[utoipa::path(get, path = "/api/v1/agent/models/{id}/files/{*path}", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path), ("path" = String, Path)),
-    responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
+    responses((status = 200, content_type = "application/octet-stream"), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn agent_download(
     State(state): State<AppState>,
-    _agent: AgentAuth,
+    agent: AgentAuth,
     ApiPath((id, path)): ApiPath<(Uuid, String)>,
 ) -> Result<Response> {
+    crate::workers::agent::check_uses_model(&state, agent.worker_id, id).await?;
     let model = super::find(&state, &Scope::all(), id).await?;
     file_response(&state, &model, &path).await
 }
 
-/// A model's metadata for a worker (any model: workers run every user's jobs).
+/// A model's metadata for a worker holding a job that uses it (any user's model).
 #[utoipa::path(get, path = "/api/v1/agent/models/{id}", tag = "agent", security(("worker" = [])),
-    params(("id" = Uuid, Path)), responses((status = 200, body = Model), (status = 404, body = tessera_api::error::ErrorBody)))]
-pub async fn agent_get(State(state): State<AppState>, _agent: AgentAuth, ApiPath(id): ApiPath<Uuid>) -> Result<ApiJson<Model>> {
+    params(("id" = Uuid, Path)), responses((status = 200, body = Model), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_get(State(state): State<AppState>, agent: AgentAuth, ApiPath(id): ApiPath<Uuid>) -> Result<ApiJson<Model>> {
+    crate::workers::agent::check_uses_model(&state, agent.worker_id, id).await?;
     Ok(ApiJson(super::find(&state, &Scope::all(), id).await?))
 }

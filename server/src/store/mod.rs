@@ -10,6 +10,7 @@ pub mod db;
 pub mod gangs;
 pub mod jobs;
 pub mod models;
+pub mod revocations;
 pub mod slices;
 pub mod training;
 pub mod users;

@@ -10,7 +10,7 @@ use tessera_api::mig::{Slice, SliceStatus};
 use uuid::Uuid;
 
 use super::db::Db;
-use super::{parse_uuid, Result};
+use super::{parse_uuid, Result, Scope};
 
 /// Jobs holding a slice: live replicas, and queued replicas pinned to it.
 const HOLDING: &str = "(j.state IN ('leased', 'running') OR (j.state = 'queued' AND j.slice_pinned = 1))";
@@ -109,10 +109,12 @@ pub async fn replace_gpu(conn: &mut AnyConnection, worker: Uuid, gpu_uuid: &str,
     Ok(())
 }
 
-/// Every worker's slices with what holds each, by worker id.
-pub async fn by_worker(db: &Db) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
+/// Every worker's slices with what holds each, by worker id. Slices are shared by every
+/// tenant, so all are listed; the replica and deployment holding one are named only when
+/// `scope` sees its owner (others read "in use").
+pub async fn by_worker(db: &Db, scope: &Scope) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT s.worker_id, {COLUMNS}, j.id AS job_id, d.name AS deployment FROM slices s \
+        "SELECT s.worker_id, {COLUMNS}, j.id AS job_id, j.owner_id, d.name AS deployment FROM slices s \
          LEFT JOIN jobs j ON j.slice_uuid = s.uuid AND {HOLDING} \
          LEFT JOIN deployments d ON d.id = j.deployment_id \
          ORDER BY s.worker_id, s.gpu_index, s.start, s.uuid"
@@ -122,10 +124,14 @@ pub async fn by_worker(db: &Db) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
     let mut out: HashMap<Uuid, Vec<SliceStatus>> = HashMap::new();
     for row in &rows {
         let job: Option<String> = row.try_get("job_id")?;
+        let owner: Option<String> = row.try_get("owner_id")?;
+        let owner = owner.map(|o| parse_uuid("jobs", "owner_id", &o)).transpose()?;
+        let visible = owner.is_some_and(|o| scope.sees(o));
         let status = SliceStatus {
             slice: slice_from_row(row)?,
-            replica: job.map(|j| parse_uuid("jobs", "id", &j)).transpose()?,
-            deployment: row.try_get("deployment")?,
+            replica: job.as_deref().filter(|_| visible).map(|j| parse_uuid("jobs", "id", j)).transpose()?,
+            deployment: if visible { row.try_get("deployment")? } else { None },
+            in_use: job.is_some(),
         };
         let worker = parse_uuid("slices", "worker_id", &row.try_get::<String, _>("worker_id")?)?;
         let list = out.entry(worker).or_default();

@@ -1,5 +1,6 @@
-//! Users and their personal API tokens. A token is stored as its digest only; looking
-//! one up also records when it was last used, in the same statement.
+//! Users, their sign-in sessions and their personal API tokens. A token is stored as its
+//! digest only; looking one up also records when it was last used, in the same statement.
+//! A session row is what a session JWT's `sid` claim names: deleting it ends the session.
 
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -17,15 +18,23 @@ pub struct StoredUser {
     pub role: Role,
     pub password_hash: String,
     pub created_at: i64,
+    /// When an admin disabled the user; `None` for an active user.
+    pub disabled_at: Option<i64>,
 }
 
 impl StoredUser {
     pub fn to_api(&self) -> User {
-        User { id: self.id, username: self.username.clone(), role: self.role, created_at: db::time(self.created_at) }
+        User {
+            id: self.id,
+            username: self.username.clone(),
+            role: self.role,
+            created_at: db::time(self.created_at),
+            disabled: self.disabled_at.is_some(),
+        }
     }
 }
 
-const USER_COLUMNS: &str = "id, username, role, password_hash, created_at";
+const USER_COLUMNS: &str = "id, username, role, password_hash, created_at, disabled_at";
 
 fn user_from_row(row: &AnyRow) -> Result<StoredUser> {
     let role: String = row.try_get("role")?;
@@ -40,6 +49,7 @@ fn user_from_row(row: &AnyRow) -> Result<StoredUser> {
         })?,
         password_hash: row.try_get("password_hash")?,
         created_at: row.try_get("created_at")?,
+        disabled_at: row.try_get("disabled_at")?,
     })
 }
 
@@ -142,4 +152,77 @@ pub async fn delete_token(db: &Db, scope: &Scope, id: Uuid) -> Result<Vec<String
         .bind(scope.owner_filter())
         .fetch_all(db.pool())
         .await?)
+}
+
+/// Marks a user disabled (`Some(time)`) or active again (`None`); false when there is no
+/// such user.
+pub async fn set_disabled(db: &Db, id: Uuid, disabled_at: Option<i64>) -> Result<bool> {
+    let done = sqlx::query("UPDATE users SET disabled_at = $1 WHERE id = $2")
+        .bind(disabled_at)
+        .bind(id.to_string())
+        .execute(db.pool())
+        .await?;
+    Ok(done.rows_affected() > 0)
+}
+
+pub async fn set_password_hash(db: &Db, id: Uuid, password_hash: &str) -> Result<()> {
+    sqlx::query("UPDATE users SET password_hash = $1 WHERE id = $2")
+        .bind(password_hash)
+        .bind(id.to_string())
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+/// Deletes every API token of `user`; returns their digests, for the auth cache.
+pub async fn delete_tokens_of(db: &Db, user: Uuid) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar("DELETE FROM api_tokens WHERE user_id = $1 RETURNING token_hash")
+        .bind(user.to_string())
+        .fetch_all(db.pool())
+        .await?)
+}
+
+/// Records a new session of `user` valid until `expires_at` (ms), dropping expired ones
+/// on the way, so the table holds only the sessions of the last `TESSERA_SESSION_HOURS`.
+pub async fn insert_session(db: &Db, id: Uuid, user: Uuid, expires_at: i64) -> Result<()> {
+    let now = now_ms();
+    sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")
+        .bind(now)
+        .execute(db.pool())
+        .await?;
+    sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at) VALUES ($1, $2, $3, $4)")
+        .bind(id.to_string())
+        .bind(user.to_string())
+        .bind(now)
+        .bind(expires_at)
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+/// The user a live (not ended, not expired) session belongs to.
+pub async fn session_user(db: &Db, id: Uuid) -> Result<Option<Uuid>> {
+    let user: Option<String> = sqlx::query_scalar("SELECT user_id FROM sessions WHERE id = $1 AND expires_at > $2")
+        .bind(id.to_string())
+        .bind(now_ms())
+        .fetch_optional(db.pool())
+        .await?;
+    user.map(|id| parse_uuid("sessions", "user_id", &id)).transpose()
+}
+
+/// Ends one session; false when it had already ended.
+pub async fn delete_session(db: &Db, id: Uuid) -> Result<bool> {
+    let done = sqlx::query("DELETE FROM sessions WHERE id = $1").bind(id.to_string()).execute(db.pool()).await?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// Ends every session of `user` but `keep`; returns the ids ended, for the auth cache.
+pub async fn delete_sessions_of(db: &Db, user: Uuid, keep: Option<Uuid>) -> Result<Vec<Uuid>> {
+    let ids: Vec<String> =
+        sqlx::query_scalar("DELETE FROM sessions WHERE user_id = $1 AND ($2 IS NULL OR id <> $2) RETURNING id")
+            .bind(user.to_string())
+            .bind(keep.map(|k| k.to_string()))
+            .fetch_all(db.pool())
+            .await?;
+    ids.iter().map(|id| parse_uuid("sessions", "id", id)).collect()
 }

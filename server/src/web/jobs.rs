@@ -76,7 +76,7 @@ pub struct ListQuery {
 }
 
 pub(super) async fn worker_names(state: &AppState) -> Result<HashMap<Uuid, String>> {
-    Ok(workers::list_all(state).await?.into_iter().map(|w| (w.id, w.name)).collect())
+    Ok(workers::list_all(state, &crate::store::Scope::all()).await?.into_iter().map(|w| (w.id, w.name)).collect())
 }
 
 fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {

@@ -107,7 +107,7 @@ pub async fn page(
     Query(query): Query<PageQuery>,
 ) -> Response {
     let result: Result<Response> = async {
-        let workers = workers::list_all(&state).await?;
+        let workers = workers::list_all(&state, &user.0.scope()).await?;
         let visible = deployments::list_visible(&state.db, &user.0.scope()).await?;
         let mut names: BTreeSet<String> = visible.iter().map(|d| d.name.clone()).collect();
         names.extend(
@@ -146,7 +146,12 @@ pub async fn page(
                                 .profile
                                 .clone()
                                 .unwrap_or_else(|| "whole GPU".into()),
-                            service: s.deployment.clone().unwrap_or_default(),
+                            // Another tenant's replica: the slice is taken, by whom is theirs.
+                            service: match (&s.deployment, s.in_use) {
+                                (Some(name), _) => name.clone(),
+                                (None, true) => "in use".into(),
+                                (None, false) => String::new(),
+                            },
                             colour: colour(&names, s.deployment.as_deref()),
                         }
                     })

@@ -2,6 +2,7 @@
 //! Each page is an askama template over a small view struct; list pages re-fetch a
 //! fragment of themselves every few seconds (`data-live`, see web/app.js).
 
+mod account;
 mod api_docs;
 mod assets;
 mod chart;
@@ -32,6 +33,11 @@ pub fn routes() -> Router<AppState> {
         .route("/", get(|| async { Redirect::to("/models") }))
         .route("/login", get(session::login_form).post(session::login))
         .route("/logout", post(session::logout))
+        .route("/account", get(account::account))
+        .route("/account/password", post(account::change_password))
+        .route("/users", get(account::list))
+        .route("/users/{id}/disable", post(account::disable))
+        .route("/users/{id}/enable", post(account::enable))
         .route("/models", get(models::list))
         // Uploads are capped by the registry while streaming, as on the API route.
         .route("/models/upload", post(models::upload).layer(DefaultBodyLimit::disable()))
@@ -66,6 +72,8 @@ pub struct Layout {
     /// The nav entry to highlight: `models`, `deployments`, `jobs`, `workers`, `api` or empty.
     pub section: &'static str,
     pub user: Option<String>,
+    /// Shows the admins' entries (Users) in the nav.
+    pub admin: bool,
     /// Hides the nav, for the login form.
     pub bare: bool,
     /// Changes whenever the CSS or JS does, so browsers never run stale assets.
@@ -74,7 +82,7 @@ pub struct Layout {
 
 impl Layout {
     pub fn new(title: impl Into<String>, section: &'static str, user: Option<String>) -> Layout {
-        Layout { title: title.into(), section, user, bare: false, assets: assets::version() }
+        Layout { title: title.into(), section, user, admin: false, bare: false, assets: assets::version() }
     }
 
     pub fn bare(title: impl Into<String>) -> Layout {
@@ -89,7 +97,7 @@ impl Layout {
 
 impl WebUser {
     pub fn layout(&self, title: impl Into<String>, section: &'static str) -> Layout {
-        Layout::new(title, section, Some(self.0.username.clone()))
+        Layout { admin: self.0.is_admin(), ..Layout::new(title, section, Some(self.0.username.clone())) }
     }
 
     /// A page handler's outcome as a response: a failure becomes the error page, with

@@ -1,5 +1,6 @@
 //! Signing in and out of the dashboard. The session is the same JWT the API hands out,
 //! kept in an HttpOnly, SameSite=Strict cookie; `WebUser` reads it for every page.
+//! Logging out ends the session on the server, so a copied cookie stops working too.
 
 use std::net::SocketAddr;
 
@@ -74,6 +75,11 @@ pub async fn current_user(state: &AppState, headers: &HeaderMap) -> Result<Optio
         Err(Error::Unauthorized(_)) => Ok(None),
         Err(error) => Err(error),
     }
+}
+
+/// The session the request's cookie names, if it carries a valid one.
+pub fn cookie_session(state: &AppState, headers: &HeaderMap) -> Option<uuid::Uuid> {
+    cookie(headers, COOKIE).and_then(|token| auth::session_of(state, token))
 }
 
 fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
@@ -184,7 +190,10 @@ pub async fn login(
     let next = safe_next(&form.next).to_string();
     match crate::accounts::check_login(&state, client, &request).await {
         Ok(user) => {
-            let (token, _) = state.sessions.issue(&user.id.to_string());
+            let token = match auth::start_session(&state, user.id).await {
+                Ok((token, _)) => token,
+                Err(error) => return error.into_response(),
+            };
             let max_age = state.config.session_hours * 3600;
             let mut response = Redirect::to(&next).into_response();
             response.headers_mut().insert(header::SET_COOKIE, session_cookie(&token, max_age, &headers));
@@ -224,8 +233,13 @@ fn sentence(message: &str) -> String {
     }
 }
 
-/// Drops the cookie. The JWT itself stays valid until it expires: sessions are stateless.
-pub async fn logout(headers: HeaderMap) -> Response {
+/// Ends the cookie's session on the server and drops the cookie.
+pub async fn logout(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Some(session) = cookie_session(&state, &headers) {
+        if let Err(error) = auth::end_session(&state, session).await {
+            return error.into_response();
+        }
+    }
     let mut response = Redirect::to("/login").into_response();
     response.headers_mut().insert(header::SET_COOKIE, session_cookie("", 0, &headers));
     response

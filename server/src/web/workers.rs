@@ -109,7 +109,7 @@ pub async fn list(
 ) -> Response {
     let result: Result<Response> = async {
         let now = Utc::now();
-        let rows: Vec<WorkerRow> = workers::list_all(&state).await?.iter().map(|w| WorkerRow::new(w, now)).collect();
+        let rows: Vec<WorkerRow> = workers::list_all(&state, &user.0.scope()).await?.iter().map(|w| WorkerRow::new(w, now)).collect();
         let online = rows.iter().filter(|r| r.online).count();
         let server_url = server_url(&headers);
         if query.fragment.is_some() {

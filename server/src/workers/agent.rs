@@ -1,12 +1,18 @@
 //! The worker protocol. A worker joins with the shared worker token and gets its own
 //! secret; then it heartbeats (renewing its leases), claims jobs, and reports their
 //! status, log lines and metrics. Everything it says is checked against the lease it
-//! holds, so a worker whose lease expired cannot overwrite the job's new attempt.
+//! holds, so a worker whose lease expired cannot overwrite the job's new attempt. A
+//! worker gets least privilege: it fetches only the models and datasets of jobs it
+//! holds, reports engine endpoints only on its own host, and cannot take a live
+//! worker's name.
 
-use axum::extract::State;
+use std::net::{IpAddr, SocketAddr};
+
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use tessera_api::jobs::JobState;
+use tessera_api::jobs::{JobSpec, JobState};
+use tessera_api::train::TrainModel;
 use tessera_api::workers::{
     Assignment, ClaimRequest, Heartbeat, HeartbeatResponse, LogBatch, MetricBatch, RegisterRequest, RegisterResponse,
     StatusReport,
@@ -39,9 +45,11 @@ fn check_join_token(state: &AppState, headers: &HeaderMap) -> Result<()> {
     }
 }
 
-/// Join (or rejoin under the same name) with the shared worker token.
+/// Join (or rejoin under the same name) with the shared worker token. While a worker of
+/// that name is online, only one presenting its `previous_secret` may rejoin (409 else).
 #[utoipa::path(post, path = "/api/v1/agent/register", tag = "agent", security(("worker_token" = [])),
-    request_body = RegisterRequest, responses((status = 200, body = RegisterResponse), (status = 401, body = tessera_api::error::ErrorBody)))]
+    request_body = RegisterRequest, responses((status = 200, body = RegisterResponse), (status = 401, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody)))]
 pub async fn register(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -54,14 +62,26 @@ pub async fn register(
     }
     let secret = secrets::generate(secrets::WORKER_SECRET_PREFIX);
     let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
+    let previous_digest = request.previous_secret.as_deref().map(secrets::digest);
+    let online_since = super::online_since(&state);
     let registration = Registration {
         name,
         version: &request.version,
         inventory: &request.inventory,
         secret_digest: &secrets::digest(&secret),
         engine_token: &engine_token,
+        previous_digest: previous_digest.as_deref(),
+        online_since,
     };
-    let worker_id = workers::register(&state.db, &registration).await?;
+    let Some(worker_id) = workers::register(&state.db, &registration).await? else {
+        let seen = workers::last_seen(&state.db, name).await?.unwrap_or(online_since);
+        let wait = (seen - online_since).max(0) / 1000 + 1;
+        return Err(Error::Conflict(format!(
+            "A worker named '{name}' is online (heard from {}s ago); pick another name, or retry in {wait}s once \
+             it has gone quiet. The same worker rejoins at once by sending its previous_secret.",
+            (now_ms() - seen).max(0) / 1000
+        )));
+    };
     // Whatever the previous incarnation held is gone with it.
     jobs::requeue_held_by(&state.db, worker_id, "The worker restarted; the job was requeued.").await?;
     crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &request.inventory.slices).await?;
@@ -132,19 +152,98 @@ pub async fn check_lease(state: &AppState, worker_id: Uuid, job: Uuid) -> Result
     Ok(())
 }
 
-/// Report that a leased job started, succeeded or failed.
+/// Fails unless `worker` holds a live job that `uses` (a model or dataset it asks for).
+async fn check_uses(state: &AppState, worker: Uuid, what: &str, uses: impl Fn(&JobSpec) -> bool) -> Result<()> {
+    if workers::held_specs(&state.db, worker).await?.iter().any(uses) {
+        Ok(())
+    } else {
+        Err(Error::Forbidden(format!(
+            "This worker holds no job that uses {what}; a worker fetches only what the jobs it leases need."
+        )))
+    }
+}
+
+/// Fails unless `worker` holds a job that runs, serves, profiles or trains `model`.
+pub async fn check_uses_model(state: &AppState, worker: Uuid, model: Uuid) -> Result<()> {
+    check_uses(state, worker, &format!("model {model}"), |spec| match spec {
+        JobSpec::Prefetch { model: m } | JobSpec::Serve { model: m, .. } | JobSpec::Profile { model: m, .. } => {
+            *m == model
+        }
+        JobSpec::Train(train) => matches!(&train.model, TrainModel::Registered { id, .. } if *id == model),
+    })
+    .await
+}
+
+/// Fails unless `worker` holds a training job on `dataset`.
+pub async fn check_uses_dataset(state: &AppState, worker: Uuid, dataset: Uuid) -> Result<()> {
+    check_uses(state, worker, &format!("dataset {dataset}"), |spec| {
+        matches!(spec, JobSpec::Train(train) if train.dataset.id == dataset)
+    })
+    .await
+}
+
+/// The same address, reading an IPv4-mapped IPv6 peer as IPv4, and any loopback as the
+/// loopback (a worker on the server's host may say `localhost`, `127.0.0.1` or `::1`).
+fn same_host(a: IpAddr, b: IpAddr) -> bool {
+    let (a, b) = (a.to_canonical(), b.to_canonical());
+    a == b || (a.is_loopback() && b.is_loopback())
+}
+
+/// An engine endpoint must be an http(s) URL on the host the worker connects from, so a
+/// worker cannot send the gateway (with user traffic and its engine token) elsewhere.
+/// `TESSERA_ALLOW_ADVERTISED_ENDPOINTS` lifts the host rule for NAT and proxies.
+async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Result<()> {
+    let invalid = |why: String| Error::invalid("invalid_endpoint", why);
+    let url = reqwest::Url::parse(endpoint)
+        .map_err(|e| invalid(format!("The endpoint {endpoint:?} is not a URL ({e}); report http://HOST:PORT.")))?;
+    let Some(host) = url.host_str() else {
+        return Err(invalid(format!("The endpoint {endpoint:?} names no host; report http://HOST:PORT.")));
+    };
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(invalid(format!("The endpoint {endpoint:?} is not http or https.")));
+    }
+    if state.config.allow_advertised_endpoints {
+        return Ok(());
+    }
+    let port = url.port_or_known_default().unwrap_or(80);
+    // An IPv6 host comes bracketed (`[::1]`); a name is resolved as the gateway would.
+    let addresses: Vec<IpAddr> = match host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        Ok(ip) => vec![ip],
+        Err(_) => match tokio::net::lookup_host((host, port)).await {
+            Ok(found) => found.map(|a| a.ip()).collect(),
+            Err(_) => Vec::new(),
+        },
+    };
+    if addresses.iter().any(|a| same_host(*a, peer)) {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "The endpoint {endpoint} is not on this worker's host ({peer}, where it connects from); report a URL on \
+             that address, or have the operator start the server with TESSERA_ALLOW_ADVERTISED_ENDPOINTS=true to \
+             trust advertised URLs (NAT, proxies)."
+        )))
+    }
+}
+
+/// Report that a leased job started, succeeded or failed. A serving replica's endpoint
+/// must be on the worker's own host (see `check_endpoint`).
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/status", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = StatusReport,
-    responses((status = 204), (status = 409, body = tessera_api::error::ErrorBody)))]
+    responses((status = 204), (status = 409, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn report_status(
     State(state): State<AppState>,
     agent: AgentAuth,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(report): ApiJson<StatusReport>,
 ) -> Result<StatusCode> {
     let held = match report.state {
         JobState::Running => {
             let endpoint = report.endpoint.as_deref();
+            if let Some(endpoint) = endpoint {
+                check_endpoint(&state, peer.ip(), endpoint).await?;
+            }
             jobs::mark_running(&state.db, agent.worker_id, job, report.message.as_deref(), endpoint).await?
         }
         JobState::Succeeded | JobState::Failed => {

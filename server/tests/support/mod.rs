@@ -169,6 +169,17 @@ impl TestServer {
         let body: Value = response.json().await.unwrap();
         (body["worker_id"].as_str().unwrap().into(), body["secret"].as_str().unwrap().into())
     }
+
+    /// Registers a worker again under its name, proving it is the same one with the
+    /// secret of its last registration (a restart); returns (worker id, new secret).
+    pub async fn rejoin_worker(&self, name: &str, previous_secret: &str) -> (String, String) {
+        let inventory = json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1024});
+        let body = json!({"name": name, "version": "test", "inventory": inventory, "previous_secret": previous_secret});
+        let response = self.post(WORKER_TOKEN, "/agent/register", body).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+        let body: Value = response.json().await.unwrap();
+        (body["worker_id"].as_str().unwrap().into(), body["secret"].as_str().unwrap().into())
+    }
 }
 
 impl Drop for TestServer {
