@@ -12,6 +12,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tessera_api::jobs::{JobSpec, JobState};
+use tessera_api::parallel::RankJob;
 use tessera_api::train::TrainModel;
 use tessera_api::workers::{
     Assignment, ClaimRequest, Heartbeat, HeartbeatResponse, LogBatch, MetricBatch, RegisterRequest, RegisterResponse,
@@ -169,7 +170,9 @@ pub async fn check_uses_model(state: &AppState, worker: Uuid, model: Uuid) -> Re
         JobSpec::Prefetch { model: m } | JobSpec::Serve { model: m, .. } | JobSpec::Profile { model: m, .. } => {
             *m == model
         }
-        JobSpec::Train(train) => matches!(&train.model, TrainModel::Registered { id, .. } if *id == model),
+        JobSpec::Train(train) | JobSpec::TrainRank(RankJob { train, .. }) => {
+            matches!(&train.model, TrainModel::Registered { id, .. } if *id == model)
+        }
     })
     .await
 }
@@ -177,7 +180,7 @@ pub async fn check_uses_model(state: &AppState, worker: Uuid, model: Uuid) -> Re
 /// Fails unless `worker` holds a training job on `dataset`.
 pub async fn check_uses_dataset(state: &AppState, worker: Uuid, dataset: Uuid) -> Result<()> {
     check_uses(state, worker, &format!("dataset {dataset}"), |spec| {
-        matches!(spec, JobSpec::Train(train) if train.dataset.id == dataset)
+        matches!(spec, JobSpec::Train(train) | JobSpec::TrainRank(RankJob { train, .. }) if train.dataset.id == dataset)
     })
     .await
 }
