@@ -194,8 +194,9 @@ async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
         let logs: Vec<Value> = server.get(&token, &format!("/jobs/{id}/logs")).await.json().await.unwrap();
         assert_eq!(logs.last().unwrap()["line"], "rank 1: hello");
 
-        // Rank 1's worker restarts: the gang's attempt ends, both ranks go back.
-        server.register_worker("b").await;
+        // Rank 1's worker restarts (proving itself with its last secret): the gang's
+        // attempt ends, both ranks go back.
+        server.rejoin_worker("b", secret1).await;
         let swept = gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
         assert_eq!(swept.requeued, 1, "{backend:?}");
         let requeued = job(&server, &token, &id).await;
