@@ -78,6 +78,16 @@ fn has(flag: &str) -> bool {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // Other work on the machine (a shared host) shows in the load average; recorded with the figures.
+    let load = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let load_before = load();
     let device = Device::Cpu;
     let m = args.rows;
     let flags: Vec<&str> =
@@ -131,7 +141,7 @@ fn main() -> Result<()> {
             Ok((start.elapsed().as_secs_f64(), y).0)
         })?;
 
-        let (f32_fwd, f32_bwd) = (layer_ms[0].1, layer_ms[0].2);
+        let (_, f32_fwd, f32_bwd) = *layer_ms.iter().find(|(p, ..)| *p == Precision::F32).expect("f32 is timed");
         let mut row = json!({
             "model": model, "layer": layer, "m": m, "k": k, "n": n,
             "kernel_ms": {"f32": kernel_f32, "bf16": kernel_bf16, "int8": kernel_int8},
@@ -163,7 +173,7 @@ fn main() -> Result<()> {
     let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
     let result = json!({
         "machine": machine(), "flags": flags, "date": date, "command": command,
-        "runs": args.runs, "rows": m, "shapes": rows,
+        "runs": args.runs, "rows": m, "shapes": rows, "load_average_before": load_before, "load_average_after": load(),
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::write(format!("{dir}/qsync_gemm.json"), serde_json::to_string_pretty(&result)? + "\n")?;
@@ -174,12 +184,15 @@ fn main() -> Result<()> {
 fn markdown(r: &Value) -> String {
     let mut s = String::from("# QSync's linear layer at f32, bf16 and int8 on the CPU\n\n");
     s += &format!(
-        "Machine: {}; CPU flags of note: {}. Date: {}. Command: `{}` (release profile). Median of {} runs after a warm-up.\n\n",
+        "Machine: {}; CPU flags of note: {}. Date: {}. Command: `{}` (release profile). Median of {} runs after a warm-up. \
+         Load average (1, 5, 15 min) before: {}, after: {} (a shared host: other builds ran meanwhile).\n\n",
         r["machine"].as_str().unwrap_or(""),
         r["flags"].as_array().map(|f| f.iter().filter_map(|v| v.as_str()).collect::<Vec<_>>().join(", ")).unwrap_or_default(),
         r["date"].as_str().unwrap_or(""),
         r["command"].as_str().unwrap_or(""),
         r["runs"],
+        r["load_average_before"].as_str().unwrap_or(""),
+        r["load_average_after"].as_str().unwrap_or(""),
     );
     s += &format!(
         "Each layer is `y = x Wᵀ + b` with x `[{} × in]` (a training batch of 16 × 128 tokens), W `[out × in]` f32 master weights. \
