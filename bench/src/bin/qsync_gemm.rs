@@ -8,20 +8,24 @@
 //! the master weights and the input, dequantising, packing), since that is what a plan pays.
 //! A second table times the bare kernels on ready operands. Backward is timed alone
 //! (`Tensor::backward` of the layer's output, its gradient all ones: dX, dW and db).
-//! Median of `--runs` runs after one warm-up. Prints one line per figure; writes
+//! Last, a whole all-MiniLM-L6-v2 encoder step per uniform plan ($TESSERA_ASSETS). Median of
+//! `--runs` runs after one warm-up. Prints one line per figure; writes
 //! bench/results/qsync_gemm.{json,md}.
 //!
 //! Run: cargo run --release -p tessera-bench --bin qsync_gemm
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor, Var};
+use candle_transformers::models::bert::Config;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_bench::machine;
 use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_i8, MatRef};
-use tessera_worker::train::precision::{linear, Precision};
+use tessera_worker::train::model::encoder::Encoder;
+use tessera_worker::train::precision::{linear, Precision, PrecisionPlan};
 
 #[derive(Parser)]
 struct Args {
@@ -169,16 +173,68 @@ fn main() -> Result<()> {
         rows.push(row);
     }
 
+    let encoder = encoder_steps(&args)?;
+
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
     let result = json!({
         "machine": machine(), "flags": flags, "date": date, "command": command,
-        "runs": args.runs, "rows": m, "shapes": rows, "load_average_before": load_before, "load_average_after": load(),
+        "runs": args.runs, "rows": m, "shapes": rows, "encoder_steps": encoder, "load_average_before": load_before, "load_average_after": load(),
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::write(format!("{dir}/qsync_gemm.json"), serde_json::to_string_pretty(&result)? + "\n")?;
     std::fs::write(format!("{dir}/qsync_gemm.md"), markdown(&result))?;
     Ok(())
+}
+
+/// A whole all-MiniLM-L6-v2 encoder step (forward, mean-square loss, backward) on 16
+/// sequences of 128 random tokens, per uniform plan (the keep-list holds: embeddings and
+/// LayerNorms at bf16 under an int8 plan). Null when the model asset is missing.
+fn encoder_steps(args: &Args) -> Result<Value> {
+    let root =
+        std::env::var("TESSERA_ASSETS").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets").into());
+    let folder = std::path::Path::new(&root).join("all-MiniLM-L6-v2");
+    if !folder.join("model.safetensors").exists() {
+        println!("encoder steps: skipped, {} is missing", folder.display());
+        return Ok(Value::Null);
+    }
+    let config: Config = serde_json::from_slice(&std::fs::read(folder.join("config.json"))?)?;
+    let weights = candle_core::safetensors::load(folder.join("model.safetensors"), &Device::Cpu)?;
+    let mut vars = BTreeMap::new();
+    for (name, tensor) in weights {
+        vars.insert(name, Var::from_tensor(&tensor.to_dtype(candle_core::DType::F32)?)?);
+    }
+    let mut encoder = Encoder::new(&config, &vars)?;
+    let (batch, tokens) = (16, 128);
+    let ids: Vec<u32> = (0..batch * tokens).map(|i| 1000 + (i as u32 * 7919) % 20000).collect();
+    let ids = Tensor::from_vec(ids, (batch, tokens), &Device::Cpu)?;
+    let (types, mask) = (ids.zeros_like()?, ids.ones_like()?);
+    let mut out = serde_json::Map::new();
+    let mut f32_ms = (0.0, 0.0);
+    for precision in [Precision::F32, Precision::Bf16, Precision::Int8] {
+        encoder.set_precision(&PrecisionPlan::uniform(&encoder.precision_ops(), precision))?;
+        let forward = time(args.runs, || {
+            let start = Instant::now();
+            let states = encoder.forward(&ids, &types, &mask)?;
+            Ok((start.elapsed().as_secs_f64(), states).0)
+        })?;
+        let step = time(args.runs, || {
+            let start = Instant::now();
+            let loss = encoder.forward(&ids, &types, &mask)?.sqr()?.mean_all()?;
+            let grads = loss.backward()?;
+            Ok((start.elapsed().as_secs_f64(), grads).0)
+        })?;
+        if precision == Precision::F32 {
+            f32_ms = (forward, step);
+        }
+        println!(
+            "MiniLM-L6 encoder, {batch}x{tokens} tokens, uniform {precision}: forward {forward:.1} ms ({:.2}x f32), forward+backward {step:.1} ms ({:.2}x f32)",
+            f32_ms.0 / forward,
+            f32_ms.1 / step
+        );
+        out.insert(precision.as_str().into(), json!({"forward_ms": forward, "step_ms": step}));
+    }
+    Ok(json!({"batch": batch, "tokens": tokens, "plans": out}))
 }
 
 fn markdown(r: &Value) -> String {
@@ -248,6 +304,26 @@ fn markdown(r: &Value) -> String {
             flops / t("bf16") / 1e6,
             flops / t("int8") / 1e6,
         );
+    }
+    if let Some(plans) = r["encoder_steps"]["plans"].as_object() {
+        s += "\n## A whole MiniLM-L6 encoder step\n\n";
+        s += &format!(
+            "all-MiniLM-L6-v2 (our trainable encoder), {} sequences × {} tokens: forward, and forward + mean-square loss + backward, \
+             every linear at the plan's precision (under int8 the embeddings and LayerNorms run at bf16, QSync's keep-list). \
+             The attention's own matmuls, softmax, GELU and LayerNorm stay f32 in every plan.\n\n",
+            r["encoder_steps"]["batch"], r["encoder_steps"]["tokens"]
+        );
+        s += "| plan | forward ms | × f32 | forward + backward ms | × f32 |\n|---|---|---|---|---|\n";
+        let base = |what: &str| plans["f32"][what].as_f64().unwrap_or(f64::NAN);
+        for p in ["f32", "bf16", "int8"] {
+            let (f, st) =
+                (plans[p]["forward_ms"].as_f64().unwrap_or(f64::NAN), plans[p]["step_ms"].as_f64().unwrap_or(f64::NAN));
+            s += &format!(
+                "| uniform {p} | {f:.1} | {:.2}× | {st:.1} | {:.2}× |\n",
+                base("forward_ms") / f,
+                base("step_ms") / st
+            );
+        }
     }
     s
 }
