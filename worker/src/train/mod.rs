@@ -9,6 +9,7 @@ pub mod lr;
 pub mod model;
 pub mod optim;
 pub mod policy;
+pub mod precision;
 pub mod qsync;
 pub mod rng;
 pub mod session;

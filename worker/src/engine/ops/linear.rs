@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 mod bf16;
+mod vnni;
 
 /// Rows and columns of the register tile.
 const MR: usize = 6;
@@ -127,6 +128,146 @@ fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
 /// The f32 weights' panel for one depth block and group of 16 columns.
 fn f32_panel(data: &[f32], kc: usize, n: usize, block: usize, panel: usize) -> *const f32 {
     data[(block * n.div_ceil(NR) + panel) * kc * NR..].as_ptr()
+}
+
+/// A read-only `[rows, cols]` f32 matrix behind strides, so a transpose is a view rather than
+/// a copy (training multiplies by `Wᵀ` and `Xᵀ`).
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// `data` as a row-major `[rows, cols]` matrix.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<Self> {
+        if data.len() != rows * cols {
+            bail!("{} values for a [{rows}, {cols}] matrix", data.len());
+        }
+        Ok(Self {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        })
+    }
+
+    /// The transpose, as a view.
+    pub fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// The values behind the view, in storage order.
+    pub fn data(&self) -> &'a [f32] {
+        self.data
+    }
+
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[i * self.row_stride + j * self.col_stride]
+    }
+
+    /// The values row after row: borrowed when already laid out so, else copied.
+    fn to_row_major(self) -> std::borrow::Cow<'a, [f32]> {
+        if self.col_stride == 1 && self.row_stride == self.cols {
+            return std::borrow::Cow::Borrowed(&self.data[..self.rows * self.cols]);
+        }
+        let mut out = vec![0f32; self.rows * self.cols];
+        // Row-major writes; a transposed read walks the source in blocks to stay in cache.
+        const B: usize = 32;
+        for i0 in (0..self.rows).step_by(B) {
+            for j0 in (0..self.cols).step_by(B) {
+                for i in i0..(i0 + B).min(self.rows) {
+                    for j in j0..(j0 + B).min(self.cols) {
+                        out[i * self.cols + j] = self.at(i, j);
+                    }
+                }
+            }
+        }
+        std::borrow::Cow::Owned(out)
+    }
+}
+
+/// `a [m, k] · bᵀ (+ bias)` for `b` `[n, k]`, both operands rounded to bf16 (nearest even)
+/// and the sums in f32: the GEMMs of training's bf16 layers (`crate::train::precision`),
+/// whose operands change every step, so both are packed on every call. On a CPU without
+/// AVX512-BF16 the rounded values go through the f32 kernel: the same products, summed in
+/// another order.
+pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    let ((m, k), (n, kb)) = (a.dims(), b.dims());
+    if k != kb {
+        bail!("gemm: [{m}, {k}] times the transpose of [{n}, {kb}]");
+    }
+    let zeros;
+    let bias = match bias {
+        Some(bias) if bias.len() == n => bias,
+        Some(bias) => bail!("gemm: {} bias values for {n} outputs", bias.len()),
+        None => {
+            zeros = vec![0f32; n];
+            &zeros
+        }
+    };
+    let mut out = vec![0f32; m * n];
+    if m == 0 || n == 0 {
+        return Ok(out);
+    }
+    if k == 0 {
+        out.chunks_exact_mut(n)
+            .for_each(|row| row.copy_from_slice(bias));
+        return Ok(out);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_bf16() {
+        let panels = bf16::Panels::pack(n, k, |j, p| b.at(j, p));
+        let x = a.to_row_major();
+        // SAFETY: the CPU has AVX512-BF16 (checked just above).
+        unsafe { bf16::gemm(&x, (m, k, n), &panels, bias, Activation::None, &mut out) };
+        return Ok(out);
+    }
+    let round = |v: f32| f32::from_bits((bf16::to_bf16(v) as u32) << 16);
+    let x: Vec<f32> = a.to_row_major().iter().map(|v| round(*v)).collect();
+    let w: Vec<f32> = b.to_row_major().iter().map(|v| round(*v)).collect();
+    let Panels::F32 { kc, data } = pack_f32(&w, n, k) else {
+        unreachable!("pack_f32 packs f32 panels")
+    };
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        gemm_avx2(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
+        return Ok(out);
+    }
+    gemm_scalar(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
+    Ok(out)
+}
+
+/// `a [m, k] · bᵀ` for `b` `[n, k]`, both row-major int8, exact in i32: the GEMM of
+/// training's int8 layers, on AVX512-VNNI (`vnni`) where the CPU has it, else plain loops.
+pub fn gemm_nt_i8(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize)) -> Result<Vec<i32>> {
+    if a.len() != m * k || b.len() != n * k {
+        bail!(
+            "gemm: {} and {} values for [{m}, {k}] times the transpose of [{n}, {k}]",
+            a.len(),
+            b.len()
+        );
+    }
+    let mut out = vec![0i32; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(out);
+    }
+    vnni::gemm(a, (m, k, n), &vnni::Panels::new(b, n, k), &mut out);
+    Ok(out)
 }
 
 /// `x [M, K] → x Wᵀ + bias [M, N]`, then the activation. Inputs: `x`, `bias [N]`.
@@ -376,6 +517,7 @@ unsafe fn kernel_6x16(t: &TileArgs, a: [*const f32; MR], b: *const f32, bias: &[
 
 #[cfg(test)]
 mod tests {
+    use super::super::has_avx512_vnni;
     use super::super::test_inputs::{max_abs_diff, Rng};
     use super::*;
 
@@ -488,6 +630,101 @@ mod tests {
             .unwrap();
         let want: Vec<f64> = scalar.iter().map(|v| *v as f64).collect();
         assert!(max_abs_diff(&fast, &want) < 1e-4);
+    }
+
+    /// `Σ_p a[i, p] · b[j, p]` in i32, the plainest way.
+    fn i32_reference(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize)) -> Vec<i32> {
+        let mut out = vec![0i32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|p| a[i * k + p] as i32 * b[j * k + p] as i32)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn int8_gemm_is_bit_exact_against_an_i32_gemm() {
+        let mut rng = Rng::new(43);
+        let mut bytes = |len: usize| -> Vec<i8> {
+            (0..len)
+                .map(|_| (rng.next_u32() % 255) as i32 - 127)
+                .map(|v| v as i8)
+                .collect()
+        };
+        if !has_avx512_vnni() {
+            eprintln!("no AVX512-VNNI on this CPU: only the portable int8 path is tested");
+        }
+        // Ragged tiles, depths that are not a multiple of 4 or split into blocks with a
+        // remainder, the extremes ±127 everywhere, and MiniLM's shapes at a training batch.
+        for (m, k, n) in [
+            (1, 1, 1),
+            (7, 3, 20),
+            (9, 301, 45),
+            (13, 770, 33),
+            (17, 1537, 70),
+            (130, 384, 1536),
+            (64, 1536, 384),
+        ] {
+            let (a, b) = (bytes(m * k), bytes(n * k));
+            let want = i32_reference(&a, &b, (m, k, n));
+            assert_eq!(
+                gemm_nt_i8(&a, &b, (m, k, n)).unwrap(),
+                want,
+                "[{m}, {k}, {n}]"
+            );
+            let mut portable = vec![0i32; m * n];
+            vnni::gemm_scalar(&a, (m, k, n), &vnni::Panels::new(&b, n, k), &mut portable);
+            assert_eq!(portable, want, "portable [{m}, {k}, {n}]");
+        }
+        let (m, k, n) = (9, 1000, 40);
+        for (x, w) in [(127i8, 127i8), (-127, 127), (-127, -127)] {
+            let got = gemm_nt_i8(&vec![x; m * k], &vec![w; n * k], (m, k, n)).unwrap();
+            assert!(got.iter().all(|v| *v == x as i32 * w as i32 * k as i32));
+        }
+        assert!(gemm_nt_i8(&[1, 2], &[1], (1, 2, 1)).is_err());
+    }
+
+    #[test]
+    fn bf16_gemm_multiplies_transposed_views_of_rounded_values() {
+        let mut rng = Rng::new(44);
+        let round = |v: f32| f32::from_bits((bf16::to_bf16(v) as u32) << 16) as f64;
+        for (m, k, n) in [(1, 1, 1), (9, 301, 45), (70, 384, 130), (33, 1100, 17)] {
+            let a = rng
+                .tensor(&[m, k], 1.0)
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let b = rng
+                .tensor(&[k, n], 0.1)
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+            // `b` is stored [k, n]: its transpose view is the [n, k] operand.
+            let b_t = MatRef::row_major(&b, k, n).unwrap().t();
+            let a_m = MatRef::row_major(&a, m, k).unwrap();
+            let got = gemm_nt_bf16(a_m, b_t, Some(&bias)).unwrap();
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    want[i * n + j] = bias[j] as f64
+                        + (0..k)
+                            .map(|p| round(a[i * k + p]) * round(b[p * n + j]))
+                            .sum::<f64>();
+                }
+            }
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff < 1e-4, "[{m}, {k}, {n}]: max diff {diff}");
+            // And with the left operand a transposed view too: (aᵀ)ᵀ = a.
+            let a_tt = a_m.t().to_row_major().into_owned();
+            let again = MatRef::row_major(&a_tt, k, m).unwrap().t();
+            assert_eq!(gemm_nt_bf16(again, b_t, Some(&bias)).unwrap(), got);
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ mod vector_math;
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;
 pub use int8::{DequantizeInt8, Granularity, Int8Scales, QuantizeInt8};
-pub use linear::{Activation, GemmInputs, Linear, PackedWeight};
+pub use linear::{gemm_nt_bf16, gemm_nt_i8, Activation, GemmInputs, Linear, MatRef, PackedWeight};
 pub use pooling::{Pooling, SegmentedPool};
 pub use varlen_attention::VarlenAttention;
 
@@ -113,6 +113,20 @@ pub(crate) fn has_avx512_bf16() -> bool {
         has_avx2_fma()
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the int8 GEMM may use AVX512-VNNI (`vpdpbusd` on 512-bit registers).
+#[inline]
+pub(crate) fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -1,27 +1,29 @@
 //! Fine-tuning a registered BERT-family encoder for sequence classification or
-//! regression: candle-transformers' `BertModel` with every weight a trainable `Var`, the
-//! token states mean-pooled over the attention mask (what sentence-transformers models
-//! such as all-MiniLM-L6-v2 are trained for; BERT's CLS pooler is not in their files),
-//! then a linear head initialised from the job's seed. The serving engine in
-//! `crate::engine` is inference-only (packed, no autograd), so training uses this
-//! padded graph. candle's BERT applies no dropout, which keeps runs deterministic.
+//! regression: our trainable encoder (`super::encoder`, every weight a `Var`, each
+//! operator at its planned precision), the token states mean-pooled over the attention
+//! mask (what sentence-transformers models such as all-MiniLM-L6-v2 are trained for; BERT's
+//! CLS pooler is not in their files), then a linear head initialised from the job's seed and
+//! kept at f32. The serving engine in `crate::engine` is inference-only (packed, no
+//! autograd), so training uses this padded graph. No dropout, which keeps runs deterministic.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
-use candle_transformers::models::bert::{BertModel, Config};
+use candle_transformers::models::bert::Config;
 use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
 
+use super::encoder::Encoder;
 use super::Network;
 use crate::train::data::{Examples, Inputs, Prepared, TaskKind};
+use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 use crate::train::rng::Rng;
 
 /// Longest input in tokens; longer texts are truncated.
 const MAX_TOKENS: usize = 128;
 
 pub struct BertClassifier {
-    encoder: BertModel,
+    encoder: Encoder,
     tokenizer: Tokenizer,
     /// Encoder weights (sorted by name), then `head.weight`, `head.bias`.
     parameters: Vec<(String, Var)>,
@@ -49,25 +51,19 @@ impl BertClassifier {
         // The file's tensors become the Vars the model is built from, so nothing is left
         // at a random initial value; a `bert.` prefix (HF task checkpoints) is dropped.
         let weights = candle_core::safetensors::load(folder.join("model.safetensors"), device)?;
-        let varmap = VarMap::new();
-        {
-            let mut vars = varmap.data().lock().expect("varmap lock");
-            for (name, tensor) in weights {
-                if tensor.dtype().is_float() {
-                    let name = name.strip_prefix("bert.").unwrap_or(&name).to_string();
-                    vars.insert(name, Var::from_tensor(&tensor.to_dtype(DType::F32)?)?);
-                }
+        let mut vars = BTreeMap::new();
+        for (name, tensor) in weights {
+            if tensor.dtype().is_float() {
+                let name = name.strip_prefix("bert.").unwrap_or(&name).to_string();
+                vars.insert(name, Var::from_tensor(&tensor.to_dtype(DType::F32)?)?);
             }
         }
-        let before: Vec<String> = varmap.data().lock().expect("varmap lock").keys().cloned().collect();
-        let encoder = BertModel::load(VarBuilder::from_varmap(&varmap, DType::F32, device), &config)?;
-        let vars = varmap.data().lock().expect("varmap lock").clone();
-        if let Some(missing) = vars.keys().find(|k| !before.contains(k)) {
-            candle_core::bail!("model.safetensors has no tensor '{missing}'");
-        }
-        let used = encoder_names(&config);
+        let encoder = Encoder::new(&config, &vars)?;
+        // Only what the encoder reads is trained and checkpointed (not a pooler or an MLM
+        // head the file may also hold).
+        let used = encoder.parameter_names();
         let mut parameters: Vec<(String, Var)> =
-            vars.into_iter().filter(|(name, _)| used.iter().any(|u| name == u)).collect();
+            vars.into_iter().filter(|(name, _)| used.binary_search(name).is_ok()).collect();
         parameters.sort_by(|a, b| a.0.cmp(&b.0));
 
         let outputs = if kind == TaskKind::Classification { data.classes.len() } else { 1 };
@@ -85,33 +81,6 @@ impl BertClassifier {
     }
 }
 
-/// The weight names candle's `BertModel` reads, so stray tensors in the file (a pooler,
-/// an MLM head) are neither trained nor checkpointed.
-fn encoder_names(config: &Config) -> Vec<String> {
-    let mut names: Vec<String> = ["word_embeddings", "position_embeddings", "token_type_embeddings"]
-        .iter()
-        .map(|e| format!("embeddings.{e}.weight"))
-        .chain(["weight", "bias"].iter().map(|p| format!("embeddings.LayerNorm.{p}")))
-        .collect();
-    for layer in 0..config.num_hidden_layers {
-        let prefix = format!("encoder.layer.{layer}");
-        for part in [
-            "attention.self.query",
-            "attention.self.key",
-            "attention.self.value",
-            "attention.output.dense",
-            "intermediate.dense",
-            "output.dense",
-        ] {
-            names.extend(["weight", "bias"].iter().map(|p| format!("{prefix}.{part}.{p}")));
-        }
-        for norm in ["attention.output.LayerNorm", "output.LayerNorm"] {
-            names.extend(["weight", "bias"].iter().map(|p| format!("{prefix}.{norm}.{p}")));
-        }
-    }
-    names
-}
-
 impl Network for BertClassifier {
     fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
         let Inputs::Text(texts) = &examples.inputs else {
@@ -126,15 +95,29 @@ impl Network for BertClassifier {
         let ids = tensor(&|e| e.get_ids())?;
         let types = tensor(&|e| e.get_type_ids())?;
         let mask = tensor(&|e| e.get_attention_mask())?;
-        let states = self.encoder.forward(&ids, &types, Some(&mask))?;
+        let states = self.encoder.forward(&ids, &types, &mask)?;
         let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let pooled = states.broadcast_mul(&mask)?.sum(1)?.broadcast_div(&mask.sum(1)?)?;
         let n = self.parameters.len();
         let (weight, bias) = (self.parameters[n - 2].1.as_tensor(), self.parameters[n - 1].1.as_tensor());
-        pooled.matmul(&weight.t()?)?.broadcast_add(bias)
+        precision::linear(&pooled, weight, bias, Precision::F32)
     }
 
     fn parameters(&self) -> &[(String, Var)] {
         &self.parameters
+    }
+
+    /// The encoder's operators, then `head` (always f32).
+    fn precision_ops(&self) -> Vec<(String, OpKind)> {
+        let mut ops = self.encoder.precision_ops();
+        ops.push(("head".into(), OpKind::Head));
+        ops
+    }
+
+    fn set_precision(&mut self, plan: &PrecisionPlan) -> std::result::Result<(), PlanError> {
+        plan.check(&self.precision_ops())?;
+        let mut encoder_plan = plan.clone();
+        encoder_plan.0.remove("head");
+        self.encoder.set_precision(&encoder_plan)
     }
 }

@@ -7,12 +7,15 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::Network;
 use crate::train::data::{Examples, Inputs};
+use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 use crate::train::rng::Rng;
 
 pub struct Mlp {
     /// `(weight [out, in], bias [out])` per layer, by index in `parameters`.
     layers: usize,
     parameters: Vec<(String, Var)>,
+    /// Per layer; the output layer is the head and stays f32.
+    precisions: Vec<Precision>,
     device: Device,
 }
 
@@ -31,15 +34,15 @@ impl Mlp {
             parameters.push((format!("layers.{index}.weight"), Var::from_tensor(&weight)?));
             parameters.push((format!("layers.{index}.bias"), Var::from_tensor(&bias)?));
         }
-        Ok(Mlp { layers: widths.len() - 1, parameters, device: device.clone() })
+        let layers = widths.len() - 1;
+        Ok(Mlp { layers, parameters, precisions: vec![Precision::F32; layers], device: device.clone() })
     }
 
-    /// One dense layer. QSync seam: a per-layer precision plan would cast `input` and the
-    /// weight here and cast the output back to f32.
+    /// One dense layer at its planned precision.
     fn linear(&self, layer: usize, input: &Tensor) -> Result<Tensor> {
         let weight = self.parameters[2 * layer].1.as_tensor();
         let bias = self.parameters[2 * layer + 1].1.as_tensor();
-        input.matmul(&weight.t()?)?.broadcast_add(bias)
+        precision::linear(input, weight, bias, self.precisions[layer])
     }
 }
 
@@ -61,6 +64,19 @@ impl Network for Mlp {
 
     fn parameters(&self) -> &[(String, Var)] {
         &self.parameters
+    }
+
+    /// `layers.{i}` per layer; the last is the head.
+    fn precision_ops(&self) -> Vec<(String, OpKind)> {
+        (0..self.layers)
+            .map(|i| (format!("layers.{i}"), if i + 1 == self.layers { OpKind::Head } else { OpKind::Linear }))
+            .collect()
+    }
+
+    fn set_precision(&mut self, plan: &PrecisionPlan) -> std::result::Result<(), PlanError> {
+        plan.check(&self.precision_ops())?;
+        self.precisions = (0..self.layers).map(|i| plan.get(&format!("layers.{i}"))).collect();
+        Ok(())
     }
 }
 

@@ -34,6 +34,12 @@ pub(super) struct Panels {
 impl Panels {
     /// Packs `w`, `[n, k]` row-major (the checkpoint's `nn.Linear` layout).
     pub fn new(w: &[f32], n: usize, k: usize) -> Self {
+        Self::pack(n, k, |j, p| w[j * k + p])
+    }
+
+    /// Packs the `[n, k]` matrix whose element `(j, p)` is `at(j, p)`, so training can pack a
+    /// transposed view (`Wᵀ`, `Xᵀ`) without copying it first.
+    pub fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> f32) -> Self {
         let blocks = k.div_ceil(KC_MAX).max(1);
         let kc = k.div_ceil(blocks).next_multiple_of(2);
         let panels = n.div_ceil(NR);
@@ -43,8 +49,8 @@ impl Panels {
                 let base = (blk * panels + panel) * kc * NR;
                 for kk in 0..kc.min(k - p0) {
                     for j in 0..NR.min(n - panel * NR) {
-                        let at = base + (kk / 2) * 2 * NR + 2 * j + kk % 2;
-                        data[at] = to_bf16(w[(panel * NR + j) * k + p0 + kk]);
+                        let slot = base + (kk / 2) * 2 * NR + 2 * j + kk % 2;
+                        data[slot] = to_bf16(at(panel * NR + j, p0 + kk));
                     }
                 }
             }
