@@ -76,6 +76,32 @@ pub struct Config {
     /// gives the client a 504, so a hung worker cannot hold requests forever.
     #[arg(long, env = "TESSERA_INFERENCE_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_timeout_secs: u64,
+
+    /// Where blobs (model files, datasets, checkpoints) live: `local` (the data directory)
+    /// or `s3://BUCKET[/PREFIX]`, an S3-compatible bucket several servers can share.
+    #[arg(long, env = "TESSERA_BLOB_STORE")]
+    pub blob_store: Option<String>,
+
+    /// The S3 endpoint, for S3-compatible servers (MinIO, …); `http://` is allowed.
+    #[arg(long, env = "TESSERA_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+
+    /// The bucket's region; default `AWS_REGION`, else us-east-1.
+    #[arg(long, env = "TESSERA_S3_REGION")]
+    pub s3_region: Option<String>,
+
+    /// S3 credentials (else the other usual `AWS_*` sources).
+    #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
+    pub s3_access_key_id: Option<String>,
+
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
+    pub s3_secret_access_key: Option<String>,
+
+    /// Seconds an unreferenced blob is kept before garbage collection deletes it. It must
+    /// exceed the longest upload (a blob is written before the row that references it)
+    /// and lets downloads that began before a delete finish.
+    #[arg(long, env = "TESSERA_BLOB_GRACE_SECS", default_value_t = 3600)]
+    pub blob_grace_secs: u64,
 }
 
 impl Config {
@@ -96,6 +122,12 @@ impl Config {
             login_refill_secs: 6,
             auth_cache_secs: 10,
             inference_timeout_secs: 60,
+            blob_store: None,
+            s3_endpoint: None,
+            s3_region: None,
+            s3_access_key_id: None,
+            s3_secret_access_key: None,
+            blob_grace_secs: 3600,
         }
     }
 
