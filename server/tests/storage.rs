@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use serde_json::Value;
+use serde_json::{json, Value};
 use support::{backends, model_form, tiny_model, Backend, TestServer};
 use tessera_server::config::Config;
 use tessera_server::registry::blobs::Kind;
@@ -381,7 +381,12 @@ async fn two_servers_share_an_s3_bucket_for_models_datasets_and_workers() {
 
         let model = upload_model(&first, &token, "tiny").await;
         let id = model["id"].as_str().unwrap();
+        // The worker holds a replica of the model, so it may download the model's files.
+        let deployment = json!({"name": "embedder", "model": "tiny", "replicas": 1});
+        assert_eq!(first.post(&token, "/deployments", deployment).await.status(), 201);
         let (_, worker_secret) = second.register_worker("w1").await;
+        let claimed = second.post(&worker_secret, "/agent/claim", json!({"kinds": ["serve"]})).await;
+        assert_eq!(claimed.status(), 200, "{backend:?}");
         for (path, bytes) in tiny_model() {
             let user = second.get(&token, &format!("/models/{id}/files/{path}")).await;
             assert_eq!(user.status(), 200, "{backend:?} {path}");
@@ -399,6 +404,7 @@ async fn two_servers_share_an_s3_bucket_for_models_datasets_and_workers() {
         assert_eq!(first.state.blobs.temp_files() + second.state.blobs.temp_files(), 0);
 
         // Deleted on one server, collected by the other after the grace period.
+        assert_eq!(first.delete(&token, "/deployments/embedder").await.status(), 204);
         assert_eq!(first.delete(&token, &format!("/models/{id}")).await.status(), 204);
         let digests: Vec<String> =
             model["files"].as_array().unwrap().iter().map(|f| f["digest"].as_str().unwrap().to_string()).collect();
