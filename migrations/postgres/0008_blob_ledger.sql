@@ -14,7 +14,7 @@ CREATE TABLE blobs (
 CREATE INDEX blobs_unreferenced ON blobs (touched_at) WHERE refs <= 0;
 
 INSERT INTO blobs (digest, refs, touched_at)
-SELECT digest, COUNT(*), (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT
+SELECT digest, COUNT(*), FLOOR(EXTRACT(EPOCH FROM now()) * 1000)::BIGINT
 FROM (
     SELECT digest FROM model_files
     UNION ALL SELECT digest FROM datasets
@@ -31,7 +31,7 @@ BEGIN
         END IF;
         RETURN NEW;
     END IF;
-    UPDATE blobs SET refs = refs - 1, touched_at = (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT
+    UPDATE blobs SET refs = refs - 1, touched_at = FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT
     WHERE digest = OLD.digest;
     RETURN OLD;
 END;

@@ -94,6 +94,7 @@ pub struct Config {
     #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
     pub s3_access_key_id: Option<String>,
 
+    /// The secret key that goes with the S3 access key id.
     #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
     pub s3_secret_access_key: Option<String>,
 

@@ -225,7 +225,8 @@ async fn a_collection_in_progress_holds_back_a_server_writing_the_same_blob() {
         assert_eq!(first.delete(&token, &format!("/datasets/{id}")).await.status(), 204);
 
         // The first server's collector has found the blob collectable and holds its row.
-        let cutoff = now_ms() + 1;
+        // (A second ahead: the release was stamped by the database's clock.)
+        let cutoff = now_ms() + 1000;
         let deletion = ledger::begin_deletion(&first.state.db, &digest, cutoff).await.unwrap().expect("collectable");
 
         // Meanwhile the second server commits the same bytes: it must wait for the
@@ -233,6 +234,7 @@ async fn a_collection_in_progress_holds_back_a_server_writing_the_same_blob() {
         let mut blob = second.state.blobs.begin().await.unwrap();
         blob.write(WINE.as_bytes()).await.unwrap();
         blob.finish().await.unwrap();
+        let before_commit = now_ms();
         let blobs = second.state.blobs.clone();
         let db = second.state.db.clone();
         let writer = tokio::spawn(async move { blobs.commit(&db, vec![blob]).await });
@@ -244,7 +246,8 @@ async fn a_collection_in_progress_holds_back_a_server_writing_the_same_blob() {
         writer.await.unwrap().unwrap();
         assert!(second.state.blobs.exists(&digest).await.unwrap(), "{backend:?}");
         assert_eq!(ledger::refs(&second.state.db, &digest).await.unwrap(), Some(0), "{backend:?}");
-        assert!(ledger::begin_deletion(&first.state.db, &digest, cutoff - 1).await.unwrap().is_none());
+        // Touched again by the commit: not collectable by anything that started before it.
+        assert!(ledger::begin_deletion(&first.state.db, &digest, before_commit).await.unwrap().is_none());
     }
 }
 

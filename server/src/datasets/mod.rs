@@ -206,7 +206,7 @@ pub async fn delete(
 }
 
 async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> {
-    let (stream, _) = state.blobs.read(&dataset.digest).await?;
+    let stream = state.blobs.read(&dataset.digest).await?;
     let content_type = match dataset.format {
         DatasetFormat::Csv => "text/csv; charset=utf-8",
         DatasetFormat::Jsonl => "application/jsonl",

@@ -12,7 +12,7 @@ use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as Location;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{GetResultPayload, ObjectStore, ObjectStoreExt};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
@@ -67,6 +67,7 @@ impl BlobStore {
         let staging = Staging::create(&config.data_dir)?;
         let (objects, kind): (Arc<dyn ObjectStore>, Kind) = match config.blob_store.as_deref() {
             None | Some("") | Some("local") => {
+                std::fs::create_dir_all(config.data_dir.join(BLOBS))?;
                 // fsync: each rename into place is durable (the file and its directory).
                 let local = LocalFileSystem::new_with_prefix(&config.data_dir)?.with_fsync(true);
                 (Arc::new(local), Kind::Local)
@@ -143,20 +144,22 @@ impl BlobStore {
         Ok(())
     }
 
-    /// The bytes of a stored blob, as a stream, and its size.
-    pub async fn read(
-        &self,
-        digest: &str,
-    ) -> Result<(BoxStream<'static, object_store::Result<Bytes>>, u64), BlobError> {
+    /// The bytes of a stored blob, as a stream.
+    pub async fn read(&self, digest: &str) -> Result<BoxStream<'static, std::io::Result<Bytes>>, BlobError> {
         let location = Self::location(digest).ok_or_else(|| BlobError::Missing(digest.to_string()))?;
-        match self.objects.get(&location).await {
-            Ok(found) => {
-                let size = found.meta.size;
-                Ok((found.into_stream(), size))
+        let found = match self.objects.get(&location).await {
+            Ok(found) => found,
+            Err(object_store::Error::NotFound { .. }) => return Err(BlobError::Missing(digest.to_string())),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(match found.payload {
+            // object_store reads a local file 8 KiB per blocking call; model files are
+            // hundreds of MiB, so read them in 1 MiB pieces.
+            GetResultPayload::File(file, _) => {
+                tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 1 << 20).boxed()
             }
-            Err(object_store::Error::NotFound { .. }) => Err(BlobError::Missing(digest.to_string())),
-            Err(e) => Err(e.into()),
-        }
+            GetResultPayload::Stream(stream) => stream.map(|chunk| chunk.map_err(std::io::Error::other)).boxed(),
+        })
     }
 
     /// Whether the store holds `digest`'s bytes.
@@ -180,13 +183,17 @@ impl BlobStore {
     }
 
     /// Every blob in the store with its modification time (ms), for orphan collection.
+    /// Objects whose name is no digest are not the store's and are left alone.
     pub(crate) fn list(&self) -> BoxStream<'static, Result<(String, i64), BlobError>> {
         self.objects
             .list(Some(&Location::from(BLOBS)))
-            .map(|meta| {
-                let meta = meta?;
-                let hex = meta.location.filename().unwrap_or_default();
-                Ok((format!("sha256:{hex}"), meta.last_modified.timestamp_millis()))
+            .filter_map(|meta| async move {
+                let meta = match meta {
+                    Ok(meta) => meta,
+                    Err(e) => return Some(Err(e.into())),
+                };
+                let digest = format!("sha256:{}", meta.location.filename().unwrap_or_default());
+                Self::location(&digest).is_some().then(|| Ok((digest, meta.last_modified.timestamp_millis())))
             })
             .boxed()
     }

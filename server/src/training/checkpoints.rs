@@ -117,7 +117,7 @@ pub async fn file_response(state: &AppState, job: Uuid, step: u64, name: &str) -
     let file = store::checkpoint_file(&state.db, job, step, name)
         .await?
         .ok_or_else(|| Error::not_found(&format!("Checkpoint file '{name}' at step {step}")))?;
-    let (stream, _) = state.blobs.read(&file.digest).await?;
+    let stream = state.blobs.read(&file.digest).await?;
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, file.size_bytes)
