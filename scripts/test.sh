@@ -8,6 +8,8 @@
 # Honours CARGO_TARGET_DIR. Exports for the tests:
 #   TESSERA_TEST_POSTGRES_URL  the throwaway cluster (postgres://tessera@127.0.0.1:PORT/tessera_test)
 #   TESSERA_REQUIRE_POSTGRES=1 so PostgreSQL tests fail instead of skipping
+#   TESSERA_TEST_S3_ENDPOINT   a throwaway S3-compatible server (moto, scripts/s3-server.sh)
+#   TESSERA_REQUIRE_S3=1       so the S3 blob-store tests fail instead of skipping
 #   TESSERA_ASSETS             <repo>/.assets unless set (the demo model is in all-MiniLM-L6-v2/)
 #   TESSERA_SERVER_BIN, TESSERA_WORKER_BIN   the debug binaries just built
 #   TESSERA_CHROMIUM           the system Chromium, for tests/browser/run.mjs
@@ -21,6 +23,7 @@ steps=()          # "name seconds" of finished steps, for the summary
 current=""
 started=0
 pg_dir=""
+s3_pid=""
 
 step() {
     finish_step
@@ -38,6 +41,9 @@ on_exit() {
     local rc=$?
     if [[ -n "$pg_dir" ]]; then
         bash "$repo/scripts/postgres-cluster.sh" stop "$pg_dir" || true
+    fi
+    if [[ -n "$s3_pid" ]]; then
+        bash "$repo/scripts/s3-server.sh" stop "$s3_pid" || true
     fi
     printf '\n==> summary\n' >&2
     local s
@@ -76,6 +82,12 @@ eval "$pg_env"
 pg_dir="$TESSERA_TEST_PG_DIR"
 export TESSERA_TEST_POSTGRES_URL TESSERA_REQUIRE_POSTGRES=1 TESSERA_REQUIRE_ASSETS=1
 echo "TESSERA_TEST_POSTGRES_URL=$TESSERA_TEST_POSTGRES_URL" >&2
+
+step "start S3 server (moto)"
+s3_env="$(bash scripts/s3-server.sh start)"
+eval "$s3_env"
+s3_pid="$TESSERA_TEST_S3_PID"
+export TESSERA_TEST_S3_ENDPOINT TESSERA_REQUIRE_S3=1
 
 step "cargo build"
 cargo build --workspace --bins

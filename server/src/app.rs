@@ -22,7 +22,7 @@ use crate::auth::rate_limit::LoginLimiter;
 use crate::auth::session::SessionKeys;
 use crate::config::{Config, ConfigError};
 use crate::gateway::{kserve, openai, Gateway, GatewayError};
-use crate::registry::blobs::BlobStore;
+use crate::registry::blobs::{BlobError, BlobStore};
 use crate::state::AppState;
 use crate::store::db::Db;
 use crate::{
@@ -41,6 +41,8 @@ pub enum StartError {
     Setup(#[from] error::Error),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error("blob store: {0}")]
+    Blobs(#[from] BlobError),
 }
 
 impl AppState {
@@ -66,7 +68,7 @@ impl AppState {
             .map(|(path, item)| (path.replace("{*", "{"), item))
             .collect();
         let state = AppState {
-            blobs: BlobStore::open(&config.data_dir)?,
+            blobs: BlobStore::open(&config).await?,
             login_limiter: Arc::new(LoginLimiter::new(config.login_burst, Duration::from_secs(config.login_refill_secs))),
             sessions: Arc::new(sessions),
             auth_cache: Arc::new(AuthCache::new(Duration::from_secs(config.auth_cache_secs))),
@@ -232,6 +234,7 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
     let bind = config.bind.clone();
     let state = AppState::open(config).await?;
     spawn_lease_expiry(state.clone());
+    registry::gc::spawn(state.clone());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let address = listener.local_addr()?;
     println!("Tessera is listening on http://{address}");

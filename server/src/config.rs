@@ -92,6 +92,32 @@ pub struct Config {
     /// so a worker cannot point the gateway, and its engine token, at another machine.
     #[arg(long, env = "TESSERA_ALLOW_ADVERTISED_ENDPOINTS", default_value_t = false)]
     pub allow_advertised_endpoints: bool,
+    /// Where blobs (model files, datasets, checkpoints) live: `local` (the data directory)
+    /// or `s3://BUCKET[/PREFIX]`, an S3-compatible bucket several servers can share.
+    #[arg(long, env = "TESSERA_BLOB_STORE")]
+    pub blob_store: Option<String>,
+
+    /// The S3 endpoint, for S3-compatible servers (MinIO, …); `http://` is allowed.
+    #[arg(long, env = "TESSERA_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+
+    /// The bucket's region; default `AWS_REGION`, else us-east-1.
+    #[arg(long, env = "TESSERA_S3_REGION")]
+    pub s3_region: Option<String>,
+
+    /// S3 credentials (else the other usual `AWS_*` sources).
+    #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
+    pub s3_access_key_id: Option<String>,
+
+    /// The secret key that goes with the S3 access key id.
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
+    pub s3_secret_access_key: Option<String>,
+
+    /// Seconds an unreferenced blob is kept before garbage collection deletes it. It must
+    /// exceed the longest upload (a blob is written before the row that references it)
+    /// and lets downloads that began before a delete finish.
+    #[arg(long, env = "TESSERA_BLOB_GRACE_SECS", default_value_t = 3600)]
+    pub blob_grace_secs: u64,
 }
 
 impl Config {
@@ -115,6 +141,12 @@ impl Config {
             inference_timeout_secs: 60,
             metrics_token: None,
             allow_advertised_endpoints: false,
+            blob_store: None,
+            s3_endpoint: None,
+            s3_region: None,
+            s3_access_key_id: None,
+            s3_secret_access_key: None,
+            blob_grace_secs: 3600,
         }
     }
 

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tessera_api::error::{ErrorBody, ErrorDetail};
 
+use crate::registry::blobs::BlobError;
 use crate::store::StoreError;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -37,6 +38,8 @@ pub enum Error {
     Store(#[from] StoreError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Blob(#[from] BlobError),
     /// A page's template failed to render.
     #[error("template failed to render: {0}")]
     Template(#[from] askama::Error),
@@ -77,6 +80,7 @@ impl Error {
             Error::Database(_)
             | Error::Store(_)
             | Error::Io(_)
+            | Error::Blob(_)
             | Error::Template(_)
             | Error::Task(_)
             | Error::PasswordHash(_)
@@ -99,6 +103,7 @@ impl Error {
             Error::Database(_)
             | Error::Store(_)
             | Error::Io(_)
+            | Error::Blob(_)
             | Error::Template(_)
             | Error::Task(_)
             | Error::PasswordHash(_)

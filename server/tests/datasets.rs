@@ -81,6 +81,7 @@ async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
         assert_eq!(server.get(&token, &format!("/datasets/{id}")).await.status(), 404);
         let twin_id = twin["id"].as_str().unwrap();
         assert_eq!(server.delete(&token, &format!("/datasets/{twin_id}")).await.status(), 204);
+        server.collect_garbage_after_grace().await;
         assert_eq!(stored_files(&server), blobs - 1, "the last reference's blob is collected ({backend:?})");
     }
 }

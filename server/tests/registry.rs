@@ -152,6 +152,7 @@ async fn valid_upload_round_trips_byte_for_byte() {
         let response = server.get(&token, &format!("/models/{copy_id}/files/config.json")).await;
         assert_eq!(response.status(), 200, "{copy:?} {}", response.text().await.unwrap());
         assert_eq!(server.delete(&token, &format!("/models/{copy_id}")).await.status(), 204);
+        server.collect_garbage_after_grace().await;
         assert_eq!(stored_files(&server), 0, "deleting the last model removes its blobs");
     }
 }

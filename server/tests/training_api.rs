@@ -383,6 +383,7 @@ async fn checkpoints_round_trip_and_a_resuming_worker_gets_the_latest() {
         let listed: Vec<Value> = server.get(&token, &format!("/jobs/{job}/checkpoints")).await.json().await.unwrap();
         let steps: Vec<u64> = listed.iter().map(|c| c["step"].as_u64().unwrap()).collect();
         assert_eq!(steps, [2000, 2500, 3000, 3500, 4000], "{backend:?}");
+        server.collect_garbage_after_grace().await;
         let blobs = std::fs::read_dir(server.dir.join("blobs/sha256")).unwrap().count();
         assert_eq!(blobs, 5 + 5 + 1, "5 weights, 5 states and the dataset ({backend:?})");
 

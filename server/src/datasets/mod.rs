@@ -126,12 +126,10 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
         owner: owner.username.clone(),
         created_at: db::time(db::now_ms()),
     };
-    // The blob goes in place before the row that references it; the registry lock keeps
-    // a concurrent delete from collecting it in between.
-    let _guard = state.registry_lock.lock().await;
-    state.blobs.commit(blob).await?;
+    // The blob goes in place before the row that references it; the ledger keeps garbage
+    // collection away from it until then (and after a refused insert, for the grace period).
+    state.blobs.commit(&state.db, vec![blob]).await?;
     if let Err(e) = store::insert(&state.db, owner.id, &dataset).await {
-        registry::collect_garbage(state, vec![dataset.digest]).await?;
         return Err(if e.is_unique_violation() {
             Error::Conflict(format!(
                 "You already have a dataset named '{}'; delete it or pick another name.",
@@ -144,9 +142,10 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
     Ok(dataset)
 }
 
-/// Deletes a dataset no unfinished job reads; its file goes unless shared.
+/// Deletes a dataset no unfinished job reads; garbage collection deletes its file after
+/// the grace period unless something else shares it.
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
-    let dataset = find(state, scope, id).await?;
+    find(state, scope, id).await?;
     let _guard = state.registry_lock.lock().await;
     let in_use = jobs::unfinished_reading(&state.db, id).await?;
     if in_use > 0 {
@@ -155,7 +154,7 @@ pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result
         )));
     }
     store::delete(&state.db, id).await?;
-    registry::collect_garbage(state, vec![dataset.digest]).await
+    Ok(())
 }
 
 /// Upload a dataset as `multipart/form-data`: a text field `name` and one file part
@@ -207,8 +206,7 @@ pub async fn delete(
 }
 
 async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> {
-    let path = state.blobs.path(&dataset.digest).ok_or(Error::Invariant("a stored dataset digest is malformed"))?;
-    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(path).await?);
+    let stream = state.blobs.read(&dataset.digest).await?;
     let content_type = match dataset.format {
         DatasetFormat::Csv => "text/csv; charset=utf-8",
         DatasetFormat::Jsonl => "application/jsonl",

@@ -2,6 +2,7 @@
 //! The functions here are what both the API (`routes`) and the dashboard call.
 
 pub mod blobs;
+pub mod gc;
 pub mod model_config;
 pub mod model_files;
 pub mod routes;
@@ -77,14 +78,15 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         "pooling": pooling.map(|p| format!("{p:?}").to_lowercase()),
     });
 
-    // Blobs go in place before the rows that reference them, and the registry lock
-    // keeps a concurrent delete from collecting a blob this model is about to use.
-    let _guard = state.registry_lock.lock().await;
+    // Blobs go in place before the rows that reference them; the ledger keeps garbage
+    // collection (on any server) away from them until those rows exist.
     let mut files = Vec::new();
+    let mut blobs = Vec::new();
     for (path, file) in staged.files {
         files.push(ModelFile { path, digest: file.digest, size_bytes: file.blob.size() });
-        state.blobs.commit(file.blob).await?;
+        blobs.push(file.blob);
     }
+    state.blobs.commit(&state.db, blobs).await?;
     let created_at = now_ms();
     let new = NewModel {
         id: model_id,
@@ -96,8 +98,9 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         size_bytes,
         created_at,
     };
+    // A refused insert leaves the blobs unreferenced: garbage collection takes them after
+    // the grace period unless another row comes to reference them.
     if let Err(e) = store::insert(&state.db, &new, &files).await {
-        collect_garbage(state, files.iter().map(|f| f.digest.clone()).collect()).await?;
         return Err(if e.is_unique_violation() {
             Error::Conflict(format!("You already have a model named '{name}'; delete it or pick another name."))
         } else {
@@ -114,18 +117,6 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         owner: owner.username.clone(),
         created_at: db::time(created_at),
     })
-}
-
-/// Removes blobs nothing references any more: no model file, dataset or checkpoint
-/// file (they share the store, so the same bytes are kept once). Call with the
-/// registry lock held.
-pub(crate) async fn collect_garbage(state: &AppState, digests: Vec<String>) -> Result<()> {
-    for digest in digests {
-        if store::blob_references(&state.db, &digest).await? == 0 {
-            state.blobs.remove(&digest).await?;
-        }
-    }
-    Ok(())
 }
 
 /// A model the principal may see, by id, or by name among the principal's own models.
@@ -148,8 +139,8 @@ pub async fn list_visible(state: &AppState, scope: &Scope) -> Result<Vec<Model>>
     Ok(store::list(&state.db, scope).await?)
 }
 
-/// Deletes a model in `scope`; its blobs go unless another model, dataset or checkpoint
-/// shares them.
+/// Deletes a model in `scope`; garbage collection deletes its blobs after the grace
+/// period unless another model, dataset or checkpoint shares them.
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
     let model = find(state, scope, id).await?;
     let _guard = state.registry_lock.lock().await;
@@ -164,7 +155,7 @@ pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result
         }
         result => result?,
     }
-    collect_garbage(state, model.files.into_iter().map(|f| f.digest).collect()).await
+    Ok(())
 }
 
 fn in_use(model: &str, deployments: &[String]) -> Error {

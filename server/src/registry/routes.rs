@@ -50,8 +50,7 @@ pub async fn delete(State(state): State<AppState>, principal: Principal, ApiPath
 
 async fn file_response(state: &AppState, model: &Model, path: &str) -> Result<Response> {
     let file = model.files.iter().find(|f| f.path == path).ok_or_else(|| Error::not_found(&format!("File '{path}'")))?;
-    let blob = state.blobs.path(&file.digest).ok_or(Error::Invariant("a stored model file digest is malformed"))?;
-    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(blob).await?);
+    let stream = state.blobs.read(&file.digest).await?;
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, file.size_bytes)

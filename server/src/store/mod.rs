@@ -4,6 +4,7 @@
 //! caller" is part of the call and cannot be forgotten (lldap's access-controlled
 //! backend idea: the permission travels with the request, not in a remembered filter).
 
+pub mod blobs;
 pub mod datasets;
 pub mod deployments;
 pub mod db;

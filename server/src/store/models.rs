@@ -1,6 +1,5 @@
 //! Registered models (`models`, `model_files`) and their measured throughput tables
-//! (`model_profiles`), plus the question garbage collection asks of every table that
-//! holds a blob digest: is this blob still referenced?
+//! (`model_profiles`). The blobs the files name are counted in the ledger (`blobs`).
 
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -151,19 +150,6 @@ pub async fn config(db: &Db, id: Uuid) -> Result<Option<serde_json::Value>> {
         .fetch_optional(db.pool())
         .await?;
     text.map(|t| parse_json("models", "config", &t)).transpose()
-}
-
-/// How many model files, datasets and checkpoint files hold this blob (they share the
-/// blob store, so the same bytes are kept once).
-pub async fn blob_references(db: &Db, digest: &str) -> Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT (SELECT COUNT(*) FROM model_files WHERE digest = $1) \
-         + (SELECT COUNT(*) FROM datasets WHERE digest = $1) \
-         + (SELECT COUNT(*) FROM checkpoint_files WHERE digest = $1)",
-    )
-    .bind(digest)
-    .fetch_one(db.pool())
-    .await?)
 }
 
 /// The measured rows of a model's throughput table.

@@ -169,36 +169,8 @@ pub async fn lr_stages(db: &Db, job: Uuid) -> Result<Vec<LrStage>> {
         .collect()
 }
 
-/// Which of a job's checkpoints a call is about.
-#[derive(Debug, Clone, Copy)]
-pub enum Steps {
-    /// The checkpoint at this step.
-    At(i64),
-    /// Every checkpoint before this step.
-    Before(i64),
-}
-
-impl Steps {
-    fn condition(self) -> (&'static str, i64) {
-        match self {
-            Steps::At(step) => ("step = $2", step),
-            Steps::Before(step) => ("step < $2", step),
-        }
-    }
-}
-
-/// The digests of the files of `job`'s checkpoints at `steps` (the blobs a replacement
-/// or a pruning releases).
-pub async fn checkpoint_digests(db: &Db, job: Uuid, steps: Steps) -> Result<Vec<String>> {
-    let (condition, bound) = steps.condition();
-    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT digest FROM checkpoint_files WHERE job_id = $1 AND {condition}")))
-        .bind(job.to_string())
-        .bind(bound)
-        .fetch_all(db.pool())
-        .await?)
-}
-
-/// Stores a checkpoint and its files, replacing one at the same step.
+/// Stores a checkpoint and its files, replacing one at the same step (the ledger's
+/// triggers move the blob references).
 pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<()> {
     let job_id = checkpoint.job_id.to_string();
     let step = checkpoint.step as i64;

@@ -13,10 +13,10 @@ use tessera_api::train::{Checkpoint, CheckpointFile};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::registry::{self, blobs::TempBlob, staging};
+use crate::registry::{blobs::TempBlob, staging};
 use crate::state::AppState;
 use crate::store::db::{self, now_ms};
-use crate::store::training::{self as store, Steps};
+use crate::store::training as store;
 
 /// Checkpoints kept per job (the newest by step).
 pub const KEEP: i64 = 5;
@@ -84,22 +84,22 @@ async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<(i64, Ve
 pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> Result<Checkpoint> {
     let (step, files) = receive(multipart, state).await?;
     let size: u64 = files.iter().map(|(_, blob, _)| blob.size()).sum();
-    let _guard = state.registry_lock.lock().await;
     let mut stored = Vec::with_capacity(files.len());
+    let mut blobs = Vec::with_capacity(files.len());
     for (name, blob, digest) in files {
         stored.push(CheckpointFile { name, digest, size_bytes: blob.size() });
-        state.blobs.commit(blob).await?;
+        blobs.push(blob);
     }
+    state.blobs.commit(&state.db, blobs).await?;
     let checkpoint =
         Checkpoint { job_id: job, step: step as u64, size_bytes: size, files: stored, created_at: db::time(now_ms()) };
-    let mut released = store::checkpoint_digests(&state.db, job, Steps::At(step)).await?;
+    // The blobs of a replaced or dropped checkpoint are released in the ledger and
+    // collected after the grace period.
     store::replace_checkpoint(&state.db, &checkpoint).await?;
     // The step below which checkpoints are dropped: the KEEP-th newest.
     if let Some(cutoff) = store::nth_newest_checkpoint(&state.db, job, KEEP).await? {
-        released.extend(store::checkpoint_digests(&state.db, job, Steps::Before(cutoff)).await?);
         store::delete_checkpoints_before(&state.db, job, cutoff).await?;
     }
-    registry::collect_garbage(state, released).await?;
     Ok(checkpoint)
 }
 
@@ -117,9 +117,7 @@ pub async fn file_response(state: &AppState, job: Uuid, step: u64, name: &str) -
     let file = store::checkpoint_file(&state.db, job, step, name)
         .await?
         .ok_or_else(|| Error::not_found(&format!("Checkpoint file '{name}' at step {step}")))?;
-    let path =
-        state.blobs.path(&file.digest).ok_or(Error::Invariant("a stored checkpoint file digest is malformed"))?;
-    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::open(path).await?);
+    let stream = state.blobs.read(&file.digest).await?;
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, file.size_bytes)

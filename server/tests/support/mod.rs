@@ -156,6 +156,16 @@ impl TestServer {
         self.http.delete(self.api(path)).bearer_auth(token).send().await.unwrap()
     }
 
+    /// Runs blob garbage collection as if the grace period had passed (a second ago, so
+    /// that a millisecond's rounding between the database's clock and ours cannot matter).
+    pub async fn collect_garbage_after_grace(&self) -> tessera_server::registry::gc::Collected {
+        let grace = std::time::Duration::from_secs(self.config.blob_grace_secs);
+        let later = tessera_server::store::db::now_ms() + grace.as_millis() as i64 + 1000;
+        tessera_server::registry::gc::collect(&self.state.blobs, &self.state.db, later, grace)
+            .await
+            .expect("blob garbage collection")
+    }
+
     /// Registers a worker over the agent protocol; returns (worker id, secret).
     pub async fn register_worker(&self, name: &str) -> (String, String) {
         let response = self
