@@ -76,6 +76,19 @@ pub struct Config {
     /// gives the client a 504, so a hung worker cannot hold requests forever.
     #[arg(long, env = "TESSERA_INFERENCE_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_timeout_secs: u64,
+
+    /// Most jobs one user may have queued or running at once (serving replicas count
+    /// against the replica quota instead). Admins are not bound by quotas.
+    #[arg(long, env = "TESSERA_QUOTA_JOBS", default_value_t = 32)]
+    pub quota_jobs: u64,
+
+    /// Most serving replicas one user's deployments may ask for, all deployments together.
+    #[arg(long, env = "TESSERA_QUOTA_REPLICAS", default_value_t = 16)]
+    pub quota_replicas: u64,
+
+    /// Most bytes one user may store: models, datasets and their jobs' checkpoints.
+    #[arg(long, env = "TESSERA_QUOTA_STORAGE_BYTES", default_value_t = 64 << 30)]
+    pub quota_storage_bytes: u64,
 }
 
 impl Config {
@@ -96,6 +109,9 @@ impl Config {
             login_refill_secs: 6,
             auth_cache_secs: 10,
             inference_timeout_secs: 60,
+            quota_jobs: 32,
+            quota_replicas: 16,
+            quota_storage_bytes: 64 << 30,
         }
     }
 

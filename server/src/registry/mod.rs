@@ -80,6 +80,7 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
     // Blobs go in place before the rows that reference them, and the registry lock
     // keeps a concurrent delete from collecting a blob this model is about to use.
     let _guard = state.registry_lock.lock().await;
+    crate::quotas::check_storage(state, owner, size_bytes).await?;
     let mut files = Vec::new();
     for (path, file) in staged.files {
         files.push(ModelFile { path, digest: file.digest, size_bytes: file.blob.size() });

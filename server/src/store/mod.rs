@@ -9,6 +9,7 @@ pub mod deployments;
 pub mod db;
 pub mod jobs;
 pub mod models;
+pub mod quotas;
 pub mod slices;
 pub mod training;
 pub mod users;
