@@ -181,7 +181,8 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<TensorInfo>, Safeten
     let seed = EntriesSeed {
         failure: &mut failure,
     };
-    let parsed = seed.deserialize(&mut serde_json::Deserializer::from_str(text));
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let parsed = seed.deserialize(&mut deserializer).and_then(|tensors| deserializer.end().map(|()| tensors));
     let mut tensors = match (parsed, failure) {
         (_, Some(failure)) => return Err(failure),
         (Ok(tensors), None) => tensors,
@@ -369,7 +370,7 @@ fn check_tensor(name: String, entry: &RawValue) -> Result<TensorInfo, Safetensor
 mod tests {
     use std::io::Write;
 
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     use super::*;
 
