@@ -32,14 +32,21 @@ pub enum MultipartLimit {
     PartHeader,
     #[error("The upload has more than {MAX_PARTS} parts; send one part per file and one per text field.")]
     Parts,
-    #[error("The text field '{field}' is longer than {MAX_TEXT_FIELD_BYTES} bytes; send a short value.")]
+    #[error(
+        "The text field '{field}' is longer than {MAX_TEXT_FIELD_BYTES} bytes; send a short value."
+    )]
     TextField { field: String },
 }
 
 /// The request with its body watched by a [`Scanner`]. A request that names no boundary
 /// is returned as it is: axum's extractor refuses it.
 pub fn bounded(request: Request) -> Request {
-    let Some(boundary) = request.headers().get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).and_then(boundary) else {
+    let Some(boundary) = request
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(boundary)
+    else {
         return request;
     };
     let (parts, body) = request.into_parts();
@@ -50,12 +57,18 @@ pub fn bounded(request: Request) -> Request {
 /// The `boundary` parameter of a `multipart/form-data` content type.
 fn boundary(content_type: &str) -> Option<String> {
     let mut params = content_type.split(';');
-    if !params.next()?.trim().eq_ignore_ascii_case("multipart/form-data") {
+    if !params
+        .next()?
+        .trim()
+        .eq_ignore_ascii_case("multipart/form-data")
+    {
         return None;
     }
     params.find_map(|param| {
         let (key, value) = param.split_once('=')?;
-        key.trim().eq_ignore_ascii_case("boundary").then(|| value.trim().trim_matches('"').to_string())
+        key.trim()
+            .eq_ignore_ascii_case("boundary")
+            .then(|| value.trim().trim_matches('"').to_string())
     })
 }
 
@@ -176,7 +189,11 @@ pub struct Scanner<S> {
 
 impl<S> Scanner<S> {
     fn new(inner: S, boundary: &str) -> Scanner<S> {
-        Scanner { inner, framer: Framer::new(boundary), failed: false }
+        Scanner {
+            inner,
+            framer: Framer::new(boundary),
+            failed: false,
+        }
     }
 }
 
@@ -207,7 +224,9 @@ where
 }
 
 /// The limit behind a multipart error, when the error came from a [`Scanner`].
-pub fn limit_behind<'e>(error: &'e (dyn std::error::Error + 'static)) -> Option<&'e MultipartLimit> {
+pub fn limit_behind<'e>(
+    error: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e MultipartLimit> {
     let mut current = Some(error);
     while let Some(error) = current {
         if let Some(limit) = error.downcast_ref::<MultipartLimit>() {
@@ -235,7 +254,9 @@ mod tests {
         for i in 0..parts {
             body.extend_from_slice(b"--XyZ\r\nContent-Disposition: form-data; name=\"files\"");
             body.extend_from_slice(&vec![b'a'; header_pad]);
-            body.extend_from_slice(format!("\r\n\r\nbody {i} with \r\n--XyY near misses\r\n").as_bytes());
+            body.extend_from_slice(
+                format!("\r\n\r\nbody {i} with \r\n--XyY near misses\r\n").as_bytes(),
+            );
         }
         body.extend_from_slice(b"--XyZ--\r\n");
         body
@@ -253,19 +274,34 @@ mod tests {
     #[test]
     fn stops_long_part_headers_too_many_parts_and_long_preambles() {
         for size in [3, 1000] {
-            assert!(matches!(feed_in_chunks(&form(1, MAX_PART_HEADER_BYTES), size), Err(MultipartLimit::PartHeader)));
-            assert!(matches!(feed_in_chunks(&form(MAX_PARTS + 1, 0), size), Err(MultipartLimit::Parts)));
+            assert!(matches!(
+                feed_in_chunks(&form(1, MAX_PART_HEADER_BYTES), size),
+                Err(MultipartLimit::PartHeader)
+            ));
+            assert!(matches!(
+                feed_in_chunks(&form(MAX_PARTS + 1, 0), size),
+                Err(MultipartLimit::Parts)
+            ));
             assert!(feed_in_chunks(&form(MAX_PARTS, 0), size).is_ok());
             let mut preamble = vec![b'x'; MAX_PART_HEADER_BYTES + 1];
             preamble.extend_from_slice(&form(1, 0));
-            assert!(matches!(feed_in_chunks(&preamble, size), Err(MultipartLimit::PartHeader)));
+            assert!(matches!(
+                feed_in_chunks(&preamble, size),
+                Err(MultipartLimit::PartHeader)
+            ));
         }
     }
 
     #[test]
     fn reads_the_boundary_parameter() {
-        assert_eq!(boundary("multipart/form-data; boundary=abc").as_deref(), Some("abc"));
-        assert_eq!(boundary("Multipart/Form-Data;charset=utf-8; Boundary=\"a b\"").as_deref(), Some("a b"));
+        assert_eq!(
+            boundary("multipart/form-data; boundary=abc").as_deref(),
+            Some("abc")
+        );
+        assert_eq!(
+            boundary("Multipart/Form-Data;charset=utf-8; Boundary=\"a b\"").as_deref(),
+            Some("a b")
+        );
         assert_eq!(boundary("text/plain; boundary=abc"), None);
         assert_eq!(boundary("multipart/form-data"), None);
     }

@@ -14,7 +14,11 @@ use crate::store::quotas as usage;
 /// Refuses one more job for `owner` when they already have as many queued or running
 /// as `TESSERA_QUOTA_JOBS` allows. Call inside the transaction that inserts the job,
 /// after [`usage::lock_owner`], so concurrent submissions cannot both slip under it.
-pub async fn check_jobs(state: &AppState, conn: &mut AnyConnection, owner: &Principal) -> Result<()> {
+pub async fn check_jobs(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+) -> Result<()> {
     if owner.is_admin() {
         return Ok(());
     }
@@ -32,7 +36,12 @@ pub async fn check_jobs(state: &AppState, conn: &mut AnyConnection, owner: &Prin
 /// Refuses a deployment asking for `wanted` replicas when, with the replicas `owner`'s
 /// other deployments ask for (every one but `resized`), the total would pass
 /// `TESSERA_QUOTA_REPLICAS`.
-pub async fn check_replicas(state: &AppState, owner: &Principal, wanted: u32, resized: Option<Uuid>) -> Result<()> {
+pub async fn check_replicas(
+    state: &AppState,
+    owner: &Principal,
+    wanted: u32,
+    resized: Option<Uuid>,
+) -> Result<()> {
     if owner.is_admin() || wanted == 0 {
         return Ok(());
     }

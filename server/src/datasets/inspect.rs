@@ -309,6 +309,18 @@ mod tests {
     }
 
     #[test]
+    fn rows_longer_than_the_cap_are_refused_with_their_line() {
+        let at_cap = format!("{{\"t\":\"{}\"}}\r\n", "a".repeat(MAX_ROW_BYTES - 8));
+        assert_eq!(inspect(DatasetFormat::Jsonl, at_cap.as_bytes()).unwrap().rows, 1);
+        let over = format!("{{\"t\":\"x\"}}\n{{\"t\":\"{}\"}}\n", "a".repeat(MAX_ROW_BYTES));
+        assert!(matches!(inspect(DatasetFormat::Jsonl, over.as_bytes()), Err(InspectError::RowTooLong { line: 2 })));
+        let record = format!("t,n\nx,1\n\"{}\",2\n", "a\n".repeat(MAX_ROW_BYTES));
+        assert!(matches!(inspect(DatasetFormat::Csv, record.as_bytes()), Err(InspectError::RowTooLong { .. })));
+        let fine = format!("t,n\n\"{}\",2\n", "a\n".repeat(MAX_ROW_BYTES / 4));
+        assert_eq!(inspect(DatasetFormat::Csv, fine.as_bytes()).unwrap().rows, 1);
+    }
+
+    #[test]
     fn jsonl_keeps_key_order_and_types() {
         let text = "{\"text\":\"hi\",\"score\":1,\"ok\":true}\n\n{\"score\":null,\"ok\":false,\"text\":\"yo\"}\n";
         let summary = inspect(DatasetFormat::Jsonl, text.as_bytes()).unwrap();

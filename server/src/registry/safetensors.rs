@@ -435,6 +435,19 @@ mod tests {
     }
 
     #[test]
+    fn header_is_bounded_by_its_tensor_count() {
+        let mut padded = two_tensors().to_string().into_bytes();
+        padded.resize((HEADER_BASE_BYTES + 2 * HEADER_BYTES_PER_TENSOR) as usize, b' ');
+        assert!(validate(&mut file_with(padded.len() as u64, &padded, &[0; 30])).is_ok());
+        padded.push(b' ');
+        let err = validate(&mut file_with(padded.len() as u64, &padded, &[0; 30])).unwrap_err();
+        assert!(matches!(err, SafetensorsError::HeaderOverBudget { tensors: 2, .. }), "{err:?}");
+        let twice = br#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        let err = validate(&mut file_with(twice.len() as u64, twice, &[0; 2])).unwrap_err();
+        assert!(matches!(err, SafetensorsError::DuplicateTensor { .. }), "{err:?}");
+    }
+
+    #[test]
     fn rejects_truncated_file() {
         let mut file = tempfile::tempfile().expect("temp file");
         file.write_all(&[1, 2, 3]).expect("write");

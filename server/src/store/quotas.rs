@@ -53,6 +53,9 @@ pub async fn stored_bytes(db: &Db, owner: Uuid) -> Result<i64> {
 /// cannot both pass a quota check before either inserts (SQLite's write transactions
 /// are serial already; on PostgreSQL this is the row lock).
 pub async fn lock_owner(conn: &mut AnyConnection, owner: Uuid) -> Result<()> {
-    sqlx::query("UPDATE users SET role = role WHERE id = $1").bind(owner.to_string()).execute(conn).await?;
+    sqlx::query("UPDATE users SET role = role WHERE id = $1")
+        .bind(owner.to_string())
+        .execute(conn)
+        .await?;
     Ok(())
 }
