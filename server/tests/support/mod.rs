@@ -42,15 +42,8 @@ pub async fn fresh_database(backend: Backend, dir: &std::path::Path) -> Option<S
             use sqlx::Connection;
             let base = std::env::var("TESSERA_TEST_POSTGRES_URL").expect("postgres url");
             let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-            let mut admin = sqlx::PgConnection::connect(&base)
-                .await
-                .expect("connect to the test cluster");
-            sqlx::Executor::execute(
-                &mut admin,
-                sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")),
-            )
-            .await
-            .expect("create db");
+            let mut admin = sqlx::PgConnection::connect(&base).await.expect("connect to the test cluster");
+            sqlx::Executor::execute(&mut admin, sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).await.expect("create db");
             let _ = dir;
             let (prefix, _) = base.rsplit_once('/').expect("url has a database");
             Some(format!("{prefix}/{name}"))
@@ -86,14 +79,8 @@ impl TestServer {
         Self::start_with(config, dir, Some(tempdir)).await
     }
 
-    pub async fn start_with(
-        config: Config,
-        dir: PathBuf,
-        tempdir: Option<tempfile::TempDir>,
-    ) -> TestServer {
-        let state = AppState::open(config.clone())
-            .await
-            .expect("server state opens");
+    pub async fn start_with(config: Config, dir: PathBuf, tempdir: Option<tempfile::TempDir>) -> TestServer {
+        let state = AppState::open(config.clone()).await.expect("server state opens");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let app = router(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
@@ -134,16 +121,8 @@ impl TestServer {
             .send()
             .await
             .unwrap();
-        assert_eq!(
-            response.status(),
-            200,
-            "login as {username}: {}",
-            response.text().await.unwrap()
-        );
-        response.json::<Value>().await.unwrap()["token"]
-            .as_str()
-            .unwrap()
-            .to_string()
+        assert_eq!(response.status(), 200, "login as {username}: {}", response.text().await.unwrap());
+        response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string()
     }
 
     pub async fn admin(&self) -> String {
@@ -166,31 +145,15 @@ impl TestServer {
     }
 
     pub async fn get(&self, token: &str, path: &str) -> reqwest::Response {
-        self.http
-            .get(self.api(path))
-            .bearer_auth(token)
-            .send()
-            .await
-            .unwrap()
+        self.http.get(self.api(path)).bearer_auth(token).send().await.unwrap()
     }
 
     pub async fn post(&self, token: &str, path: &str, body: Value) -> reqwest::Response {
-        self.http
-            .post(self.api(path))
-            .bearer_auth(token)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
+        self.http.post(self.api(path)).bearer_auth(token).json(&body).send().await.unwrap()
     }
 
     pub async fn delete(&self, token: &str, path: &str) -> reqwest::Response {
-        self.http
-            .delete(self.api(path))
-            .bearer_auth(token)
-            .send()
-            .await
-            .unwrap()
+        self.http.delete(self.api(path)).bearer_auth(token).send().await.unwrap()
     }
 
     /// Registers a worker over the agent protocol; returns (worker id, secret).
@@ -204,10 +167,7 @@ impl TestServer {
             .await;
         assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
         let body: Value = response.json().await.unwrap();
-        (
-            body["worker_id"].as_str().unwrap().into(),
-            body["secret"].as_str().unwrap().into(),
-        )
+        (body["worker_id"].as_str().unwrap().into(), body["secret"].as_str().unwrap().into())
     }
 }
 
@@ -226,15 +186,9 @@ pub fn minilm_dir() -> Option<PathBuf> {
     if dir.join("model.safetensors").exists() {
         Some(dir)
     } else if std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() == Ok("1") {
-        panic!(
-            "TESSERA_REQUIRE_ASSETS=1 but {} is missing; run scripts/fetch-assets.sh",
-            dir.display()
-        );
+        panic!("TESSERA_REQUIRE_ASSETS=1 but {} is missing; run scripts/fetch-assets.sh", dir.display());
     } else {
-        eprintln!(
-            "note: {} missing; run scripts/fetch-assets.sh",
-            dir.display()
-        );
+        eprintln!("note: {} missing; run scripts/fetch-assets.sh", dir.display());
         None
     }
 }
@@ -243,10 +197,7 @@ pub fn minilm_dir() -> Option<PathBuf> {
 pub fn model_form(name: &str, files: Vec<(String, Vec<u8>)>) -> reqwest::multipart::Form {
     let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
     for (path, bytes) in files {
-        form = form.part(
-            "files",
-            reqwest::multipart::Part::bytes(bytes).file_name(path),
-        );
+        form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path));
     }
     form
 }
@@ -260,10 +211,7 @@ pub fn tiny_model() -> Vec<(String, Vec<u8>)> {
     });
     vec![
         ("config.json".into(), serde_json::to_vec(&config).unwrap()),
-        (
-            "model.safetensors".into(),
-            safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 4])]),
-        ),
+        ("model.safetensors".into(), safetensors_bytes(&[("embeddings.word_embeddings.weight", "F32", vec![5, 4])])),
         ("tokenizer.json".into(), tiny_tokenizer()),
         (
             "1_Pooling/config.json".into(),
@@ -278,10 +226,8 @@ pub fn safetensors_bytes(tensors: &[(&str, &str, Vec<u64>)]) -> Vec<u8> {
     let mut offset = 0u64;
     for (name, dtype, shape) in tensors {
         let size = shape.iter().product::<u64>() * 4;
-        header.insert(
-            name.to_string(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}),
-        );
+        header
+            .insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}));
         offset += size;
     }
     let header = serde_json::to_vec(&Value::Object(header)).unwrap();
