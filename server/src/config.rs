@@ -92,6 +92,7 @@ pub struct Config {
     /// so a worker cannot point the gateway, and its engine token, at another machine.
     #[arg(long, env = "TESSERA_ALLOW_ADVERTISED_ENDPOINTS", default_value_t = false)]
     pub allow_advertised_endpoints: bool,
+
     /// Where blobs (model files, datasets, checkpoints) live: `local` (the data directory)
     /// or `s3://BUCKET[/PREFIX]`, an S3-compatible bucket several servers can share.
     #[arg(long, env = "TESSERA_BLOB_STORE")]
@@ -118,6 +119,19 @@ pub struct Config {
     /// and lets downloads that began before a delete finish.
     #[arg(long, env = "TESSERA_BLOB_GRACE_SECS", default_value_t = 3600)]
     pub blob_grace_secs: u64,
+
+    /// Most jobs one user may have queued or running at once (serving replicas count
+    /// against the replica quota instead). Admins are not bound by quotas.
+    #[arg(long, env = "TESSERA_QUOTA_JOBS", default_value_t = 32)]
+    pub quota_jobs: u64,
+
+    /// Most serving replicas one user's deployments may ask for, all deployments together.
+    #[arg(long, env = "TESSERA_QUOTA_REPLICAS", default_value_t = 16)]
+    pub quota_replicas: u64,
+
+    /// Most bytes one user may store: models, datasets and their jobs' checkpoints.
+    #[arg(long, env = "TESSERA_QUOTA_STORAGE_BYTES", default_value_t = 64 << 30)]
+    pub quota_storage_bytes: u64,
 }
 
 impl Config {
@@ -147,6 +161,9 @@ impl Config {
             s3_access_key_id: None,
             s3_secret_access_key: None,
             blob_grace_secs: 3600,
+            quota_jobs: 32,
+            quota_replicas: 16,
+            quota_storage_bytes: 64 << 30,
         }
     }
 

@@ -30,6 +30,9 @@ pub enum Error {
     MethodNotAllowed(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// A per-user quota would be exceeded; the sentence names the quota and the use.
+    #[error("{0}")]
+    QuotaExceeded(String),
     #[error("too many attempts; try again in {retry_after_secs} s")]
     TooManyRequests { retry_after_secs: u64 },
     #[error(transparent)]
@@ -76,6 +79,7 @@ impl Error {
             Error::Conflict(_) => StatusCode::CONFLICT,
             Error::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::QuotaExceeded(_) => StatusCode::FORBIDDEN,
             Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Database(_)
             | Error::Store(_)
@@ -99,6 +103,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::MethodNotAllowed(_) => "method_not_allowed",
             Error::PayloadTooLarge(_) => "payload_too_large",
+            Error::QuotaExceeded(_) => "quota_exceeded",
             Error::TooManyRequests { .. } => "rate_limited",
             Error::Database(_)
             | Error::Store(_)
@@ -174,6 +179,9 @@ impl From<axum::extract::rejection::PathRejection> for Error {
 
 impl From<axum::extract::multipart::MultipartError> for Error {
     fn from(error: axum::extract::multipart::MultipartError) -> Error {
+        if let Some(limit) = crate::multipart::limit_behind(&error) {
+            return Error::PayloadTooLarge(limit.to_string());
+        }
         Error::BadRequest(format!("The multipart body could not be read: {}", error.body_text()))
     }
 }
@@ -198,13 +206,15 @@ pub const JSON_BODY_LIMIT_BYTES: usize = 2 << 20;
 #[from_request(via(axum::extract::Query), rejection(Error))]
 pub struct ApiQuery<T>(pub T);
 
-/// `Multipart` whose rejection (no boundary, not multipart at all) is our error body.
+/// `Multipart` whose rejection (no boundary, not multipart at all) is our error body, and
+/// whose body is held to the limits of [`crate::multipart`].
 pub struct ApiMultipart(pub axum::extract::Multipart);
 
 impl<S: Send + Sync> axum::extract::FromRequest<S> for ApiMultipart {
     type Rejection = Error;
 
     async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, Error> {
+        let request = crate::multipart::bounded(request);
         Ok(ApiMultipart(axum::extract::Multipart::from_request(request, state).await?))
     }
 }

@@ -2,8 +2,10 @@
 //! columns (in file order) with their types, and the number of rows. Pure: it sees a
 //! reader, not the request or the database.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read};
+use std::rc::Rc;
 
 use serde::de::{Deserializer, MapAccess, Visitor};
 use tessera_api::datasets::{ColumnType, DatasetColumn, DatasetFormat};
@@ -21,6 +23,9 @@ pub enum InspectError {
     Invalid { line: u64, message: String },
     #[error("{0}")]
     Empty(String),
+    /// A JSONL line or CSV record longer than [`MAX_ROW_BYTES`] (a 413: it is a size).
+    #[error("line {line}: a row is longer than {MAX_ROW_BYTES} bytes, the most one JSONL line or CSV record may take; split long texts or upload them shorter")]
+    RowTooLong { line: u64 },
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -30,6 +35,10 @@ fn invalid(line: u64, message: impl Into<String>) -> InspectError {
 }
 
 const MAX_COLUMNS: usize = 10_000;
+
+/// Most bytes of one JSONL line or one CSV record. The reader holds a row whole while it
+/// checks it, so this bounds what one row can make the server hold.
+pub const MAX_ROW_BYTES: usize = 1 << 20;
 const MAX_NAME_LEN: usize = 200;
 
 /// What the values of one column have been so far.
@@ -87,8 +96,11 @@ pub fn inspect(format: DatasetFormat, reader: impl Read) -> Result<Summary, Insp
 /// UTF-8. A column is a number column when every non-empty field parses as a finite
 /// number; empty fields are missing values.
 fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
-    let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(reader);
-    let names: Vec<String> = csv.headers().map_err(csv_error)?.iter().map(str::to_string).collect();
+    let record_start = Rc::new(Cell::new(0u64));
+    let metered = Metered { inner: reader, pulled: 0, record_start: record_start.clone() };
+    let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(metered);
+    let names: Vec<String> = csv.headers().map_err(|e| csv_error(e, 1))?.iter().map(str::to_string).collect();
+    record_start.set(csv.position().byte());
     if names.iter().all(String::is_empty) && names.len() <= 1 {
         return Err(InspectError::Empty("The file is empty; a CSV dataset starts with a header row.".into()));
     }
@@ -96,7 +108,8 @@ fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
     let mut seen = vec![Seen::default(); names.len()];
     let mut rows = 0u64;
     let mut record = csv::StringRecord::new();
-    while csv.read_record(&mut record).map_err(csv_error)? {
+    while csv.read_record(&mut record).map_err(|e| csv_error(e, csv.position().line()))? {
+        record_start.set(csv.position().byte());
         for (field, seen) in record.iter().zip(seen.iter_mut()) {
             let field = field.trim();
             if field.is_empty() {
@@ -112,9 +125,43 @@ fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
     summary(names, seen, rows)
 }
 
-fn csv_error(error: csv::Error) -> InspectError {
-    let line = error.position().map(|p| p.line()).unwrap_or(0);
+/// The CSV reader's source, counting what it pulls: once the record being read passes
+/// [`MAX_ROW_BYTES`] (with room for the reader's own buffer), reading stops with
+/// [`RowOverLimit`] instead of letting the record grow without end.
+struct Metered<R> {
+    inner: R,
+    pulled: u64,
+    /// Where the record being read starts, set by the loop after each record.
+    record_start: Rc<Cell<u64>>,
+}
+
+/// How far the CSV reader reads ahead of the record it parses (its buffer).
+const CSV_READ_AHEAD: u64 = 64 << 10;
+
+#[derive(Debug, thiserror::Error)]
+#[error("the CSV record is longer than {MAX_ROW_BYTES} bytes")]
+struct RowOverLimit;
+
+impl<R: Read> Read for Metered<R> {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        let record = self.pulled.saturating_sub(self.record_start.get());
+        if record > MAX_ROW_BYTES as u64 + CSV_READ_AHEAD {
+            return Err(std::io::Error::other(RowOverLimit));
+        }
+        let n = self.inner.read(buffer)?;
+        self.pulled += n as u64;
+        Ok(n)
+    }
+}
+
+/// The error as the client reads it; `at` is the line the failing record starts on,
+/// for errors that carry no position of their own.
+fn csv_error(error: csv::Error, at: u64) -> InspectError {
+    let line = error.position().map(|p| p.line()).unwrap_or(at);
     match error.into_kind() {
+        csv::ErrorKind::Io(io) if io.get_ref().is_some_and(|e| e.is::<RowOverLimit>()) => {
+            InspectError::RowTooLong { line }
+        }
         csv::ErrorKind::Io(io) => InspectError::Io(io),
         csv::ErrorKind::Utf8 { err, .. } => {
             invalid(line, format!("field {} is not valid UTF-8; save the file as UTF-8", err.field() + 1))
@@ -157,23 +204,27 @@ fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
     let mut names: Option<Vec<String>> = None;
     let mut seen: Vec<Seen> = Vec::new();
     let mut rows = 0u64;
-    let mut line = String::new();
+    let mut bytes = Vec::new();
     let mut number = 0u64;
     loop {
-        line.clear();
+        bytes.clear();
         number += 1;
-        let read = reader.read_line(&mut line).map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => invalid(number, "the line is not valid UTF-8; save the file as UTF-8"),
-            _ => InspectError::Io(e),
-        })?;
+        // One byte past the limit and the line ending tell a long line from a full one.
+        let read = (&mut reader).take(MAX_ROW_BYTES as u64 + 3).read_until(b'\n', &mut bytes)?;
         if read == 0 {
             break;
         }
+        let content = bytes.strip_suffix(b"\n").map(|b| b.strip_suffix(b"\r").unwrap_or(b)).unwrap_or(&bytes);
+        if content.len() > MAX_ROW_BYTES {
+            return Err(InspectError::RowTooLong { line: number });
+        }
+        let line = std::str::from_utf8(content)
+            .map_err(|_| invalid(number, "the line is not valid UTF-8; save the file as UTF-8"))?;
         if line.trim().is_empty() {
             continue;
         }
         let FlatObject(entries) =
-            serde_json::from_str(&line).map_err(|e| invalid(number, format!("not a JSON object ({e})")))?;
+            serde_json::from_str(line).map_err(|e| invalid(number, format!("not a JSON object ({e})")))?;
         let keys: Vec<String> = entries.iter().map(|(k, _)| k.clone()).collect();
         let names = match &names {
             Some(names) => names,
@@ -255,6 +306,18 @@ mod tests {
         assert!(inspect(DatasetFormat::Csv, "a,\n1,2\n".as_bytes()).is_err());
         assert!(matches!(inspect(DatasetFormat::Csv, "a,b\n".as_bytes()), Err(InspectError::Empty(_))));
         assert!(matches!(inspect(DatasetFormat::Csv, "".as_bytes()), Err(InspectError::Empty(_))));
+    }
+
+    #[test]
+    fn rows_longer_than_the_cap_are_refused_with_their_line() {
+        let at_cap = format!("{{\"t\":\"{}\"}}\r\n", "a".repeat(MAX_ROW_BYTES - 8));
+        assert_eq!(inspect(DatasetFormat::Jsonl, at_cap.as_bytes()).unwrap().rows, 1);
+        let over = format!("{{\"t\":\"x\"}}\n{{\"t\":\"{}\"}}\n", "a".repeat(MAX_ROW_BYTES));
+        assert!(matches!(inspect(DatasetFormat::Jsonl, over.as_bytes()), Err(InspectError::RowTooLong { line: 2 })));
+        let record = format!("t,n\nx,1\n\"{}\",2\n", "a\n".repeat(MAX_ROW_BYTES));
+        assert!(matches!(inspect(DatasetFormat::Csv, record.as_bytes()), Err(InspectError::RowTooLong { .. })));
+        let fine = format!("t,n\n\"{}\",2\n", "a\n".repeat(MAX_ROW_BYTES / 4));
+        assert_eq!(inspect(DatasetFormat::Csv, fine.as_bytes()).unwrap().rows, 1);
     }
 
     #[test]

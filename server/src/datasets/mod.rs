@@ -63,7 +63,7 @@ pub async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<Rece
     let mut budget = state.config.max_upload_bytes;
     while let Some(mut field) = multipart.next_field().await? {
         match field.name() {
-            Some("name") => received.name = Some(field.text().await?.trim().to_string()),
+            Some("name") => received.name = Some(staging::read_text(&mut field).await?.trim().to_string()),
             Some("file") => {
                 if received.file.is_some() {
                     return Err(Error::BadRequest("Send one part named 'file'; this upload has two.".into()));
@@ -112,6 +112,7 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
     .await?;
     let (format, summary) = checked.map_err(|e| match e {
         InspectError::Io(io) => Error::Io(io),
+        long @ InspectError::RowTooLong { .. } => Error::PayloadTooLarge(format!("The dataset is too large to take: {long}.")),
         other => invalid(format!("The {} file is not valid: {other}", "dataset")),
     })?;
 
@@ -128,6 +129,9 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
     };
     // The blob goes in place before the row that references it; the ledger keeps garbage
     // collection away from it until then (and after a refused insert, for the grace period).
+    // The registry lock makes this server's uploads pass the storage quota one at a time.
+    let _guard = state.registry_lock.lock().await;
+    crate::quotas::check_storage(state, owner, blob.size()).await?;
     state.blobs.commit(&state.db, vec![blob]).await?;
     if let Err(e) = store::insert(&state.db, owner.id, &dataset).await {
         return Err(if e.is_unique_violation() {

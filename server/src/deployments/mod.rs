@@ -184,6 +184,9 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     }
     request.limits.validate().map_err(|message| Error::invalid("invalid_batching", message))?;
     let model = crate::registry::resolve(state, principal, &request.model).await?;
+    if request.throughput.is_none() {
+        crate::quotas::check_replicas(state, principal, request.replicas, None).await?;
+    }
     if request.throughput.is_some() {
         slo::check_table(&state.db, model.id, &model.name).await?;
     }
@@ -206,7 +209,7 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     let scope = principal.scope();
     let deployment = find(&state.db, &scope, &id.to_string()).await?;
     match request.throughput {
-        Some(throughput) => slo::place(state, &deployment, throughput, request.latency_ms).await?,
+        Some(throughput) => slo::place(state, principal, &deployment, throughput, request.latency_ms).await?,
         None => reconcile(&state.db, &deployment, request.replicas).await?,
     }
     resolve(&state.db, &scope, &id.to_string()).await
@@ -223,6 +226,7 @@ pub async fn scale(state: &AppState, principal: &Principal, id_or_name: &str, re
             "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
         ));
     }
+    crate::quotas::check_replicas(state, principal, replicas, Some(deployment.id)).await?;
     store::set_replicas(&state.db, deployment.id, replicas).await?;
     reconcile(&state.db, &deployment, replicas).await?;
     resolve(&state.db, &scope, id_or_name).await

@@ -13,6 +13,7 @@ use tessera_api::mig::{PlannedSlice, Slice, SloStatus, TransitionStep};
 use uuid::Uuid;
 
 use super::{replica_spec, REPLICA_MAX_ATTEMPTS};
+use crate::auth::Principal;
 use crate::error::{Error, Result};
 use crate::scheduler::mig::{GpuModel, Placed};
 use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice};
@@ -117,6 +118,7 @@ pub async fn check_table(db: &Db, model: Uuid, model_name: &str) -> Result<()> {
 /// Plans the deployment's SLO, applies what may be applied, queues its replicas.
 pub async fn place(
     state: &AppState,
+    owner: &Principal,
     deployment: &StoredDeployment,
     throughput: f64,
     latency_ms: Option<f64>,
@@ -132,6 +134,7 @@ pub async fn place(
     }
     let fleet = fleet(state).await?;
     let plan = plan_slo(&fleet, &want, &others(db, deployment.id).await?);
+    crate::quotas::check_replicas(state, owner, plan.chosen.len() as u32, Some(deployment.id)).await?;
 
     let mut tx = db.begin().await?;
     // A repartition first: the chosen slices it creates get their uuids here.

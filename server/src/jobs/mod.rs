@@ -13,7 +13,7 @@ use crate::error::{ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, NewJob};
 use crate::store::{db::Db, Scope};
-use crate::{gangs, registry, training};
+use crate::{gangs, quotas, registry, training};
 
 /// Attempts a job gets when the body does not say.
 const DEFAULT_MAX_ATTEMPTS: u32 = 3;
@@ -67,7 +67,12 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
         },
     };
     let job = NewJob { dataset, ..NewJob::new(principal.id, &name, &spec, max_attempts) };
-    let id = store::insert(&state.db, &job).await?;
+    // The quota check and the insert are one step for this user (see `check_jobs`).
+    let mut tx = state.db.begin().await?;
+    crate::store::quotas::lock_owner(&mut tx, principal.id).await?;
+    quotas::check_jobs(state, &mut tx, principal).await?;
+    let id = store::insert_in(&mut tx, &job).await?;
+    tx.commit().await?;
     tracing::info!(job = %id, kind = spec.kind(), user = %principal.username, "job queued");
     Ok(id)
 }

@@ -79,7 +79,10 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
     });
 
     // Blobs go in place before the rows that reference them; the ledger keeps garbage
-    // collection (on any server) away from them until those rows exist.
+    // collection (on any server) away from them until those rows exist. The registry lock
+    // makes this server's uploads pass the storage quota one at a time.
+    let _guard = state.registry_lock.lock().await;
+    crate::quotas::check_storage(state, owner, size_bytes).await?;
     let mut files = Vec::new();
     let mut blobs = Vec::new();
     for (path, file) in staged.files {

@@ -4,12 +4,24 @@
 
 use std::io::{Read, Seek, SeekFrom};
 
+use std::collections::{HashMap, HashSet};
+
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
 
 /// Largest header we accept. This is the limit of the `safetensors` crate that the workers
 /// load with (100 MB, a little under 100 MiB), so nothing we accept is refused there.
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// A header may take this many bytes besides its tensors' shares: `__metadata__` and
+/// the padding writers add.
+pub const HEADER_BASE_BYTES: u64 = 64 << 10;
+
+/// Each tensor's share of the header: its name, dtype, shape and offsets (real files
+/// spend about 100 bytes on one). A header longer than the base plus one share per
+/// tensor is refused, so what parsing holds grows with the tensors, not the bytes sent.
+pub const HEADER_BYTES_PER_TENSOR: u64 = 1 << 10;
 
 /// One tensor as declared in the header. Offsets are relative to the start of the data
 /// section, which begins right after the header.
@@ -33,6 +45,12 @@ pub enum SafetensorsError {
     HeaderNotJson { detail: String },
     #[error("The safetensors header is JSON but not an object of tensor names; the file is not a safetensors file.")]
     HeaderNotObject,
+    #[error("The safetensors header is {len} bytes long for {tensors} tensors; at most {allowed} bytes are allowed ({HEADER_BASE_BYTES} plus {HEADER_BYTES_PER_TENSOR} per tensor). Re-save the file without padding or large metadata.")]
+    HeaderOverBudget { len: u64, tensors: usize, allowed: u64 },
+    #[error("The safetensors header entry of tensor `{tensor}` is {len} bytes long, more than the {HEADER_BYTES_PER_TENSOR} one tensor may take; the header is corrupt or the name is too long.")]
+    EntryOverBudget { tensor: String, len: u64 },
+    #[error("Tensor `{tensor}` appears twice in the safetensors header; each tensor needs one entry.")]
+    DuplicateTensor { tensor: String },
     #[error("The `__metadata__` entry of the safetensors header must map strings to strings; re-save the file with string metadata.")]
     BadMetadata,
     #[error("Tensor `{tensor}` in the safetensors header is malformed ({detail}); each tensor needs `dtype` (a string), `shape` (non-negative integers) and `data_offsets` ([begin, end]).")]
@@ -159,23 +177,35 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<TensorInfo>, Safeten
     let text = std::str::from_utf8(header).map_err(|e| SafetensorsError::HeaderNotJson {
         detail: e.to_string(),
     })?;
-    let value: Value = serde_json::from_str(text).map_err(|e| SafetensorsError::HeaderNotJson {
-        detail: e.to_string(),
-    })?;
-    let Value::Object(entries) = value else {
-        return Err(SafetensorsError::HeaderNotObject);
+    let mut failure = None;
+    let seed = EntriesSeed {
+        failure: &mut failure,
     };
-
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, entry) in entries {
-        if name == "__metadata__" {
-            check_metadata(&entry)?;
-            continue;
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let parsed = seed.deserialize(&mut deserializer).and_then(|tensors| deserializer.end().map(|()| tensors));
+    let mut tensors = match (parsed, failure) {
+        (_, Some(failure)) => return Err(failure),
+        (Ok(tensors), None) => tensors,
+        // Entries' own mistakes are in `failure`; a type mismatch left is the top level's.
+        (Err(e), None) if e.classify() == serde_json::error::Category::Data => {
+            return Err(SafetensorsError::HeaderNotObject)
         }
-        tensors.push(check_tensor(name, entry)?);
-    }
+        (Err(e), None) => {
+            return Err(SafetensorsError::HeaderNotJson {
+                detail: e.to_string(),
+            })
+        }
+    };
     if tensors.is_empty() {
         return Err(SafetensorsError::NoTensors);
+    }
+    let allowed = HEADER_BASE_BYTES + HEADER_BYTES_PER_TENSOR * tensors.len() as u64;
+    if header.len() as u64 > allowed {
+        return Err(SafetensorsError::HeaderOverBudget {
+            len: header.len() as u64,
+            tensors: tensors.len(),
+            allowed,
+        });
     }
 
     // Sorting by (begin, end) puts empty tensors before a tensor that starts at the
@@ -217,19 +247,76 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<TensorInfo>, Safeten
     Ok(tensors)
 }
 
-fn check_metadata(entry: &Value) -> Result<(), SafetensorsError> {
-    match entry {
-        Value::Object(map) if all_strings(map) => Ok(()),
-        _ => Err(SafetensorsError::BadMetadata),
+/// Reads the header's entries one at a time, so parsing holds the decoded tensors and not
+/// a JSON tree of whatever the header contains: each entry is checked against its share
+/// of the header ([`HEADER_BYTES_PER_TENSOR`], or [`HEADER_BASE_BYTES`] for the
+/// metadata) before it is decoded. A mistake is left in `failure` (serde's error type
+/// cannot carry it) and parsing stops there.
+struct EntriesSeed<'f> {
+    failure: &'f mut Option<SafetensorsError>,
+}
+
+impl<'de> DeserializeSeed<'de> for EntriesSeed<'_> {
+    type Value = Vec<TensorInfo>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
     }
 }
 
-fn all_strings(map: &Map<String, Value>) -> bool {
-    map.values().all(Value::is_string)
+impl<'de> Visitor<'de> for EntriesSeed<'_> {
+    type Value = Vec<TensorInfo>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object of tensor names")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut tensors = Vec::new();
+        let mut names = HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let entry: &RawValue = map.next_value()?;
+            let checked = if name == "__metadata__" {
+                check_metadata(entry).map(|()| None)
+            } else if !names.insert(name.clone()) {
+                Err(SafetensorsError::DuplicateTensor { tensor: name })
+            } else {
+                check_tensor(name, entry).map(Some)
+            };
+            match checked {
+                Ok(tensor) => tensors.extend(tensor),
+                Err(failure) => {
+                    *self.failure = Some(failure);
+                    return Err(serde::de::Error::custom("the header has a bad entry"));
+                }
+            }
+        }
+        Ok(tensors)
+    }
 }
 
-fn check_tensor(name: String, entry: Value) -> Result<TensorInfo, SafetensorsError> {
-    let raw: RawTensor = match serde_json::from_value(entry) {
+fn check_metadata(entry: &RawValue) -> Result<(), SafetensorsError> {
+    if entry.get().len() as u64 > HEADER_BASE_BYTES {
+        return Err(SafetensorsError::HeaderOverBudget {
+            len: entry.get().len() as u64,
+            tensors: 0,
+            allowed: HEADER_BASE_BYTES,
+        });
+    }
+    serde_json::from_str::<HashMap<String, String>>(entry.get())
+        .map(drop)
+        .map_err(|_| SafetensorsError::BadMetadata)
+}
+
+fn check_tensor(name: String, entry: &RawValue) -> Result<TensorInfo, SafetensorsError> {
+    let len = (name.len() + entry.get().len()) as u64;
+    if len > HEADER_BYTES_PER_TENSOR {
+        return Err(SafetensorsError::EntryOverBudget {
+            tensor: name.chars().take(64).collect(),
+            len,
+        });
+    }
+    let raw: RawTensor = match serde_json::from_str(entry.get()) {
         Ok(raw) => raw,
         Err(e) => {
             return Err(SafetensorsError::BadTensorEntry {
@@ -283,7 +370,7 @@ fn check_tensor(name: String, entry: Value) -> Result<TensorInfo, SafetensorsErr
 mod tests {
     use std::io::Write;
 
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     use super::*;
 
@@ -345,6 +432,19 @@ mod tests {
         let tensors =
             validate(&mut file_with(bytes.len() as u64, &bytes, &[0, 0])).expect("valid file");
         assert_eq!(tensors.len(), 2);
+    }
+
+    #[test]
+    fn header_is_bounded_by_its_tensor_count() {
+        let mut padded = two_tensors().to_string().into_bytes();
+        padded.resize((HEADER_BASE_BYTES + 2 * HEADER_BYTES_PER_TENSOR) as usize, b' ');
+        assert!(validate(&mut file_with(padded.len() as u64, &padded, &[0; 30])).is_ok());
+        padded.push(b' ');
+        let err = validate(&mut file_with(padded.len() as u64, &padded, &[0; 30])).unwrap_err();
+        assert!(matches!(err, SafetensorsError::HeaderOverBudget { tensors: 2, .. }), "{err:?}");
+        let twice = br#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        let err = validate(&mut file_with(twice.len() as u64, twice, &[0; 2])).unwrap_err();
+        assert!(matches!(err, SafetensorsError::DuplicateTensor { .. }), "{err:?}");
     }
 
     #[test]

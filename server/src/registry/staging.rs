@@ -13,6 +13,7 @@ use super::model_config::{self, ModelConfig};
 use super::model_files::{self, ModelFile, Pooling};
 use super::safetensors;
 use crate::error::{Error, Result};
+use crate::multipart::{MultipartLimit, MAX_TEXT_FIELD_BYTES};
 
 pub struct StagedFile {
     pub role: ModelFile,
@@ -59,6 +60,21 @@ pub async fn stream_to_blob(
     Ok((blob, digest))
 }
 
+/// Reads a text field (`name`, `step`) of at most [`MAX_TEXT_FIELD_BYTES`]; a longer
+/// one is a 413 as soon as it passes the limit, before the parser holds the rest.
+pub async fn read_text(field: &mut Field<'_>) -> Result<String> {
+    let name = field.name().unwrap_or_default().to_string();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = field.chunk().await? {
+        if bytes.len() + chunk.len() > MAX_TEXT_FIELD_BYTES {
+            return Err(Error::PayloadTooLarge(MultipartLimit::TextField { field: name }.to_string()));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| Error::BadRequest(format!("The text field '{name}' is not valid UTF-8; send it as UTF-8 text.")))
+}
+
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid("invalid_model", message)
 }
@@ -91,7 +107,7 @@ impl Staged {
         while let Some(mut field) = multipart.next_field().await? {
             match field.name() {
                 Some("name") => {
-                    let text = field.text().await?;
+                    let text = read_text(&mut field).await?;
                     staged.name = Some(text.trim().to_string());
                 }
                 Some("files") => {
@@ -157,10 +173,21 @@ impl Staged {
         let mut weights = std::fs::File::open(self.files["model.safetensors"].blob.path())?;
         let tensors = safetensors::validate(&mut weights).map_err(|e| match e {
             safetensors::SafetensorsError::Io(io) => Error::Io(io),
+            over @ (safetensors::SafetensorsError::HeaderOverBudget { .. }
+            | safetensors::SafetensorsError::EntryOverBudget { .. }) => Error::PayloadTooLarge(over.to_string()),
             other => invalid(other.to_string()),
         })?;
         model_config::check_weights(&config, &tensors).map_err(|e| invalid(e.to_string()))?;
         model_config::check_tokenizer(&read("tokenizer.json")?).map_err(|e| invalid(e.to_string()))?;
+        // The engine pools one way; sentence-transformers would chain several modules.
+        let poolings: Vec<&str> =
+            self.files.iter().filter(|(_, f)| f.role == ModelFile::Pooling).map(|(p, _)| p.as_str()).collect();
+        if poolings.len() > 1 {
+            return Err(invalid(format!(
+                "A model folder holds at most one pooling config; this one has {}. Keep the one modules.json names.",
+                poolings.join(", ")
+            )));
+        }
         let mut pooling = None;
         for (path, file) in &self.files {
             if file.role == ModelFile::Pooling {

@@ -183,17 +183,28 @@ pub async fn logs(db: &Db, job: Uuid, after: i64, limit: i64) -> Result<Vec<LogL
         .collect()
 }
 
-/// Appends lines to a job's log, numbered on from its last line, stamped `at`.
+/// Appends lines to a job's log, numbered on from its last line, stamped `at`. The
+/// numbers come from the job's own counter, bumped under its row lock, so concurrent
+/// appends to one job never take the same number (`MAX(seq) + 1` read by two writers
+/// at once did, on PostgreSQL). Lines for a job that no longer exists are dropped.
 pub async fn append_logs(db: &Db, job: Uuid, lines: &[String], at: i64) -> Result<()> {
+    if lines.is_empty() {
+        return Ok(());
+    }
     let mut tx = db.begin().await?;
-    let last: Option<i64> = sqlx::query_scalar("SELECT MAX(seq) FROM job_logs WHERE job_id = $1")
+    let last: Option<i64> = sqlx::query_scalar("UPDATE jobs SET log_seq = log_seq + $1 WHERE id = $2 RETURNING log_seq")
+        .bind(lines.len() as i64)
         .bind(job.to_string())
-        .fetch_one(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await?;
+    let Some(last) = last else {
+        return Ok(());
+    };
+    let first = last - lines.len() as i64 + 1;
     for (i, line) in lines.iter().enumerate() {
         sqlx::query("INSERT INTO job_logs (job_id, seq, at, line) VALUES ($1, $2, $3, $4)")
             .bind(job.to_string())
-            .bind(last.unwrap_or(0) + 1 + i as i64)
+            .bind(first + i as i64)
             .bind(at)
             .bind(line)
             .execute(&mut *tx)
@@ -212,8 +223,15 @@ pub struct Claimed {
     pub lease_expires_at: i64,
 }
 
-/// Leases the oldest queued job of one of `kinds` to `worker`, taking only the serve
-/// jobs the worker's free slices allow (see [`Free::condition`]).
+/// The order claims take queued jobs in: first those of the owner who holds the fewest
+/// live leases now (serving replicas included), then the oldest. A user who floods the
+/// queue thus waits behind every other user's next job instead of starving them; among
+/// owners who hold as many, and within one owner, the queue stays oldest-first.
+const FAIR_ORDER: &str = "(SELECT COUNT(*) FROM jobs live WHERE live.owner_id = jobs.owner_id \
+     AND live.state IN ('leased', 'running')), created_at, id";
+
+/// Leases a queued job of one of `kinds` to `worker`, in [`FAIR_ORDER`], taking only the
+/// serve jobs the worker's free slices allow (see [`Free::condition`]).
 pub async fn claim(
     db: &Db,
     worker: Uuid,
@@ -235,7 +253,7 @@ pub async fn claim(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
          updated_at = $3, message = NULL \
          WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE state = 'queued' AND kind IN ({}) \
-         AND {slice_condition} ORDER BY created_at, id LIMIT 1 {lock}) \
+         AND {slice_condition} ORDER BY {FAIR_ORDER} LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at",
         kind_params.join(", ")
     );

@@ -46,7 +46,7 @@ async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<(i64, Ve
     while let Some(mut field) = multipart.next_field().await? {
         match field.name() {
             Some("step") => {
-                let text = field.text().await?;
+                let text = staging::read_text(&mut field).await?;
                 step = Some(text.trim().parse::<i64>().ok().filter(|s| *s >= 0).ok_or_else(|| {
                     Error::invalid(
                         "invalid_checkpoint",

@@ -3,14 +3,14 @@
 //! `POST /api/v1/datasets`), and delete.
 
 use askama::Template;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use chrono::Utc;
 
 use super::{format, render, with_status, Layout, WebUser};
 use crate::datasets;
-use crate::error::{Error, Result};
+use crate::error::{ApiMultipart, Error, Result};
 use crate::state::AppState;
 
 struct DatasetRow {
@@ -78,7 +78,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser) -> Response {
     user.page(result)
 }
 
-pub async fn upload(State(state): State<AppState>, user: WebUser, mut multipart: Multipart) -> Response {
+pub async fn upload(State(state): State<AppState>, user: WebUser, ApiMultipart(mut multipart): ApiMultipart) -> Response {
     let result = async {
         let outcome = match datasets::receive(&mut multipart, &state).await {
             Ok(received) => datasets::register(&state, &user.0, received).await,

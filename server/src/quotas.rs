@@ -1,0 +1,77 @@
+//! Per-user quotas, so one user cannot take the whole platform: jobs queued or running,
+//! serving replicas, stored bytes (limits in `config`, use counted by `store::quotas`).
+//! A request past a quota gets a 403 `quota_exceeded` naming the quota, its limit and
+//! the user's current use. Admins, who run the server, are not bound.
+
+use sqlx::AnyConnection;
+use uuid::Uuid;
+
+use crate::auth::Principal;
+use crate::error::{Error, Result};
+use crate::state::AppState;
+use crate::store::quotas as usage;
+
+/// Refuses one more job for `owner` when they already have as many queued or running
+/// as `TESSERA_QUOTA_JOBS` allows. Call inside the transaction that inserts the job,
+/// after [`usage::lock_owner`], so concurrent submissions cannot both slip under it.
+pub async fn check_jobs(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+) -> Result<()> {
+    if owner.is_admin() {
+        return Ok(());
+    }
+    let limit = state.config.quota_jobs;
+    let unfinished = usage::unfinished_jobs(conn, owner.id).await?.max(0) as u64;
+    if unfinished >= limit {
+        return Err(Error::QuotaExceeded(format!(
+            "You have {unfinished} jobs queued or running, the most one user may have (quota TESSERA_QUOTA_JOBS = \
+             {limit}); cancel one or wait for one to end."
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a deployment asking for `wanted` replicas when, with the replicas `owner`'s
+/// other deployments ask for (every one but `resized`), the total would pass
+/// `TESSERA_QUOTA_REPLICAS`.
+pub async fn check_replicas(
+    state: &AppState,
+    owner: &Principal,
+    wanted: u32,
+    resized: Option<Uuid>,
+) -> Result<()> {
+    if owner.is_admin() || wanted == 0 {
+        return Ok(());
+    }
+    let limit = state.config.quota_replicas;
+    let others = usage::replicas(&state.db, owner.id, resized).await?.max(0) as u64;
+    if others + u64::from(wanted) > limit {
+        return Err(Error::QuotaExceeded(format!(
+            "This would give your deployments {} serving replicas ({others} in use, {wanted} asked for here), more than \
+             the {limit} one user may have (quota TESSERA_QUOTA_REPLICAS); scale a deployment down or delete one first.",
+            others + u64::from(wanted)
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses to store `adding` more bytes for `owner` when what they store already (models,
+/// datasets, checkpoints) plus those bytes would pass `TESSERA_QUOTA_STORAGE_BYTES`. Call
+/// with the registry lock held, so two uploads of one user are counted one after the other.
+pub async fn check_storage(state: &AppState, owner: &Principal, adding: u64) -> Result<()> {
+    if owner.is_admin() {
+        return Ok(());
+    }
+    let limit = state.config.quota_storage_bytes;
+    let stored = usage::stored_bytes(&state.db, owner.id).await?.max(0) as u64;
+    if stored.saturating_add(adding) > limit {
+        return Err(Error::QuotaExceeded(format!(
+            "You store {stored} bytes (models, datasets and checkpoints); this upload of {adding} bytes would pass the \
+             {limit} bytes one user may store (quota TESSERA_QUOTA_STORAGE_BYTES). Delete models or datasets you no \
+             longer need."
+        )));
+    }
+    Ok(())
+}
