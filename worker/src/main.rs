@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use tessera_worker::agent::{Agent, AgentConfig};
+use tessera_worker::serve::batcher::Admission;
 use tessera_worker::serve::binding::{CpuPrecision, Policy};
 use tessera_worker::serve::endpoint::Endpoint;
 use tessera_worker::serve::process::{run_engine, EngineArgs};
@@ -52,6 +53,9 @@ struct Cli {
     /// cosine 0.9999 of f32 on MiniLM), f32 elsewhere. `f32` keeps every step in f32.
     #[arg(long, env = "TESSERA_CPU_PRECISION", value_enum, default_value_t = CpuPrecision::Auto)]
     cpu_precision: CpuPrecision,
+    /// What each replica takes on before it refuses work (README, "Limits").
+    #[command(flatten)]
+    admission: Admission,
 }
 
 /// `tessera-worker engine …`: one replica's engine, started by a worker for a slice
@@ -98,7 +102,7 @@ async fn main() -> anyhow::Result<()> {
         inventory,
         allow_repartition: cli.allow_repartition,
         endpoint,
-        binding: Policy::of_build(cli.slice_processes, cli.cpu_precision),
+        binding: Policy::of_build(cli.slice_processes, cli.cpu_precision, cli.admission),
     })?;
     tokio::select! {
         () = agent.run() => {}

@@ -21,7 +21,7 @@ use crate::state::AppState;
 const HEADER_LENGTH: &str = "inference-header-content-length";
 
 pub(crate) fn kserve_error(error: GatewayError) -> Response {
-    (error.status, Json(json!({"error": error.message}))).into_response()
+    error.with_headers((error.status, Json(json!({"error": error.message}))).into_response())
 }
 
 fn bad_request(message: impl Into<String>) -> GatewayError {

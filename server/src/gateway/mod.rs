@@ -1,7 +1,9 @@
 //! The inference gateway: client-facing APIs (OpenAI, KServe v2) forward to the least
 //! loaded ready replica of a deployment. The ready-replica table is cached for a second
 //! so a request costs no database round trip; connections to workers are kept alive.
-//! A replica that does not answer within the inference timeout gets the client a 504.
+//! A replica that does not answer within the inference timeout gets the client a 504; one
+//! at capacity refuses at once (429, `Retry-After`), and the next replica is tried before
+//! the client hears it.
 //! Everything a request needs that does not change with it (replica URLs, authorization
 //! headers, metric handles) is built once per route, not per request.
 
@@ -36,11 +38,21 @@ pub struct GatewayError {
     pub status: StatusCode,
     pub kind: String,
     pub message: String,
+    /// Seconds the client should wait before retrying (`Retry-After`), on a 429.
+    pub retry_after: Option<u64>,
 }
 
 impl GatewayError {
     pub fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> GatewayError {
-        GatewayError { status, kind: kind.into(), message: message.into() }
+        GatewayError { status, kind: kind.into(), message: message.into(), retry_after: None }
+    }
+
+    /// `response` with this error's `Retry-After`, whichever shape its body has.
+    pub fn with_headers(&self, mut response: axum::response::Response) -> axum::response::Response {
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 
     fn internal(error: impl std::fmt::Display) -> GatewayError {
@@ -262,9 +274,13 @@ impl Gateway {
     }
 
     /// One replica after another, least loaded first, until one answers; one that cannot
-    /// be reached is skipped. One that was reached but does not answer in time is not
-    /// retried elsewhere: it may still be working on the request, and the client has
-    /// waited the whole timeout already.
+    /// be reached is skipped, and so is one at capacity (its 429 computed nothing), whose
+    /// refusal the client gets if every replica refuses (with the soonest `Retry-After`).
+    /// One that was reached but does not answer in time is not retried elsewhere: it may
+    /// still be working on the request, and the client has waited the whole timeout.
+    ///
+    /// If the client goes away, this future is dropped with the request in flight, which
+    /// closes its connection to the replica; the replica then drops the queued work.
     async fn forward(&self, route: &Route, deployment: &str, request: &InferRequest) -> Result<InferResponse, GatewayError> {
         let mut targets: Vec<&Target> = route.targets.iter().collect();
         targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
@@ -275,6 +291,7 @@ impl Gateway {
                 format!("Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."),
             ));
         }
+        let mut refused: Option<GatewayError> = None;
         for target in targets {
             target.inflight.fetch_add(1, Ordering::Relaxed);
             let _guard = InflightGuard(target.inflight.clone());
@@ -298,8 +315,24 @@ impl Gateway {
             if status.is_success() {
                 return response.json().await.map_err(|error| self.failed(target, deployment, error));
             }
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok());
             let error: EngineError = response.json().await.map_err(|error| self.failed(target, deployment, error))?;
-            return Err(GatewayError::new(status, &error.kind, error.error));
+            let error = GatewayError { retry_after, ..GatewayError::new(status, &error.kind, error.error) };
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                let wait = |e: &GatewayError| e.retry_after.unwrap_or(u64::MAX);
+                if refused.as_ref().is_none_or(|soonest| wait(soonest) > wait(&error)) {
+                    refused = Some(error);
+                }
+                continue;
+            }
+            return Err(error);
+        }
+        if let Some(error) = refused {
+            return Err(error);
         }
         Err(GatewayError::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -21,7 +21,7 @@ use crate::state::AppState;
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
 pub(crate) fn openai_error(error: GatewayError) -> Response {
     let body = json!({"error": {"message": error.message, "type": error.kind, "code": error.status.as_u16()}});
-    (error.status, Json(body)).into_response()
+    error.with_headers((error.status, Json(body)).into_response())
 }
 
 #[derive(Debug, Deserialize)]

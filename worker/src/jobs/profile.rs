@@ -132,7 +132,8 @@ pub async fn run(context: &JobContext, model_id: Uuid, batch_sizes: Vec<u32>) ->
             Binding::Process { env, gpu, .. } => {
                 let limits = BatchLimits { max_batch_tokens: max_batch * 512, max_batch_requests: max_batch };
                 let cpu_precision = context.binding.cpu_precision;
-                let spawn = Spawn { folder: folder.clone(), model_id, replica: context.job, limits, gpu, cpu_precision, env };
+                let admission = context.binding.admission;
+                let spawn = Spawn { folder: folder.clone(), model_id, replica: context.job, limits, admission, gpu, cpu_precision, env };
                 Bench::Process(EngineProcess::start(&context.endpoint, spawn).await?)
             }
             Binding::Cpu { .. } => {

@@ -28,7 +28,7 @@ pub async fn run(context: &JobContext, model_id: Uuid, limits: BatchLimits) -> R
     let cpu_options = LoadOptions { dtype: cpu_precision.dtype(), ..LoadOptions::default() };
     match binding {
         Binding::Cpu { .. } => {
-            let (replica, report) = load_replica(folder, cpu_options, model_id, limits).await?;
+            let (replica, report) = load_replica(folder, cpu_options, model_id, limits, context.binding.admission).await?;
             report_loaded(context, &report).await?;
             let _registration = context.endpoint.add(context.job, replica);
             let url = context.endpoint.replica_url(context.job);
@@ -36,7 +36,8 @@ pub async fn run(context: &JobContext, model_id: Uuid, limits: BatchLimits) -> R
             std::future::pending().await
         }
         Binding::Process { env, gpu, .. } => {
-            let spawn = process::Spawn { folder, model_id, replica: context.job, limits, gpu, cpu_precision, env };
+            let admission = context.binding.admission;
+            let spawn = process::Spawn { folder, model_id, replica: context.job, limits, admission, gpu, cpu_precision, env };
             let mut engine = process::EngineProcess::start(&context.endpoint, spawn).await?;
             report_loaded(context, &engine.report).await?;
             let url = engine.url.clone();

@@ -1,10 +1,15 @@
 //! The batching queue of one replica (TEI's design, `core/src/queue.rs`): requests wait in
-//! a bounded queue; a batching task packs them into batches under a token budget and a
-//! request cap, while the previous batch is computing on its own thread; requests whose
-//! client went away are dropped before they are computed.
+//! a queue bounded by tokens and by estimated wait; a batching task packs them into
+//! batches under a token budget and a request cap, while the previous batch is computing
+//! on its own thread; requests whose client went away are dropped before they are computed.
+//!
+//! Admission sheds load instead of letting it queue: a request is refused at once (429,
+//! `Retry-After`) when the work ahead of it, at the replica's measured tokens/s, would keep
+//! it waiting past `Admission::max_queue_wait_ms`, so an overloaded replica answers in
+//! bounded time and computes only what it can still answer in time.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tessera_api::deployments::BatchLimits;
 use tessera_api::engine::Timings;
@@ -19,19 +24,77 @@ pub enum Task {
     Classify,
 }
 
-/// One client request: already tokenized, answered through `reply`.
-pub struct Job {
+/// What one replica takes on: the worker's flags (README, "Limits"), the same for every
+/// replica it serves, passed on to its engine processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct Admission {
+    /// Longest a request may be expected to wait for its batch to start, in milliseconds
+    /// (the tokens ahead of it at the replica's measured tokens/s); a request that would
+    /// wait longer is refused at once with 429 and `Retry-After`.
+    #[arg(long, env = "TESSERA_MAX_QUEUE_WAIT_MS", default_value_t = Admission::DEFAULT.max_queue_wait_ms)]
+    pub max_queue_wait_ms: u64,
+    /// Most inputs one request may hold (413 beyond).
+    #[arg(long, env = "TESSERA_MAX_REQUEST_INPUTS", default_value_t = Admission::DEFAULT.max_request_inputs,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_request_inputs: u32,
+    /// Most tokens one request may hold, all inputs together after tokenization (413
+    /// beyond).
+    #[arg(long, env = "TESSERA_MAX_REQUEST_TOKENS", default_value_t = Admission::DEFAULT.max_request_tokens,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_request_tokens: u32,
+}
+
+impl Admission {
+    /// OpenAI's input cap (2048); 64k tokens are a few seconds of a CPU replica's work.
+    pub const DEFAULT: Admission = Admission { max_queue_wait_ms: 3000, max_request_inputs: 2048, max_request_tokens: 65_536 };
+
+    pub fn max_queue_wait(&self) -> Duration {
+        Duration::from_millis(self.max_queue_wait_ms)
+    }
+}
+
+impl Default for Admission {
+    fn default() -> Admission {
+        Admission::DEFAULT
+    }
+}
+
+/// Tokens that may wait per replica, as a multiple of the batch's token budget (and never
+/// fewer than one request of the largest size admitted).
+const QUEUED_BATCHES: usize = 8;
+
+/// How many of the latest computed tokens the throughput measure remembers, in batch
+/// budgets: a run of small batches under light load does not erase what full batches
+/// measured, but a lasting change of the replica's speed shows within a few batches.
+const MEASURED_BATCHES: f64 = 4.0;
+
+/// One client request, already tokenized.
+pub struct Request {
     pub sequences: Vec<Vec<u32>>,
     pub tokenization_us: u64,
+    /// When the replica received it (its queue time counts from here).
     pub enqueued: Instant,
+}
+
+impl Request {
+    pub fn tokens(&self) -> usize {
+        self.sequences.iter().map(Vec::len).sum()
+    }
+}
+
+/// A queued request, answered through `reply`.
+struct Job {
+    request: Request,
+    /// Its tokens while they count as queued (`Ticket`).
+    ticket: Arc<Ticket>,
     /// The answer, or why the batch could not be computed (inputs were checked before
     /// they were queued, so this is the engine's failure, not the client's).
-    pub reply: oneshot::Sender<Result<Answer, String>>,
+    reply: oneshot::Sender<Result<Answer, String>>,
 }
 
 impl Job {
     fn tokens(&self) -> usize {
-        self.sequences.iter().map(Vec::len).sum()
+        self.request.tokens()
     }
 }
 
@@ -43,59 +106,183 @@ pub struct Answer {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SubmitError {
-    #[error("the replica's queue is full; retry shortly")]
-    QueueFull,
+    #[error(
+        "The replica is at capacity: about {:.1} s of work is queued ahead (the limit is {:.1} s); retry in {retry_after_secs} s.",
+        wait.as_secs_f64(), limit.as_secs_f64()
+    )]
+    Overloaded { wait: Duration, limit: Duration, retry_after_secs: u64 },
+    #[error("The request holds {tokens} tokens; a request may hold at most {max} (max_request_tokens): send fewer or shorter inputs.")]
+    TooManyTokens { tokens: usize, max: usize },
     #[error("the replica is shutting down")]
     Closed,
+}
+
+/// The replica's load, shared by admission, the compute thread and pending requests.
+struct Load {
+    /// Tokens admitted and not yet computing (their clients still waiting).
+    queued_tokens: usize,
+    /// The batch computing now: when it started and its tokens.
+    computing: Option<(Instant, usize)>,
+    throughput: Throughput,
+}
+
+/// Tokens/s over the latest computed tokens: a moving average of each batch's rate in
+/// which a batch weighs by its tokens, seeded with a prior (the warm-up batch's rate).
+#[derive(Debug, Clone, Copy)]
+struct Throughput {
+    per_second: f64,
+    memory_tokens: f64,
+}
+
+impl Throughput {
+    fn record(&mut self, tokens: usize, secs: f64) {
+        if tokens == 0 || secs <= 0.0 {
+            return;
+        }
+        let keep = (-(tokens as f64) / self.memory_tokens).exp();
+        self.per_second = self.per_second * keep + (tokens as f64 / secs) * (1.0 - keep);
+    }
+
+    fn per_second(&self) -> f64 {
+        self.per_second.max(1.0)
+    }
+}
+
+impl Load {
+    /// How long a request admitted now would wait for its batch to start: what is left of
+    /// the computing batch and the queued tokens, at the measured rate. It counts the
+    /// tokens that would share its batch as ahead of it, so it errs on the long side by at
+    /// most one batch.
+    fn wait(&self, now: Instant) -> Duration {
+        let rate = self.throughput.per_second();
+        let computing = self.computing.map_or(0.0, |(started, tokens)| {
+            (tokens as f64 / rate - now.saturating_duration_since(started).as_secs_f64()).max(0.0)
+        });
+        Duration::from_secs_f64(computing + self.queued_tokens as f64 / rate)
+    }
+}
+
+/// A request's tokens while they count as queued: released once, when its batch starts
+/// or when its client goes away, whichever comes first.
+struct Ticket {
+    tokens: std::sync::atomic::AtomicUsize,
+    load: Arc<Mutex<Load>>,
+}
+
+impl Ticket {
+    fn release_in(&self, load: &mut Load) {
+        let tokens = self.tokens.swap(0, std::sync::atomic::Ordering::AcqRel);
+        load.queued_tokens -= tokens;
+    }
+}
+
+/// An admitted request's answer to come. Dropping it (the client went away) takes its
+/// tokens off the queue's estimate at once, and the request is dropped before it is
+/// batched.
+pub struct Pending {
+    answer: oneshot::Receiver<Result<Answer, String>>,
+    ticket: Arc<Ticket>,
+}
+
+impl Pending {
+    /// The answer; `None` when the replica stopped before computing it.
+    pub async fn answer(mut self) -> Option<Result<Answer, String>> {
+        (&mut self.answer).await.ok()
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut load = self.ticket.load.lock().expect("load lock");
+        self.ticket.release_in(&mut load);
+    }
 }
 
 /// The sending side of a replica's queue.
 #[derive(Clone)]
 pub struct Queue {
-    sender: mpsc::Sender<Job>,
+    sender: mpsc::UnboundedSender<Job>,
+    load: Arc<Mutex<Load>>,
+    admission: Admission,
+    max_queued_tokens: usize,
 }
 
 impl Queue {
     /// Starts the batching task and the compute thread for `model`. Batches keep within
-    /// `limits`; `queue_capacity` requests may wait, and one more is refused (429).
-    pub fn start(model: Arc<EmbeddingModel>, task: Task, limits: BatchLimits, queue_capacity: usize) -> Queue {
-        Queue::with_compute(limits, queue_capacity, move |sequences: &[&[u32]]| run(&model, task, sequences))
+    /// `limits`, requests within `admission`; `prior_tokens_per_s` (the warm-up batch's)
+    /// estimates waits until the first batches are measured.
+    pub fn start(model: Arc<EmbeddingModel>, task: Task, limits: BatchLimits, admission: Admission, prior_tokens_per_s: f64) -> Queue {
+        Queue::with_compute(limits, admission, prior_tokens_per_s, move |sequences: &[&[u32]]| run(&model, task, sequences))
     }
 
     /// Starts the batching task and a compute thread that runs `compute` on each batch's
     /// sequences (one output per sequence, in order). `start` passes the model; tests pass
     /// a compute they can hold back.
-    pub fn with_compute<F>(limits: BatchLimits, queue_capacity: usize, compute: F) -> Queue
+    pub fn with_compute<F>(limits: BatchLimits, admission: Admission, prior_tokens_per_s: f64, compute: F) -> Queue
     where
         F: FnMut(&[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError> + Send + 'static,
     {
-        let (sender, receiver) = mpsc::channel(queue_capacity.max(1));
+        let budget = limits.max_batch_tokens as usize;
+        let prior = Throughput { per_second: prior_tokens_per_s, memory_tokens: MEASURED_BATCHES * budget as f64 };
+        let load = Arc::new(Mutex::new(Load { queued_tokens: 0, computing: None, throughput: prior }));
+        let (sender, receiver) = mpsc::unbounded_channel();
         // The compute thread says when it is free; only then does a batch go to it.
         let (batches, compute_side) = mpsc::channel::<Vec<Job>>(1);
         let (idle, idle_side) = mpsc::unbounded_channel();
         tokio::spawn(form_batches(receiver, batches, idle_side, limits));
+        let measured = load.clone();
         std::thread::Builder::new()
             .name("tessera-compute".into())
-            .spawn(move || compute_batches(compute_side, idle, compute))
+            .spawn(move || compute_batches(compute_side, idle, &measured, compute))
             .expect("spawning the compute thread");
-        Queue { sender }
+        let max_queued_tokens = (QUEUED_BATCHES * budget).max(admission.max_request_tokens as usize);
+        Queue { sender, load, admission, max_queued_tokens }
     }
 
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        self.sender.try_send(job).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull,
-            mpsc::error::TrySendError::Closed(_) => SubmitError::Closed,
-        })
+    pub fn admission(&self) -> Admission {
+        self.admission
+    }
+
+    /// Tokens admitted whose batch has not started, their clients still waiting.
+    pub fn queued_tokens(&self) -> usize {
+        self.load.lock().expect("load lock").queued_tokens
+    }
+
+    /// Queues `request`, or refuses it at once: over the per-request token cap, or when
+    /// it would wait past the wait limit or take the queue past its token bound.
+    pub fn submit(&self, request: Request) -> Result<Pending, SubmitError> {
+        let tokens = request.tokens();
+        let max = self.admission.max_request_tokens as usize;
+        if tokens > max {
+            return Err(SubmitError::TooManyTokens { tokens, max });
+        }
+        let mut load = self.load.lock().expect("load lock");
+        let limit = self.admission.max_queue_wait();
+        let wait = load.wait(Instant::now());
+        let over_bound = load.queued_tokens + tokens > self.max_queued_tokens;
+        if wait > limit || over_bound {
+            // When the queue, draining at the measured rate, will have room for it.
+            let rate = load.throughput.per_second();
+            let excess = (wait.saturating_sub(limit).as_secs_f64())
+                .max((load.queued_tokens + tokens).saturating_sub(self.max_queued_tokens) as f64 / rate);
+            let retry_after_secs = (excess.ceil() as u64).max(1);
+            return Err(SubmitError::Overloaded { wait, limit, retry_after_secs });
+        }
+        let ticket = Arc::new(Ticket { tokens: tokens.into(), load: self.load.clone() });
+        let (reply, answer) = oneshot::channel();
+        self.sender.send(Job { request, ticket: ticket.clone(), reply }).map_err(|_| SubmitError::Closed)?;
+        load.queued_tokens += tokens;
+        drop(load);
+        Ok(Pending { answer, ticket })
     }
 }
-
 /// The next batch, open while the current one computes: it takes each request as it
 /// arrives, in order, up to the request cap and the token budget, and goes to the compute
 /// thread the moment that thread is free. So a burst that arrives during one batch is
 /// computed together as the next (TEI's batching task waits on its `notify` the same way);
-/// what does not fit waits in the bounded queue.
+/// what does not fit waits in the queue.
 async fn form_batches(
-    mut receiver: mpsc::Receiver<Job>,
+    mut receiver: mpsc::UnboundedReceiver<Job>,
     batches: mpsc::Sender<Vec<Job>>,
     mut idle: mpsc::UnboundedReceiver<()>,
     limits: BatchLimits,
@@ -174,7 +361,8 @@ impl Forming {
     }
 }
 
-fn compute_batches<F>(mut batches: mpsc::Receiver<Vec<Job>>, idle: mpsc::UnboundedSender<()>, mut compute: F)
+/// Computes each batch it is given and measures the replica's tokens/s for admission.
+fn compute_batches<F>(mut batches: mpsc::Receiver<Vec<Job>>, idle: mpsc::UnboundedSender<()>, load: &Mutex<Load>, mut compute: F)
 where
     F: FnMut(&[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError>,
 {
@@ -185,20 +373,36 @@ where
         if jobs.is_empty() {
             continue;
         }
+        let sequences: Vec<&[u32]> = jobs.iter().flat_map(|j| j.request.sequences.iter().map(Vec::as_slice)).collect();
+        let tokens = sequences.iter().map(|s| s.len()).sum::<usize>();
         let started = Instant::now();
-        let sequences: Vec<&[u32]> = jobs.iter().flat_map(|j| j.sequences.iter().map(Vec::as_slice)).collect();
+        {
+            let mut load = load.lock().expect("load lock");
+            for job in &jobs {
+                job.ticket.release_in(&mut load);
+            }
+            load.computing = Some((started, tokens));
+        }
         let result = compute(&sequences);
-        let inference_us = started.elapsed().as_micros() as u64;
-        let batch_tokens = sequences.iter().map(|s| s.len()).sum::<usize>() as u32;
+        let elapsed = started.elapsed();
+        {
+            let mut load = load.lock().expect("load lock");
+            load.computing = None;
+            if result.is_ok() {
+                load.throughput.record(tokens, elapsed.as_secs_f64());
+            }
+        }
+        let inference_us = elapsed.as_micros() as u64;
+        let batch_tokens = tokens as u32;
         let batch_size = jobs.len() as u32;
         match result {
             Ok(mut outputs) => {
                 for job in jobs {
-                    let rest = outputs.split_off(job.sequences.len());
+                    let rest = outputs.split_off(job.request.sequences.len());
                     let mine = std::mem::replace(&mut outputs, rest);
                     let timings = Timings {
-                        queue_us: started.duration_since(job.enqueued).as_micros() as u64,
-                        tokenization_us: job.tokenization_us,
+                        queue_us: started.duration_since(job.request.enqueued).as_micros() as u64,
+                        tokenization_us: job.request.tokenization_us,
                         inference_us,
                         batch_size,
                         batch_tokens,
@@ -228,17 +432,18 @@ fn run(model: &EmbeddingModel, task: Task, sequences: &[&[u32]]) -> Result<Vec<V
 mod tests {
     use super::*;
 
-    /// Sequences of job `id` are `[id; length]`, so a batch says whose inputs it holds.
-    fn job(id: u32, lengths: &[usize]) -> (Job, oneshot::Receiver<Result<Answer, String>>) {
-        let (reply, answer) = oneshot::channel();
-        let sequences = lengths.iter().map(|&n| vec![id; n]).collect();
-        (Job { sequences, tokenization_us: 0, enqueued: Instant::now(), reply }, answer)
+    /// Sequences of request `id` are `[id; length]`, so a batch says whose inputs it holds.
+    fn request(id: u32, lengths: &[usize]) -> Request {
+        Request { sequences: lengths.iter().map(|&n| vec![id; n]).collect(), tokenization_us: 0, enqueued: Instant::now() }
     }
 
-    fn submit(queue: &Queue, id: u32, lengths: &[usize]) -> oneshot::Receiver<Result<Answer, String>> {
-        let (job, answer) = job(id, lengths);
-        queue.submit(job).unwrap_or_else(|e| panic!("job {id} refused: {e}"));
-        answer
+    fn submit(queue: &Queue, id: u32, lengths: &[usize]) -> Pending {
+        queue.submit(request(id, lengths)).unwrap_or_else(|e| panic!("request {id} refused: {e}"))
+    }
+
+    /// Admission that never refuses for waiting (the batching tests are about batches).
+    fn patient() -> Admission {
+        Admission { max_queue_wait_ms: u64::MAX / 2, ..Admission::DEFAULT }
     }
 
     /// A compute thread that reports each batch's sequences as it starts it, then holds
@@ -250,10 +455,10 @@ mod tests {
         release: mpsc::UnboundedSender<()>,
     }
 
-    fn gated(limits: BatchLimits, queue_capacity: usize) -> Gated {
+    fn gated(limits: BatchLimits, admission: Admission, prior_tokens_per_s: f64) -> Gated {
         let (report, started) = mpsc::unbounded_channel();
         let (release, mut gate) = mpsc::unbounded_channel::<()>();
-        let queue = Queue::with_compute(limits, queue_capacity, move |sequences: &[&[u32]]| {
+        let queue = Queue::with_compute(limits, admission, prior_tokens_per_s, move |sequences: &[&[u32]]| {
             let _ = report.send(sequences.iter().map(|s| s.to_vec()).collect());
             let _ = gate.blocking_recv();
             Ok(sequences.iter().map(|s| vec![s[0] as f32]).collect())
@@ -262,8 +467,8 @@ mod tests {
     }
 
     impl Gated {
-        /// Lets every batch run, closes the queue and returns the job ids of each batch
-        /// computed from now on, in order.
+        /// Lets every batch run, closes the queue and returns the request ids of each
+        /// batch computed from now on, in order.
         async fn finish(self) -> Vec<Vec<u32>> {
             let Gated { queue, mut started, release } = self;
             drop(release);
@@ -291,7 +496,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_queued_while_a_batch_computes_all_join_the_next_batch() {
-        let mut g = gated(limits(1000, 64), 64);
+        let mut g = gated(limits(1000, 64), patient(), 1e6);
         let _computing = submit(&g.queue, 0, &[3]);
         assert_eq!(g.started.recv().await.unwrap(), vec![vec![0; 3]]);
         // These arrive one by one while batch 0 computes.
@@ -302,29 +507,29 @@ mod tests {
         }
         assert_eq!(g.finish().await, vec![vec![1, 2, 3, 4, 5]]);
         for (id, answer) in answers {
-            let answer = answer.await.unwrap().unwrap();
-            assert_eq!(answer.outputs, vec![vec![id as f32]], "job {id} got another job's output");
+            let answer = answer.answer().await.unwrap().unwrap();
+            assert_eq!(answer.outputs, vec![vec![id as f32]], "request {id} got another request's output");
             assert_eq!((answer.timings.batch_size, answer.timings.batch_tokens), (5, 10));
         }
     }
 
     #[tokio::test]
     async fn a_free_compute_thread_gets_the_first_request_at_once() {
-        let mut g = gated(limits(1000, 64), 64);
+        let mut g = gated(limits(1000, 64), patient(), 1e6);
         let _first = submit(&g.queue, 7, &[2]);
-        let started = tokio::time::timeout(std::time::Duration::from_secs(5), g.started.recv()).await;
+        let started = tokio::time::timeout(Duration::from_secs(5), g.started.recv()).await;
         assert_eq!(started.expect("the idle compute thread was not given the request").unwrap(), vec![vec![7; 2]]);
     }
 
     #[tokio::test]
     async fn a_batch_never_exceeds_the_token_budget_or_the_request_cap() {
         let (max_tokens, max_requests) = (10, 3);
-        let g = gated(limits(max_tokens, max_requests), 64);
-        // Job 3 has two inputs: a job's tokens are those of all its inputs.
-        let jobs: [(u32, &[usize]); 9] =
+        let g = gated(limits(max_tokens, max_requests), patient(), 1e6);
+        // Request 3 has two inputs: a request's tokens are those of all its inputs.
+        let requests: [(u32, &[usize]); 9] =
             [(1, &[4]), (2, &[4]), (3, &[2, 2]), (4, &[1]), (5, &[1]), (6, &[1]), (7, &[1]), (8, &[9]), (9, &[2])];
-        let tokens_of = |id: u32| jobs.iter().find(|j| j.0 == id).map_or(0, |j| j.1.iter().sum::<usize>());
-        let answers: Vec<_> = jobs.iter().map(|(id, lengths)| submit(&g.queue, *id, lengths)).collect();
+        let tokens_of = |id: u32| requests.iter().find(|j| j.0 == id).map_or(0, |j| j.1.iter().sum::<usize>());
+        let answers: Vec<_> = requests.iter().map(|(id, lengths)| submit(&g.queue, *id, lengths)).collect();
         let batches = g.finish().await;
         for batch in &batches {
             assert!(batch.len() <= max_requests, "{batch:?} holds more than {max_requests} requests");
@@ -334,13 +539,13 @@ mod tests {
         // Packed greedily in arrival order: a request that would overflow starts the next batch.
         assert_eq!(batches, vec![vec![1, 2], vec![3, 4, 5], vec![6, 7], vec![8], vec![9]]);
         for answer in answers {
-            assert!(answer.await.unwrap().is_ok());
+            assert!(answer.answer().await.unwrap().is_ok());
         }
     }
 
     #[tokio::test]
     async fn a_request_whose_client_went_away_is_not_computed() {
-        let mut g = gated(limits(1000, 64), 64);
+        let mut g = gated(limits(1000, 64), patient(), 1e6);
         let _computing = submit(&g.queue, 0, &[1]);
         g.started.recv().await.unwrap();
         // This one is in the open batch when its client leaves.
@@ -352,37 +557,83 @@ mod tests {
         // And this one's had left before it was even queued.
         drop(submit(&g.queue, 4, &[1]));
         assert_eq!(g.finish().await, vec![vec![3]]);
-        assert_eq!(stays.await.unwrap().unwrap().outputs, vec![vec![3.0]]);
+        assert_eq!(stays.answer().await.unwrap().unwrap().outputs, vec![vec![3.0]]);
+    }
+
+    /// At a prior of 10 tokens/s, a computing batch of 50 tokens keeps the queue busy for
+    /// 5 s and each queued token adds 0.1 s (seconds of margin against the test's own time).
+    #[tokio::test]
+    async fn a_request_that_would_wait_past_the_limit_is_refused_with_when_to_retry() {
+        let admission = Admission { max_queue_wait_ms: 10_000, ..Admission::DEFAULT };
+        let mut g = gated(limits(1000, 64), admission, 10.0);
+        let _computing = submit(&g.queue, 0, &[50]);
+        g.started.recv().await.unwrap();
+        let leaves = submit(&g.queue, 1, &[40]); // would wait 5 s
+        let _stays = submit(&g.queue, 2, &[30]); // 9 s
+        match g.queue.submit(request(3, &[10])) {
+            // 12 s of work ahead, 2 s past the limit.
+            Err(SubmitError::Overloaded { wait, retry_after_secs, .. }) => {
+                assert!(wait > Duration::from_secs(11) && wait <= Duration::from_secs(12), "{wait:?}");
+                assert_eq!(retry_after_secs, 2);
+            }
+            other => panic!("admitted past the wait limit: {:?}", other.map(|_| ())),
+        }
+        // A client that leaves takes its 4 s off the estimate: now it fits.
+        drop(leaves);
+        let admitted = submit(&g.queue, 3, &[10]);
+        assert_eq!(g.finish().await, vec![vec![2, 3]]);
+        assert!(admitted.answer().await.unwrap().is_ok());
     }
 
     #[tokio::test]
-    async fn a_full_queue_refuses_the_next_request() {
-        let capacity = 2;
-        let mut g = gated(limits(1000, 1), capacity);
-        let _computing = submit(&g.queue, 0, &[1]);
+    async fn the_queue_holds_at_most_eight_batch_budgets_of_tokens() {
+        let admission = Admission { max_request_tokens: 10, ..patient() };
+        let mut g = gated(limits(10, 64), admission, 1e9);
+        let _computing = submit(&g.queue, 0, &[10]);
         g.started.recv().await.unwrap();
-        let _open = submit(&g.queue, 1, &[1]);
-        settle().await;
-        // One batch computes and the next is full (one request per batch): the queue itself
-        // holds `capacity` more.
-        let queued: Vec<_> = (2..2 + capacity as u32).map(|id| submit(&g.queue, id, &[1])).collect();
-        settle().await;
-        let (refused, _) = job(9, &[1]);
-        assert!(matches!(g.queue.submit(refused), Err(SubmitError::QueueFull)));
-        assert_eq!(g.finish().await, vec![vec![1], vec![2], vec![3]]);
+        let queued: Vec<_> = (1..=8).map(|id| submit(&g.queue, id, &[10])).collect();
+        assert!(matches!(g.queue.submit(request(9, &[1])), Err(SubmitError::Overloaded { .. })));
+        drop(g.finish().await);
         for answer in queued {
-            assert!(answer.await.unwrap().is_ok());
+            assert!(answer.answer().await.unwrap().is_ok());
         }
     }
 
     #[tokio::test]
+    async fn a_request_over_the_token_cap_is_refused_whatever_the_load() {
+        let g = gated(limits(1000, 64), Admission { max_request_tokens: 8, ..patient() }, 1e6);
+        match g.queue.submit(request(1, &[5, 4])) {
+            Err(e @ SubmitError::TooManyTokens { tokens: 9, max: 8 }) => assert!(e.to_string().contains("max_request_tokens")),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        assert_eq!(g.finish().await, Vec::<Vec<u32>>::new());
+    }
+
+    #[test]
+    fn measured_batches_replace_the_prior_within_a_few_budgets() {
+        let budget = 1000.0;
+        let mut rate = Throughput { per_second: 10.0, memory_tokens: MEASURED_BATCHES * budget };
+        assert_eq!(rate.per_second(), 10.0);
+        // Many small batches do not erase what full batches measured...
+        for _ in 0..20 {
+            rate.record(1000, 0.1);
+        }
+        let full = rate.per_second();
+        assert!((full - 10_000.0).abs() < 100.0, "{full}");
+        for _ in 0..20 {
+            rate.record(10, 0.01);
+        }
+        assert!(rate.per_second() > 0.9 * full, "{} after small batches", rate.per_second());
+    }
+
+    #[tokio::test]
     async fn a_failed_batch_answers_each_of_its_requests_with_the_error() {
-        let queue = Queue::with_compute(limits(1000, 64), 64, |_: &[&[u32]]| {
+        let queue = Queue::with_compute(limits(1000, 64), patient(), 1e6, |_: &[&[u32]]| {
             Err(EngineError::Unsupported("no device".into()))
         });
         let answers = [submit(&queue, 1, &[2]), submit(&queue, 2, &[3])];
         for answer in answers {
-            let message = answer.await.unwrap().unwrap_err();
+            let message = answer.answer().await.unwrap().unwrap_err();
             assert!(message.contains("no device"), "{message}");
         }
     }

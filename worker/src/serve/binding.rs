@@ -12,6 +12,8 @@
 
 use tessera_api::mig::Slice;
 
+use super::batcher::Admission;
+
 /// How a replica's engine is run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Binding {
@@ -33,12 +35,14 @@ pub struct Policy {
     /// Simulated slices get their own (CPU) engine process too.
     pub simulated_processes: bool,
     pub cpu_precision: CpuPrecision,
+    /// What each replica's queue takes on (the worker's limits flags).
+    pub admission: Admission,
 }
 
 impl Policy {
-    /// This build, with the worker's `--slice-processes` and `--cpu-precision` choices.
-    pub fn of_build(simulated_processes: bool, cpu_precision: CpuPrecision) -> Policy {
-        Policy { gpu_processes: cfg!(feature = "cuda"), simulated_processes, cpu_precision }
+    /// This build, with the worker's `--slice-processes`, `--cpu-precision` and limits.
+    pub fn of_build(simulated_processes: bool, cpu_precision: CpuPrecision, admission: Admission) -> Policy {
+        Policy { gpu_processes: cfg!(feature = "cuda"), simulated_processes, cpu_precision, admission }
     }
 }
 

@@ -13,10 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
-use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::batcher::{Job, Queue, SubmitError, Task};
+use super::batcher::{Queue, Request, SubmitError, Task};
 use crate::engine::{EmbeddingModel, EngineError};
 
 /// A replica as the endpoint serves it.
@@ -90,6 +89,21 @@ impl Endpoint {
 
 fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
     (status, Json(WireError { error: message.into(), kind: kind.into() })).into_response()
+}
+
+/// A refusal by the queue: 429 with `Retry-After` when the replica is at capacity (the
+/// gateway tries another replica, then passes it on), 413 over the request token cap.
+fn refused(e: SubmitError) -> Response {
+    let message = e.to_string();
+    match e {
+        SubmitError::Overloaded { retry_after_secs, .. } => {
+            let mut response = error(StatusCode::TOO_MANY_REQUESTS, "overloaded", message);
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, retry_after_secs.into());
+            response
+        }
+        SubmitError::TooManyTokens { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message),
+        SubmitError::Closed => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", message),
+    }
 }
 
 fn engine_error(e: EngineError) -> Response {
@@ -179,6 +193,14 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
     if request.inputs.is_empty() {
         return error(StatusCode::UNPROCESSABLE_ENTITY, "validation", "Send at least one input.");
     }
+    let max_inputs = replica.queue.admission().max_request_inputs as usize;
+    if request.inputs.len() > max_inputs {
+        let message = format!(
+            "The request holds {} inputs; a request may hold at most {max_inputs} (max_request_inputs): split it.",
+            request.inputs.len()
+        );
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message);
+    }
     let enqueued = Instant::now();
     let model = replica.model.clone();
     let tokenized = tokio::task::spawn_blocking(move || tokenize(&model, request)).await;
@@ -188,24 +210,22 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, "backend", format!("tokenization panicked: {e}")),
     };
     let tokens: Vec<u32> = sequences.iter().map(|s| s.len() as u32).collect();
-    let (reply, answer) = oneshot::channel();
-    if let Err(e) = replica.queue.submit(Job { sequences, tokenization_us, enqueued, reply }) {
-        let status = match e {
-            SubmitError::QueueFull => StatusCode::TOO_MANY_REQUESTS,
-            SubmitError::Closed => StatusCode::SERVICE_UNAVAILABLE,
-        };
-        return error(status, "overloaded", e.to_string());
-    }
-    match answer.await {
-        Ok(Ok(answer)) => Json(InferResponse {
+    // If the caller hangs up from here on, this handler is dropped with `pending`, which
+    // takes the request off the queue before it is computed.
+    let pending = match replica.queue.submit(Request { sequences, tokenization_us, enqueued }) {
+        Ok(pending) => pending,
+        Err(e) => return refused(e),
+    };
+    match pending.answer().await {
+        Some(Ok(answer)) => Json(InferResponse {
             outputs: answer.outputs,
             tokens,
             labels: replica.model.labels().map(<[String]>::to_vec).unwrap_or_default(),
             timings: answer.timings,
         })
         .into_response(),
-        Ok(Err(message)) => error(StatusCode::INTERNAL_SERVER_ERROR, "backend", message),
-        Err(_) => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The replica stopped before answering."),
+        Some(Err(message)) => error(StatusCode::INTERNAL_SERVER_ERROR, "backend", message),
+        None => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The replica stopped before answering."),
     }
 }
 

@@ -15,11 +15,8 @@ use tessera_api::deployments::BatchLimits;
 use uuid::Uuid;
 
 use crate::engine::{EmbeddingModel, EngineError, LoadOptions};
-use batcher::{Queue, Task};
+use batcher::{Admission, Queue, Task};
 use endpoint::Replica;
-
-/// Requests that may wait per replica, as a multiple of the batch's request cap.
-const QUEUED_BATCHES: usize = 8;
 
 /// What loading a replica took, for its log.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -63,12 +60,14 @@ fn warm_up(model: &EmbeddingModel, task: Task, limits: BatchLimits) -> Result<us
 }
 
 /// Loads the model in `folder`, warms it up with a full batch (so a model too big for the
-/// batch budget fails now, not under load) and puts it behind a batching queue.
+/// batch budget fails now, not under load) and puts it behind a batching queue that admits
+/// requests within `admission`, its waits first estimated from the warm-up's tokens/s.
 pub async fn load_replica(
     folder: PathBuf,
     options: LoadOptions,
     model_id: Uuid,
     limits: BatchLimits,
+    admission: Admission,
 ) -> Result<(Replica, LoadReport), EngineError> {
     let started = Instant::now();
     let model = Arc::new(joined(tokio::task::spawn_blocking(move || EmbeddingModel::load_with(&folder, &options)).await)?);
@@ -82,6 +81,6 @@ pub async fn load_replica(
     let report =
         LoadReport { task: format!("{task:?}"), gemm_dtype: model.gemm_dtype().into(), load_secs, warmup_tokens, warmup_secs: started.elapsed().as_secs_f64() };
 
-    let queue = Queue::start(model.clone(), task, limits, QUEUED_BATCHES * limits.max_batch_requests as usize);
+    let queue = Queue::start(model.clone(), task, limits, admission, report.warmup_tokens_per_s());
     Ok((Replica { model, model_id, task, queue }, report))
 }

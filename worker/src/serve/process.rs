@@ -18,6 +18,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, Command};
 use uuid::Uuid;
 
+use super::batcher::Admission;
 use super::binding::CpuPrecision;
 use super::endpoint::Endpoint;
 use super::{load_replica, LoadReport};
@@ -45,6 +46,9 @@ pub struct EngineArgs {
     /// `--max-batch-tokens`, `--max-batch-requests`: the deployment's batching.
     #[command(flatten)]
     pub limits: BatchLimits,
+    /// `--max-queue-wait-ms`, `--max-request-inputs`, `--max-request-tokens`: the worker's.
+    #[command(flatten)]
+    pub admission: Admission,
     /// Compute on CUDA device 0 (the slice `CUDA_VISIBLE_DEVICES` names) in f16; the CPU
     /// otherwise.
     #[arg(long)]
@@ -63,6 +67,7 @@ pub struct Spawn {
     pub model_id: Uuid,
     pub replica: Uuid,
     pub limits: BatchLimits,
+    pub admission: Admission,
     pub gpu: bool,
     pub cpu_precision: CpuPrecision,
     pub env: Vec<(String, String)>,
@@ -115,7 +120,7 @@ pub async fn run_engine(args: EngineArgs) -> Result<(), ProcessError> {
     let options = load_options(args.gpu, args.cpu_precision)?;
     let endpoint = Endpoint::start(&args.listen, None).await?;
     endpoint.set_token(token);
-    let (replica, report) = load_replica(args.model, options, args.model_id, args.limits).await?;
+    let (replica, report) = load_replica(args.model, options, args.model_id, args.limits, args.admission).await?;
     let _registration = endpoint.add(args.replica, replica);
     let ready = Ready { url: endpoint.replica_url(args.replica), report };
     println!("{READY}{}", serde_json::to_string(&ready).expect("the announcement serialises"));
@@ -148,6 +153,9 @@ impl EngineProcess {
             .args(["--model-id", &spawn.model_id.to_string(), "--replica", &spawn.replica.to_string()])
             .args(["--max-batch-tokens", &spawn.limits.max_batch_tokens.to_string()])
             .args(["--max-batch-requests", &spawn.limits.max_batch_requests.to_string()])
+            .args(["--max-queue-wait-ms", &spawn.admission.max_queue_wait_ms.to_string()])
+            .args(["--max-request-inputs", &spawn.admission.max_request_inputs.to_string()])
+            .args(["--max-request-tokens", &spawn.admission.max_request_tokens.to_string()])
             .args(["--listen", &format!("{}:0", listen_host(&endpoint.url))])
             .args(spawn.gpu.then_some("--gpu"))
             .args(["--cpu-precision", spawn.cpu_precision.arg()])
