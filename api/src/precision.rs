@@ -17,8 +17,13 @@ use utoipa::ToSchema;
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// Symmetric per-tensor int8 forward (int8 GEMM, i32 sums, dequantised to f32); the
+    /// backward at 16 bits (the worker's CPU ops: bf16) from the saved quantised input.
     Int8,
+    /// Operands rounded to bf16, sums in f32, forward and backward.
     Bf16,
+    /// Operands rounded to IEEE f16, sums in f32. The planner and profiler know it; the
+    /// worker's trainable operators (`train::precision`) refuse it.
     F16,
     F32,
 }
@@ -57,17 +62,20 @@ impl std::fmt::Display for Precision {
 }
 
 /// What an operator is, for the indicator's formula (weighted or single-input) and the
-/// keep-list.
+/// keep-list ([`KeepRule::qsync_defaults`] sets the lowest precision each kind may take).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OpKind {
-    /// A GEMM with a weight: the encoder's projections and feed-forward layers.
+    /// A GEMM with a weight (`x Wᵀ + b`): the encoder's projections and feed-forward
+    /// layers. Any precision.
     Linear,
+    /// Token, position and type embeddings: 16-bit or more.
     Embedding,
+    /// LayerNorm: 16-bit or more.
     LayerNorm,
     /// Single-input operators without weights (GELU, softmax, …).
     Activation,
-    /// The task head (classifier); QSync keeps it f32.
+    /// The task head (classifier or regressor): always f32.
     Head,
 }
 
@@ -89,7 +97,8 @@ pub struct KeepRule {
 }
 
 impl KeepRule {
-    /// QSync's keep-list: LayerNorm and embeddings at 16 bits or more, the head at f32.
+    /// QSync's keep-list (`qsync/LpTorch`: normalisation and embeddings never go to int8,
+    /// the head stays f32): LayerNorm and embeddings at 16 bits or more, the head at f32.
     pub fn qsync_defaults() -> Vec<KeepRule> {
         vec![
             KeepRule {
@@ -105,6 +114,25 @@ impl KeepRule {
                 at_least: Precision::F32,
             },
         ]
+    }
+
+    /// Whether this rule covers the operator `name` of kind `kind`.
+    pub fn selects(&self, name: &str, kind: OpKind) -> bool {
+        match &self.select {
+            OpSelector::Kind(k) => *k == kind,
+            OpSelector::Name(n) => n == name,
+        }
+    }
+
+    /// The lowest precision `rules` allow the operator `name` of kind `kind`: the highest
+    /// floor among the rules that cover it, int8 when none does.
+    pub fn floor(rules: &[KeepRule], name: &str, kind: OpKind) -> Precision {
+        rules
+            .iter()
+            .filter(|rule| rule.selects(name, kind))
+            .map(|rule| rule.at_least)
+            .max()
+            .unwrap_or(Precision::Int8)
     }
 }
 
@@ -246,5 +274,22 @@ mod tests {
             serde_json::from_str(r#"{"select":{"kind":"layer_norm"},"at_least":"f16"}"#).unwrap();
         assert_eq!(rule.select, OpSelector::Kind(OpKind::LayerNorm));
         assert_eq!(rule.at_least, Precision::F16);
+    }
+
+    #[test]
+    fn floors_take_the_highest_rule_that_covers_an_operator() {
+        let defaults = KeepRule::qsync_defaults();
+        assert_eq!(KeepRule::floor(&defaults, "q", OpKind::Linear), Precision::Int8);
+        assert_eq!(KeepRule::floor(&defaults, "gelu", OpKind::Activation), Precision::Int8);
+        assert_eq!(KeepRule::floor(&defaults, "emb", OpKind::Embedding), Precision::Bf16);
+        assert_eq!(KeepRule::floor(&defaults, "norm", OpKind::LayerNorm), Precision::Bf16);
+        assert_eq!(KeepRule::floor(&defaults, "head", OpKind::Head), Precision::F32);
+        let mut rules = defaults;
+        rules.push(KeepRule {
+            select: OpSelector::Name("q".into()),
+            at_least: Precision::F16,
+        });
+        assert_eq!(KeepRule::floor(&rules, "q", OpKind::Linear), Precision::F16);
+        assert_eq!(KeepRule::floor(&rules, "k", OpKind::Linear), Precision::Int8);
     }
 }

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use tessera_bench::machine;
 use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_i8, MatRef};
 use tessera_worker::train::model::encoder::Encoder;
-use tessera_worker::train::precision::{linear, Precision, PrecisionPlan};
+use tessera_worker::train::precision::{linear, Precision, PrecisionPlan, IMPLEMENTED};
 
 #[derive(Parser)]
 struct Args {
@@ -103,7 +103,7 @@ fn main() -> Result<()> {
         let b = Var::from_tensor(&Tensor::from_vec(uniform(3, n, 0.1), n, &device)?)?;
         let flops = 2.0 * (m * n * k) as f64;
         let mut layer_ms = Vec::new();
-        for precision in Precision::ALL {
+        for precision in IMPLEMENTED {
             let fwd = time(args.runs, || {
                 let start = Instant::now();
                 let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor(), precision)?;

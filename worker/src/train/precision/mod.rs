@@ -1,6 +1,7 @@
 //! Per-operator precision for training (QSync, Zhao et al., IPDPS'24, §III: a weaker device
-//! runs some operators at lower precision so it keeps pace): the precisions, a plan naming
-//! each operator's, QSync's keep-list, and the trainable linear layer at each precision.
+//! runs some operators at lower precision so it keeps pace): a plan naming each operator's
+//! precision, its check against QSync's keep-list, and the trainable linear layer at each
+//! precision. The precisions, kinds and keep-list are `tessera_api::precision`'s.
 //!
 //! Master weights and gradients stay f32: an op casts or quantises its operands on the fly
 //! and returns f32 (`linear`). A network lists the operators a plan may name
@@ -11,74 +12,22 @@
 mod linear;
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use tessera_api::precision::KeepRule;
+// One `Precision` and one `OpKind` in the tree: the wire types the planner uses. Their doc
+// comments say what each precision computes and each kind's keep-list floor.
+pub use tessera_api::precision::{OpKind, Precision};
 
 pub use linear::linear;
 
-/// What an operator computes in, lowest first (so `max` is "the more precise").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// Symmetric per-tensor int8 forward (int8 GEMM, i32 sums, dequantised to f32); the
-    /// backward at bf16 from the saved quantised input.
-    Int8,
-    /// Operands rounded to bf16, sums in f32, forward and backward.
-    Bf16,
-    F32,
-}
+/// The precisions the trainable operators implement, lowest first. f16 is not among them:
+/// a plan asking for it is refused (`PlanError::Unimplemented`) and `linear` errors.
+pub const IMPLEMENTED: [Precision; 3] = [Precision::Int8, Precision::Bf16, Precision::F32];
 
-impl Precision {
-    pub const ALL: [Precision; 3] = [Precision::Int8, Precision::Bf16, Precision::F32];
-
-    pub fn bits(self) -> u32 {
-        match self {
-            Precision::Int8 => 8,
-            Precision::Bf16 => 16,
-            Precision::F32 => 32,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Precision::Int8 => "int8",
-            Precision::Bf16 => "bf16",
-            Precision::F32 => "f32",
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// The kind of an operator a plan may name, which sets the lowest precision it may take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OpKind {
-    /// A dense layer (`x Wᵀ + b`): any precision.
-    Linear,
-    /// Token, position and type embeddings: 16-bit or more.
-    Embedding,
-    /// LayerNorm: 16-bit or more.
-    LayerNorm,
-    /// The task head (classifier or regressor): always f32.
-    Head,
-}
-
-impl OpKind {
-    /// QSync's keep-list (`qsync/LpTorch`: normalisation and embeddings never go to int8, the
-    /// classifier stays f32).
-    pub fn lowest(self) -> Precision {
-        match self {
-            OpKind::Linear => Precision::Int8,
-            OpKind::Embedding | OpKind::LayerNorm => Precision::Bf16,
-            OpKind::Head => Precision::F32,
-        }
-    }
+/// The lowest precision QSync's keep-list ([`KeepRule::qsync_defaults`]) allows an operator.
+fn lowest(name: &str, kind: OpKind) -> Precision {
+    KeepRule::floor(&KeepRule::qsync_defaults(), name, kind)
 }
 
 /// A per-operator precision plan: operator name → precision. Operators it does not name run
@@ -91,26 +40,26 @@ impl PrecisionPlan {
     /// Every operator in `ops` at `precision`, or at its kind's lowest where that is higher
     /// (so "uniform int8" keeps the LayerNorms at bf16 and the head at f32).
     pub fn uniform(ops: &[(String, OpKind)], precision: Precision) -> PrecisionPlan {
-        PrecisionPlan(ops.iter().map(|(name, kind)| (name.clone(), precision.max(kind.lowest()))).collect())
+        PrecisionPlan(ops.iter().map(|(name, kind)| (name.clone(), precision.max(lowest(name, *kind)))).collect())
     }
 
     pub fn get(&self, op: &str) -> Precision {
         self.0.get(op).copied().unwrap_or(Precision::F32)
     }
 
-    /// Checks the plan against a network's operators: every name known, none below its
-    /// kind's lowest precision.
+    /// Checks the plan against a network's operators: every name known, every precision one
+    /// the operators implement, none below its kind's lowest precision.
     pub fn check(&self, ops: &[(String, OpKind)]) -> Result<(), PlanError> {
         for (name, precision) in &self.0 {
             let Some((_, kind)) = ops.iter().find(|(op, _)| op == name) else {
                 return Err(PlanError::UnknownOp(name.clone()));
             };
-            if *precision < kind.lowest() {
-                return Err(PlanError::BelowKeepList {
-                    op: name.clone(),
-                    precision: *precision,
-                    lowest: kind.lowest(),
-                });
+            if !IMPLEMENTED.contains(precision) {
+                return Err(PlanError::Unimplemented { op: name.clone(), precision: *precision });
+            }
+            let lowest = lowest(name, *kind);
+            if *precision < lowest {
+                return Err(PlanError::BelowKeepList { op: name.clone(), precision: *precision, lowest });
             }
         }
         Ok(())
@@ -123,6 +72,8 @@ pub enum PlanError {
     UnknownOp(String),
     #[error("the precision plan puts '{op}' at {precision}, below {lowest}, the lowest its kind may run at")]
     BelowKeepList { op: String, precision: Precision, lowest: Precision },
+    #[error("the precision plan puts '{op}' at {precision}, which the training operators do not implement; use int8, bf16 or f32")]
+    Unimplemented { op: String, precision: Precision },
     #[error("this network has no per-operator precision; use an empty plan")]
     Unsupported,
 }
@@ -162,6 +113,16 @@ mod tests {
             assert!(matches!(plan(op, p).check(&ops()), Err(PlanError::BelowKeepList { .. })), "{op} at {p}");
         }
         assert_eq!(plan("head", Precision::F32).check(&ops()), Ok(()));
+    }
+
+    #[test]
+    fn rejects_precisions_the_operators_do_not_implement() {
+        let plan = PrecisionPlan([("layer.0.query".to_string(), Precision::F16)].into_iter().collect());
+        let err = plan.check(&ops()).unwrap_err();
+        assert_eq!(err, PlanError::Unimplemented { op: "layer.0.query".into(), precision: Precision::F16 });
+        assert!(err.to_string().contains("use int8, bf16 or f32"), "{err}");
+        // A uniform f16 plan is refused too, rather than silently run at another precision.
+        assert!(matches!(PrecisionPlan::uniform(&ops(), Precision::F16).check(&ops()), Err(PlanError::Unimplemented { .. })));
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //!   budget, and all f32 whenever all f32 fits.
 
 use tessera_api::precision::{
-    AllocationStep, KeepRule, OpSelector, PlannedOp, Precision, RankPlan,
+    AllocationStep, KeepRule, PlannedOp, Precision, RankPlan,
 };
 
 use super::indicator::Indicators;
@@ -243,15 +243,7 @@ pub fn plan_rank(request: &RankPlanRequest<'_>) -> Result<Allocation, QsyncError
         .iter()
         .enumerate()
         .map(|(i, op)| {
-            let floor = keep
-                .iter()
-                .filter(|rule| match &rule.select {
-                    OpSelector::Kind(kind) => *kind == op.kind,
-                    OpSelector::Name(name) => *name == op.name,
-                })
-                .map(|rule| rule.at_least)
-                .max()
-                .unwrap_or(Precision::Int8);
+            let floor = KeepRule::floor(keep, &op.name, op.kind);
             profile
                 .precisions(i)
                 .into_iter()
@@ -343,7 +335,9 @@ mod tests {
     use super::*;
     use crate::train::qsync::replay::{GradBucket, GraphOp};
     use proptest::prelude::*;
-    use tessera_api::precision::{CastFit, CastModel, CostTable, OpCost, OpKind, OpTiming};
+    use tessera_api::precision::{
+        CastFit, CastModel, CostTable, OpCost, OpKind, OpSelector, OpTiming,
+    };
     use Precision::*;
 
     /// A synthetic rank: each operator's time per precision plus a penalty for each pair of
