@@ -528,7 +528,9 @@ pub struct LrStageRecord {
     /// `train_loss`, or `val_loss` once τ' has reached τ_max/10.
     pub metric: String,
     pub candidates: Vec<LrCandidate>,
-    /// The LR exploited (after any fallbacks, the one exploited last).
+    /// The LR exploited (after any fallbacks, the one exploited last). In a stage whose
+    /// search the budget cut short (`run_end` set) nothing was exploited: the best
+    /// candidate so far, or the one in progress if none had finished.
     pub chosen_lr: f64,
     /// Loss after the τ exploitation steps at `chosen_lr`, once they are done: the
     /// smoothed training loss, or the validation loss when `metric` is `val_loss`.
@@ -542,6 +544,11 @@ pub struct LrStageRecord {
     /// Exploitations abandoned for divergence, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fallbacks: Vec<LrFallback>,
+    /// Set on the stage the run ended in when the budget ran out with a model the run does
+    /// not keep (a search candidate's, or a diverged exploitation's): why, and that the
+    /// run ended on the stage's snapshot, the last model it kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_end: Option<String>,
 }
 
 /// A stored stage as `GET /api/v1/jobs/{id}/lr-stages` lists it.
@@ -653,5 +660,6 @@ mod tests {
         let record: LrStageRecord = serde_json::from_str(old).unwrap();
         assert_eq!(record.candidates[0].scored_by, CandidateScore::Forecast);
         assert!(record.fallbacks.is_empty() && record.forecast_error.is_none());
+        assert_eq!(record.run_end, None);
     }
 }

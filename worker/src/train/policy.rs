@@ -76,10 +76,9 @@ impl AutoLrsPolicy {
         self.state.progress = Progress::default();
         Ok(())
     }
-}
 
-impl LrPolicy for AutoLrsPolicy {
-    fn next(&mut self, _step: u64) -> Result<Directive, String> {
+    /// Tells the controller of the snapshot or restore the session did since the last call.
+    fn acknowledge(&mut self) -> Result<(), String> {
         if self.state.progress.awaiting_ack {
             let report = match self.state.tuner.action() {
                 Action::Snapshot => Report::SnapshotTaken,
@@ -88,6 +87,13 @@ impl LrPolicy for AutoLrsPolicy {
             };
             self.report(report)?;
         }
+        Ok(())
+    }
+}
+
+impl LrPolicy for AutoLrsPolicy {
+    fn next(&mut self, _step: u64) -> Result<Directive, String> {
+        self.acknowledge()?;
         let progress = &mut self.state.progress;
         Ok(match self.state.tuner.action() {
             Action::Snapshot => {
@@ -168,6 +174,11 @@ impl LrPolicy for AutoLrsPolicy {
     fn restore(&mut self, state: serde_json::Value) -> Result<(), String> {
         self.state = serde_json::from_value(state).map_err(|e| e.to_string())?;
         Ok(())
+    }
+
+    fn finish(&mut self, val_loss: f64) -> Result<bool, String> {
+        self.acknowledge()?;
+        Ok(self.state.tuner.finish(val_loss).is_some())
     }
 
     /// A candidate that blows up scores 1e6; an exploitation that does is restored.

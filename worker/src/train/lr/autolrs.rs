@@ -43,6 +43,11 @@
 //! - After the τ steps, a stage measured in validation loss is evaluated once more
 //!   (`Evaluate`, no training step), so the forecast error compares like with like;
 //!   a training-loss stage uses its smoothed exploitation loss.
+//! - A run never ends on a model it would not keep: when the budget ends inside a search
+//!   (a candidate's model) or on an exploitation that diverged in its last steps (or
+//!   whose model evaluates to a number no longer), [`AutoLrs::finish`] has the trainer
+//!   put the stage snapshot back, and the stage's record says so (`run_end`). The
+//!   authors' code ends wherever the training loop stops.
 //! - The candidate's LR is used from its first step (the code's `ckpt`/`restore`
 //!   messages run one step at the previous LR).
 //!
@@ -366,6 +371,54 @@ impl AutoLrs {
         Ok(self.action())
     }
 
+    /// The budget is spent, with the model in hand whose validation loss is `val_loss`:
+    /// `None` if the run may end on it, or why not. A search candidate's model is never
+    /// kept (the search would have restored it away), nor one whose exploitation
+    /// diverged, nor one whose validation loss is not a number; the trainer then puts the
+    /// stage snapshot back, the last model the run kept (the previous stage's exploited
+    /// model, or the one it started from), and the stage's record says so (`run_end`).
+    /// An exploitation still running keeps its model if that evaluates to a number.
+    pub fn finish(&mut self, val_loss: f64) -> Option<String> {
+        let k = self.config.k;
+        let reason = match self.phase {
+            Phase::Candidate { lr, .. } => format!(
+                "the budget ended in the search, in candidate {} of {k} (lr {lr:.3e})",
+                self.tried.len() + 1
+            ),
+            Phase::Restore => format!(
+                "the budget ended in the search, after candidate {} of {k}",
+                self.tried.len()
+            ),
+            Phase::Fallback { .. } => {
+                let last = self.history.last().and_then(|r| r.fallbacks.last());
+                format!(
+                    "the exploitation diverged in the last steps ({})",
+                    last.map_or("", |f| f.reason.as_str())
+                )
+            }
+            _ if !val_loss.is_finite() => {
+                format!("the exploited model's validation loss is {val_loss}")
+            }
+            _ => return None,
+        };
+        let reason = format!("{reason}: the run ends on the stage's snapshot");
+        let searching = matches!(self.phase, Phase::Candidate { .. } | Phase::Restore);
+        // Asked again (a run resumed from its final checkpoint), the record is there.
+        if searching && self.history.last().map(|r| r.stage) != Some(self.stage) {
+            // The stage's record as far as its search went; nothing was exploited.
+            let chosen_lr = match (self.ranking().first(), self.phase) {
+                (Some(&best), _) => self.tried[best].record.lr,
+                (None, Phase::Candidate { lr, .. }) => lr,
+                (None, _) => self.config.min_lr,
+            };
+            self.history.push(self.record(chosen_lr));
+        }
+        if let Some(record) = self.history.last_mut() {
+            record.run_end = Some(reason.clone());
+        }
+        Some(reason)
+    }
+
     /// Steps trained so far, candidates' included.
     pub fn steps(&self) -> u64 {
         self.steps
@@ -511,7 +564,18 @@ impl AutoLrs {
             self.start_loss =
                 (!firsts.is_empty()).then(|| firsts.iter().sum::<f64>() / firsts.len() as f64);
         }
-        self.history.push(LrStageRecord {
+        self.history.push(self.record(lr));
+        Phase::Stage {
+            lr,
+            remaining: self.tau,
+            done: 0,
+            smoothed: None,
+        }
+    }
+
+    /// The current stage's record, its candidates as far as the search went.
+    fn record(&self, chosen_lr: f64) -> LrStageRecord {
+        LrStageRecord {
             stage: self.stage,
             start_step: self.stage_start,
             tau_prime: self.tau_prime,
@@ -523,16 +587,11 @@ impl AutoLrs {
             }
             .to_string(),
             candidates: self.tried.iter().map(|t| t.record.clone()).collect(),
-            chosen_lr: lr,
+            chosen_lr,
             observed_loss_after_tau: None,
             forecast_error: None,
             fallbacks: Vec::new(),
-        });
-        Phase::Stage {
-            lr,
-            remaining: self.tau,
-            done: 0,
-            smoothed: None,
+            run_end: None,
         }
     }
 
@@ -1117,6 +1176,52 @@ mod tests {
         assert_eq!(record.fallbacks.len(), 2);
         assert_eq!(record.observed_loss_after_tau, None);
         assert_eq!(tuner.steps(), 100 + 2);
+    }
+
+    #[test]
+    fn a_run_ends_only_on_a_model_it_keeps() {
+        let config = AutoLrsConfig { k: 3, ..config() };
+        let curves = [decay(2.0, 0.8, 0.1), decay(2.0, 0.3, 0.1)];
+        // Inside the search, in the third of three candidates: the stage's partial
+        // record says the run ends on its snapshot, the best candidate so far as its
+        // choice.
+        let mut tuner = AutoLrs::new(config, 1);
+        search(&mut tuner, &curves);
+        let why = tuner.finish(0.5).expect("a candidate's model is not kept");
+        assert!(why.contains("in candidate 3 of 3"), "{why}");
+        let record = &tuner.stages()[0];
+        assert_eq!(record.run_end.as_deref(), Some(why.as_str()));
+        assert_eq!(record.chosen_lr, record.candidates[1].lr);
+        // Asked again (a resumed run), nothing is added.
+        tuner.finish(0.5).unwrap();
+        assert_eq!(tuner.stages().len(), 1);
+
+        // An exploitation that evaluates to a number is kept; one that does not, or one
+        // that diverged on its last step (a restore pending), is not.
+        let mut tuner = AutoLrs::new(config, 1);
+        search(
+            &mut tuner,
+            &[curves[0].clone(), curves[1].clone(), curves[1].clone()],
+        );
+        tuner
+            .report(Report::StageTrained {
+                steps: 5,
+                loss: 0.3,
+            })
+            .unwrap();
+        assert_eq!(tuner.clone().finish(0.4), None);
+        let why = tuner.clone().finish(f64::NAN).unwrap();
+        assert!(why.contains("validation loss is NaN"), "{why}");
+        tuner
+            .report(Report::StageTrained {
+                steps: 1,
+                loss: f64::INFINITY,
+            })
+            .unwrap();
+        let why = tuner.finish(0.4).unwrap();
+        assert!(why.contains("diverged") && why.contains("inf"), "{why}");
+        assert_eq!(tuner.stages()[0].run_end.as_deref(), Some(why.as_str()));
+        assert_eq!(tuner.stages().len(), 1);
     }
 
     #[test]
