@@ -473,8 +473,9 @@ pub struct LrCandidate {
     /// `None` when no fit was possible (a loss that is not a number, a curve too short).
     pub forecast_loss: Option<f64>,
     pub observed_loss: Option<f64>,
-    /// What the search was told for this LR (lower is better); 1e6 for a loss that was
-    /// not a number.
+    /// What the choice compared for this LR (lower is better); 1e6 for a loss that was
+    /// not a number. Where some candidates of a stage had no credible forecast, every
+    /// candidate is compared by its observed loss.
     #[serde(default)]
     pub score: Option<f64>,
     /// Where `score` came from. Records stored before this field read as `forecast`.
@@ -492,11 +493,13 @@ pub enum CandidateScore {
     /// The curve's forecast at τ (the paper's method), judged credible.
     #[default]
     Forecast,
-    /// The forecast was not credible (or the validation guard applied): the smoothed
-    /// observed loss at the end of the window.
+    /// The forecast was not credible (or the validation guard applied, or another
+    /// candidate of the stage had no credible forecast): the observed loss at the end of
+    /// the window (the mean of the last 10 training losses, or the last validation loss).
     Observed,
-    /// The loss was not a number (scored 1e6) or rose over the window (scored its
-    /// smoothed observed loss): never chosen while a candidate that did not fail remains.
+    /// The loss was not a number (scored 1e6) or rose over the window beyond its noise
+    /// (scored its observed loss): never chosen while a candidate that did not fail
+    /// remains.
     Failed,
 }
 

@@ -207,7 +207,7 @@ pub fn build(spec: &LrSchedule, max_steps: u64, seed: u64) -> Box<dyn LrPolicy> 
         }
         LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
             let config = AutoLrsConfig { min_lr, max_lr, tau_prime, tau, k, tau_max };
-            Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed)))
+            Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed).with_budget(max_steps)))
         }
     }
 }
