@@ -488,8 +488,9 @@ pub struct LrCandidate {
     /// `None` when no fit was possible (a loss that is not a number, a curve too short).
     pub forecast_loss: Option<f64>,
     pub observed_loss: Option<f64>,
-    /// What the search was told for this LR (lower is better); 1e6 for a loss that was
-    /// not a number.
+    /// What the choice compared for this LR (lower is better); 1e6 for a loss that was
+    /// not a number. Where some candidates of a stage had no credible forecast, every
+    /// candidate is compared by its observed loss.
     #[serde(default)]
     pub score: Option<f64>,
     /// Where `score` came from. Records stored before this field read as `forecast`.
@@ -507,11 +508,13 @@ pub enum CandidateScore {
     /// The curve's forecast at τ (the paper's method), judged credible.
     #[default]
     Forecast,
-    /// The forecast was not credible (or the validation guard applied): the smoothed
-    /// observed loss at the end of the window.
+    /// The forecast was not credible (or the validation guard applied, or another
+    /// candidate of the stage had no credible forecast): the observed loss at the end of
+    /// the window (the mean of the last 10 training losses, or the last validation loss).
     Observed,
-    /// The loss was not a number (scored 1e6) or rose over the window (scored its
-    /// smoothed observed loss): never chosen while a candidate that did not fail remains.
+    /// The loss was not a number (scored 1e6) or rose over the window beyond its noise
+    /// (scored its observed loss): never chosen while a candidate that did not fail
+    /// remains.
     Failed,
 }
 
@@ -543,7 +546,9 @@ pub struct LrStageRecord {
     /// `train_loss`, or `val_loss` once τ' has reached τ_max/10.
     pub metric: String,
     pub candidates: Vec<LrCandidate>,
-    /// The LR exploited (after any fallbacks, the one exploited last).
+    /// The LR exploited (after any fallbacks, the one exploited last). In a stage whose
+    /// search the budget cut short (`run_end` set) nothing was exploited: the best
+    /// candidate so far, or the one in progress if none had finished.
     pub chosen_lr: f64,
     /// Loss after the τ exploitation steps at `chosen_lr`, once they are done: the
     /// smoothed training loss, or the validation loss when `metric` is `val_loss`.
@@ -557,6 +562,11 @@ pub struct LrStageRecord {
     /// Exploitations abandoned for divergence, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fallbacks: Vec<LrFallback>,
+    /// Set on the stage the run ended in when the budget ran out with a model the run does
+    /// not keep (a search candidate's, or a diverged exploitation's): why, and that the
+    /// run ended on the stage's snapshot, the last model it kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_end: Option<String>,
 }
 
 /// A stored stage as `GET /api/v1/jobs/{id}/lr-stages` lists it.
@@ -668,5 +678,6 @@ mod tests {
         let record: LrStageRecord = serde_json::from_str(old).unwrap();
         assert_eq!(record.candidates[0].scored_by, CandidateScore::Forecast);
         assert!(record.fallbacks.is_empty() && record.forecast_error.is_none());
+        assert_eq!(record.run_end, None);
     }
 }

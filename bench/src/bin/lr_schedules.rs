@@ -47,6 +47,19 @@ struct Cli {
     /// Run only the fine-tuning task.
     #[arg(long)]
     skip_sanity: bool,
+    /// Run only these problems, of `finetune`, `digits`, `wine`.
+    #[arg(long, value_delimiter = ',', default_value = "finetune,digits,wine")]
+    problems: Vec<String>,
+    /// Run only the configurations of these groups (`default`, `grid`, `autolrs`); a
+    /// problem whose target is its default recipe's result runs that recipe anyway.
+    #[arg(long, value_delimiter = ',')]
+    groups: Option<Vec<String>>,
+    /// The budget of the digits and wine runs, in steps.
+    #[arg(long, default_value_t = 3000)]
+    sanity_budget: u64,
+    /// Print each AutoLRS run's stages (candidates, scores, choice, fallbacks).
+    #[arg(long)]
+    stages: bool,
     /// Where the assets are (default: .assets, or $TESSERA_ASSETS).
     #[arg(long)]
     assets: Option<PathBuf>,
@@ -372,6 +385,18 @@ fn embedded_reviews(assets: &Path) -> anyhow::Result<Table> {
     Ok(Table::parse(csv.as_bytes())?)
 }
 
+/// The configurations of the groups asked for (all without `--groups`); `keep_first`
+/// keeps the first, whose result is the problem's target.
+fn selected(configs: Vec<Config>, groups: &Option<Vec<String>>, keep_first: bool) -> Vec<Config> {
+    let Some(groups) = groups else { return configs };
+    configs
+        .into_iter()
+        .enumerate()
+        .filter(|(i, c)| (keep_first && *i == 0) || groups.iter().any(|g| g == c.group))
+        .map(|(_, c)| c)
+        .collect()
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let assets = cli.assets.clone().unwrap_or_else(|| {
@@ -403,7 +428,7 @@ fn main() -> anyhow::Result<()> {
         hidden: &[256],
         optimizer: ADAMW,
         kind: TaskKind::Classification,
-        configs: finetune_configs(ft_budget),
+        configs: selected(finetune_configs(ft_budget), &cli.groups, true),
         setup: format!(
             "{} reviews (fresh/rotten), 20 % held out per seed; encoder frozen, its normalised mean-pooled embeddings cached once; head MLP 384 → 256 → 2 (ReLU); AdamW β (0.9, 0.999), weight decay 0.01; batch {FT_BATCH}; {FT_EPOCHS} epochs = {ft_budget} steps; warm-up 10 % of the run for linear and cosine",
             reviews.rows.len()
@@ -411,16 +436,20 @@ fn main() -> anyhow::Result<()> {
     };
     let seeds: Vec<u64> = (1..=cli.seeds).collect();
     let write = |markdown: &str, results: &[Value]| write_results(&started, markdown, results);
-    let (text, value) = run_problem(
-        &finetune,
-        &reviews,
-        &label_task("label", TaskKind::Classification),
-        &seeds,
-        &mut |text, value| write(text, std::slice::from_ref(value)),
-    )?;
-    markdown += &text;
-    results.push(value);
-    write(&markdown, &results)?;
+    let wanted = |name: &str| cli.problems.iter().any(|p| p == name);
+    if wanted("finetune") {
+        let (text, value) = run_problem(
+            &finetune,
+            &reviews,
+            &label_task("label", TaskKind::Classification),
+            &seeds,
+            cli.stages,
+            &mut |text, value| write(text, std::slice::from_ref(value)),
+        )?;
+        markdown += &text;
+        results.push(value);
+        write(&markdown, &results)?;
+    }
 
     if !cli.skip_sanity {
         let sanity_seeds: Vec<u64> = (1..=cli.sanity_seeds).collect();
@@ -430,13 +459,13 @@ fn main() -> anyhow::Result<()> {
                     name: "digits (sanity)",
                     metric: "accuracy",
                     target: Target::Fixed(0.98),
-                    budget: 1500,
+                    budget: cli.sanity_budget,
                     eval_every: 10,
                     batch: 32,
                     hidden: &[64],
                     optimizer: SGD,
                     kind: TaskKind::Classification,
-                    configs: sanity_configs(),
+                    configs: selected(sanity_configs(), &cli.groups, false),
                     setup: "scikit-learn's 1797 8×8 digits, 20 % held out; MLP hidden [64]; SGD momentum 0.9; batch 32"
                         .into(),
                 },
@@ -448,26 +477,27 @@ fn main() -> anyhow::Result<()> {
                     name: "wine quality, red (sanity)",
                     metric: "rmse",
                     target: Target::Fixed(0.65),
-                    budget: 1500,
+                    budget: cli.sanity_budget,
                     eval_every: 10,
                     batch: 32,
                     hidden: &[32],
                     optimizer: SGD,
                     kind: TaskKind::Regression,
-                    configs: sanity_configs(),
+                    configs: selected(sanity_configs(), &cli.groups, false),
                     setup: "1599 red wines, 20 % held out; MLP hidden [32]; SGD momentum 0.9; batch 32".into(),
                 },
                 "winequality-red.csv",
                 label_task("quality", TaskKind::Regression),
             ),
         ];
-        for (problem, file, task) in &sanity {
+        let key = |file: &str| if file.starts_with("digits") { "digits" } else { "wine" };
+        for (problem, file, task) in sanity.iter().filter(|(_, file, _)| wanted(key(file))) {
             let path = assets.join("datasets").join(file);
             let bytes =
                 std::fs::read(&path).with_context(|| format!("{}: run scripts/fetch-datasets.sh", path.display()))?;
             let so_far = (markdown.clone(), results.clone());
             let (text, value) =
-                run_problem(problem, &Table::parse(&bytes)?, task, &sanity_seeds, &mut |text, value| {
+                run_problem(problem, &Table::parse(&bytes)?, task, &sanity_seeds, cli.stages, &mut |text, value| {
                     let mut all = so_far.1.clone();
                     all.push(value.clone());
                     write(&(so_far.0.clone() + text), &all)
@@ -504,7 +534,8 @@ fn write_results(started: &Instant, markdown: &str, results: &[Value]) -> anyhow
          rows tagged `search`) do not count, since the search restores them away. The \"exploit-only\" reading counts only the \
          steps tagged `exploit` before that point (the search for free). Speed-ups are per seed (baseline steps / AutoLRS steps), \
          summarised by their geometric mean with a 95 % t-interval over the seeds (paired: same seed, same split and \
-         initialisation). A run that diverged has no final metric; AutoLRS restores a diverged exploitation and goes on.\n\n",
+         initialisation). A run that diverged has no final metric; AutoLRS restores a diverged exploitation and goes on, and a run \
+         whose budget ends inside a search (or on a diverged exploitation) ends on the stage snapshot, its last kept model.\n\n",
         machine()
     );
     std::fs::write(out.join("lr_schedules.md"), header + markdown)?;
@@ -533,6 +564,7 @@ fn run_problem(
     table: &Table,
     task: &TaskColumns,
     seeds: &[u64],
+    print_stages: bool,
     partial: &mut dyn FnMut(&str, &Value) -> anyhow::Result<()>,
 ) -> anyhow::Result<(String, Value)> {
     let datas: Vec<Arc<Prepared>> =
@@ -583,6 +615,11 @@ fn run_problem(
                 .join(", "),
             row.runs.iter().map(|r| r.seconds).sum::<f64>(),
         );
+        if print_stages {
+            for (seed, run) in seeds.iter().zip(&row.runs) {
+                print_run_stages(*seed, run);
+            }
+        }
         rows.push(row);
         if index + 1 < problem.configs.len() {
             let (text, value) = summarise(problem, seeds, &targets, &rows);
@@ -593,6 +630,45 @@ fn run_problem(
         }
     }
     Ok(summarise(problem, seeds, &targets, &rows))
+}
+
+/// One AutoLRS run's stages, a line per candidate, for `--stages`.
+fn print_run_stages(seed: u64, run: &Run) {
+    for s in &run.stages {
+        println!(
+            "  seed {seed} stage {} from step {} (τ'={} τ={} {}): chose {:.3e}, after τ {}, error {}{}",
+            s.stage,
+            s.start_step,
+            s.tau_prime,
+            s.tau,
+            s.metric,
+            s.chosen_lr,
+            s.observed_loss_after_tau.map_or("–".into(), |v| format!("{v:.4}")),
+            s.forecast_error.map_or("–".into(), |v| format!("{v:+.4}")),
+            s.run_end.as_deref().map_or(String::new(), |r| format!("; run end: {r}")),
+        );
+        for c in &s.candidates {
+            println!(
+                "    lr {:.3e} score {} by {:?} (forecast {}, observed {}){}",
+                c.lr,
+                c.score.map_or("–".into(), |v| format!("{v:.4}")),
+                c.scored_by,
+                c.forecast_loss.map_or("–".into(), |v| format!("{v:.4}")),
+                c.observed_loss.map_or("–".into(), |v| format!("{v:.4}")),
+                c.note.as_deref().map_or(String::new(), |n| format!(" — {n}")),
+            );
+        }
+        for f in &s.fallbacks {
+            println!("    fallback from {:.3e} at step {} after {} steps: {}", f.lr, f.at_step, f.steps, f.reason);
+        }
+    }
+    let kept: Vec<String> = run
+        .evals
+        .iter()
+        .filter(|e| e.phase != Some(StepPhase::Search))
+        .map(|e| format!("{}:{:.3}", e.step, e.value))
+        .collect();
+    println!("  seed {seed} kept-model evaluations: {}", kept.join(" "));
 }
 
 /// Ranks configurations: most seeds reaching the target, then fewest mean steps.
@@ -655,22 +731,28 @@ fn summarise(problem: &Problem, seeds: &[u64], targets: &[f64], rows: &[Row]) ->
         let count = |kind: CandidateScore| candidates.iter().filter(|c| c.scored_by == kind).count();
         let fallbacks: usize = stages.iter().map(|s| s.fallbacks.len()).sum();
         let errors: Vec<f64> = stages.iter().filter_map(|s| s.forecast_error).map(f64::abs).collect();
+        let ended_on_snapshot = row.runs.iter().filter(|r| r.stages.iter().any(|s| s.run_end.is_some())).count();
+        let unsearched = stages.iter().filter(|s| s.tau_prime == 0).count();
         text += &format!(
             "**{}**: {}. Speed-up in steps to target, search steps counted: {} vs the best default, {} vs the best grid \
-             configuration. Exploit-only reading vs the best default: {}. Diverged runs: {}/{n}. Candidates scored by their \
-             forecast {}, by the smoothed observed loss (forecast not credible) {}, failed {}; exploitation fallbacks {} over {} \
-             stages; mean |forecast error| after τ {}.\n\n",
+             configuration. Exploit-only reading vs the best default: {}. Diverged runs: {}/{n}; runs that ended on a stage snapshot \
+             (budget inside a search, or a diverged exploitation at the end): {}/{n}. Candidates scored by their forecast {}, by \
+             their observed loss (forecast not credible, or a stage comparing observed losses) {}, failed {}; exploitation \
+             fallbacks {} over {} stages, {} of them (at the budget's end) without a search; mean |forecast error| after τ \
+             {}.\n\n",
             label(row.config),
             describe(row),
             vs_default.text(),
             vs_grid.text(),
             exploit_only.text(),
             row.diverged(),
+            ended_on_snapshot,
             count(CandidateScore::Forecast),
             count(CandidateScore::Observed),
             count(CandidateScore::Failed),
             fallbacks,
             stages.len(),
+            unsearched,
             if errors.is_empty() { "–".into() } else { format!("{:.4}", mean(&errors)) },
         );
         summary[row.config.family] = json!({
@@ -683,6 +765,8 @@ fn summarise(problem: &Problem, seeds: &[u64], targets: &[f64], rows: &[Row]) ->
             "candidates_by_observed": count(CandidateScore::Observed),
             "candidates_failed": count(CandidateScore::Failed),
             "fallbacks": fallbacks,
+            "runs_ended_on_stage_snapshot": ended_on_snapshot,
+            "stages_without_search": unsearched,
             "stages": stages.len(),
             "mean_abs_forecast_error": if errors.is_empty() { Value::Null } else { json!(mean(&errors)) },
         });

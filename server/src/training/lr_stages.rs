@@ -19,8 +19,11 @@ fn check(record: &LrStageRecord) -> Result<()> {
     if !positive(record.chosen_lr) {
         return Err(invalid("chosen_lr must be a positive number."));
     }
-    if record.candidates.is_empty() || record.candidates.len() > 1000 {
-        return Err(invalid("A stage has 1 to 1000 candidates."));
+    // A last stage fitted to the budget may have no search (τ' = 0), and one the budget
+    // cut short (`run_end`) may have ended before its first candidate finished.
+    let searchless = record.tau_prime == 0 || record.run_end.is_some();
+    if (record.candidates.is_empty() && !searchless) || record.candidates.len() > 1000 {
+        return Err(invalid("A stage has 1 to 1000 candidates (none only with tau_prime 0 or run_end set)."));
     }
     if record.candidates.iter().any(|c| !positive(c.lr)) {
         return Err(invalid("Every candidate's lr must be a positive number."));

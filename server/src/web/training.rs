@@ -100,6 +100,8 @@ pub struct StageRow {
     pub forecast_error: String,
     pub candidates: Vec<CandidateRow>,
     pub fallbacks: Vec<FallbackRow>,
+    /// Why the run ended on this stage's snapshot (empty if it did not).
+    pub run_end: String,
     /// An inline SVG plot: forecast (circles) vs observed (squares) loss over log-LR.
     pub plot: String,
 }
@@ -237,6 +239,7 @@ pub async fn view(state: &AppState, job: &Job) -> Result<Option<TrainingView>> {
                     reason: f.reason.clone(),
                 })
                 .collect(),
+            run_end: s.record.run_end.clone().unwrap_or_default(),
             plot: stage_plot(s),
         })
         .collect();

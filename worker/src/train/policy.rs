@@ -76,10 +76,9 @@ impl AutoLrsPolicy {
         self.state.progress = Progress::default();
         Ok(())
     }
-}
 
-impl LrPolicy for AutoLrsPolicy {
-    fn next(&mut self, _step: u64) -> Result<Directive, String> {
+    /// Tells the controller of the snapshot or restore the session did since the last call.
+    fn acknowledge(&mut self) -> Result<(), String> {
         if self.state.progress.awaiting_ack {
             let report = match self.state.tuner.action() {
                 Action::Snapshot => Report::SnapshotTaken,
@@ -88,6 +87,13 @@ impl LrPolicy for AutoLrsPolicy {
             };
             self.report(report)?;
         }
+        Ok(())
+    }
+}
+
+impl LrPolicy for AutoLrsPolicy {
+    fn next(&mut self, _step: u64) -> Result<Directive, String> {
+        self.acknowledge()?;
         let progress = &mut self.state.progress;
         Ok(match self.state.tuner.action() {
             Action::Snapshot => {
@@ -170,6 +176,11 @@ impl LrPolicy for AutoLrsPolicy {
         Ok(())
     }
 
+    fn finish(&mut self, val_loss: f64) -> Result<bool, String> {
+        self.acknowledge()?;
+        Ok(self.state.tuner.finish(val_loss).is_some())
+    }
+
     /// A candidate that blows up scores 1e6; an exploitation that does is restored.
     fn recovers_from_divergence(&self) -> bool {
         matches!(self.state.tuner.action(), Action::TrainCandidate { .. } | Action::TrainStage { .. })
@@ -196,7 +207,7 @@ pub fn build(spec: &LrSchedule, max_steps: u64, seed: u64) -> Box<dyn LrPolicy> 
         }
         LrSchedule::Autolrs { min_lr, max_lr, tau_prime, tau, k, tau_max } => {
             let config = AutoLrsConfig { min_lr, max_lr, tau_prime, tau, k, tau_max };
-            Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed)))
+            Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed).with_budget(max_steps)))
         }
     }
 }

@@ -5,7 +5,9 @@
 //! tests just collect them.
 //!
 //! Every optimizer step counts, AutoLRS search steps included: the step number only ever
-//! grows, and a restored stage snapshot rewinds the model, never the step count.
+//! grows, and a restored stage snapshot rewinds the model, never the step count. A run
+//! whose budget ends inside a search, or on a diverged exploitation, ends on the stage
+//! snapshot (the last model it kept), never on a candidate's or a diverged model.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +49,13 @@ pub trait LrPolicy: Send {
     /// end of the run.
     fn recovers_from_divergence(&self) -> bool {
         false
+    }
+    /// The budget is spent and the model in hand evaluates to `val_loss`: whether the run
+    /// must end on the stage snapshot instead (a tuner's search candidate, or a diverged
+    /// exploitation), the policy's stage record saying why. Only a policy that takes
+    /// snapshots asks for it.
+    fn finish(&mut self, _val_loss: f64) -> Result<bool, String> {
+        Ok(false)
     }
     /// What the current step is spent on, recorded with its metrics (AutoLRS only).
     fn phase(&self) -> Option<StepPhase> {
@@ -231,9 +240,118 @@ impl Session {
                 }
             }
         }
-        match last_eval {
-            Some((step, evaluation)) if step == self.step => Ok(evaluation),
-            _ => self.evaluate(self.policy.phase(), emit),
+        let evaluation = match last_eval {
+            Some((step, evaluation)) if step == self.step => evaluation,
+            _ => self.evaluate(self.policy.phase(), emit)?,
+        };
+        self.end_on_a_kept_model(evaluation, emit)
+    }
+
+    /// The run never ends on a model its policy would not keep: where the policy says so,
+    /// the stage snapshot goes back, is evaluated (the row replaces the last one at this
+    /// step, tagged `exploit`: a kept model) and checkpointed.
+    fn end_on_a_kept_model(
+        &mut self,
+        evaluation: Evaluation,
+        emit: &mut dyn FnMut(Event),
+    ) -> Result<Evaluation, SessionError> {
+        let restore = self.policy.finish(evaluation.val_loss).map_err(SessionError::Policy)?;
+        let evaluation = match &self.stage {
+            Some(stage) if restore => {
+                self.trainer.restore(stage)?;
+                let phase = self.policy.phase().map(|_| StepPhase::Exploit);
+                let evaluation = self.evaluate(phase, emit)?;
+                emit(Event::Checkpoint(self.checkpoint()?));
+                evaluation
+            }
+            _ => evaluation,
+        };
+        for record in self.policy.take_stage_updates() {
+            emit(Event::Stage(record));
         }
+        Ok(evaluation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_api::train::LrSchedule;
+
+    use super::*;
+    use crate::train::data::{prepare, Table, TaskColumns, TaskKind};
+    use crate::train::model::mlp::Mlp;
+    use crate::train::optim::OptimizerKind;
+    use crate::train::policy;
+
+    fn trainer() -> Trainer {
+        let mut csv = String::from("x1,x2,y\n");
+        for i in 0..64 {
+            let (a, b) = ((i % 8) as f64 / 8.0, (i / 8) as f64 / 8.0);
+            csv += &format!("{a},{b},{}\n", 2.0 * a - b);
+        }
+        let task = TaskColumns {
+            kind: TaskKind::Regression,
+            label: "y".into(),
+            features: None,
+            text: None,
+            validation_split: 0.25,
+        };
+        let data = Arc::new(prepare(&Table::parse(csv.as_bytes()).unwrap(), &task, 1).unwrap());
+        let sgd = OptimizerKind::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+        let mlp = Mlp::new(data.input_dim(), &[8], 1, 1, &Device::Cpu).unwrap();
+        Trainer::new(Box::new(mlp), sgd, data, TaskKind::Regression, 8, 1, Device::Cpu).unwrap()
+    }
+
+    fn run(schedule: &LrSchedule, max_steps: u64) -> (Evaluation, Vec<Event>) {
+        let limits = Limits { max_steps, eval_every: 5, checkpoint_every: u64::MAX };
+        let mut session = Session::new(trainer(), policy::build(schedule, max_steps, 1), limits);
+        let mut events = Vec::new();
+        let evaluation = session.run(&AtomicBool::new(false), &mut |e| events.push(e)).unwrap();
+        (evaluation, events)
+    }
+
+    /// Every LR of the range blows the model up within a few steps, and the budget ends
+    /// in the first stage's search: the run ends on the model it started from, not on
+    /// the candidate it was training.
+    #[test]
+    fn a_budget_that_ends_inside_a_search_ends_on_the_stage_snapshot() {
+        let start = trainer().evaluate().unwrap();
+        let schedule = LrSchedule::Autolrs { min_lr: 1e3, max_lr: 1e4, tau_prime: 10, tau: 100, k: 10, tau_max: 800 };
+        let (evaluation, events) = run(&schedule, 25);
+        assert!(evaluation.val_loss.is_finite(), "{evaluation:?}");
+        assert_eq!(evaluation, start);
+        // The last evaluation row measured the kept model.
+        let last = events
+            .iter()
+            .rev()
+            .find_map(|e| match e {
+                Event::Eval(row) => Some(row),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!((last.step, last.phase), (25, Some(StepPhase::Exploit)));
+        assert_eq!(last.values["val_loss"], start.val_loss);
+        // The stage's record says why, with the two candidates that finished.
+        let record = events
+            .iter()
+            .rev()
+            .find_map(|e| match e {
+                Event::Stage(record) => Some(record),
+                _ => None,
+            })
+            .expect("a stage record");
+        let why = record.run_end.as_deref().expect("run_end is set");
+        assert!(why.contains("candidate 3 of 10") && why.contains("snapshot"), "{why}");
+        assert_eq!(record.candidates.len(), 2);
+        assert_eq!(record.observed_loss_after_tau, None);
+    }
+
+    #[test]
+    fn a_fixed_schedule_ends_on_its_last_model() {
+        let (evaluation, events) = run(&LrSchedule::Constant { lr: 0.05 }, 20);
+        assert!(evaluation.val_loss < trainer().evaluate().unwrap().val_loss);
+        assert!(!events.iter().any(|e| matches!(e, Event::Stage(_))));
     }
 }

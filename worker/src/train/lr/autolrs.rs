@@ -23,26 +23,51 @@
 //! instead of the forecast. Departures:
 //! - A forecast counts only where it is credible ([`super::forecast::Forecast::judge`]:
 //!   the fit follows the curve, stays at or above 0, and does not extrapolate a drop
-//!   the window never showed); otherwise the candidate scores its smoothed observed loss
-//!   at the end of the window, and the record says so (`scored_by`, `note`). A curve too
-//!   short to fit (under four points, only possible with a tiny `τ'`) scores its
-//!   observed loss.
-//! - A candidate whose smoothed loss rises over its window fails: it is never chosen
-//!   (nor fallen back to) while one that did not fail remains. The GP is told its
-//!   smoothed observed loss, not 1e6: later stages start from a low loss that most LRs
-//!   raise, and a stage of 1e6 scores leaves the normalised GP nothing to model (its
-//!   proposals then alternate between the range's ends).
+//!   the window never showed); otherwise the candidate scores its observed loss (the
+//!   mean of its last [`OBSERVED_WINDOW`] training losses, the code's `current_loss`; in
+//!   the validation phase its last validation loss), and the record says so
+//!   (`scored_by`, `note`). A curve too short to fit (under four points, only possible
+//!   with a tiny `τ'`) scores its observed loss. (Until 2026-11-25 the score was the
+//!   smoothing spline's end, which on a noisy curve can miss the losses by more than
+//!   their spread: digits chose an LR on a score of −0.44.)
+//! - The choice compares like with like: where some candidates that did not fail are
+//!   scored by their observed loss, those with a credible forecast are re-scored by
+//!   theirs too (the record notes it). A forecast at `τ` lies below the same curve's
+//!   loss at `τ'` whenever the curve still falls, so mixing the two favoured whichever
+//!   candidates had a credible forecast (smooth, bending curves) over those still
+//!   falling fast, which are the better LRs early on. All candidates see the same
+//!   batches (see below), so their observed losses compare fairly. Where every forecast
+//!   is credible, the paper's choice stands.
+//! - A candidate whose smoothed loss rises over its window, beyond the curve's noise,
+//!   fails: it is never chosen (nor fallen back to) while one that did not fail
+//!   remains. The GP is told its observed loss, not 1e6: later stages start from a low
+//!   loss that most LRs raise, and a stage of 1e6 scores leaves the normalised GP
+//!   nothing to model (its proposals then alternate between the range's ends).
+//! - With the run's budget known ([`AutoLrs::with_budget`]), a stage that would not
+//!   fit in the steps left is shrunk to fit: `τ'` and `τ` scaled down together while
+//!   `τ'` stays at least the configured one; with fewer steps left than that, the last
+//!   stage has no search and exploits the previous stage's LR to the end (its record
+//!   lists no candidates and `tau_prime` 0). The authors' schedule (τ = 1000, 2000,
+//!   4000, 8000, …) ignores the budget, so a run usually ends inside a search whose
+//!   steps it then throws away.
 //! - An exploitation that diverges — a loss that is not a number, or the smoothed
 //!   (EMA, span [`EMA_SPAN`]) training loss above [`DIVERGENCE_FACTOR`] times the
 //!   stage's starting loss after [`EMA_SPAN`] steps — is abandoned: its steps count,
 //!   the snapshot is restored and the next-best candidate exploits a full `τ`; the
 //!   record lists each fallback. With every candidate tried, `min_lr` is exploited;
 //!   should that diverge too, the stage ends at its snapshot.
-//!   The starting loss is the previous stage's smoothed exploitation loss, or in the
-//!   first stage the loss of the first batch from the snapshot.
+//!   The reference is the highest of the previous stage's smoothed exploitation loss,
+//!   the snapshot's loss on the stage's first batch (every candidate's first loss) and
+//!   the observed losses of the candidates that did not fail: what the stage's own
+//!   batches cost the snapshot's model, not only what the last exploitation averaged.
 //! - After the τ steps, a stage measured in validation loss is evaluated once more
 //!   (`Evaluate`, no training step), so the forecast error compares like with like;
 //!   a training-loss stage uses its smoothed exploitation loss.
+//! - A run never ends on a model it would not keep: when the budget ends inside a search
+//!   (a candidate's model) or on an exploitation that diverged in its last steps (or
+//!   whose model evaluates to a number no longer), [`AutoLrs::finish`] has the trainer
+//!   put the stage snapshot back, and the stage's record says so (`run_end`). The
+//!   authors' code ends wherever the training loop stops.
 //! - The candidate's LR is used from its first step (the code's `ckpt`/`restore`
 //!   messages run one step at the previous LR).
 //!
@@ -61,7 +86,7 @@ use serde::{Deserialize, Serialize};
 use tessera_api::train::{CandidateScore, LrCandidate, LrFallback, LrStageRecord, StepPhase};
 
 use super::bayesopt::{self, LogRange, KAPPA};
-use super::forecast::{forecast, ForecastError, Verdict};
+use super::forecast::{forecast, ForecastError, Verdict, MIN_POINTS};
 use super::gp::GpError;
 use super::smoothing::CurveKind;
 use crate::train::rng::Rng;
@@ -249,9 +274,19 @@ pub struct AutoLrs {
     #[serde(default)]
     start_loss: Option<f64>,
     history: Vec<LrStageRecord>,
+    /// The run's steps in all, when known: the last stage is fitted to what is left.
+    #[serde(default)]
+    budget: Option<u64>,
 }
 
 impl AutoLrs {
+    /// A tuner for a run of `budget` steps: the stage the budget would cut is shrunk to
+    /// fit it (see the module comment).
+    pub fn with_budget(mut self, budget: u64) -> AutoLrs {
+        self.budget = Some(budget);
+        self
+    }
+
     pub fn new(config: AutoLrsConfig, seed: u64) -> AutoLrs {
         AutoLrs {
             config,
@@ -267,6 +302,7 @@ impl AutoLrs {
             init_loss: None,
             start_loss: None,
             history: Vec::new(),
+            budget: None,
         }
     }
 
@@ -295,7 +331,18 @@ impl AutoLrs {
             (Phase::Snapshot, Report::SnapshotTaken) => {
                 self.stage_start = self.steps;
                 self.tried.clear();
-                self.phase = self.next_candidate()?;
+                self.phase = match self.fit_to_budget() {
+                    Some(lr) => {
+                        self.history.push(self.record(lr));
+                        Phase::Stage {
+                            lr,
+                            remaining: self.tau,
+                            done: 0,
+                            smoothed: None,
+                        }
+                    }
+                    None => self.next_candidate()?,
+                };
             }
             (Phase::Candidate { unit, lr }, Report::CandidateTrained { curve }) => {
                 if curve.is_empty() {
@@ -364,6 +411,54 @@ impl AutoLrs {
             }
         }
         Ok(self.action())
+    }
+
+    /// The budget is spent, with the model in hand whose validation loss is `val_loss`:
+    /// `None` if the run may end on it, or why not. A search candidate's model is never
+    /// kept (the search would have restored it away), nor one whose exploitation
+    /// diverged, nor one whose validation loss is not a number; the trainer then puts the
+    /// stage snapshot back, the last model the run kept (the previous stage's exploited
+    /// model, or the one it started from), and the stage's record says so (`run_end`).
+    /// An exploitation still running keeps its model if that evaluates to a number.
+    pub fn finish(&mut self, val_loss: f64) -> Option<String> {
+        let k = self.config.k;
+        let reason = match self.phase {
+            Phase::Candidate { lr, .. } => format!(
+                "the budget ended in the search, in candidate {} of {k} (lr {lr:.3e})",
+                self.tried.len() + 1
+            ),
+            Phase::Restore => format!(
+                "the budget ended in the search, after candidate {} of {k}",
+                self.tried.len()
+            ),
+            Phase::Fallback { .. } => {
+                let last = self.history.last().and_then(|r| r.fallbacks.last());
+                format!(
+                    "the exploitation diverged in the last steps ({})",
+                    last.map_or("", |f| f.reason.as_str())
+                )
+            }
+            _ if !val_loss.is_finite() => {
+                format!("the exploited model's validation loss is {val_loss}")
+            }
+            _ => return None,
+        };
+        let reason = format!("{reason}: the run ends on the stage's snapshot");
+        let searching = matches!(self.phase, Phase::Candidate { .. } | Phase::Restore);
+        // Asked again (a run resumed from its final checkpoint), the record is there.
+        if searching && self.history.last().map(|r| r.stage) != Some(self.stage) {
+            // The stage's record as far as its search went; nothing was exploited.
+            let chosen_lr = match (self.ranking().first(), self.phase) {
+                (Some(&best), _) => self.tried[best].record.lr,
+                (None, Phase::Candidate { lr, .. }) => lr,
+                (None, _) => self.config.min_lr,
+            };
+            self.history.push(self.record(chosen_lr));
+        }
+        if let Some(record) = self.history.last_mut() {
+            record.run_end = Some(reason.clone());
+        }
+        Some(reason)
     }
 
     /// Steps trained so far, candidates' included.
@@ -456,13 +551,13 @@ impl AutoLrs {
                 Some("too few points to fit".to_string()),
             ),
             Ok(f) => match f.judge() {
-                Verdict::Rising(why) => (f.smoothed_last, CandidateScore::Failed, Some(why)),
+                Verdict::Rising(why) => (observed, CandidateScore::Failed, Some(why)),
                 _ if guarded => (
                     observed,
                     CandidateScore::Observed,
                     Some("the validation loss reached the loss AutoLRS started from".to_string()),
                 ),
-                Verdict::NotCredible(why) => (f.smoothed_last, CandidateScore::Observed, Some(why)),
+                Verdict::NotCredible(why) => (observed, CandidateScore::Observed, Some(why)),
                 Verdict::Credible => (f.loss, CandidateScore::Forecast, None),
             },
         };
@@ -503,15 +598,105 @@ impl AutoLrs {
         order
     }
 
+    /// Puts the stage's candidates on one footing before the choice: where a candidate
+    /// that did not fail is scored by its observed loss, those scored by a forecast are
+    /// re-scored by theirs (the GP was told their forecasts; the choice compares like
+    /// with like).
+    fn compare_like_with_like(&mut self) {
+        let live = || self.tried.iter().filter(|t| !t.failed);
+        let observed = live()
+            .filter(|t| t.record.scored_by == CandidateScore::Observed)
+            .count();
+        let forecast = live()
+            .filter(|t| t.record.scored_by == CandidateScore::Forecast)
+            .count();
+        if observed == 0 || forecast == 0 {
+            return;
+        }
+        let note = format!(
+            "forecast credible, but {observed} of {} candidates had none: the stage compares observed losses",
+            observed + forecast
+        );
+        for tried in self.tried.iter_mut().filter(|t| !t.failed) {
+            let record = &mut tried.record;
+            if let (CandidateScore::Forecast, Some(loss)) = (record.scored_by, record.observed_loss)
+            {
+                tried.score = loss;
+                record.score = Some(loss);
+                record.scored_by = CandidateScore::Observed;
+                record.note = Some(note.clone());
+            }
+        }
+    }
+
     fn close_search(&mut self) -> Phase {
+        self.compare_like_with_like();
         let best = &self.tried[self.ranking()[0]];
         let lr = best.record.lr;
-        if self.start_loss.is_none() {
-            let firsts: Vec<f64> = self.tried.iter().filter_map(|t| t.first_loss).collect();
-            self.start_loss =
-                (!firsts.is_empty()).then(|| firsts.iter().sum::<f64>() / firsts.len() as f64);
+        // What the snapshot's model does on the stage's own batches raises the
+        // reference: its loss on the first batch (every candidate's first loss), and the
+        // losses the candidates that did not fail reached. Judged against the previous
+        // exploitation's smoothed loss alone, a stage starting from a model worse than
+        // that figure said (a loss climbing in its last steps, or batches much harder
+        // than the ones it was smoothed over) saw every LR down to `min_lr` "diverge"
+        // and fell back through all of them (digits, 2026-11-25: 45 fallbacks).
+        let firsts: Vec<f64> = self.tried.iter().filter_map(|t| t.first_loss).collect();
+        let snapshot =
+            (!firsts.is_empty()).then(|| firsts.iter().sum::<f64>() / firsts.len() as f64);
+        let reached = self
+            .tried
+            .iter()
+            .filter(|t| !t.failed)
+            .filter_map(|t| t.record.observed_loss)
+            .fold(None, |worst: Option<f64>, l| {
+                Some(worst.map_or(l, |w| w.max(l)))
+            });
+        self.start_loss = [self.start_loss, snapshot, reached]
+            .into_iter()
+            .flatten()
+            .fold(None, |high: Option<f64>, l| {
+                Some(high.map_or(l, |h| h.max(l)))
+            });
+        self.history.push(self.record(lr));
+        Phase::Stage {
+            lr,
+            remaining: self.tau,
+            done: 0,
+            smoothed: None,
         }
-        self.history.push(LrStageRecord {
+    }
+
+    /// Fits a stage that the budget would cut to the steps left: `τ'` and `τ` shrink in
+    /// proportion while `τ'` stays at least the configured one; below that, `Some(lr)`:
+    /// the stage has no search and exploits the previous stage's choice to the end.
+    fn fit_to_budget(&mut self) -> Option<f64> {
+        let remaining = self.budget?.saturating_sub(self.steps);
+        let k = u64::from(self.config.k);
+        let full = k * self.tau_prime + self.tau;
+        if remaining == 0 || remaining >= full {
+            return None;
+        }
+        let tau_prime = self.tau_prime * remaining / full;
+        match self.history.last() {
+            Some(previous) if tau_prime < self.config.tau_prime => {
+                let lr = previous.chosen_lr;
+                self.tau_prime = 0;
+                self.tau = remaining;
+                Some(lr)
+            }
+            // The first stage always searches, however short.
+            _ if tau_prime >= MIN_POINTS as u64 => {
+                self.tau_prime = tau_prime;
+                self.tau = remaining - k * tau_prime;
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// The current stage's record, its candidates as far as the search went.
+    fn record(&self, chosen_lr: f64) -> LrStageRecord {
+        LrStageRecord {
             stage: self.stage,
             start_step: self.stage_start,
             tau_prime: self.tau_prime,
@@ -523,16 +708,11 @@ impl AutoLrs {
             }
             .to_string(),
             candidates: self.tried.iter().map(|t| t.record.clone()).collect(),
-            chosen_lr: lr,
+            chosen_lr,
             observed_loss_after_tau: None,
             forecast_error: None,
             fallbacks: Vec::new(),
-        });
-        Phase::Stage {
-            lr,
-            remaining: self.tau,
-            done: 0,
-            smoothed: None,
+            run_end: None,
         }
     }
 
@@ -953,7 +1133,7 @@ mod tests {
     /// The digits stage: a curve still falling in a straight line was forecast
     /// far below 0 and chosen over curves that had settled lower than it had reached.
     #[test]
-    fn a_forecast_that_is_not_credible_scores_the_smoothed_observed_loss() {
+    fn a_forecast_that_is_not_credible_scores_the_observed_loss() {
         let config = AutoLrsConfig { k: 2, ..config() };
         let mut tuner = AutoLrs::new(config, 1);
         let straight: Vec<f64> = (0..100).map(|t| 1.2 - 0.006 * t as f64).collect();
@@ -968,11 +1148,103 @@ mod tests {
             line.note.as_deref().unwrap().contains("below 0"),
             "{line:?}"
         );
-        assert!((line.score.unwrap() - 0.606).abs() < 0.01, "{line:?}");
+        // The mean of its last 10 losses (1.2 − 0.006 · 94.5), not the smoothed end.
+        assert!((line.score.unwrap() - 0.633).abs() < 1e-9, "{line:?}");
+        assert_eq!(line.score, line.observed_loss);
         assert!(line.forecast_loss.unwrap() >= 0.0, "{line:?}");
-        assert_eq!(bent.scored_by, CandidateScore::Forecast);
-        assert!((bent.score.unwrap() - 0.45).abs() < 0.01, "{bent:?}");
+        // The settled curve's forecast was credible, but the stage compares observed
+        // losses: it is chosen on the loss it reached.
+        assert_eq!(bent.scored_by, CandidateScore::Observed);
+        assert!(bent.note.as_deref().unwrap().contains("compares observed"));
+        assert!(
+            (bent.forecast_loss.unwrap() - 0.45).abs() < 0.01,
+            "{bent:?}"
+        );
+        assert_eq!(bent.score, bent.observed_loss);
         assert_eq!(lr, bent.lr);
+    }
+
+    /// A credible forecast at τ is below the same curve's loss at τ': compared with a
+    /// curve scored by its observed loss it wins by that gap alone. Here the curve still
+    /// falling fast has reached a lower loss than the one that settled, and is chosen.
+    #[test]
+    fn a_stage_with_forecasts_and_observed_losses_compares_observed_losses() {
+        let config = AutoLrsConfig { k: 2, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        let settling = decay(2.0, 0.5, 0.03);
+        let falling: Vec<f64> = (0..100).map(|t| 1.1 - 0.006 * t as f64).collect();
+        let Action::TrainStage { lr, .. } = search(&mut tuner, &[settling, falling]) else {
+            panic!("the stage should start");
+        };
+        let record = &tuner.stages()[0];
+        let (settled, line) = (&record.candidates[0], &record.candidates[1]);
+        // Its forecast (0.5) is credible and below the falling curve's 0.533 …
+        assert!(
+            (settled.forecast_loss.unwrap() - 0.5).abs() < 0.01,
+            "{settled:?}"
+        );
+        assert!(settled.observed_loss.unwrap() > 0.57, "{settled:?}");
+        assert!((line.score.unwrap() - 0.533).abs() < 1e-9, "{line:?}");
+        // … but the losses reached decide.
+        assert_eq!(settled.score, settled.observed_loss);
+        assert_eq!(lr, line.lr);
+        // Where every forecast is credible, the forecasts decide (the paper).
+        let mut tuner = AutoLrs::new(config, 1);
+        let (slow, fast) = (decay(2.0, 0.3, 0.015), decay(2.0, 0.5, 0.2));
+        let Action::TrainStage { lr, .. } = search(&mut tuner, &[slow, fast]) else {
+            panic!("the stage should start");
+        };
+        let record = &tuner.stages()[0];
+        assert!(record
+            .candidates
+            .iter()
+            .all(|c| c.scored_by == CandidateScore::Forecast));
+        assert!(record.candidates[0].observed_loss > record.candidates[1].observed_loss);
+        assert_eq!(lr, record.candidates[0].lr);
+    }
+
+    #[test]
+    fn the_last_stage_is_fitted_to_the_budget() {
+        let (mut model, mut snapshot) = (Toy::new(), Toy::new());
+        // Stage 0 takes 2000 steps; stage 1 would take 4000 but 2000 are left: τ' = 100
+        // (the configured one) still fits, so τ' 200 → 100 and τ 2000 → 1000.
+        let mut tuner = AutoLrs::new(config(), 1).with_budget(4000);
+        while tuner.steps() < 4000 {
+            drive(&mut tuner, &mut model, &mut snapshot, 1);
+        }
+        let shape: Vec<(u64, u64, u64)> = tuner
+            .stages()
+            .iter()
+            .map(|s| (s.start_step, s.tau_prime, s.tau))
+            .collect();
+        assert_eq!(shape, [(0, 100, 1000), (2000, 100, 1000)]);
+        assert_eq!(tuner.stages()[1].candidates.len(), 10);
+        assert!(tuner.stages()[1].observed_loss_after_tau.is_some());
+        assert_eq!(tuner.steps(), 4000);
+
+        // With 600 left, a search of 10 candidates of 100 steps no longer fits: the last
+        // stage exploits stage 0's choice for the 600 steps.
+        let (mut model, mut snapshot) = (Toy::new(), Toy::new());
+        let mut tuner = AutoLrs::new(config(), 1).with_budget(2600);
+        let mut actions = Vec::new();
+        while tuner.steps() < 2600 {
+            actions.extend(drive(&mut tuner, &mut model, &mut snapshot, 1));
+        }
+        let last = &tuner.stages()[1];
+        assert_eq!((last.start_step, last.tau_prime, last.tau), (2000, 0, 600));
+        assert!(last.candidates.is_empty());
+        assert_eq!(last.chosen_lr, tuner.stages()[0].chosen_lr);
+        assert!(last.observed_loss_after_tau.is_some());
+        assert_eq!(candidate_lrs(&actions).len(), 10);
+        assert_eq!(tuner.steps(), 2600);
+        // Without a budget, the paper's schedule.
+        let (mut model, mut snapshot) = (Toy::new(), Toy::new());
+        let mut tuner = AutoLrs::new(config(), 1);
+        drive(&mut tuner, &mut model, &mut snapshot, STAGE_ACTIONS + 1);
+        assert!(matches!(
+            tuner.action(),
+            Action::TrainCandidate { steps: 200, .. }
+        ));
     }
 
     #[test]
@@ -995,6 +1267,44 @@ mod tests {
         // score is lower than the flat candidate's.
         assert!((record.candidates[0].score.unwrap() - 1.3).abs() < 0.01);
         assert_eq!(lr, record.candidates[1].lr);
+    }
+
+    /// Stage 0's exploitation ends on a smoothed loss of 1.0, but the model it leaves
+    /// has a loss of 3.0 on stage 1's first batch: an exploitation at 2.5 is improving
+    /// on the snapshot, not diverging.
+    #[test]
+    fn divergence_is_judged_against_the_snapshots_own_loss() {
+        let config = AutoLrsConfig { k: 1, ..config() };
+        let mut tuner = AutoLrs::new(config, 1);
+        search(&mut tuner, &[decay(2.0, 0.5, 0.1)]);
+        tuner
+            .report(Report::StageTrained {
+                steps: 1000,
+                loss: 1.0,
+            })
+            .unwrap();
+        search(&mut tuner, &[decay(3.0, 2.4, 0.1)]);
+        let mut action = tuner.action();
+        for _ in 0..2 * EMA_SPAN {
+            action = tuner
+                .report(Report::StageTrained {
+                    steps: 1,
+                    loss: 2.5,
+                })
+                .unwrap();
+        }
+        assert!(matches!(action, Action::TrainStage { .. }), "{action:?}");
+        assert!(tuner.stages()[1].fallbacks.is_empty());
+        // Well above the snapshot's loss, it still falls back.
+        while action != Action::Restore {
+            action = tuner
+                .report(Report::StageTrained {
+                    steps: 1,
+                    loss: 7.0,
+                })
+                .unwrap();
+        }
+        assert_eq!(tuner.stages()[1].fallbacks.len(), 1);
     }
 
     #[test]
@@ -1117,6 +1427,52 @@ mod tests {
         assert_eq!(record.fallbacks.len(), 2);
         assert_eq!(record.observed_loss_after_tau, None);
         assert_eq!(tuner.steps(), 100 + 2);
+    }
+
+    #[test]
+    fn a_run_ends_only_on_a_model_it_keeps() {
+        let config = AutoLrsConfig { k: 3, ..config() };
+        let curves = [decay(2.0, 0.8, 0.1), decay(2.0, 0.3, 0.1)];
+        // Inside the search, in the third of three candidates: the stage's partial
+        // record says the run ends on its snapshot, the best candidate so far as its
+        // choice.
+        let mut tuner = AutoLrs::new(config, 1);
+        search(&mut tuner, &curves);
+        let why = tuner.finish(0.5).expect("a candidate's model is not kept");
+        assert!(why.contains("in candidate 3 of 3"), "{why}");
+        let record = &tuner.stages()[0];
+        assert_eq!(record.run_end.as_deref(), Some(why.as_str()));
+        assert_eq!(record.chosen_lr, record.candidates[1].lr);
+        // Asked again (a resumed run), nothing is added.
+        tuner.finish(0.5).unwrap();
+        assert_eq!(tuner.stages().len(), 1);
+
+        // An exploitation that evaluates to a number is kept; one that does not, or one
+        // that diverged on its last step (a restore pending), is not.
+        let mut tuner = AutoLrs::new(config, 1);
+        search(
+            &mut tuner,
+            &[curves[0].clone(), curves[1].clone(), curves[1].clone()],
+        );
+        tuner
+            .report(Report::StageTrained {
+                steps: 5,
+                loss: 0.3,
+            })
+            .unwrap();
+        assert_eq!(tuner.clone().finish(0.4), None);
+        let why = tuner.clone().finish(f64::NAN).unwrap();
+        assert!(why.contains("validation loss is NaN"), "{why}");
+        tuner
+            .report(Report::StageTrained {
+                steps: 1,
+                loss: f64::INFINITY,
+            })
+            .unwrap();
+        let why = tuner.finish(0.4).unwrap();
+        assert!(why.contains("diverged") && why.contains("inf"), "{why}");
+        assert_eq!(tuner.stages()[0].run_end.as_deref(), Some(why.as_str()));
+        assert_eq!(tuner.stages().len(), 1);
     }
 
     #[test]
