@@ -3,119 +3,12 @@
 //! over TCP; and when one rank's worker is killed, the gang is requeued and resumes from
 //! rank 0's last checkpoint with one continuous metrics series.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, start_server, Process};
+use tessera_tests::{digits_csv, eventually, start_server, start_worker, User};
 
 const WORKER_TOKEN: &str = "e2e-data-parallel-token-at-least-32-bytes";
-
-fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
-    Process::spawn(
-        Command::new(binary("tessera-worker"))
-            .args(["--server", server, "--name", name, "--data-dir"])
-            .arg(data_dir)
-            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
-    )
-}
-
-fn digits_csv() -> Option<Vec<u8>> {
-    let root = std::env::var("TESSERA_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
-    let path = root.join("datasets/digits.csv");
-    match std::fs::read(&path) {
-        Ok(bytes) => Some(bytes),
-        Err(_) => {
-            assert!(
-                std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
-                "{} is missing; run scripts/fetch-datasets.sh",
-                path.display()
-            );
-            eprintln!("skipping: {} is missing; run scripts/fetch-datasets.sh", path.display());
-            None
-        }
-    }
-}
-
-struct User {
-    http: reqwest::Client,
-    url: String,
-    token: String,
-}
-
-impl User {
-    async fn login(server: &mut Process, url: &str) -> User {
-        let line = server.wait_for_line("with password: ", Duration::from_secs(5));
-        let password = line.rsplit(' ').next().unwrap().to_string();
-        let http = reqwest::Client::new();
-        let response = http
-            .post(format!("{url}/api/v1/auth/login"))
-            .json(&json!({"username": "admin", "password": password}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let token = response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string();
-        User { http, url: url.to_string(), token }
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let response =
-            self.http.get(format!("{}/api/v1{path}", self.url)).bearer_auth(&self.token).send().await.unwrap();
-        assert!(response.status().is_success(), "GET {path}: {}", response.status());
-        response.json().await.unwrap()
-    }
-
-    async fn upload_dataset(&self, bytes: Vec<u8>) -> String {
-        let form = reqwest::multipart::Form::new()
-            .text("name", "digits")
-            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("digits.csv"));
-        let response = self
-            .http
-            .post(format!("{}/api/v1/datasets", self.url))
-            .bearer_auth(&self.token)
-            .multipart(form)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 201);
-        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
-    }
-
-    async fn submit(&self, body: Value) -> String {
-        let response = self
-            .http
-            .post(format!("{}/api/v1/jobs", self.url))
-            .bearer_auth(&self.token)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status();
-        let body: Value = response.json().await.unwrap();
-        assert_eq!(status, 201, "{body}");
-        body["id"].as_str().unwrap().to_string()
-    }
-
-    async fn finished(&self, job: &str, workers: &[&Process], timeout: Duration) -> Value {
-        let job = eventually("the training job ends", timeout, || async {
-            let job = self.get(&format!("/jobs/{job}")).await;
-            ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()).then_some(job)
-        })
-        .await;
-        let output: Vec<String> = workers.iter().map(|w| w.output()).collect();
-        assert_eq!(job["state"], "succeeded", "{job}\n{}", output.join("\n----\n"));
-        job
-    }
-
-    async fn log_lines(&self, job: &str) -> Vec<String> {
-        let logs = self.get(&format!("/jobs/{job}/logs?limit=10000")).await;
-        logs.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect()
-    }
-}
 
 fn two_rank_job(dataset: &str, max_steps: u64) -> Value {
     json!({
@@ -158,8 +51,8 @@ async fn a_two_rank_job_trains_on_two_workers() {
     let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
-    let first = start_worker(&url, &data.path().join("worker-1"), "rank-host-1");
-    let second = start_worker(&url, &data.path().join("worker-2"), "rank-host-2");
+    let first = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
+    let second = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-2"), "rank-host-2");
 
     let job = user.submit(two_rank_job(&dataset, 300)).await;
     let finished = user.finished(&job, &[&first, &second], Duration::from_secs(240)).await;
@@ -190,8 +83,8 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
     let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
-    let mut first = start_worker(&url, &data.path().join("worker-1"), "rank-host-1");
-    let second = start_worker(&url, &data.path().join("worker-2"), "rank-host-2");
+    let mut first = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
+    let second = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-2"), "rank-host-2");
 
     let max_steps = 3000;
     let job = user.submit(two_rank_job(&dataset, max_steps)).await;
@@ -203,7 +96,7 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
     first.kill();
     assert!(checkpoint < max_steps, "the job must still be running when a rank dies");
 
-    let third = start_worker(&url, &data.path().join("worker-3"), "rank-host-3");
+    let third = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-3"), "rank-host-3");
     let finished = user.finished(&job, &[&second, &third], Duration::from_secs(300)).await;
     assert_eq!(finished["attempts"], 2, "{finished}");
     let lines = user.log_lines(&job).await;

@@ -7,6 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde_json::{json, Value};
+
 /// A built binary: `$TESSERA_SERVER_BIN` / `$TESSERA_WORKER_BIN`, else next to this
 /// test executable's target directory (`cargo build --workspace --bins` builds them).
 pub fn binary(name: &str) -> PathBuf {
@@ -107,5 +109,115 @@ where
         }
         assert!(Instant::now() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A worker process joining `server` with the worker token `token`.
+pub fn start_worker(server: &str, token: &str, data_dir: &Path, name: &str) -> Process {
+    Process::spawn(
+        Command::new(binary("tessera-worker"))
+            .args(["--server", server, "--name", name, "--data-dir"])
+            .arg(data_dir)
+            .env("TESSERA_WORKER_TOKEN", token),
+    )
+}
+
+/// scikit-learn's digits as CSV from the assets, or `None` (skip) where they are missing
+/// and not required.
+pub fn digits_csv() -> Option<Vec<u8>> {
+    let root = std::env::var("TESSERA_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+    let path = root.join("datasets/digits.csv");
+    match std::fs::read(&path) {
+        Ok(bytes) => Some(bytes),
+        Err(_) => {
+            assert!(
+                std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
+                "{} is missing; run scripts/fetch-datasets.sh",
+                path.display()
+            );
+            eprintln!("skipping: {} is missing; run scripts/fetch-datasets.sh", path.display());
+            None
+        }
+    }
+}
+
+/// The first admin, signed in over the REST API.
+pub struct User {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub token: String,
+}
+
+impl User {
+    pub async fn login(server: &mut Process, url: &str) -> User {
+        let line = server.wait_for_line("with password: ", Duration::from_secs(5));
+        let password = line.rsplit(' ').next().unwrap().to_string();
+        let http = reqwest::Client::new();
+        let response = http
+            .post(format!("{url}/api/v1/auth/login"))
+            .json(&json!({"username": "admin", "password": password}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let token = response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string();
+        User { http, url: url.to_string(), token }
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        let response =
+            self.http.get(format!("{}/api/v1{path}", self.url)).bearer_auth(&self.token).send().await.unwrap();
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    pub async fn upload_dataset(&self, bytes: Vec<u8>) -> String {
+        let form = reqwest::multipart::Form::new()
+            .text("name", "digits")
+            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("digits.csv"));
+        let response = self
+            .http
+            .post(format!("{}/api/v1/datasets", self.url))
+            .bearer_auth(&self.token)
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+    }
+
+    pub async fn submit(&self, body: Value) -> String {
+        let response = self
+            .http
+            .post(format!("{}/api/v1/jobs", self.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }
+
+    pub async fn finished(&self, job: &str, workers: &[&Process], timeout: Duration) -> Value {
+        let job = eventually("the training job ends", timeout, || async {
+            let job = self.get(&format!("/jobs/{job}")).await;
+            ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()).then_some(job)
+        })
+        .await;
+        let output: Vec<String> = workers.iter().map(|w| w.output()).collect();
+        assert_eq!(job["state"], "succeeded", "{job}\n{}", output.join("\n----\n"));
+        job
+    }
+
+    /// A job's log lines, oldest first.
+    pub async fn log_lines(&self, job: &str) -> Vec<String> {
+        let logs = self.get(&format!("/jobs/{job}/logs?limit=10000")).await;
+        logs.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect()
     }
 }

@@ -3,113 +3,12 @@
 //! killed mid-run resumes on the next worker from its last checkpoint with one
 //! continuous metrics series.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, start_server, Process};
+use tessera_tests::{digits_csv, eventually, start_server, start_worker, User};
 
 const WORKER_TOKEN: &str = "e2e-training-token-at-least-32-bytes-long";
-
-fn start_worker(server: &str, data_dir: &Path, name: &str) -> Process {
-    Process::spawn(
-        Command::new(binary("tessera-worker"))
-            .args(["--server", server, "--name", name, "--data-dir"])
-            .arg(data_dir)
-            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
-    )
-}
-
-fn digits_csv() -> Option<Vec<u8>> {
-    let root = std::env::var("TESSERA_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
-    let path = root.join("datasets/digits.csv");
-    match std::fs::read(&path) {
-        Ok(bytes) => Some(bytes),
-        Err(_) => {
-            assert!(
-                std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
-                "{} is missing; run scripts/fetch-datasets.sh",
-                path.display()
-            );
-            eprintln!("skipping: {} is missing; run scripts/fetch-datasets.sh", path.display());
-            None
-        }
-    }
-}
-
-struct User {
-    http: reqwest::Client,
-    url: String,
-    token: String,
-}
-
-impl User {
-    async fn login(server: &mut Process, url: &str) -> User {
-        let line = server.wait_for_line("with password: ", Duration::from_secs(5));
-        let password = line.rsplit(' ').next().unwrap().to_string();
-        let http = reqwest::Client::new();
-        let response = http
-            .post(format!("{url}/api/v1/auth/login"))
-            .json(&json!({"username": "admin", "password": password}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let token = response.json::<Value>().await.unwrap()["token"].as_str().unwrap().to_string();
-        User { http, url: url.to_string(), token }
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let response =
-            self.http.get(format!("{}/api/v1{path}", self.url)).bearer_auth(&self.token).send().await.unwrap();
-        assert!(response.status().is_success(), "GET {path}: {}", response.status());
-        response.json().await.unwrap()
-    }
-
-    async fn upload_dataset(&self, bytes: Vec<u8>) -> String {
-        let form = reqwest::multipart::Form::new()
-            .text("name", "digits")
-            .part("file", reqwest::multipart::Part::bytes(bytes).file_name("digits.csv"));
-        let response = self
-            .http
-            .post(format!("{}/api/v1/datasets", self.url))
-            .bearer_auth(&self.token)
-            .multipart(form)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 201);
-        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
-    }
-
-    async fn submit(&self, body: Value) -> String {
-        let response = self
-            .http
-            .post(format!("{}/api/v1/jobs", self.url))
-            .bearer_auth(&self.token)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status();
-        let body: Value = response.json().await.unwrap();
-        assert_eq!(status, 201, "{body}");
-        body["id"].as_str().unwrap().to_string()
-    }
-
-    async fn finished(&self, job: &str, worker: &Process, timeout: Duration) -> Value {
-        let job = eventually("the training job ends", timeout, || async {
-            let job = self.get(&format!("/jobs/{job}")).await;
-            ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()).then_some(job)
-        })
-        .await;
-        assert_eq!(job["state"], "succeeded", "{job}\n{}", worker.output());
-        job
-    }
-}
 
 /// The example job, shorter.
 fn example(dataset: &str, max_steps: u64, lr_schedule: Value) -> Value {
@@ -141,12 +40,12 @@ async fn autolrs_job_trains_digits_with_metrics_stages_and_checkpoints() {
     let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
-    let worker = start_worker(&url, &data.path().join("worker"), "trainer-1");
+    let worker = start_worker(&url, WORKER_TOKEN, &data.path().join("worker"), "trainer-1");
 
     // τ' = 20, k = 10: a 400-step first stage (200 search + 200 exploitation).
     let schedule = json!({"type": "autolrs", "min_lr": 1e-4, "max_lr": 1, "tau_prime": 20, "tau": 200});
     let job = user.submit(example(&dataset, 500, schedule)).await;
-    let finished = user.finished(&job, &worker, Duration::from_secs(240)).await;
+    let finished = user.finished(&job, &[&worker], Duration::from_secs(240)).await;
     assert_eq!(finished["attempts"], 1);
     assert!(finished["message"].as_str().unwrap().contains("accuracy"), "{finished}");
 
@@ -200,7 +99,7 @@ async fn a_killed_worker_s_job_resumes_from_its_checkpoint_on_another_worker() {
     let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
-    let mut first = start_worker(&url, &data.path().join("worker-1"), "trainer-1");
+    let mut first = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "trainer-1");
 
     let max_steps = 3000;
     let job =
@@ -214,8 +113,8 @@ async fn a_killed_worker_s_job_resumes_from_its_checkpoint_on_another_worker() {
     assert!(checkpoint < max_steps, "the job must still be running when its worker dies");
     let reported_before = user.get(&format!("/jobs/{job}/metrics")).await["steps"].as_array().unwrap().len() as u64;
 
-    let second = start_worker(&url, &data.path().join("worker-2"), "trainer-2");
-    let finished = user.finished(&job, &second, Duration::from_secs(240)).await;
+    let second = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-2"), "trainer-2");
+    let finished = user.finished(&job, &[&second], Duration::from_secs(240)).await;
     assert_eq!(finished["attempts"], 2, "{finished}");
     let logs = user.get(&format!("/jobs/{job}/logs")).await;
     let resumed_from: u64 = logs

@@ -26,6 +26,9 @@ async fn enqueue(server: &TestServer, n: usize, max_attempts: u32) -> Vec<Uuid> 
         let spec = JobSpec::Prefetch { model: Uuid::new_v4() };
         let name = format!("job {i}");
         ids.push(queue::insert(&server.state.db, &NewJob::new(owner, &name, &spec, max_attempts)).await.unwrap());
+        // `created_at` has millisecond resolution and jobs of one millisecond have no order
+        // among themselves, so "oldest first" is only observable a millisecond apart.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     }
     ids
 }
