@@ -1,7 +1,9 @@
 //! Per-user quotas, so one user cannot take the whole platform: jobs queued or running,
 //! serving replicas, stored bytes (limits in `config`, use counted by `store::quotas`).
 //! A request past a quota gets a 403 `quota_exceeded` naming the quota, its limit and
-//! the user's current use. Admins, who run the server, are not bound.
+//! the user's current use. Admins, who run the server, are not bound. Each check runs in
+//! the transaction that inserts what it counts, holding the user's row (`lock_owner`),
+//! so concurrent requests, on one server or several, cannot together pass a quota.
 
 use sqlx::AnyConnection;
 use uuid::Uuid;
@@ -12,8 +14,8 @@ use crate::state::AppState;
 use crate::store::quotas as usage;
 
 /// Refuses one more job for `owner` when they already have as many queued or running
-/// as `TESSERA_QUOTA_JOBS` allows. Call inside the transaction that inserts the job,
-/// after [`usage::lock_owner`], so concurrent submissions cannot both slip under it.
+/// as `TESSERA_QUOTA_JOBS` allows. Call inside the transaction that inserts the job: it
+/// holds `owner`'s row until that transaction ends.
 pub async fn check_jobs(
     state: &AppState,
     conn: &mut AnyConnection,
@@ -22,6 +24,7 @@ pub async fn check_jobs(
     if owner.is_admin() {
         return Ok(());
     }
+    usage::lock_owner(conn, owner.id).await?;
     let limit = state.config.quota_jobs;
     let unfinished = usage::unfinished_jobs(conn, owner.id).await?.max(0) as u64;
     if unfinished >= limit {
@@ -35,9 +38,11 @@ pub async fn check_jobs(
 
 /// Refuses a deployment asking for `wanted` replicas when, with the replicas `owner`'s
 /// other deployments ask for (every one but `resized`), the total would pass
-/// `TESSERA_QUOTA_REPLICAS`.
+/// `TESSERA_QUOTA_REPLICAS`. Call inside the transaction that stores the replica count:
+/// it holds `owner`'s row until that transaction ends.
 pub async fn check_replicas(
     state: &AppState,
+    conn: &mut AnyConnection,
     owner: &Principal,
     wanted: u32,
     resized: Option<Uuid>,
@@ -45,8 +50,9 @@ pub async fn check_replicas(
     if owner.is_admin() || wanted == 0 {
         return Ok(());
     }
+    usage::lock_owner(conn, owner.id).await?;
     let limit = state.config.quota_replicas;
-    let others = usage::replicas(&state.db, owner.id, resized).await?.max(0) as u64;
+    let others = usage::replicas(conn, owner.id, resized).await?.max(0) as u64;
     if others + u64::from(wanted) > limit {
         return Err(Error::QuotaExceeded(format!(
             "This would give your deployments {} serving replicas ({others} in use, {wanted} asked for here), more than \
@@ -59,13 +65,40 @@ pub async fn check_replicas(
 
 /// Refuses to store `adding` more bytes for `owner` when what they store already (models,
 /// datasets, checkpoints) plus those bytes would pass `TESSERA_QUOTA_STORAGE_BYTES`. Call
-/// with the registry lock held, so two uploads of one user are counted one after the other.
-pub async fn check_storage(state: &AppState, owner: &Principal, adding: u64) -> Result<()> {
+/// inside the transaction that inserts the rows naming those bytes: it holds `owner`'s
+/// row until that transaction ends, so uploads through any server are counted one after
+/// the other.
+pub async fn check_storage(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+    adding: u64,
+) -> Result<()> {
     if owner.is_admin() {
         return Ok(());
     }
+    usage::lock_owner(conn, owner.id).await?;
+    storage_fits(state, conn, owner, adding).await
+}
+
+/// [`check_storage`] without holding the user's row, for an upload to call before it
+/// commits its blobs: a user already past the quota is refused before their bytes go
+/// into the store. Only the check in the inserting transaction is binding.
+pub async fn precheck_storage(state: &AppState, owner: &Principal, adding: u64) -> Result<()> {
+    if owner.is_admin() {
+        return Ok(());
+    }
+    storage_fits(state, &mut *state.db.pool().acquire().await?, owner, adding).await
+}
+
+async fn storage_fits(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+    adding: u64,
+) -> Result<()> {
     let limit = state.config.quota_storage_bytes;
-    let stored = usage::stored_bytes(&state.db, owner.id).await?.max(0) as u64;
+    let stored = usage::stored_bytes(conn, owner.id).await?.max(0) as u64;
     if stored.saturating_add(adding) > limit {
         return Err(Error::QuotaExceeded(format!(
             "You store {stored} bytes (models, datasets and checkpoints); this upload of {adding} bytes would pass the \

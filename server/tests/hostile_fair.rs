@@ -250,6 +250,96 @@ async fn quotas_refuse_jobs_replicas_and_storage_past_the_limit_naming_it() {
     }
 }
 
+#[tokio::test]
+async fn a_data_parallel_job_counts_once_against_the_jobs_quota() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |config| config.quota_jobs = 1).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        let mut csv = String::from("f0,label\n");
+        for i in 0..20 {
+            csv.push_str(&format!("{},{}\n", i % 7, i % 2));
+        }
+        let response = upload_dataset(&server, &alice, "d", "d.csv", csv.into_bytes()).await;
+        assert_eq!(response.status(), 201, "{backend:?}");
+        let dataset = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        let gang = |name: &str| {
+            json!({"name": name, "model": {"kind": "mlp", "hidden": [4]}, "dataset": dataset,
+                "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+                "optimizer": {"type": "sgd"}, "batch_size": 4, "max_steps": 10, "eval_every": 5,
+                "checkpoint_every": 5, "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+                "parallel": {"ranks": [{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}]}})
+        };
+        // Three ranks are one job the user asked for.
+        let response = server.post(&alice, "/jobs", gang("first")).await;
+        assert_eq!(response.status(), 201, "{backend:?}: {}", response.text().await.unwrap());
+        let response = server.post(&alice, "/jobs", gang("second")).await;
+        assert_eq!(response.status(), 403, "{backend:?}");
+        let message = error_body(response).await["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains("TESSERA_QUOTA_JOBS") && message.contains("You have 1 jobs"), "{message}");
+    }
+}
+
+/// The replicas alice's deployments ask for, all together.
+async fn replicas_asked(server: &TestServer, token: &str) -> u64 {
+    let deployments: Value = server.get(token, "/deployments").await.json().await.unwrap();
+    deployments.as_array().unwrap().iter().map(|d| d["replicas"].as_u64().unwrap()).sum()
+}
+
+/// Replica jobs alive in the queue (the quota is on these, not only on the counts).
+async fn live_replica_jobs(server: &TestServer) -> usize {
+    let all = tessera_server::store::Scope::all();
+    let deployments = tessera_server::store::deployments::list(&server.state.db, &all).await.unwrap();
+    let mut live = 0;
+    for deployment in deployments {
+        let replicas = tessera_server::store::deployments::replicas(&server.state.db, deployment.id).await.unwrap();
+        live += replicas.len();
+    }
+    live
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_and_scales_cannot_together_pass_the_replica_quota() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |config| config.quota_replicas = 4).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        assert_eq!(upload_model(&server, &alice, "tiny", tiny_model()).await.status(), 201);
+
+        // Eight creates of two replicas each at once: each alone fits, only two together do.
+        let creates = (0..8).map(|i| {
+            server.post(&alice, "/deployments", json!({"name": format!("d{i}"), "model": "tiny", "replicas": 2}))
+        });
+        let statuses: Vec<u16> =
+            futures_util::future::join_all(creates).await.iter().map(|r| r.status().as_u16()).collect();
+        assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 2, "{backend:?}: {statuses:?}");
+        assert!(statuses.iter().all(|s| *s == 201 || *s == 403), "{backend:?}: {statuses:?}");
+        assert_eq!(replicas_asked(&server, &alice).await, 4, "{backend:?}");
+        assert_eq!(live_replica_jobs(&server).await, 4, "{backend:?}");
+
+        // Down to one replica each; then both scale to three at once: each alone fits.
+        let deployments: Value = server.get(&alice, "/deployments").await.json().await.unwrap();
+        let names: Vec<String> =
+            deployments.as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
+        let scale = |name: &str, replicas: u32| {
+            server
+                .http
+                .patch(server.api(&format!("/deployments/{name}")))
+                .bearer_auth(&alice)
+                .json(&json!({"replicas": replicas}))
+                .send()
+        };
+        for name in &names {
+            assert_eq!(scale(name, 1).await.unwrap().status(), 200, "{backend:?}");
+        }
+        let scales = futures_util::future::join_all(names.iter().map(|name| scale(name, 3))).await;
+        let statuses: Vec<u16> = scales.iter().map(|r| r.as_ref().unwrap().status().as_u16()).collect();
+        assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 1, "{backend:?}: {statuses:?}");
+        assert_eq!(replicas_asked(&server, &alice).await, 4, "{backend:?}");
+        assert_eq!(live_replica_jobs(&server).await, 4, "{backend:?}");
+    }
+}
+
 // --- Job logs --------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -131,6 +131,36 @@ async fn an_upload_in_progress_survives_another_server_starting_on_the_same_data
     assert!(staging.is_dir());
 }
 
+// --- One storage quota across servers -------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uploads_through_two_servers_at_once_share_one_storage_quota() {
+    for backend in backends() {
+        let model_bytes: u64 = tiny_model().iter().map(|(_, bytes)| bytes.len() as u64).sum();
+        // Room for two copies of the tiny model, not three.
+        let first = TestServer::start_tweaked(backend, |c| c.quota_storage_bytes = 2 * model_bytes + 100).await;
+        let second = second_server(&first, |_| {}).await;
+        let admin = first.admin().await;
+        let alice = first.user(&admin, "alice").await;
+        let uploads = (0..8).map(|i| {
+            let server = if i % 2 == 0 { &first } else { &second };
+            server
+                .http
+                .post(server.api("/models"))
+                .bearer_auth(&alice)
+                .multipart(model_form(&format!("m{i}"), tiny_model()))
+                .send()
+        });
+        let statuses: Vec<u16> =
+            futures_util::future::join_all(uploads).await.iter().map(|r| r.as_ref().unwrap().status().as_u16()).collect();
+        assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 2, "{backend:?}: {statuses:?}");
+        assert!(statuses.iter().all(|s| *s == 201 || *s == 403), "{backend:?}: {statuses:?}");
+        let models: Value = second.get(&alice, "/models").await.json().await.unwrap();
+        let stored: u64 = models.as_array().unwrap().iter().map(|m| m["size_bytes"].as_u64().unwrap()).sum();
+        assert_eq!(stored, 2 * model_bytes, "{backend:?}");
+    }
+}
+
 // --- Reference counting and the grace period ---------------------------------------------
 
 #[tokio::test]
@@ -266,7 +296,8 @@ async fn a_row_cannot_reference_a_blob_the_ledger_has_collected() {
         let mut dataset: tessera_api::datasets::Dataset = serde_json::from_value(wine.clone()).unwrap();
         dataset.id = uuid::Uuid::new_v4();
         let me = tessera_server::store::users::find_by_name(&server.state.db, "admin").await.unwrap().unwrap();
-        let refused = tessera_server::store::datasets::insert(&server.state.db, me.id, &dataset).await;
+        let mut conn = server.state.db.pool().acquire().await.unwrap();
+        let refused = tessera_server::store::datasets::insert(&mut conn, me.id, &dataset).await;
         assert!(refused.is_err(), "{backend:?}");
         assert!(format!("{:?}", refused.unwrap_err()).contains("blob_collected"), "{backend:?}");
     }

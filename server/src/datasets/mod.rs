@@ -127,13 +127,15 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
         owner: owner.username.clone(),
         created_at: db::time(db::now_ms()),
     };
+    // A user already past the storage quota is refused before their bytes go into the store.
+    crate::quotas::precheck_storage(state, owner, blob.size()).await?;
     // The blob goes in place before the row that references it; the ledger keeps garbage
     // collection away from it until then (and after a refused insert, for the grace period).
-    // The registry lock makes this server's uploads pass the storage quota one at a time.
-    let _guard = state.registry_lock.lock().await;
-    crate::quotas::check_storage(state, owner, blob.size()).await?;
     state.blobs.commit(&state.db, vec![blob]).await?;
-    if let Err(e) = store::insert(&state.db, owner.id, &dataset).await {
+    // The binding quota check and the row are one transaction (see `quotas`).
+    let mut tx = state.db.begin().await?;
+    crate::quotas::check_storage(state, &mut tx, owner, dataset.size_bytes).await?;
+    if let Err(e) = store::insert(&mut tx, owner.id, &dataset).await {
         return Err(if e.is_unique_violation() {
             Error::Conflict(format!(
                 "You already have a dataset named '{}'; delete it or pick another name.",
@@ -143,6 +145,7 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
             e.into()
         });
     }
+    tx.commit().await?;
     Ok(dataset)
 }
 

@@ -11,6 +11,7 @@ pub mod slo;
 
 use std::collections::HashSet;
 
+use sqlx::AnyConnection;
 use tessera_api::deployments::{CreateDeployment, Deployment, Replica, ServingState};
 use tessera_api::jobs::JobSpec;
 use uuid::Uuid;
@@ -148,9 +149,11 @@ fn replica_spec(deployment: &StoredDeployment) -> JobSpec {
 }
 
 /// Brings the number of live replicas to `wanted`: queues new ones, or cancels the
-/// least advanced ones (pending before loading before ready, newest first).
-async fn reconcile(db: &Db, deployment: &StoredDeployment, wanted: u32) -> Result<()> {
-    let replicas = store::replicas(db, deployment.id).await?;
+/// least advanced ones (pending before loading before ready, newest first). Runs in the
+/// caller's transaction, with the replica count it stores, so two changes to one
+/// deployment cannot both count the same live replicas.
+async fn reconcile(conn: &mut AnyConnection, deployment: &StoredDeployment, wanted: u32) -> Result<()> {
+    let replicas = store::replicas_in(conn, deployment.id).await?;
     let live: Vec<&Replica> = replicas.iter().filter(|r| r.state != ServingState::Failed).collect();
     let live_count = live.len() as u32;
     if live_count < wanted {
@@ -161,13 +164,13 @@ async fn reconcile(db: &Db, deployment: &StoredDeployment, wanted: u32) -> Resul
             ..NewJob::new(deployment.owner_id, &name, &spec, REPLICA_MAX_ATTEMPTS)
         };
         for _ in live_count..wanted {
-            jobs::insert(db, &job).await?;
+            jobs::insert_in(conn, &job).await?;
         }
     } else if live_count > wanted {
         let mut victims = live;
         victims.sort_by_key(|r| (r.state == ServingState::Ready, r.state == ServingState::Loading, std::cmp::Reverse(r.updated_at)));
         for replica in victims.into_iter().take((live_count - wanted) as usize) {
-            store::scale_down(db, replica.id).await?;
+            store::scale_down(conn, replica.id).await?;
         }
     }
     Ok(())
@@ -184,9 +187,6 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     }
     request.limits.validate().map_err(|message| Error::invalid("invalid_batching", message))?;
     let model = crate::registry::resolve(state, principal, &request.model).await?;
-    if request.throughput.is_none() {
-        crate::quotas::check_replicas(state, principal, request.replicas, None).await?;
-    }
     if request.throughput.is_some() {
         slo::check_table(&state.db, model.id, &model.name).await?;
     }
@@ -199,7 +199,12 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
         replicas: request.replicas,
         limits: request.limits,
     };
-    store::insert(&state.db, &new).await.map_err(|e| {
+    // The quota check, the row and its replicas are one transaction (see `quotas`).
+    let mut tx = state.db.begin().await?;
+    if request.throughput.is_none() {
+        crate::quotas::check_replicas(state, &mut tx, principal, request.replicas, None).await?;
+    }
+    store::insert(&mut tx, &new).await.map_err(|e| {
         if e.is_unique_violation() {
             Error::Conflict(format!("A deployment named '{name}' already exists; pick another name."))
         } else {
@@ -207,10 +212,15 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
         }
     })?;
     let scope = principal.scope();
-    let deployment = find(&state.db, &scope, &id.to_string()).await?;
-    match request.throughput {
-        Some(throughput) => slo::place(state, principal, &deployment, throughput, request.latency_ms).await?,
-        None => reconcile(&state.db, &deployment, request.replicas).await?,
+    let deployment = store::get_in(&mut tx, &scope, &id.to_string())
+        .await?
+        .ok_or(Error::Invariant("a deployment just inserted cannot be read back"))?;
+    if request.throughput.is_none() {
+        reconcile(&mut tx, &deployment, request.replicas).await?;
+    }
+    tx.commit().await?;
+    if let Some(throughput) = request.throughput {
+        slo::place(state, principal, &deployment, throughput, request.latency_ms).await?;
     }
     resolve(&state.db, &scope, &id.to_string()).await
 }
@@ -226,9 +236,11 @@ pub async fn scale(state: &AppState, principal: &Principal, id_or_name: &str, re
             "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
         ));
     }
-    crate::quotas::check_replicas(state, principal, replicas, Some(deployment.id)).await?;
-    store::set_replicas(&state.db, deployment.id, replicas).await?;
-    reconcile(&state.db, &deployment, replicas).await?;
+    let mut tx = state.db.begin().await?;
+    crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
+    store::set_replicas(&mut tx, deployment.id, replicas).await?;
+    reconcile(&mut tx, &deployment, replicas).await?;
+    tx.commit().await?;
     resolve(&state.db, &scope, id_or_name).await
 }
 

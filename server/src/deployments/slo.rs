@@ -134,9 +134,9 @@ pub async fn place(
     }
     let fleet = fleet(state).await?;
     let plan = plan_slo(&fleet, &want, &others(db, deployment.id).await?);
-    crate::quotas::check_replicas(state, owner, plan.chosen.len() as u32, Some(deployment.id)).await?;
 
     let mut tx = db.begin().await?;
+    crate::quotas::check_replicas(state, &mut tx, owner, plan.chosen.len() as u32, Some(deployment.id)).await?;
     // A repartition first: the chosen slices it creates get their uuids here.
     let mut created: BTreeMap<(usize, u8), String> = BTreeMap::new();
     if plan.applied {

@@ -4,6 +4,7 @@
 //! claimed all or none is `store::gangs`' doc comment.
 
 use axum::extract::State;
+use sqlx::AnyConnection;
 use tessera_api::parallel::{ParallelSpec, RankJob, RendezvousRequest, RendezvousResponse};
 use tessera_api::train::TrainJob;
 use uuid::Uuid;
@@ -15,8 +16,9 @@ use crate::store::db::{now_ms, Db};
 use crate::store::gangs::{self as store, RankOf, Rendezvous};
 use crate::store::jobs::{self as jobs_store, Claimed, NewJob};
 
-/// Queues a data-parallel job: its job row and one rank row per entry of `parallel`.
-pub async fn queue(state: &AppState, job: &NewJob<'_>, train: &TrainJob, parallel: &ParallelSpec) -> Result<Uuid> {
+/// Queues a data-parallel job inside the caller's transaction: its job row and one rank
+/// row per entry of `parallel`.
+pub async fn queue(conn: &mut AnyConnection, job: &NewJob<'_>, train: &TrainJob, parallel: &ParallelSpec) -> Result<Uuid> {
     let world = parallel.ranks.len() as u32;
     let ranks: Vec<(String, RankJob)> = parallel
         .ranks
@@ -28,7 +30,7 @@ pub async fn queue(state: &AppState, job: &NewJob<'_>, train: &TrainJob, paralle
             (device.placement(), spec)
         })
         .collect();
-    Ok(store::insert(&state.db, job, &ranks).await?)
+    Ok(store::insert_in(conn, job, &ranks).await?)
 }
 
 /// Leases `worker` a rank of the oldest gang it can host, if any.

@@ -53,7 +53,10 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
             if let Some(parallel) = &job.parallel {
                 let spec = JobSpec::Train(job.clone());
                 let row = NewJob { dataset: Some(dataset), ..NewJob::new(principal.id, &name, &spec, max_attempts) };
-                let id = gangs::queue(state, &row, &job, parallel).await?;
+                let mut tx = state.db.begin().await?;
+                quotas::check_jobs(state, &mut tx, principal).await?;
+                let id = gangs::queue(&mut tx, &row, &job, parallel).await?;
+                tx.commit().await?;
                 tracing::info!(job = %id, ranks = parallel.ranks.len(), user = %principal.username, "data-parallel job queued");
                 return Ok(id);
             }
@@ -67,9 +70,8 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
         },
     };
     let job = NewJob { dataset, ..NewJob::new(principal.id, &name, &spec, max_attempts) };
-    // The quota check and the insert are one step for this user (see `check_jobs`).
+    // The quota check and the insert are one step for this user (see `quotas`).
     let mut tx = state.db.begin().await?;
-    crate::store::quotas::lock_owner(&mut tx, principal.id).await?;
     quotas::check_jobs(state, &mut tx, principal).await?;
     let id = store::insert_in(&mut tx, &job).await?;
     tx.commit().await?;

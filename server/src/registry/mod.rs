@@ -78,11 +78,10 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         "pooling": pooling.map(|p| format!("{p:?}").to_lowercase()),
     });
 
+    // A user already past the storage quota is refused before their bytes go into the store.
+    crate::quotas::precheck_storage(state, owner, size_bytes).await?;
     // Blobs go in place before the rows that reference them; the ledger keeps garbage
-    // collection (on any server) away from them until those rows exist. The registry lock
-    // makes this server's uploads pass the storage quota one at a time.
-    let _guard = state.registry_lock.lock().await;
-    crate::quotas::check_storage(state, owner, size_bytes).await?;
+    // collection (on any server) away from them until those rows exist.
     let mut files = Vec::new();
     let mut blobs = Vec::new();
     for (path, file) in staged.files {
@@ -101,15 +100,19 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         size_bytes,
         created_at,
     };
-    // A refused insert leaves the blobs unreferenced: garbage collection takes them after
-    // the grace period unless another row comes to reference them.
-    if let Err(e) = store::insert(&state.db, &new, &files).await {
+    // The binding quota check and the rows are one transaction (see `quotas`). A refused
+    // insert leaves the blobs unreferenced: garbage collection takes them after the grace
+    // period unless another row comes to reference them.
+    let mut tx = state.db.begin().await?;
+    crate::quotas::check_storage(state, &mut tx, owner, size_bytes).await?;
+    if let Err(e) = store::insert(&mut tx, &new, &files).await {
         return Err(if e.is_unique_violation() {
             Error::Conflict(format!("You already have a model named '{name}'; delete it or pick another name."))
         } else {
             e.into()
         });
     }
+    tx.commit().await?;
     Ok(Model {
         id: model_id,
         name,

@@ -2,7 +2,7 @@
 //! uniquely per owner.
 
 use sqlx::any::AnyRow;
-use sqlx::Row;
+use sqlx::{AnyConnection, Row};
 use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
@@ -71,10 +71,10 @@ pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Dataset>> {
     rows.iter().map(from_row).collect()
 }
 
-/// Records a dataset owned by `owner` (its `owner` name is not stored). A second
-/// dataset of the same name for the same owner breaks a unique constraint
-/// ([`StoreError::is_unique_violation`]).
-pub async fn insert(db: &Db, owner: Uuid, dataset: &Dataset) -> Result<()> {
+/// Records a dataset owned by `owner` (its `owner` name is not stored), inside the
+/// caller's transaction. A second dataset of the same name for the same owner breaks a
+/// unique constraint ([`StoreError::is_unique_violation`]).
+pub async fn insert(conn: &mut AnyConnection, owner: Uuid, dataset: &Dataset) -> Result<()> {
     sqlx::query(
         "INSERT INTO datasets (id, owner_id, name, digest, format, columns, num_rows, size_bytes, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
@@ -88,7 +88,7 @@ pub async fn insert(db: &Db, owner: Uuid, dataset: &Dataset) -> Result<()> {
     .bind(dataset.rows as i64)
     .bind(dataset.size_bytes as i64)
     .bind(dataset.created_at.timestamp_millis())
-    .execute(db.pool())
+    .execute(conn)
     .await?;
     Ok(())
 }

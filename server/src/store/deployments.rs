@@ -66,6 +66,11 @@ fn from_row(row: &AnyRow) -> Result<StoredDeployment> {
 
 /// A deployment in `scope`, by id or by name.
 pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<StoredDeployment>> {
+    get_in(&mut *db.pool().acquire().await?, scope, id_or_name).await
+}
+
+/// [`get`], read inside the caller's transaction.
+pub async fn get_in(conn: &mut AnyConnection, scope: &Scope, id_or_name: &str) -> Result<Option<StoredDeployment>> {
     if !db::storable(id_or_name) {
         return Ok(None);
     }
@@ -75,7 +80,7 @@ pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<Stor
     )))
     .bind(id_or_name)
     .bind(scope.owner_filter())
-    .fetch_optional(db.pool())
+    .fetch_optional(conn)
     .await?;
     row.as_ref().map(from_row).transpose()
 }
@@ -112,12 +117,17 @@ fn replica_state(state: JobState) -> ServingState {
 /// A deployment's replicas, oldest first. Cancelled ones were scaled away: they are
 /// history, not status.
 pub async fn replicas(db: &Db, deployment: Uuid) -> Result<Vec<Replica>> {
+    replicas_in(&mut *db.pool().acquire().await?, deployment).await
+}
+
+/// [`replicas`], read inside the caller's transaction.
+pub async fn replicas_in(conn: &mut AnyConnection, deployment: Uuid) -> Result<Vec<Replica>> {
     let rows = sqlx::query(
         "SELECT id, state, worker_id, message, attempts, endpoint, slice_uuid, slice_pinned, updated_at FROM jobs \
          WHERE deployment_id = $1 AND state <> 'cancelled' ORDER BY created_at",
     )
     .bind(deployment.to_string())
-    .fetch_all(db.pool())
+    .fetch_all(conn)
     .await?;
     rows.iter()
         .map(|row| {
@@ -156,8 +166,9 @@ pub struct NewDeployment<'a> {
     pub limits: BatchLimits,
 }
 
-/// Adds a deployment; a taken name is a unique violation (`StoreError::is_unique_violation`).
-pub async fn insert(db: &Db, deployment: &NewDeployment<'_>) -> Result<()> {
+/// Adds a deployment inside the caller's transaction; a taken name is a unique violation
+/// (`StoreError::is_unique_violation`).
+pub async fn insert(conn: &mut AnyConnection, deployment: &NewDeployment<'_>) -> Result<()> {
     sqlx::query(
         "INSERT INTO deployments (id, owner_id, name, model_id, replicas, max_batch_tokens, max_batch_requests, \
          created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
@@ -170,17 +181,17 @@ pub async fn insert(db: &Db, deployment: &NewDeployment<'_>) -> Result<()> {
     .bind(i64::from(deployment.limits.max_batch_tokens))
     .bind(i64::from(deployment.limits.max_batch_requests))
     .bind(now_ms())
-    .execute(db.pool())
+    .execute(conn)
     .await?;
     Ok(())
 }
 
-pub async fn set_replicas(db: &Db, id: Uuid, replicas: u32) -> Result<()> {
+pub async fn set_replicas(conn: &mut AnyConnection, id: Uuid, replicas: u32) -> Result<()> {
     sqlx::query("UPDATE deployments SET replicas = $1, updated_at = $2 WHERE id = $3")
         .bind(i64::from(replicas))
         .bind(now_ms())
         .bind(id.to_string())
-        .execute(db.pool())
+        .execute(conn)
         .await?;
     Ok(())
 }
@@ -198,7 +209,7 @@ pub async fn set_slo(conn: &mut AnyConnection, id: Uuid, replicas: u32, slo: &Sl
 }
 
 /// Stops a replica that is no longer wanted; one that already ended is left alone.
-pub async fn scale_down(db: &Db, replica: Uuid) -> Result<()> {
+pub async fn scale_down(conn: &mut AnyConnection, replica: Uuid) -> Result<()> {
     let now = now_ms();
     sqlx::query(
         "UPDATE jobs SET state = 'cancelled', message = 'Scaled down.', finished_at = $1, updated_at = $1, \
@@ -206,7 +217,7 @@ pub async fn scale_down(db: &Db, replica: Uuid) -> Result<()> {
     )
     .bind(now)
     .bind(replica.to_string())
-    .execute(db.pool())
+    .execute(conn)
     .await?;
     Ok(())
 }

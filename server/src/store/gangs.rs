@@ -31,17 +31,16 @@ const RANK_MAX_ATTEMPTS: i64 = 1 << 40;
 /// The states in which a worker holds a rank.
 const LIVE: &str = "('leased', 'running')";
 
-/// Queues a gang: its job (what users see) and one row per rank, in one transaction.
+/// Queues a gang inside the caller's transaction: its job (what users see) and one row per rank.
 /// `ranks[i]` is rank i's placement (`cpu`, `cuda`, `slice:<profile>`) and spec.
-pub async fn insert(db: &Db, job: &NewJob<'_>, ranks: &[(String, RankJob)]) -> Result<Uuid> {
-    let mut tx = db.begin().await?;
-    let gang = jobs::insert_in(&mut tx, job).await?;
-    sqlx::query("UPDATE jobs SET kind = 'train_gang' WHERE id = $1").bind(gang.to_string()).execute(&mut *tx).await?;
+pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>, ranks: &[(String, RankJob)]) -> Result<Uuid> {
+    let gang = jobs::insert_in(conn, job).await?;
+    sqlx::query("UPDATE jobs SET kind = 'train_gang' WHERE id = $1").bind(gang.to_string()).execute(&mut *conn).await?;
     for (placement, rank) in ranks {
         let spec = JobSpec::TrainRank(RankJob { gang, ..rank.clone() });
         let name = format!("{} rank {}", job.name, rank.rank);
         let row = NewJob { dataset: job.dataset, ..NewJob::new(job.owner, &name, &spec, 1) };
-        let id = jobs::insert_in(&mut tx, &row).await?;
+        let id = jobs::insert_in(conn, &row).await?;
         sqlx::query(
             "UPDATE jobs SET gang_id = $1, gang_rank = $2, gang_placement = $3, max_attempts = $4 WHERE id = $5",
         )
@@ -50,10 +49,9 @@ pub async fn insert(db: &Db, job: &NewJob<'_>, ranks: &[(String, RankJob)]) -> R
         .bind(placement)
         .bind(RANK_MAX_ATTEMPTS)
         .bind(id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut *conn)
         .await?;
     }
-    tx.commit().await?;
     Ok(gang)
 }
 

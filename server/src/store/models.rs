@@ -2,7 +2,7 @@
 //! (`model_profiles`). The blobs the files name are counted in the ledger (`blobs`).
 
 use sqlx::any::AnyRow;
-use sqlx::Row;
+use sqlx::{AnyConnection, Row};
 use tessera_api::mig::ProfileReport;
 use tessera_api::models::{Model, ModelFile};
 use uuid::Uuid;
@@ -106,10 +106,9 @@ pub struct NewModel<'a> {
     pub created_at: i64,
 }
 
-/// Writes the model and its files in one transaction. A name the owner already uses is
-/// a unique violation (`StoreError::is_unique_violation`).
-pub async fn insert(db: &Db, model: &NewModel<'_>, files: &[ModelFile]) -> Result<()> {
-    let mut tx = db.begin().await?;
+/// Writes the model and its files inside the caller's transaction. A name the owner
+/// already uses is a unique violation (`StoreError::is_unique_violation`).
+pub async fn insert(conn: &mut AnyConnection, model: &NewModel<'_>, files: &[ModelFile]) -> Result<()> {
     sqlx::query(
         "INSERT INTO models (id, owner_id, name, digest, architecture, config, size_bytes, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -122,7 +121,7 @@ pub async fn insert(db: &Db, model: &NewModel<'_>, files: &[ModelFile]) -> Resul
     .bind(model.config.to_string())
     .bind(model.size_bytes as i64)
     .bind(model.created_at)
-    .execute(&mut *tx)
+    .execute(&mut *conn)
     .await?;
     for file in files {
         sqlx::query("INSERT INTO model_files (model_id, path, digest, size_bytes) VALUES ($1, $2, $3, $4)")
@@ -130,10 +129,9 @@ pub async fn insert(db: &Db, model: &NewModel<'_>, files: &[ModelFile]) -> Resul
             .bind(&file.path)
             .bind(&file.digest)
             .bind(file.size_bytes as i64)
-            .execute(&mut *tx)
+            .execute(&mut *conn)
             .await?;
     }
-    tx.commit().await?;
     Ok(())
 }
 
