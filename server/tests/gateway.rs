@@ -303,3 +303,38 @@ async fn a_replica_that_never_answers_gets_the_client_a_504_on_both_apis() {
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].as_str().unwrap().contains("'stuck' did not answer within 1 s"), "{body}");
 }
+
+#[tokio::test]
+async fn a_request_over_the_replicas_body_limit_is_a_413_on_both_apis() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    deployment_at(&server, &admin, "embedder", &[StandIn::start(vec![1.0, 0.0]).await.url]).await;
+
+    // 1.5 MB of control characters as a KServe binary tensor: within the gateway's body
+    // limit, but 9 MB once escaped into the JSON the replica reads, past its limit.
+    let text = vec![1u8; 1_500_000];
+    let header = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1],
+        "parameters": {"binary_data_size": text.len() + 4}}]});
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut body = header.clone();
+    body.extend_from_slice(&(text.len() as u32).to_le_bytes());
+    body.extend_from_slice(&text);
+    let response = server
+        .http
+        .post(format!("{}/v2/models/embedder/infer", server.url))
+        .bearer_auth(&admin)
+        .header("inference-header-content-length", header.len().to_string())
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].as_str().unwrap().contains("larger than a replica accepts"), "{body}");
+
+    // A JSON body past the gateway's own limit is a 413 too, in OpenAI's shape.
+    let response = embed_with(&server, &admin, "embedder", &"\u{1}".repeat(3 << 20)).await;
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+}

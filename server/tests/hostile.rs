@@ -174,6 +174,14 @@ async fn gateway_405s_and_413s_use_the_gateways_shapes() {
     assert_eq!(response.status(), 413);
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].is_string(), "{body}");
+
+    let oversized = json!({"model": "m", "input": "x".repeat(3 << 20)});
+    let response =
+        server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).json(&oversized).send().await.unwrap();
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("bytes at most"), "{body}");
 }
 
 // --- KServe ------------------------------------------------------------------------------

@@ -536,6 +536,37 @@ async fn text_fields_part_headers_part_counts_and_preambles_are_capped() {
 }
 
 #[tokio::test]
+async fn checkpoint_uploads_are_capped_like_the_others() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let response = upload_dataset(&server, &admin, "d", "d.csv", b"f0,label\n1,0\n2,1\n3,0\n4,1\n".to_vec()).await;
+    assert_eq!(response.status(), 201);
+    let dataset = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let train = json!({"name": "t", "model": {"kind": "mlp", "hidden": [4]}, "dataset": dataset,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 2, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+    assert_eq!(server.post(&admin, "/jobs", train).await.status(), 201);
+    let (_, secret) = server.register_worker("w0").await;
+    let claimed: Value = server.post(&secret, "/agent/claim", json!({"kinds": ["train"]})).await.json().await.unwrap();
+    let path = format!("/agent/jobs/{}/checkpoints", claimed["job_id"].as_str().unwrap());
+
+    let step = |value: Vec<u8>| ("", "step", None, value);
+    let long_step = raw_form(b"", &[step(vec![b'1'; 1 << 20]), ("", "files", Some("w.bin"), b"w".to_vec())]);
+    assert_413(post_raw(&server, &secret, &path, long_step).await, "'step'").await;
+    let pad = format!("X-Pad: {}\r\n", "p".repeat(64 << 10));
+    let padded = raw_form(b"", &[step(b"5".to_vec()), (pad.as_str(), "files", Some("w.bin"), b"w".to_vec())]);
+    assert_413(post_raw(&server, &secret, &path, padded).await, "headers").await;
+    let names: Vec<String> = (0..200).map(|i| format!("f{i}.bin")).collect();
+    let mut many = vec![step(b"5".to_vec())];
+    many.extend(names.iter().map(|name| ("", "files", Some(name.as_str()), b"w".to_vec())));
+    assert_413(post_raw(&server, &secret, &path, raw_form(b"", &many)).await, "parts").await;
+
+    let fine = raw_form(b"", &[step(b"5".to_vec()), ("", "files", Some("w.bin"), b"w".to_vec())]);
+    assert_eq!(post_raw(&server, &secret, &path, fine).await.status(), 201);
+}
+
+#[tokio::test]
 async fn jsonl_lines_and_csv_records_have_a_length_cap() {
     let server = TestServer::start(Backend::Sqlite).await;
     let admin = server.admin().await;

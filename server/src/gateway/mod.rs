@@ -320,8 +320,19 @@ impl Gateway {
                 .get(header::RETRY_AFTER)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u64>().ok());
-            let error: EngineError = response.json().await.map_err(|error| self.failed(target, deployment, error))?;
-            let error = GatewayError { retry_after, ..GatewayError::new(status, &error.kind, error.error) };
+            let body = response.bytes().await.map_err(|error| self.failed(target, deployment, error))?;
+            let error = match serde_json::from_slice::<EngineError>(&body) {
+                Ok(error) => GatewayError { retry_after, ..GatewayError::new(status, &error.kind, error.error) },
+                // The engine's HTTP layer refused the request before the engine read it: its
+                // body limit (1.5 MB of control characters is 9 MB as JSON). The client can
+                // act on that; anything else unexplained is ours.
+                Err(_) if status == StatusCode::PAYLOAD_TOO_LARGE => GatewayError::new(
+                    status,
+                    "too_large",
+                    "The request is larger than a replica accepts; send fewer or shorter inputs per request.",
+                ),
+                Err(e) => return Err(GatewayError::internal(format!("replica answered {status} with a body that is not an engine error: {e}"))),
+            };
             if status == StatusCode::TOO_MANY_REQUESTS {
                 let wait = |e: &GatewayError| e.retry_after.unwrap_or(u64::MAX);
                 if refused.as_ref().is_none_or(|soonest| wait(soonest) > wait(&error)) {

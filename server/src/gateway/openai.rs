@@ -99,7 +99,13 @@ pub async fn embeddings(
     let started = Instant::now();
     let result = async {
         let principal = principal?;
-        let Json(request) = body.map_err(|e| bad_request(format!("The body is not a valid embeddings request: {}", e.body_text())))?;
+        let Json(request) = body.map_err(|e| {
+            // Too large is a 413 naming the limit, as on every route (in OpenAI's shape here).
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                return GatewayError::new(e.status(), "invalid_request_error", Error::from(e).public_message());
+            }
+            bad_request(format!("The body is not a valid embeddings request: {}", e.body_text()))
+        })?;
         let inputs: Vec<EngineInput> = match request.input {
             Input::One(text) => vec![EngineInput::Text(text)],
             Input::Many(texts) => texts.into_iter().map(EngineInput::Text).collect(),
