@@ -162,6 +162,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(shape_plain_rejections))
         .layer(axum::middleware::from_fn(refuse_nul_bytes))
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
@@ -184,6 +185,38 @@ async fn refuse_nul_bytes(request: Request, next: Next) -> Response {
         return family_error(uri.path(), error::Error::BadRequest(message));
     }
     next.run(request).await
+}
+
+/// A rejection no handler shaped gets the error shape of its route family like every
+/// other 4xx: axum's extractors answer in plain text (a path segment that is not UTF-8
+/// or not a number, a query or form field of the wrong type, a form without its content
+/// type), and the dashboard's routes take several of them as they come.
+async fn shape_plain_rejections(request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_string();
+    let response = next.run(request).await;
+    let status = response.status();
+    let plain = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/plain"));
+    if !status.is_client_error() || !plain {
+        return response;
+    }
+    // axum's rejection texts are one line; anything longer is cut, not buffered.
+    let text = axum::body::to_bytes(response.into_body(), 4 << 10)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
+        .unwrap_or_default();
+    let error = match status {
+        axum::http::StatusCode::NOT_FOUND => error::Error::NotFound(text),
+        axum::http::StatusCode::PAYLOAD_TOO_LARGE => error::Error::PayloadTooLarge(text),
+        axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE => error::Error::invalid("unsupported_media_type", text),
+        _ => error::Error::BadRequest(format!("The request could not be read: {text}")),
+    };
+    let mut shaped = family_error(&path, error);
+    *shaped.status_mut() = status;
+    shaped
 }
 
 /// `error` in the shape of the route family `path` belongs to: OpenAI's on `/v1`,

@@ -146,6 +146,32 @@ async fn every_rejection_has_the_platform_error_shape() {
     let response = server.http.post(server.api("/auth/login")).json(&oversized).send().await.unwrap();
     assert_eq!(response.status(), 413);
     assert_eq!(error_body(response).await["error"]["code"], "payload_too_large");
+
+    // The dashboard's routes too: a path that is not UTF-8 or not a number, a query field
+    // of the wrong type, a form without its content type.
+    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let cookie = dashboard_cookie(&server, &http).await;
+    let job = "00000000-0000-0000-0000-000000000001";
+    for (path, status) in [
+        ("/models/%FF".to_string(), 400),
+        ("/deployments/%FF".to_string(), 400),
+        (format!("/jobs/{job}/series?max_points=lots"), 400),
+        (format!("/jobs/{job}/checkpoints/latest/files/w.bin"), 400),
+    ] {
+        let response = http.get(format!("{}{path}", server.url)).header("cookie", &cookie).send().await.unwrap();
+        assert_eq!(response.status(), status, "{path}");
+        error_body(response).await;
+    }
+    let response = http
+        .post(format!("{}/deployments", server.url))
+        .header("cookie", &cookie)
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 415);
+    assert_eq!(error_body(response).await["error"]["code"], "unsupported_media_type");
 }
 
 #[tokio::test]
