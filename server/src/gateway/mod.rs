@@ -32,6 +32,11 @@ const ROUTE_TTL: Duration = Duration::from_secs(1);
 /// and the next replica is tried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Most bytes of JSON a replica's engine endpoint reads (axum's default body limit, which
+/// `worker/src/serve/endpoint.rs` keeps). Texts can grow sixfold on their way there
+/// (control characters are escaped), so the gateway checks what it would send.
+const REPLICA_BODY_LIMIT_BYTES: usize = 2 << 20;
+
 /// A failure, with the status the client should see and a sentence for it.
 #[derive(Debug)]
 pub struct GatewayError {
@@ -291,6 +296,20 @@ impl Gateway {
                 format!("Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."),
             ));
         }
+        // Past the replica's limit its server would refuse the body while it is still being
+        // sent, which reaches us as a broken connection, not as its 413.
+        let body = axum::body::Bytes::from(serde_json::to_vec(request).map_err(GatewayError::internal)?);
+        if body.len() > REPLICA_BODY_LIMIT_BYTES {
+            return Err(GatewayError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!(
+                    "The request is larger than a replica accepts ({} bytes as the replica reads it, {REPLICA_BODY_LIMIT_BYTES} \
+                     at most; control characters count six bytes each); send fewer or shorter inputs per request.",
+                    body.len()
+                ),
+            ));
+        }
         let mut refused: Option<GatewayError> = None;
         for target in targets {
             target.inflight.fetch_add(1, Ordering::Relaxed);
@@ -299,7 +318,8 @@ impl Gateway {
                 .http
                 .post(&target.url)
                 .header(header::AUTHORIZATION, target.authorization.clone())
-                .json(request)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(body.clone())
                 .send()
                 .await;
             let response = match sent {
