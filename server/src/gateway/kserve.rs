@@ -202,7 +202,14 @@ pub async fn infer(
     let result = async {
         let principal = principal?;
         // An oversized body is a 413 in KServe's shape, not axum's plain text.
-        let body = body.map_err(|rejection| GatewayError::new(rejection.status(), "invalid", rejection.body_text()))?;
+        let body = body.map_err(|rejection| {
+            let status = rejection.status();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                let limit = crate::error::JSON_BODY_LIMIT_BYTES;
+                return GatewayError::new(status, "invalid", format!("The request body is larger than this route accepts ({limit} bytes at most)."));
+            }
+            GatewayError::new(status, "invalid", rejection.body_text())
+        })?;
         let ApiPath(segments) = path?;
         let name = segments[0].clone();
         let (header, binary) = split_body(&headers, &body)?;
