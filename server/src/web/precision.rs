@@ -109,6 +109,15 @@ fn ms(value: f64) -> String {
     }
 }
 
+/// An indicator value: exactly 0 (f32) reads as 0, the rest in scientific notation.
+fn omega(value: f64) -> String {
+    if value == 0.0 {
+        "0".into()
+    } else {
+        format!("{value:.3e}")
+    }
+}
+
 fn median(mut values: Vec<f64>) -> Option<f64> {
     if values.is_empty() {
         return None;
@@ -277,7 +286,7 @@ pub async fn view(state: &AppState, job: &Job) -> Result<Option<PlanView>> {
                     .ranks
                     .iter()
                     .filter_map(|r| r.ops.get(i))
-                    .map(|o| HeatCell { precision: o.precision.as_str(), indicator: format!("{:.3e}", o.indicator) })
+                    .map(|o| HeatCell { precision: o.precision.as_str(), indicator: omega(o.indicator) })
                     .collect(),
             })
             .collect()
@@ -355,5 +364,6 @@ mod tests {
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
         assert_eq!(median(vec![]), None);
         assert_eq!((ms(3.14159), ms(31.4159), ms(314.159)), ("3.14 ms".into(), "31.4 ms".into(), "314 ms".into()));
+        assert_eq!((omega(0.0), omega(0.0042)), ("0".into(), "4.200e-3".into()));
     }
 }
