@@ -178,20 +178,18 @@ fn check_rank(i: usize, plan: &RankPlan, first: &RankPlan, table: &tessera_api::
 /// worker holds it or it is not rank 0, 422 for a job that is not data-parallel or a
 /// report that does not fit its gang. Kept under the gang's job.
 pub async fn accept(db: &Db, worker: Uuid, job: Uuid, report: &PrecisionPlanReport) -> Result<()> {
-    let poster = store::poster(db, job).await?;
-    match poster.and_then(|p| p.holder) {
-        Some(holder) if holder == worker => {}
-        Some(_) => {
+    let poster = match store::poster(db, job).await? {
+        Some(poster) if poster.holder == Some(worker) => poster,
+        Some(store::Poster { holder: Some(_), .. }) => {
             return Err(Error::Forbidden(
                 "Another worker holds this job's lease; a worker posts plans only for the rank it holds.".into(),
             ))
         }
-        None => return Err(Error::Conflict(
+        _ => return Err(Error::Conflict(
             "This worker does not hold the job's lease (it expired, the gang was requeued or the job ended); stop it."
                 .into(),
         )),
-    }
-    let poster = poster.expect("held above");
+    };
     let Some((gang, rank)) = poster.gang else {
         return Err(Error::invalid(
             "invalid_precision_plan",
