@@ -150,6 +150,10 @@ pub struct RankStep {
     pub wait_ms: f64,
     /// The rest of the all-reduce: transfers and sums.
     pub allreduce_ms: f64,
+    /// The precision plan's prediction of this rank's step (QSync's replayer), when the
+    /// job has a plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_ms: Option<f64>,
 }
 
 #[cfg(test)]

@@ -106,6 +106,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(training::routes::job_lr_stages))
         .routes(routes!(training::routes::job_checkpoints))
         .routes(routes!(training::routes::checkpoint_file))
+        .routes(routes!(training::routes::job_precision_plan))
         .routes(without_body_limit(routes!(datasets::upload, datasets::list)))
         .routes(routes!(datasets::get, datasets::delete))
         .routes(routes!(datasets::download))
@@ -131,6 +132,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(without_body_limit(routes!(training::routes::agent_upload_checkpoint)))
         .routes(routes!(training::routes::agent_latest_checkpoint))
         .routes(routes!(training::routes::agent_checkpoint_file))
+        .routes(routes!(training::routes::agent_precision_plan))
 }
 
 /// Uploads are capped by the registry while they stream, not by axum's body limit

@@ -13,7 +13,7 @@ use utoipa::{Modify, OpenApi};
         (name = "tokens", description = "Personal API tokens"),
         (name = "models", description = "The model registry"),
         (name = "datasets", description = "Training data: CSV or JSONL, checked and content-addressed"),
-        (name = "jobs", description = "The job queue, training jobs with their metrics, AutoLRS stages and checkpoints"),
+        (name = "jobs", description = "The job queue, training jobs with their metrics, AutoLRS stages, checkpoints and precision plans"),
         (name = "deployments", description = "Models served under a name, with replicas"),
         (name = "workers", description = "Worker hosts and their devices"),
         (name = "agent", description = "The protocol workers speak (worker secrets only)"),

@@ -3,8 +3,8 @@
 // pages a person uses (sign in, upload the real MiniLM folder, watch the worker come
 // online, prefetch the model onto it, deploy it, watch inference traffic arrive on the
 // deployment page, delete it; upload the digits dataset, train an AutoLRS and a constant-LR
-// job and read their charts, stages, checkpoints and the compare view), and saves a
-// screenshot of each page.
+// job and read their charts, stages, checkpoints and the compare view; read a data-parallel
+// job's precision plan), and saves a screenshot of each page.
 //
 //   node tests/browser/run.mjs
 //
@@ -447,6 +447,102 @@ async function main() {
       skip(name, "the worker did not start");
     }
   }
+
+  // The worker side of precision planning lands separately, so this check seeds the plan as
+  // rank 0's worker would: two fake GPU workers claim the CUDA ranks of a data-parallel job
+  // (the real worker here offers no GPU), form the gang, and post the plan and step timings
+  // through the agent routes. What it checks is the server's page over them.
+  await check("a data-parallel job's precision plan shows rank cards, the layer × rank table and its baseline", async () => {
+    const token = await apiLogin();
+    const api = async (method, route, body, secret = token) => {
+      const response = await fetch(`${base}/api/v1${route}`, {
+        method,
+        headers: { "content-type": "application/json", authorization: `Bearer ${secret}` },
+        body: body === undefined ? undefined : JSON.stringify(body),
+      });
+      const text = await response.text();
+      return { status: response.status, body: text ? JSON.parse(text) : null };
+    };
+    let csv = "f0,f1,label\n";
+    for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
+    const form = new FormData();
+    form.append("name", "plan-data");
+    form.append("file", new Blob([csv]), "plan.csv");
+    const uploaded = await fetch(`${base}/api/v1/datasets`, { method: "POST", headers: { authorization: `Bearer ${token}` }, body: form });
+    assert(uploaded.status === 201, `dataset upload answered ${uploaded.status}`);
+    const dataset = (await uploaded.json()).id;
+    const gang = async (name) => {
+      const created = await api("POST", "/jobs", {
+        name, model: { kind: "mlp", hidden: [8] }, dataset,
+        task: { type: "classification", label_column: "label", validation_split: 0.25 },
+        optimizer: { type: "sgd" }, batch_size: 8, max_steps: 10, eval_every: 5, checkpoint_every: 5,
+        lr_schedule: { type: "constant", lr: 0.1 }, seed: 1, parallel: { ranks: [{ device: "cuda" }, { device: "cuda" }] },
+      });
+      assert(created.status === 201, `job submission answered ${created.status}: ${JSON.stringify(created.body)}`);
+      return created.body.id;
+    };
+    // The baseline trains all in f32 on the same model, dataset and ranks; cancelled so
+    // that the fake workers claim the planned job's ranks (gangs are claimed oldest first).
+    const baseline = await gang("plan-f32-baseline");
+    assert((await api("POST", `/jobs/${baseline}/cancel`, {})).status === 200, "baseline cancelled");
+    const planned = await gang("plan-qsync");
+    const ranks = [];
+    for (const name of ["fake-gpu-0", "fake-gpu-1"]) {
+      const gpu = { index: 0, uuid: `GPU-${name}`, name: "Fake GPU", memory_bytes: 2 ** 34, compute_capability: [9, 0], mig_enabled: false };
+      const registered = await api("POST", "/agent/register",
+        { name, version: "browser-test", inventory: { hostname: name, cpu_cores: 2, memory_bytes: 2 ** 30, gpus: [gpu] } }, WORKER_TOKEN);
+      assert(registered.status === 200, `register answered ${registered.status}`);
+      const secret = registered.body.secret;
+      const claimed = await api("POST", "/agent/claim", { kinds: ["train_rank"] }, secret);
+      assert(claimed.status === 200 && claimed.body.spec.gang === planned, `claim answered ${claimed.status}: ${JSON.stringify(claimed.body)}`);
+      ranks.push({ secret, job: claimed.body.job_id, rank: claimed.body.spec.rank });
+    }
+    for (const [i, r] of ranks.entries()) {
+      const met = await api("POST", `/agent/jobs/${r.job}/rendezvous`, { address: `127.0.0.1:${7700 + i}` }, r.secret);
+      assert(met.status === 200, `rendezvous answered ${met.status}`);
+    }
+    const rank0 = ranks.find((r) => r.rank === 0);
+    const ops = ["layer0.query", "layer0.key", "layer0.norm", "head"];
+    const kinds = { "layer0.query": "linear", "layer0.key": "linear", "layer0.norm": "layer_norm", head: "head" };
+    const timings = (op) => (kinds[op] === "linear" ? ["int8", "bf16", "f32"] : ["f32"]).map((precision) => ({ precision, forward_ms: 0.5, backward_ms: 1 }));
+    const plan = (rank) => ({
+      rank, device: rank === 0 ? "cuda:0 Fake GPU" : "cpu:4 threads", predicted_ms: 4 + rank, indicator_sum: rank ? 0.0042 : 0,
+      ops: ops.map((op) => ({ op, kind: kinds[op], precision: rank === 1 && op === "layer0.query" ? "int8" : "f32", indicator: rank === 1 && op === "layer0.query" ? 0.0042 : 0 })),
+    });
+    const report = {
+      indicator: { kind: "gradient_variance" },
+      cost_tables: [0, 1].map((rank) => ({ device: plan(rank).device, ops: ops.map((op) => ({ op, kind: kinds[op], timings: timings(op) })) })),
+      cast_models: [{ fits: [] }, { fits: [] }],
+      ranks: [plan(0), plan(1)],
+      budget_ms: 5.5, predicted_step_ms: 5.2,
+      trace: [{ op: "layer0.query", from: "int8", to: "bf16", gain: 0.003, cost_ms: 0.8, predicted_ms: 6.1, accepted: false }],
+    };
+    const posted = await api("PUT", `/agent/jobs/${rank0.job}/precision-plan`, report, rank0.secret);
+    assert(posted.status === 204, `the plan answered ${posted.status}: ${JSON.stringify(posted.body)}`);
+    const steps = [1, 2, 3].map((step) => ({ rank: 0, step, iter_ms: 5 + step / 2, wait_ms: 1, allreduce_ms: 0.5 }));
+    const metrics = await api("POST", `/agent/jobs/${rank0.job}/training-metrics`, { evals: [{ step: 10, accuracy: 0.9 }], ranks: steps }, rank0.secret);
+    assert(metrics.status === 204, `metrics answered ${metrics.status}`);
+    const read = await api("GET", `/jobs/${planned}/precision-plan`);
+    assert(read.status === 200 && read.body.ranks.length === 2, `the plan reads back: ${read.status}`);
+
+    await page.goto(`${base}/jobs/${planned}`);
+    const panel = page.locator("#precision-plan");
+    await panel.waitFor();
+    assert((await panel.locator(".rank-card").count()) === 2, "a card per rank");
+    const card1 = await panel.locator('.rank-card[data-rank="1"]').innerText();
+    assert(card1.includes("cpu:4 threads") && card1.includes("Predicted") && card1.includes("Waiting"), `rank 1's card: ${card1}`);
+    const table = page.getByRole("table", { name: "Precision and indicator value of each operator on each rank" });
+    assert((await table.locator("tbody tr").count()) === ops.length, "a row per operator");
+    // textContent: the table heads are upper-cased by CSS only.
+    const heads = await table.locator("thead th").allTextContents();
+    assert(heads.some((h) => h.startsWith("Rank 1") && h.includes("cpu:4 threads")), `rank columns: ${heads}`);
+    const cell = await table.locator("tbody tr").first().locator("td[data-precision]").nth(1).innerText();
+    assert(cell.startsWith("int8") && cell.includes("ω 4.200e-3"), `rank 1's query cell: ${cell}`);
+    const step = await panel.locator('[data-chart="step-time"] path.line-1').getAttribute("d");
+    assert(step && step.startsWith("M"), "the step time is drawn against the budget");
+    assert((await panel.locator(`#precision-baselines a[href="/jobs/${baseline}"]`).count()) === 1, "the f32 baseline is linked");
+    await shot(page, "13b-precision-plan");
+  });
 
   await check("the jobs page lists jobs with state tabs", async () => {
     await page.goto(`${base}/jobs`);

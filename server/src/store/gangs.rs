@@ -392,9 +392,10 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
     let mut tx = db.begin().await?;
     for step in steps {
         sqlx::query(
-            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms) VALUES ($1, $2, $3, $4, $5, $6) \
+            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
-             allreduce_ms = excluded.allreduce_ms",
+             allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms",
         )
         .bind(gang.to_string())
         .bind(step.rank as i64)
@@ -402,6 +403,7 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
         .bind(step.iter_ms)
         .bind(step.wait_ms)
         .bind(step.allreduce_ms)
+        .bind(step.predicted_ms)
         .execute(&mut *tx)
         .await?;
     }
@@ -412,7 +414,8 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
 /// A gang's step timings, by rank then step.
 pub async fn rank_steps(db: &Db, gang: Uuid) -> Result<Vec<RankStep>> {
     let rows = sqlx::query(
-        "SELECT rank, step, iter_ms, wait_ms, allreduce_ms FROM rank_steps WHERE job_id = $1 ORDER BY rank, step",
+        "SELECT rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms FROM rank_steps WHERE job_id = $1 \
+         ORDER BY rank, step",
     )
     .bind(gang.to_string())
     .fetch_all(db.pool())
@@ -425,6 +428,7 @@ pub async fn rank_steps(db: &Db, gang: Uuid) -> Result<Vec<RankStep>> {
                 iter_ms: r.try_get("iter_ms")?,
                 wait_ms: r.try_get("wait_ms")?,
                 allreduce_ms: r.try_get("allreduce_ms")?,
+                predicted_ms: r.try_get("predicted_ms")?,
             })
         })
         .collect()

@@ -13,13 +13,13 @@ use super::db::{self, now_ms, Backend, Db};
 use super::slices::Free;
 use super::{parse_json, parse_uuid, Result, Scope, StoreError};
 
-const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \
+pub(super) const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \
      j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, j.progress_step, u.username AS owner";
 
 /// The states in which a worker holds a job's lease.
 const LIVE: &str = "state IN ('leased', 'running')";
 
-fn job_from_row(row: &AnyRow) -> Result<Job> {
+pub(super) fn job_from_row(row: &AnyRow) -> Result<Job> {
     let state: String = row.try_get("state")?;
     let spec: JobSpec = parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?;
     let worker: Option<String> = row.try_get("worker_id")?;

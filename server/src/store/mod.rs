@@ -11,6 +11,7 @@ pub mod db;
 pub mod gangs;
 pub mod jobs;
 pub mod models;
+pub mod precision;
 pub mod quotas;
 pub mod revocations;
 pub mod slices;

@@ -138,6 +138,18 @@ pub async fn best_eval(db: &Db, job: Uuid, name: &str, highest: bool) -> Result<
     row.map(|row| Ok((row.try_get("step")?, row.try_get("value")?))).transpose()
 }
 
+/// The last evaluation of metric `name` as `(step, value)`: where the run ended.
+pub async fn last_eval(db: &Db, job: Uuid, name: &str) -> Result<Option<(i64, f64)>> {
+    let row = sqlx::query(
+        "SELECT step, value FROM job_metrics WHERE job_id = $1 AND series = 'eval' AND name = $2 ORDER BY step DESC LIMIT 1",
+    )
+    .bind(job.to_string())
+    .bind(name)
+    .fetch_optional(db.pool())
+    .await?;
+    row.map(|row| Ok((row.try_get("step")?, row.try_get("value")?))).transpose()
+}
+
 /// Stores one AutoLRS stage, replacing an earlier report of the same stage.
 pub async fn upsert_lr_stage(db: &Db, job: Uuid, record: &LrStageRecord, at: i64) -> Result<()> {
     // serde_json writes non-finite floats (a diverged forecast) as null.

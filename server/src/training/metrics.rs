@@ -66,7 +66,9 @@ pub async fn store_report(db: &Db, job: Uuid, report: &TrainingMetrics, rank: Op
         if report.ranks.iter().any(|r| Some(r.rank) != rank) {
             return Err(Error::invalid("invalid_metric", "A rank reports its own step timings only."));
         }
-        let finite = |r: &RankStep| [r.iter_ms, r.wait_ms, r.allreduce_ms].iter().all(|v| v.is_finite() && *v >= 0.0);
+        let finite = |r: &RankStep| {
+            [r.iter_ms, r.wait_ms, r.allreduce_ms].iter().chain(&r.predicted_ms).all(|v| v.is_finite() && *v >= 0.0)
+        };
         if !report.ranks.iter().all(finite) || report.ranks.len() > MAX_POINTS_PER_REPORT {
             return Err(Error::invalid("invalid_metric", "Step timings are finite milliseconds, 0 or more."));
         }

@@ -5,10 +5,11 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use tessera_api::precision::PrecisionPlanReport;
 use tessera_api::train::{Checkpoint, LrStage, LrStageRecord, TrainingMetrics};
 use uuid::Uuid;
 
-use super::{checkpoints, lr_stages, metrics};
+use super::{checkpoints, lr_stages, metrics, precision};
 use crate::auth::{AgentAuth, Principal};
 use crate::error::{ApiJson, ApiMultipart, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
@@ -75,6 +76,21 @@ pub async fn checkpoint_file(
 ) -> Result<Response> {
     jobs::find(&state.db, &principal.scope(), id).await?;
     checkpoints::file_response(&state, id, step, &name).await
+}
+
+/// The QSync precision plan of a data-parallel job: what each rank measured (cost table,
+/// cast model), the precision chosen per operator and rank with its indicator value, the
+/// predicted and measured step time, and the allocator's trace. 404 until rank 0 posted it.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/precision-plan", tag = "jobs", security(("bearer" = [])),
+    params(("id" = Uuid, Path)),
+    responses((status = 200, body = PrecisionPlanReport), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn job_precision_plan(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<ApiJson<PrecisionPlanReport>> {
+    let job = jobs::find(&state.db, &principal.scope(), id).await?;
+    Ok(ApiJson(precision::read(&state.db, &job).await?.0))
 }
 
 /// Record training metrics of a leased job: rows per step and per evaluation. A step
@@ -155,4 +171,22 @@ pub async fn agent_checkpoint_file(
 ) -> Result<Response> {
     let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
     checkpoints::file_response(&state, job, step, &name).await
+}
+
+/// Post (or replace) the precision plan of the data-parallel job whose rank 0 this worker
+/// holds, after planning and again at the end with the measured step time. 403 from
+/// another rank or worker, 409 once the lease is gone, 422 for a report that does not fit
+/// the gang (counts, operators, figures).
+#[utoipa::path(put, path = "/api/v1/agent/jobs/{id}/precision-plan", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)), request_body = PrecisionPlanReport,
+    responses((status = 204), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody), (status = 422, body = tessera_api::error::ErrorBody)))]
+pub async fn agent_precision_plan(
+    State(state): State<AppState>,
+    agent: AgentAuth,
+    ApiPath(job): ApiPath<Uuid>,
+    ApiJson(report): ApiJson<PrecisionPlanReport>,
+) -> Result<StatusCode> {
+    precision::accept(&state.db, agent.worker_id, job, &report).await?;
+    Ok(StatusCode::NO_CONTENT)
 }

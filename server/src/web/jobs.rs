@@ -15,7 +15,7 @@ use tessera_api::jobs::{CreateJob, GenericJob, GenericSpec, Job, JobSpec, JobSta
 use tessera_api::train::{TrainModel, TrainingMetrics};
 use uuid::Uuid;
 
-use super::{format, render, training, with_status, Layout, WebUser};
+use super::{format, precision, render, training, with_status, Layout, WebUser};
 use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::store::jobs as store;
@@ -248,6 +248,8 @@ struct JobView {
     alert: Option<String>,
     /// Training jobs: progress, checkpoints and the AutoLRS panel.
     training: Option<training::TrainingView>,
+    /// Data-parallel jobs with a precision plan: the QSync panel.
+    precision: Option<precision::PlanView>,
 }
 
 #[derive(Template)]
@@ -340,8 +342,10 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
         })
         .collect();
     let training = training::view(state, &job).await?;
+    let precision = precision::view(state, &job).await?;
     Ok(JobView {
         training,
+        precision,
         id: job.id.to_string(),
         name: job.name,
         owner: job.owner,

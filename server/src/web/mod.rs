@@ -12,6 +12,7 @@ mod format;
 mod jobs;
 mod mig;
 mod models;
+mod precision;
 mod session;
 mod training;
 mod workers;

@@ -222,6 +222,7 @@ impl Session {
                             iter_ms: ms(elapsed),
                             wait_ms: ms(timing.wait),
                             allreduce_ms: ms(timing.reduce),
+                            predicted_ms: None,
                         }));
                     }
                     self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
