@@ -427,6 +427,8 @@ pub async fn rank_steps(db: &Db, gang: Uuid) -> Result<Vec<RankStep>> {
                 iter_ms: r.try_get("iter_ms")?,
                 wait_ms: r.try_get("wait_ms")?,
                 allreduce_ms: r.try_get("allreduce_ms")?,
+                // Not stored yet: the precision-plan routes (another branch) add its column.
+                predicted_ms: None,
             })
         })
         .collect()

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use super::Network;
+use super::{Network, OpTrace};
 use crate::train::data::{Examples, Inputs};
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 use crate::train::rng::Rng;
@@ -44,22 +44,49 @@ impl Mlp {
         let bias = self.parameters[2 * layer + 1].1.as_tensor();
         precision::linear(input, weight, bias, self.precisions[layer])
     }
-}
 
-impl Network for Mlp {
-    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+    fn run(&self, examples: &Examples, rows: &[usize], mut traces: Option<&mut Vec<OpTrace>>) -> Result<Tensor> {
         let Inputs::Dense { dim, values } = &examples.inputs else {
             candle_core::bail!("the MLP reads numeric feature columns, not text");
         };
         let batch: Vec<f32> = rows.iter().flat_map(|&r| values[r * dim..(r + 1) * dim].iter().copied()).collect();
         let mut x = Tensor::from_vec(batch, (rows.len(), *dim), &self.device)?.to_dtype(DType::F32)?;
         for layer in 0..self.layers {
-            x = self.linear(layer, &x)?;
-            if layer + 1 < self.layers {
-                x = x.relu()?;
+            let y = self.linear(layer, &x)?;
+            if let Some(traces) = traces.as_deref_mut() {
+                let (weight, bias) = (
+                    self.parameters[2 * layer].1.as_tensor().clone(),
+                    self.parameters[2 * layer + 1].1.as_tensor().clone(),
+                );
+                let input = x.detach();
+                let rerun_input = input.clone();
+                let rerun_weight = weight.clone();
+                traces.push(OpTrace {
+                    name: format!("layers.{layer}"),
+                    kind: if layer + 1 == self.layers { OpKind::Head } else { OpKind::Linear },
+                    input,
+                    output: y.detach(),
+                    weight: Some(weight),
+                    // Each layer reads the ReLU of the one before, the first the batch.
+                    reads: None,
+                    rerun: Box::new(move |p| precision::linear(&rerun_input, &rerun_weight, &bias, p)),
+                });
             }
+            x = if layer + 1 < self.layers { y.relu()? } else { y };
         }
         Ok(x)
+    }
+}
+
+impl Network for Mlp {
+    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+        self.run(examples, rows, None)
+    }
+
+    fn forward_traced(&self, examples: &Examples, rows: &[usize]) -> Result<(Tensor, Vec<OpTrace>)> {
+        let mut traces = Vec::with_capacity(self.layers);
+        let outputs = self.run(examples, rows, Some(&mut traces))?;
+        Ok((outputs, traces))
     }
 
     fn parameters(&self) -> &[(String, Var)] {
