@@ -139,4 +139,26 @@ mod tests {
         assert_ne!(first(&mlp), first(&other));
         assert!(first(&mlp).iter().all(|w| w.abs() <= 1.0 / 3f32.sqrt()));
     }
+
+    #[test]
+    fn a_traced_forward_records_each_layer_on_its_real_input() {
+        let mlp = Mlp::new(3, &[5, 4], 2, 1, &Device::Cpu).unwrap();
+        let examples = Examples {
+            inputs: Inputs::Dense { dim: 3, values: vec![0.5, -1.0, 2.0, 0.25, 0.0, -0.75] },
+            targets: crate::train::data::Targets::Values(vec![0.0; 2]),
+        };
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (outputs, mut traces) = mlp.forward_traced(&examples, &[1, 0]).unwrap();
+        assert_eq!(values(&outputs), values(&mlp.forward(&examples, &[1, 0], true).unwrap()));
+        let recorded: Vec<(String, OpKind)> = traces.iter().map(|t| (t.name.clone(), t.kind)).collect();
+        assert_eq!(recorded, mlp.precision_ops());
+        assert_eq!(values(&traces[0].input), [0.25, 0.0, -0.75, 0.5, -1.0, 2.0], "the batch's rows in order");
+        for (layer, trace) in traces.iter_mut().enumerate() {
+            // The weight is the parameter itself, so a traced loss's gradients name it.
+            assert_eq!(trace.weight.as_ref().unwrap().id(), mlp.parameters()[2 * layer].1.as_tensor().id());
+            assert_eq!(values(&(trace.rerun)(Precision::F32).unwrap()), values(&trace.output));
+            assert_eq!((trace.rerun)(Precision::Bf16).unwrap().dims(), trace.output.dims());
+        }
+        assert_eq!(values(&traces[1].input), values(&traces[0].output.relu().unwrap()));
+    }
 }
