@@ -1,12 +1,14 @@
 //! End to end, data-parallel training (issue 12): the real server runs a two-rank job on
 //! two real worker processes, which meet through the server's rendezvous and all-reduce
 //! over TCP; and when one rank's worker is killed, the gang is requeued and resumes from
-//! rank 0's last checkpoint with one continuous metrics series.
+//! rank 0's last checkpoint with one continuous metrics series. With `precision` the ranks
+//! plan per-operator precision (QSync) and the plan is served by the job.
 
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{digits_csv, eventually, start_server, start_worker, User};
+use tessera_tests::{binary, digits_csv, eventually, start_server, start_worker, Process, User};
 
 const WORKER_TOKEN: &str = "e2e-data-parallel-token-at-least-32-bytes";
 
@@ -108,4 +110,75 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
     assert_eq!(resumed.len(), 2, "both ranks of the second attempt resumed: {lines:?}");
     assert!(resumed[0] == resumed[1] && resumed[0] >= checkpoint && resumed[0] < max_steps, "{resumed:?}");
     assert_one_series_with_rank_timings(&user.get(&format!("/jobs/{job}/metrics")).await, max_steps, resumed[0]);
+}
+
+/// A two-rank QSync job with one worker slowed 3× (the worker's test-only `--test-slowdown`:
+/// one host cannot hold unequal devices). The slowed rank lowers operators, the other stays
+/// f32, and the plan, its measured step and the per-step predictions are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the precision-plan routes (q-page branch)"]
+async fn a_qsync_job_serves_its_precision_plan() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let fast = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
+    let slow = Process::spawn(
+        Command::new(binary("tessera-worker"))
+            .args(["--server", &url, "--name", "rank-host-slow", "--data-dir"])
+            .arg(data.path().join("worker-2"))
+            .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN)
+            .env("TESSERA_TEST_SLOWDOWN", "3"),
+    );
+
+    let max_steps = 40;
+    let mut spec = two_rank_job(&dataset, max_steps);
+    // Layers wide enough that this CPU's bf16 and int8 GEMMs beat f32.
+    spec["model"] = json!({"kind": "mlp", "hidden": [512, 512]});
+    spec["batch_size"] = json!(256);
+    spec["parallel"] = json!({
+        "ranks": [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}],
+        "precision": {"policy": "qsync", "profile_steps": 3}
+    });
+    let job = user.submit(spec).await;
+    user.finished(&job, &[&fast, &slow], Duration::from_secs(300)).await;
+
+    let plan = user.get(&format!("/jobs/{job}/precision-plan")).await;
+    assert_eq!(plan["indicator"]["kind"], "gradient_variance", "{plan}");
+    let ranks = plan["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2, "{plan}");
+    let slowed = |r: &Value| r["device"].as_str().unwrap().contains("test slowdown 3");
+    let (slow_rank, fast_rank) = match (slowed(&ranks[0]), slowed(&ranks[1])) {
+        (false, true) => (&ranks[1], &ranks[0]),
+        (true, false) => (&ranks[0], &ranks[1]),
+        _ => panic!("one rank runs on the slowed worker: {plan}"),
+    };
+    let precisions = |r: &Value| -> Vec<String> {
+        r["ops"].as_array().unwrap().iter().map(|op| op["precision"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(precisions(fast_rank), ["f32", "f32", "f32"], "{plan}");
+    let lowered = precisions(slow_rank);
+    assert!(lowered[..2].iter().any(|p| p != "f32"), "the slowed rank lowered nothing: {plan}");
+    assert_eq!(lowered[2], "f32", "the head stays f32");
+    for table in plan["cost_tables"].as_array().unwrap() {
+        let ops: Vec<&str> = table["ops"].as_array().unwrap().iter().map(|op| op["op"].as_str().unwrap()).collect();
+        assert_eq!(ops, ["layers.0", "layers.1", "layers.2"], "{plan}");
+    }
+    assert_eq!(plan["cast_models"].as_array().unwrap().len(), 2);
+    let predicted = plan["predicted_step_ms"].as_f64().unwrap();
+    assert!(predicted > 0.0 && plan["budget_ms"].as_f64().unwrap() > 0.0, "{plan}");
+    assert!(plan["measured_step_ms"].as_f64().is_some_and(|m| m > 0.0), "the end's report has the measured step: {plan}");
+
+    // Each rank's steps after the profiled three carry the plan's prediction.
+    let metrics = user.get(&format!("/jobs/{job}/metrics")).await;
+    for row in metrics["ranks"].as_array().unwrap() {
+        let step = row["step"].as_u64().unwrap();
+        match row["predicted_ms"].as_f64() {
+            Some(ms) => assert!(step > 3 && (ms - predicted).abs() <= 1e-6 * predicted, "{row}"),
+            None => assert!(step <= 3, "step {step} has no prediction: {row}"),
+        }
+    }
+    let lines = user.log_lines(&job).await;
+    assert!(lines.iter().any(|l| l.contains("precision plan: ") && l.contains("below f32")), "{lines:?}");
 }

@@ -4,23 +4,87 @@
 //!
 //! A job with `"parallel": {"ranks": [...]}` runs as a gang: every rank is claimed, or
 //! none is. The ranks all-reduce their gradients every step over a fixed global batch of
-//! `batch_size` rows, each rank taking its own contiguous share of it.
+//! `batch_size` rows, each rank taking its own contiguous share of it. With
+//! `"precision"` the ranks plan per-operator precision (QSync) after profiling: ranks slower
+//! than the fastest run some operators at a lower precision so they keep pace.
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use crate::precision::Precision;
 use crate::train::{SpecError, TrainJob};
 
 /// Ranks one job may ask for.
 pub const MAX_RANKS: usize = 64;
 
-/// `"parallel"` of a training spec. QSync's per-rank precision plan joins it later.
+/// `"parallel"` of a training spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelSpec {
     /// One entry per rank, rank 0 first (rank 0 evaluates and checkpoints).
     pub ranks: Vec<RankSpec>,
+    /// How the ranks choose per-operator precision; left out, every rank trains at f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<PrecisionSpec>,
+}
+
+/// Profiled steps a precision plan may ask for.
+pub const MAX_PROFILE_STEPS: u32 = 50;
+
+/// `"parallel": {"precision": {"policy": "qsync", "low": "int8", "profile_steps": 3}}`: after
+/// `profile_steps` steps at f32 every rank times each operator of the model at each
+/// precision down to `low`, and rank 0 plans which operators each slower rank lowers
+/// (`GET /api/v1/jobs/{id}/precision-plan` shows the plan).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrecisionSpec {
+    pub policy: PrecisionPolicy,
+    /// The lowest precision an operator may take: `int8` (default) or `bf16`.
+    #[serde(default = "PrecisionSpec::default_low")]
+    pub low: Precision,
+    /// Training steps at f32 before the plan (the operators are timed as often), 1 to 50.
+    #[serde(default = "PrecisionSpec::default_profile_steps")]
+    pub profile_steps: u32,
+}
+
+/// Which operators the slower ranks lower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionPolicy {
+    /// QSync: the fewest, least sensitive operators (gradient-variance indicator) that let
+    /// the rank keep pace with the fastest.
+    Qsync,
+    /// The ablation: QSync's search over indicator values shuffled with the job's seed.
+    Random,
+    /// Every operator the keep-list allows at `low` on every rank slower than the fastest.
+    Uniform,
+}
+
+impl PrecisionSpec {
+    fn default_low() -> Precision {
+        Precision::Int8
+    }
+
+    fn default_profile_steps() -> u32 {
+        3
+    }
+
+    fn validate(&self) -> Result<(), SpecError> {
+        if !matches!(self.low, Precision::Int8 | Precision::Bf16) {
+            return Err(SpecError::new(
+                "parallel.precision.low",
+                "give \"int8\" or \"bf16\" (the training operators run f32, bf16 and int8)",
+            ));
+        }
+        if !(1..=MAX_PROFILE_STEPS).contains(&self.profile_steps) {
+            return Err(SpecError::new(
+                "parallel.precision.profile_steps",
+                format!("must be 1 to {MAX_PROFILE_STEPS}"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Where one rank runs: `{"device": "cpu", "threads": 4}`, `{"device": "cuda"}`, or
@@ -100,7 +164,10 @@ impl ParallelSpec {
                 format!("the global batch must give each of the {} ranks at least one row", self.ranks.len()),
             ));
         }
-        Ok(())
+        match &self.precision {
+            Some(precision) => precision.validate(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -150,8 +217,8 @@ pub struct RankStep {
     pub wait_ms: f64,
     /// The rest of the all-reduce: transfers and sums.
     pub allreduce_ms: f64,
-    /// The precision plan's prediction of this rank's step (QSync's replayer), when the
-    /// job has a plan.
+    /// What the precision planner predicted `iter_ms` to be under the plans in force (the
+    /// synchronous step); absent without a plan (no `precision`, or still profiling).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_ms: Option<f64>,
 }
@@ -186,6 +253,49 @@ mod tests {
         assert_eq!(many.validate(2).unwrap_err().field, "batch_size");
         let error = serde_json::from_value::<ParallelSpec>(serde_json::json!({"ranks": [{"gpu": 1}]})).unwrap_err();
         assert!(error.to_string().contains("gpu"), "{error}");
+    }
+
+    #[test]
+    fn precision_defaults_to_int8_after_three_profiled_steps() {
+        let parallel = spec(serde_json::json!({
+            "ranks": [{"device": "cpu"}, {"device": "cpu"}],
+            "precision": {"policy": "qsync"}
+        }));
+        parallel.validate(8).unwrap();
+        let precision = parallel.precision.unwrap();
+        assert_eq!(precision, PrecisionSpec { policy: PrecisionPolicy::Qsync, low: Precision::Int8, profile_steps: 3 });
+        let plain = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}]}));
+        assert_eq!(plain.precision, None);
+        assert!(!serde_json::to_string(&plain).unwrap().contains("precision"));
+    }
+
+    #[test]
+    fn precision_mistakes_name_the_field() {
+        let with = |precision: serde_json::Value| {
+            spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}], "precision": precision}))
+        };
+        let f32_low = with(serde_json::json!({"policy": "uniform", "low": "f32"})).validate(8).unwrap_err();
+        assert_eq!(f32_low.field, "parallel.precision.low");
+        assert!(f32_low.message.contains("bf16"), "{f32_low}");
+        assert_eq!(
+            with(serde_json::json!({"policy": "random", "low": "f16"})).validate(8).unwrap_err().field,
+            "parallel.precision.low"
+        );
+        for steps in [0, 51] {
+            let error = with(serde_json::json!({"policy": "qsync", "profile_steps": steps})).validate(8).unwrap_err();
+            assert_eq!(error.field, "parallel.precision.profile_steps");
+        }
+        with(serde_json::json!({"policy": "random", "low": "bf16", "profile_steps": 50})).validate(8).unwrap();
+        let unknown = serde_json::from_value::<ParallelSpec>(serde_json::json!({
+            "ranks": [{"device": "cpu"}, {"device": "cpu"}], "precision": {"policy": "qsync", "budget": 3}
+        }))
+        .unwrap_err();
+        assert!(unknown.to_string().contains("budget"), "{unknown}");
+        let policy = serde_json::from_value::<ParallelSpec>(serde_json::json!({
+            "ranks": [{"device": "cpu"}, {"device": "cpu"}], "precision": {"policy": "fastest"}
+        }))
+        .unwrap_err();
+        assert!(policy.to_string().contains("fastest"), "{policy}");
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub struct AgentConfig {
     pub endpoint: Arc<Endpoint>,
     /// How replicas bound to slices run (`serve::binding`).
     pub binding: Policy,
+    /// Test-only: data-parallel ranks compute this many times slower (`--test-slowdown`).
+    pub test_slowdown: Option<f64>,
 }
 
 /// Jobs by how they use the host: a replica holds a device slice until it is stopped,
@@ -165,7 +167,8 @@ impl Agent {
                             self.config.data_dir.clone(),
                             self.config.endpoint.clone(),
                         )
-                        .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding);
+                        .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding)
+                        .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0));
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job

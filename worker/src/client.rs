@@ -13,6 +13,7 @@ use tessera_api::workers::{
 };
 use tessera_api::jobs::MetricPoint;
 use tessera_api::parallel::{RendezvousRequest, RendezvousResponse};
+use tessera_api::precision::PrecisionPlanReport;
 use tessera_api::train::{Checkpoint, LrStageRecord, TrainingMetrics};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
@@ -61,6 +62,10 @@ impl Client {
 
     async fn post<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
         check(self.http.post(self.url(path)).bearer_auth(&self.secret).json(body).send().await?).await
+    }
+
+    async fn put<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
+        check(self.http.put(self.url(path)).bearer_auth(&self.secret).json(body).send().await?).await
     }
 
     /// The secret of the last registration (empty before the first).
@@ -127,6 +132,13 @@ impl Client {
     pub async fn rendezvous(&self, job: Uuid, address: &str) -> Result<RendezvousResponse, ClientError> {
         let request = RendezvousRequest { address: address.to_string() };
         Ok(self.post(&format!("jobs/{job}/rendezvous"), &request).await?.json().await?)
+    }
+
+    /// A data-parallel job's precision plan, from rank 0 (sent again, replacing it, with the
+    /// step time measured under the plan).
+    pub async fn precision_plan(&self, job: Uuid, report: &PrecisionPlanReport) -> Result<(), ClientError> {
+        self.put(&format!("jobs/{job}/precision-plan"), report).await?;
+        Ok(())
     }
 
     /// One AutoLRS stage record (a record for the same stage replaces it).

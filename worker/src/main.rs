@@ -53,6 +53,11 @@ struct Cli {
     /// cosine 0.9999 of f32 on MiniLM), f32 elsewhere. `f32` keeps every step in f32.
     #[arg(long, env = "TESSERA_CPU_PRECISION", value_enum, default_value_t = CpuPrecision::Auto)]
     cpu_precision: CpuPrecision,
+    /// Test-only: data-parallel training ranks on this worker compute this many times slower
+    /// (sleeping in proportion to their compute), so tests of precision planning can run
+    /// unequal ranks on one host. Never use it for measurements.
+    #[arg(long, env = "TESSERA_TEST_SLOWDOWN", hide = true)]
+    test_slowdown: Option<f64>,
     /// What each replica takes on before it refuses work (README, "Limits").
     #[command(flatten)]
     admission: Admission,
@@ -103,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
         allow_repartition: cli.allow_repartition,
         endpoint,
         binding: Policy::of_build(cli.slice_processes, cli.cpu_precision, cli.admission),
+        test_slowdown: cli.test_slowdown,
     })?;
     tokio::select! {
         () = agent.run() => {}

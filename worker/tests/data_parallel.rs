@@ -83,9 +83,11 @@ fn run(mut session: Session) -> Run {
             Event::Checkpoint(_) => checkpoints += 1,
             Event::RankStep(timing) => {
                 assert!(timing.iter_ms >= timing.wait_ms + timing.allreduce_ms, "{timing:?}");
+                assert_eq!(timing.predicted_ms, None, "no precision plan, no prediction");
                 timed_steps += 1;
             }
             Event::Stage(_) => {}
+            Event::PrecisionPlan(report) => panic!("a job without `precision` planned: {report:?}"),
         })
         .unwrap();
     let weights = session

@@ -15,7 +15,7 @@ use tessera_worker::train::model::encoder::Encoder;
 use tessera_worker::train::model::Network;
 use tessera_worker::train::optim::OptimizerKind;
 use tessera_worker::train::policy;
-use tessera_worker::train::precision::{PlanError, Precision, PrecisionPlan};
+use tessera_worker::train::precision::{OpKind, PlanError, Precision, PrecisionPlan};
 use tessera_worker::train::session::{Event, Limits, Session};
 use tessera_worker::train::trainer::Trainer;
 
@@ -220,4 +220,39 @@ fn low_precision_plans_stay_close_to_f32_and_the_keep_list_holds() {
     plan.0.clear();
     plan.0.insert("encoder.layer.2.output.dense".into(), Precision::Int8);
     assert_eq!(ours.set_precision(&plan), Ok(()));
+}
+
+#[test]
+fn a_traced_forward_records_every_planned_operator_on_its_real_input() {
+    let Some(folder) = minilm() else { return };
+    let [ids, types, mask] = padded_batch(&folder);
+    let (ours, vars) = encoder(&folder);
+    let mut traces = Vec::new();
+    let traced = ours.forward_traced(&ids, &types, &mask, &mut traces).unwrap();
+    let plain = ours.forward(&ids, &types, &mask).unwrap();
+    let diff = (traced - plain).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(diff, 0.0, "tracing changes nothing");
+    let recorded: Vec<(String, OpKind)> = traces.iter().map(|t| (t.name.clone(), t.kind)).collect();
+    assert_eq!(recorded, ours.precision_ops());
+    let index = |name: &str| traces.iter().position(|t| t.name == name).unwrap();
+    // q, k and v read the LayerNorm before them as it is; the intermediate the attention's.
+    assert_eq!(traces[index("encoder.layer.0.attention.self.query")].reads, Some(index("embeddings.LayerNorm")));
+    assert_eq!(
+        traces[index("encoder.layer.3.attention.self.value")].reads,
+        Some(index("encoder.layer.2.output.LayerNorm"))
+    );
+    assert_eq!(
+        traces[index("encoder.layer.1.intermediate.dense")].reads,
+        Some(index("encoder.layer.1.attention.output.LayerNorm"))
+    );
+    assert_eq!(traces[index("encoder.layer.1.output.dense")].reads, None, "it reads the GELU");
+    assert_eq!(traces[index("embeddings.LayerNorm")].reads, Some(index("embeddings")));
+    let word = vars["embeddings.word_embeddings.weight"].as_tensor();
+    assert_eq!(traces[0].weight.as_ref().unwrap().id(), word.id());
+    assert_eq!(traces[0].input.dims(), [ids.elem_count(), word.dim(1).unwrap()], "the gathered rows");
+    for trace in traces.iter_mut() {
+        let again = (trace.rerun)(Precision::F32).unwrap();
+        let diff = (again - &trace.output).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0, "{} reruns as it ran", trace.name);
+    }
 }

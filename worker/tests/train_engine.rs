@@ -66,7 +66,7 @@ fn run(session: &mut Session) -> (Vec<(u64, Option<f64>)>, Vec<(u64, HashMap<Str
             Event::Checkpoint(c) => {
                 checkpoints.push((c.step, c.files.into_iter().map(|(n, b)| (n.to_string(), b)).collect()))
             }
-            Event::Eval(_) | Event::Stage(_) | Event::RankStep(_) => {}
+            Event::Eval(_) | Event::Stage(_) | Event::RankStep(_) | Event::PrecisionPlan(_) => {}
         })
         .unwrap();
     (losses, checkpoints, evaluation)

@@ -229,7 +229,7 @@ fn train(problem: &Problem, data: &Arc<Prepared>, schedule: &LrSchedule, seed: u
         Event::Stage(record) => {
             stages.insert(record.stage, record);
         }
-        Event::Checkpoint(_) | Event::RankStep(_) => {}
+        Event::Checkpoint(_) | Event::RankStep(_) | Event::PrecisionPlan(_) => {}
     });
     let seconds = started.elapsed().as_secs_f64();
     let (final_metric, final_val_loss) = match result {

@@ -78,6 +78,14 @@ impl GradientSync for RingSync {
     fn last_timing(&self) -> Option<SyncTiming> {
         self.timing
     }
+
+    fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.ring.all_gather(bytes).map_err(|e| self.failed(e))
+    }
+
+    fn broadcast(&mut self, bytes: Vec<u8>) -> Result<Vec<u8>> {
+        self.ring.broadcast(bytes).map_err(|e| self.failed(e))
+    }
 }
 
 /// `val_loss`, `accuracy`, `rmse` as f64 bits; NaN stands for an absent metric.

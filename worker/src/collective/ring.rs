@@ -324,6 +324,47 @@ impl Ring {
     }
 }
 
+impl Ring {
+    /// Every rank's `bytes`, indexed by rank, on every rank: each rank's bytes travel the
+    /// ring's W − 1 hops (the ranks exchange what they measured before planning).
+    pub fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>, RingError> {
+        let (world, rank) = (self.world, self.rank);
+        let mut gathered = vec![Vec::new(); world];
+        gathered[rank] = bytes;
+        // Hop h passes on what came from h ranks back, and receives from h + 1 ranks back.
+        for hop in 0..world.saturating_sub(1) {
+            let send = (rank + world - hop) % world;
+            let receive = (rank + 2 * world - hop - 1) % world;
+            gathered[receive] = self.exchange_frame(&gathered[send])?;
+        }
+        Ok(gathered)
+    }
+
+    /// Writes one length-prefixed frame to the next rank while reading one from the
+    /// previous (both at once, as `exchange` does).
+    fn exchange_frame(&mut self, send: &[u8]) -> Result<Vec<u8>, RingError> {
+        let (previous, next) = (self.previous(), self.next());
+        let right = self.right.as_mut().expect("a ring of two or more");
+        let left = self.left.as_mut().expect("a ring of two or more");
+        let (sent, received) = std::thread::scope(|scope| {
+            let writer = scope.spawn(|| {
+                right.write_all(&(send.len() as u64).to_le_bytes())?;
+                right.write_all(send)
+            });
+            let received = (|| {
+                let mut length = [0u8; 8];
+                left.read_exact(&mut length)?;
+                let mut frame = vec![0u8; u64::from_le_bytes(length) as usize];
+                left.read_exact(&mut frame)?;
+                Ok(frame)
+            })();
+            (writer.join().unwrap_or_else(|_| Err(io::Error::other("the ring's writer panicked"))), received)
+        });
+        sent.map_err(|source| RingError::Peer { peer: next, source })?;
+        received.map_err(|source| RingError::Peer { peer: previous, source })
+    }
+}
+
 /// Rings of `world` ranks over loopback TCP in this process (tests and benchmarks).
 pub fn loopback(world: usize, gang: Uuid, timeout: Duration) -> Result<Vec<Ring>, RingError> {
     let listeners: Vec<TcpListener> =
@@ -435,6 +476,33 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert!(results.iter().all(|r| r == b"evaluation"));
+    }
+
+    #[test]
+    fn every_rank_gathers_every_rank_s_bytes_in_rank_order() {
+        for world in 2..=4 {
+            let rings = loopback(world, Uuid::new_v4(), Duration::from_secs(10)).unwrap();
+            let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = rings
+                    .into_iter()
+                    .map(|mut ring| {
+                        // Lengths differ per rank; rank 1's is empty.
+                        let mine = vec![ring.rank() as u8; if ring.rank() == 1 { 0 } else { 3 + 1000 * ring.rank() }];
+                        scope.spawn(move || ring.all_gather(mine).unwrap())
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for gathered in &results {
+                assert_eq!(gathered.len(), world);
+                for (rank, bytes) in gathered.iter().enumerate() {
+                    let expected = if rank == 1 { 0 } else { 3 + 1000 * rank };
+                    assert_eq!(bytes.len(), expected, "rank {rank} of {world}");
+                    assert!(bytes.iter().all(|&b| b == rank as u8));
+                }
+            }
+        }
+        assert_eq!(Ring::alone().all_gather(vec![7]).unwrap(), vec![vec![7]]);
     }
 
     #[test]

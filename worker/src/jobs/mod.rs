@@ -30,11 +30,27 @@ pub struct JobContext {
     offered: Arc<Vec<Slice>>,
     /// How replicas bound to slices run.
     binding: Policy,
+    /// Test-only: data-parallel ranks compute this many times slower (`--test-slowdown`).
+    test_slowdown: f64,
 }
 
 impl JobContext {
     pub fn new(client: Client, job: Uuid, data_dir: PathBuf, endpoint: Arc<Endpoint>) -> JobContext {
-        JobContext { client, job, data_dir, endpoint, slice: None, offered: Arc::default(), binding: Policy::default() }
+        JobContext {
+            client,
+            job,
+            data_dir,
+            endpoint,
+            slice: None,
+            offered: Arc::default(),
+            binding: Policy::default(),
+            test_slowdown: 1.0,
+        }
+    }
+
+    /// Test-only: the data-parallel ranks this worker runs compute `factor` times slower.
+    pub fn with_test_slowdown(self, factor: f64) -> JobContext {
+        JobContext { test_slowdown: factor, ..self }
     }
 
     /// The slice the server bound this job to, the slices the worker offers, and how

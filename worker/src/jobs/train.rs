@@ -8,7 +8,9 @@
 //!
 //! A rank of a data-parallel job (`run_rank`) does the same after meeting the other ranks
 //! through the server's rendezvous and joining their all-reduce ring; rank 0 reports the
-//! job's metrics and checkpoints, every rank its own step timings.
+//! job's metrics and checkpoints, every rank its own step timings. When the job asks for
+//! per-operator precision the ranks plan it after their first steps (`train::hybrid`) and
+//! rank 0 sends the plan (`PUT …/precision-plan`), again at the end with the measured step.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,22 +18,26 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use reqwest::StatusCode;
 use tessera_api::jobs::JobState;
 use tessera_api::parallel::{RankDevice, RankJob, RendezvousResponse};
+use tessera_api::precision::{Precision, PrecisionPlanReport};
 use tessera_api::train::{OptimizerSpec, TaskType, TrainJob, TrainModel, TrainingMetrics};
 use tokio::sync::mpsc;
 
 use super::{prefetch, JobContext, JobError};
+use crate::client::ClientError;
 use crate::collective::ring::{Hello, Ring};
 use crate::collective::{RingFault, RingSync};
 use crate::train::data::{self, TaskColumns, TaskKind};
+use crate::train::hybrid::Planner;
 use crate::train::model::bert::BertClassifier;
 use crate::train::model::mlp::Mlp;
 use crate::train::model::Network;
 use crate::train::optim::OptimizerKind;
 use crate::train::policy;
 use crate::train::session::{Event, Limits, Session};
-use crate::train::trainer::{Evaluation, Trainer};
+use crate::train::trainer::{Evaluation, Slowdown, Trainer};
 
 /// Metric rows are sent when this many are waiting, or after `FLUSH_EVERY`.
 const FLUSH_ROWS: usize = 500;
@@ -83,6 +89,33 @@ fn summary(step: u64, evaluation: &Evaluation) -> String {
     format!("Trained {step} steps: val_loss {:.4}{metric}.", evaluation.val_loss)
 }
 
+/// One line on a precision plan: which ranks lowered how many operators and the predicted
+/// step, or (at the end) the step measured under it.
+fn plan_summary(report: &PrecisionPlanReport) -> String {
+    match report.measured_step_ms {
+        None => {
+            let ranks: Vec<String> = report
+                .ranks
+                .iter()
+                .map(|rank| {
+                    let lowered = rank.ops.iter().filter(|op| op.precision < Precision::F32).count();
+                    format!("rank {} ({}) {lowered} of {} operators below f32", rank.rank, rank.device, rank.ops.len())
+                })
+                .collect();
+            format!(
+                "precision plan: {}; predicted step {:.1} ms (budget {:.1} ms)",
+                ranks.join(", "),
+                report.predicted_step_ms,
+                report.budget_ms
+            )
+        }
+        Some(measured) => format!(
+            "precision plan: median step {measured:.1} ms measured under the plan, {:.1} ms predicted",
+            report.predicted_step_ms
+        ),
+    }
+}
+
 /// Downloads the latest checkpoint's files, if the job has one.
 async fn latest_checkpoint(context: &JobContext) -> Result<Option<(u64, HashMap<String, Vec<u8>>)>, JobError> {
     let Some(checkpoint) = context.client.latest_checkpoint(context.job).await? else { return Ok(None) };
@@ -116,7 +149,8 @@ impl Uplink<'_> {
     async fn handle(&mut self, event: Event) -> Result<(), JobError> {
         match event {
             // The other ranks' copies of what the leader reports.
-            Event::Step(_) | Event::Eval(_) | Event::Stage(_) | Event::Checkpoint(_) if !self.leader => {}
+            Event::Step(_) | Event::Eval(_) | Event::Stage(_) | Event::Checkpoint(_) | Event::PrecisionPlan(_)
+                if !self.leader => {}
             Event::RankStep(timing) => self.pending.ranks.push(timing),
             Event::Step(row) => self.pending.steps.push(row),
             Event::Eval(row) => {
@@ -127,6 +161,17 @@ impl Uplink<'_> {
             Event::Stage(record) => {
                 self.flush().await?;
                 self.context.client.lr_stage(self.context.job, &record).await?;
+            }
+            Event::PrecisionPlan(report) => {
+                self.context.log(plan_summary(&report)).await?;
+                match self.context.client.precision_plan(self.context.job, &report).await {
+                    Ok(()) => {}
+                    // A server from before precision plans: the job runs on, the plan is in its log.
+                    Err(ClientError::Status { status: StatusCode::NOT_FOUND, .. }) => {
+                        tracing::warn!(job = %self.context.job, "the server does not store precision plans (404)")
+                    }
+                    Err(error) => return Err(error.into()),
+                }
             }
             Event::Checkpoint(checkpoint) => {
                 self.flush().await?;
@@ -342,6 +387,10 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
     let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
     let threads = rank.device.threads;
+    let slowdown = Slowdown::new(context.test_slowdown);
+    let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
+        Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
+    });
     let setup =
         tokio::task::spawn_blocking(move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault), JobError> {
             let ring =
@@ -350,7 +399,12 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             let sync = RingSync::new(ring);
             let fault = sync.fault();
             let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
-            let session = Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)));
+            let session =
+                Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)).with_slowdown(slowdown));
+            let session = match planner {
+                Some(planner) => session.with_planner(planner),
+                None => session,
+            };
             Ok((session, breakers, fault))
         });
     let (session, breakers, fault) =
@@ -375,6 +429,19 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             None => Err(error.into()),
         },
     }
+}
+
+/// The rank's device in words for its precision plan: `cpu, 4 threads`, `cuda:0`, with a
+/// test slowdown named.
+fn device_label(device: &Device, threads: Option<usize>, slowdown: Slowdown) -> String {
+    let mut label = match device.is_cuda() {
+        true => "cuda:0".to_string(),
+        false => format!("cpu, {} threads", threads.unwrap_or_else(rayon::current_num_threads)),
+    };
+    if slowdown.factor() > 1.0 {
+        label += &format!(", test slowdown {}×", slowdown.factor());
+    }
+    label
 }
 
 fn describe(device: &Device) -> &'static str {

@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod hybrid;
 pub mod loader;
 pub mod lr;
 pub mod model;

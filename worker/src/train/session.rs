@@ -15,9 +15,11 @@ use std::time::Instant;
 
 use candle_core::Device;
 use tessera_api::parallel::RankStep;
+use tessera_api::precision::PrecisionPlanReport;
 use tessera_api::train::{LrStageRecord, MetricRow, StepPhase};
 
 use super::checkpoint::{self, CheckpointError, CheckpointFiles, Restored};
+use super::hybrid::{Planner, PlanningError};
 use super::trainer::{Evaluation, Snapshot, Trainer};
 
 /// What the loop does next.
@@ -78,6 +80,9 @@ pub enum Event {
     Checkpoint(CheckpointFiles),
     /// A data-parallel replica's timing of the step just taken.
     RankStep(RankStep),
+    /// The gang's precision plan (rank 0): once made, and at the end with the step time
+    /// measured under it.
+    PrecisionPlan(PrecisionPlanReport),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +99,8 @@ pub enum SessionError {
     Policy(String),
     #[error("the LR policy asked to restore before any snapshot")]
     NoSnapshot,
+    #[error(transparent)]
+    Planning(#[from] PlanningError),
     #[error("cancelled")]
     Cancelled,
 }
@@ -104,6 +111,7 @@ pub struct Session {
     limits: Limits,
     step: u64,
     stage: Option<Snapshot>,
+    planner: Option<Planner>,
 }
 
 fn row(step: u64, phase: Option<StepPhase>, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
@@ -121,7 +129,13 @@ pub fn eval_row(step: u64, phase: Option<StepPhase>, evaluation: &Evaluation) ->
 
 impl Session {
     pub fn new(trainer: Trainer, policy: Box<dyn LrPolicy>, limits: Limits) -> Session {
-        Session { trainer, policy, limits, step: 0, stage: None }
+        Session { trainer, policy, limits, step: 0, stage: None, planner: None }
+    }
+
+    /// The same session planning per-operator precision after its first steps (a
+    /// data-parallel rank whose job asks for it).
+    pub fn with_planner(self, planner: Planner) -> Session {
+        Session { planner: Some(planner), ..self }
     }
 
     /// The same session with its trainer changed (a data-parallel rank's gradient sync
@@ -222,8 +236,14 @@ impl Session {
                             iter_ms: ms(elapsed),
                             wait_ms: ms(timing.wait),
                             allreduce_ms: ms(timing.reduce),
-                            predicted_ms: None,
+                            predicted_ms: self.planner.as_ref().and_then(Planner::predicted_ms),
                         }));
+                    }
+                    // Every rank plans at the same step, between two steps.
+                    if let Some(planner) = &mut self.planner {
+                        if let Some(report) = planner.after_step(&mut self.trainer, elapsed)? {
+                            emit(Event::PrecisionPlan(report));
+                        }
                     }
                     self.policy.observe_train_loss(loss).map_err(SessionError::Policy)?;
                     for record in self.policy.take_stage_updates() {
@@ -245,6 +265,9 @@ impl Session {
             Some((step, evaluation)) if step == self.step => evaluation,
             _ => self.evaluate(self.policy.phase(), emit)?,
         };
+        if let Some(report) = self.planner.as_ref().and_then(Planner::finish) {
+            emit(Event::PrecisionPlan(report));
+        }
         self.end_on_a_kept_model(evaluation, emit)
     }
 

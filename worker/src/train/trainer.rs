@@ -9,14 +9,14 @@
 //! with an all-reduce; nothing else changes.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::data::{Examples, Prepared, Targets, TaskKind};
 use super::loader::{Loader, LoaderPosition};
-use super::model::Network;
+use super::model::{Network, OpTrace};
 use super::optim::{Optimizer, OptimizerKind, OptimizerState};
 
 /// The rows of every global batch one replica computes: a contiguous share, the same
@@ -72,6 +72,52 @@ pub trait GradientSync: Send {
     fn last_timing(&self) -> Option<SyncTiming> {
         None
     }
+
+    /// Every replica's `bytes`, by rank (precision planning gathers the ranks' profiles).
+    fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![bytes])
+    }
+
+    /// Rank 0's `bytes` on every replica (the others pass an empty vector).
+    fn broadcast(&mut self, bytes: Vec<u8>) -> Result<Vec<u8>> {
+        Ok(bytes)
+    }
+}
+
+/// How the last step spent its time on this replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    /// Forward, loss and backward (what a slower device takes longer at).
+    pub compute: Duration,
+    /// The optimizer's update after the all-reduce.
+    pub optimizer: Duration,
+}
+
+/// Test-only: makes this replica's compute `factor` times slower by sleeping `factor − 1`
+/// times as long as each piece of compute took, so one host can stand in for unequal
+/// devices in tests of precision planning (its operators, profiled, slow down alike).
+/// Never used for a reported speed-up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slowdown(f64);
+
+impl Slowdown {
+    pub const NONE: Slowdown = Slowdown(1.0);
+
+    /// `factor` ≥ 1; anything else (NaN, below 1) is no slowdown.
+    pub fn new(factor: f64) -> Slowdown {
+        Slowdown(if factor >= 1.0 { factor } else { 1.0 })
+    }
+
+    pub fn factor(&self) -> f64 {
+        self.0
+    }
+
+    /// Sleeps as long as the slowdown adds to compute that took `took`.
+    pub fn pause(&self, took: Duration) {
+        if self.0 > 1.0 {
+            std::thread::sleep(took.mul_f64(self.0 - 1.0));
+        }
+    }
 }
 
 /// One device, one replica: its gradients are the step's gradients.
@@ -111,6 +157,10 @@ pub struct Trainer {
     kind: TaskKind,
     device: Device,
     sync: Box<dyn GradientSync>,
+    slowdown: Slowdown,
+    /// This replica's rows of the last global batch, and how its step spent its time.
+    last_rows: Vec<usize>,
+    last_phases: Option<StepPhases>,
 }
 
 impl Trainer {
@@ -125,7 +175,18 @@ impl Trainer {
     ) -> Result<Trainer> {
         let optimizer = Optimizer::new(optimizer, network.parameters())?;
         let loader = Loader::new(data.train.len(), batch_size, seed);
-        Ok(Trainer { network, optimizer, loader, data, kind, device, sync: Box::new(LocalGradients) })
+        Ok(Trainer {
+            network,
+            optimizer,
+            loader,
+            data,
+            kind,
+            device,
+            sync: Box::new(LocalGradients),
+            slowdown: Slowdown::NONE,
+            last_rows: Vec::new(),
+            last_phases: None,
+        })
     }
 
     /// Trains as one replica of a data-parallel gang: `sync` picks this replica's share of
@@ -134,8 +195,48 @@ impl Trainer {
         Trainer { sync, ..self }
     }
 
+    /// Test-only: this replica computes `slowdown` times slower ([`Slowdown`]).
+    pub fn with_slowdown(self, slowdown: Slowdown) -> Trainer {
+        Trainer { slowdown, ..self }
+    }
+
+    pub fn slowdown(&self) -> Slowdown {
+        self.slowdown
+    }
+
     pub fn share(&self) -> Share {
         self.sync.share()
+    }
+
+    /// How the last step spent its time.
+    pub fn last_phases(&self) -> Option<StepPhases> {
+        self.last_phases
+    }
+
+    /// The gradient sync, for what else the replicas exchange (precision planning).
+    pub fn sync_mut(&mut self) -> &mut dyn GradientSync {
+        self.sync.as_mut()
+    }
+
+    pub fn network_mut(&mut self) -> &mut dyn Network {
+        self.network.as_mut()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// One forward of this replica's rows of the last batch that records each operator a
+    /// precision plan may name, and the gradients of its loss (nothing is updated): the job's
+    /// real shapes and tensors, which precision planning profiles and reads.
+    pub fn trace_last_batch(&self) -> Result<(Vec<OpTrace>, GradStore)> {
+        let rows = &self.last_rows;
+        if rows.is_empty() {
+            candle_core::bail!("no step has been taken to trace");
+        }
+        let (outputs, traces) = self.network.forward_traced(&self.data.train, rows)?;
+        let grads = self.loss(&outputs, &self.data.train, rows)?.backward()?;
+        Ok((traces, grads))
     }
 
     pub fn last_timing(&self) -> Option<SyncTiming> {
@@ -174,6 +275,7 @@ impl Trainer {
         let batch = self.loader.next_batch();
         let share = self.sync.share();
         let rows = share.of(&batch);
+        let started = Instant::now();
         let outputs = self.network.forward(&self.data.train, rows, true)?;
         let mut loss = self.loss(&outputs, &self.data.train, rows)?;
         if share.world > 1 {
@@ -182,8 +284,13 @@ impl Trainer {
         }
         let mut grads = loss.backward()?;
         let loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        self.slowdown.pause(started.elapsed());
+        let compute = started.elapsed();
+        self.last_rows = rows.to_vec();
         let loss = self.sync.synchronise(self.network.parameters(), &mut grads, loss)?;
+        let optimizing = Instant::now();
         self.optimizer.step(&grads, lr)?;
+        self.last_phases = Some(StepPhases { compute, optimizer: optimizing.elapsed() });
         Ok(loss)
     }
 

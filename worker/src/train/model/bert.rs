@@ -14,7 +14,7 @@ use candle_transformers::models::bert::Config;
 use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
 
 use super::encoder::Encoder;
-use super::Network;
+use super::{Network, OpTrace};
 use crate::train::data::{Examples, Inputs, Prepared, TaskKind};
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 use crate::train::rng::Rng;
@@ -81,8 +81,8 @@ impl BertClassifier {
     }
 }
 
-impl Network for BertClassifier {
-    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+impl BertClassifier {
+    fn run(&self, examples: &Examples, rows: &[usize], traces: Option<&mut Vec<OpTrace>>) -> Result<Tensor> {
         let Inputs::Text(texts) = &examples.inputs else {
             candle_core::bail!("a transformer model reads a text column");
         };
@@ -95,12 +95,42 @@ impl Network for BertClassifier {
         let ids = tensor(&|e| e.get_ids())?;
         let types = tensor(&|e| e.get_type_ids())?;
         let mask = tensor(&|e| e.get_attention_mask())?;
-        let states = self.encoder.forward(&ids, &types, &mask)?;
+        let mut traces = traces;
+        let states = match traces.as_deref_mut() {
+            Some(traces) => self.encoder.forward_traced(&ids, &types, &mask, traces)?,
+            None => self.encoder.forward(&ids, &types, &mask)?,
+        };
         let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let pooled = states.broadcast_mul(&mask)?.sum(1)?.broadcast_div(&mask.sum(1)?)?;
         let n = self.parameters.len();
         let (weight, bias) = (self.parameters[n - 2].1.as_tensor(), self.parameters[n - 1].1.as_tensor());
-        precision::linear(&pooled, weight, bias, Precision::F32)
+        let outputs = precision::linear(&pooled, weight, bias, Precision::F32)?;
+        if let Some(traces) = traces {
+            let (input, weight, bias) = (pooled.detach(), weight.clone(), bias.clone());
+            let (rerun_input, rerun_weight) = (input.clone(), weight.clone());
+            traces.push(OpTrace {
+                name: "head".into(),
+                kind: OpKind::Head,
+                input,
+                output: outputs.detach(),
+                weight: Some(weight),
+                reads: None,
+                rerun: Box::new(move |p| precision::linear(&rerun_input, &rerun_weight, &bias, p)),
+            });
+        }
+        Ok(outputs)
+    }
+}
+
+impl Network for BertClassifier {
+    fn forward(&self, examples: &Examples, rows: &[usize], _train: bool) -> Result<Tensor> {
+        self.run(examples, rows, None)
+    }
+
+    fn forward_traced(&self, examples: &Examples, rows: &[usize]) -> Result<(Tensor, Vec<OpTrace>)> {
+        let mut traces = Vec::new();
+        let outputs = self.run(examples, rows, Some(&mut traces))?;
+        Ok((outputs, traces))
     }
 
     fn parameters(&self) -> &[(String, Var)] {

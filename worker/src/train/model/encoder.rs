@@ -8,13 +8,15 @@
 //! LayerNorm is written with differentiable tensor ops. candle-nn's fused LayerNorm (which
 //! `BertModel` uses) has no backward, so with it no gradient reached the encoder's weights.
 //! A bf16 embedding or LayerNorm rounds its output to bf16 (QSync's 16-bit kernels store
-//! 16-bit outputs); on the CPU that buys no speed, only the numerics.
+//! 16-bit outputs); on the CPU that buys no speed, only the numerics. A traced forward
+//! records each of these operators with what it read (`super::OpTrace`).
 
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Result, Tensor, Var, D};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 
+use super::OpTrace;
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 
 /// A dense layer `x Wᵀ + b`, named by its weights' prefix.
@@ -40,13 +42,67 @@ struct Norm {
 }
 
 impl Norm {
-    /// LayerNorm over the last dimension, as candle-nn's unfused path computes it.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let hidden = x.dim(D::Minus1)? as f64;
-        let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / hidden)?)?;
-        let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
-        let normed = centred.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
-        round(normed.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)?, self.precision)
+        layer_norm(x, &self.weight, &self.bias, self.eps, self.precision)
+    }
+}
+
+/// LayerNorm over the last dimension, as candle-nn's unfused path computes it.
+fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, precision: Precision) -> Result<Tensor> {
+    let hidden = x.dim(D::Minus1)? as f64;
+    let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / hidden)?)?;
+    let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
+    let normed = centred.broadcast_div(&(variance + eps)?.sqrt()?)?;
+    round(normed.broadcast_mul(weight)?.broadcast_add(bias)?, precision)
+}
+
+/// Records the operators of a traced forward, in the order they run; a plain forward
+/// records nothing.
+struct Recorder<'a>(Option<&'a mut Vec<OpTrace>>);
+
+impl Recorder<'_> {
+    /// Adds the trace `make` builds and returns its index; `None` when not tracing.
+    fn push(&mut self, make: impl FnOnce() -> OpTrace) -> Option<usize> {
+        let traces = self.0.as_deref_mut()?;
+        traces.push(make());
+        Some(traces.len() - 1)
+    }
+
+    /// `dense` on `x` (the output of traced operator `reads`, if it is one).
+    fn dense(&mut self, dense: &Dense, x: &Tensor, reads: Option<usize>) -> Result<(Tensor, Option<usize>)> {
+        let y = dense.forward(x)?;
+        let index = self.push(|| {
+            let (input, weight, bias) = (x.detach(), dense.weight.clone(), dense.bias.clone());
+            let (rerun_input, rerun_weight) = (input.clone(), weight.clone());
+            OpTrace {
+                name: dense.name.clone(),
+                kind: OpKind::Linear,
+                input,
+                output: y.detach(),
+                weight: Some(weight),
+                reads,
+                rerun: Box::new(move |p| precision::linear(&rerun_input, &rerun_weight, &bias, p)),
+            }
+        });
+        Ok((y, index))
+    }
+
+    fn norm(&mut self, norm: &Norm, x: &Tensor, reads: Option<usize>) -> Result<(Tensor, Option<usize>)> {
+        let y = norm.forward(x)?;
+        let index = self.push(|| {
+            let (input, weight, bias, eps) = (x.detach(), norm.weight.clone(), norm.bias.clone(), norm.eps);
+            let rerun_input = input.clone();
+            OpTrace {
+                name: norm.name.clone(),
+                kind: OpKind::LayerNorm,
+                input,
+                output: y.detach(),
+                weight: None,
+                reads,
+                rerun: Box::new(move |p| layer_norm(&rerun_input, &weight, &bias, eps, p)),
+            }
+        });
+        Ok((y, index))
     }
 }
 
@@ -69,18 +125,52 @@ struct Embeddings {
     precision: Precision,
 }
 
+/// The rows of `table` at `ids`, `[ids…, width]`, rounded to `precision`.
+fn lookup(table: &Tensor, ids: &Tensor, precision: Precision) -> Result<Tensor> {
+    let mut dims = ids.dims().to_vec();
+    dims.push(table.dim(1)?);
+    round(table.index_select(&ids.flatten_all()?, 0)?.reshape(dims)?, precision)
+}
+
+/// The three lookups summed (before the embeddings' LayerNorm).
+fn embed(
+    word: &Tensor,
+    position: &Tensor,
+    token_type: &Tensor,
+    ids: &Tensor,
+    types: &Tensor,
+    p: Precision,
+) -> Result<Tensor> {
+    let (_, len) = ids.dims2()?;
+    let positions = Tensor::arange(0u32, len as u32, ids.device())?;
+    (lookup(word, ids, p)? + lookup(token_type, types, p)?)?.broadcast_add(&lookup(position, &positions, p)?)
+}
+
 impl Embeddings {
-    fn forward(&self, ids: &Tensor, types: &Tensor) -> Result<Tensor> {
-        let (_, len) = ids.dims2()?;
-        let lookup = |table: &Tensor, ids: &Tensor| -> Result<Tensor> {
-            let mut dims = ids.dims().to_vec();
-            dims.push(table.dim(1)?);
-            round(table.index_select(&ids.flatten_all()?, 0)?.reshape(dims)?, self.precision)
-        };
-        let positions = Tensor::arange(0u32, len as u32, ids.device())?;
-        let sum = (lookup(&self.word, ids)? + lookup(&self.token_type, types)?)?
-            .broadcast_add(&lookup(&self.position, &positions)?)?;
-        self.norm.forward(&sum)
+    fn forward(&self, ids: &Tensor, types: &Tensor, recorder: &mut Recorder) -> Result<(Tensor, Option<usize>)> {
+        let sum = embed(&self.word, &self.position, &self.token_type, ids, types, self.precision)?;
+        let index = match recorder.0.is_some() {
+            // QSync's indicator reads an embedding's gathered rows as its input.
+            true => Some(self.word.index_select(&ids.flatten_all()?, 0)?.detach()),
+            false => None,
+        }
+        .and_then(|rows| {
+            recorder.push(|| {
+                let (word, position, token_type) = (self.word.clone(), self.position.clone(), self.token_type.clone());
+                let (ids, types) = (ids.clone(), types.clone());
+                OpTrace {
+                    name: "embeddings".into(),
+                    kind: OpKind::Embedding,
+                    input: rows,
+                    output: sum.detach(),
+                    weight: Some(self.word.clone()),
+                    reads: None,
+                    rerun: Box::new(move |p| embed(&word, &position, &token_type, &ids, &types, p)),
+                }
+            })
+        });
+        let (normed, norm_index) = recorder.norm(&self.norm, &sum, index)?;
+        Ok((normed, norm_index))
     }
 }
 
@@ -238,33 +328,59 @@ impl Encoder {
     /// Hidden states `[batch, tokens, hidden]` for `ids` and `types` `[batch, tokens]` (u32)
     /// and the attention mask (1 for a token, 0 for padding).
     pub fn forward(&self, ids: &Tensor, types: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let mut hidden = self.embeddings.forward(ids, types)?;
+        self.run(ids, types, mask, &mut Recorder(None))
+    }
+
+    /// [`Encoder::forward`] that also appends every operator of `precision_ops` to `traces`.
+    pub fn forward_traced(
+        &self,
+        ids: &Tensor,
+        types: &Tensor,
+        mask: &Tensor,
+        traces: &mut Vec<OpTrace>,
+    ) -> Result<Tensor> {
+        self.run(ids, types, mask, &mut Recorder(Some(traces)))
+    }
+
+    fn run(&self, ids: &Tensor, types: &Tensor, mask: &Tensor, recorder: &mut Recorder) -> Result<Tensor> {
+        let (mut hidden, mut from) = self.embeddings.forward(ids, types, recorder)?;
         // HF's extended mask: 0 where attended, the most negative f32 where padded.
         let mask = mask.to_dtype(DType::F32)?.unsqueeze(1)?.unsqueeze(1)?;
         let mask = ((mask.ones_like()? - &mask)? * f32::MIN as f64)?;
         for layer in &self.layers {
-            hidden = self.layer(layer, &hidden, &mask)?;
+            (hidden, from) = self.layer(layer, &hidden, from, &mask, recorder)?;
         }
         Ok(hidden)
     }
 
-    fn layer(&self, layer: &Layer, hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// One layer on `hidden` (the output of traced operator `from`, when tracing); its
+    /// output and the traced operator that wrote it.
+    fn layer(
+        &self,
+        layer: &Layer,
+        hidden: &Tensor,
+        from: Option<usize>,
+        mask: &Tensor,
+        recorder: &mut Recorder,
+    ) -> Result<(Tensor, Option<usize>)> {
         let (batch, tokens, width) = hidden.dims3()?;
         let head_dim = width / self.heads;
         let split = |x: Tensor| x.reshape((batch, tokens, self.heads, head_dim))?.transpose(1, 2)?.contiguous();
-        let q = split(layer.query.forward(hidden)?)?;
-        let k = split(layer.key.forward(hidden)?)?;
-        let v = split(layer.value.forward(hidden)?)?;
+        let q = split(recorder.dense(&layer.query, hidden, from)?.0)?;
+        let k = split(recorder.dense(&layer.key, hidden, from)?.0)?;
+        let v = split(recorder.dense(&layer.value, hidden, from)?.0)?;
         let scores = (q.matmul(&k.t()?)? / (head_dim as f64).sqrt())?.broadcast_add(mask)?;
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
         let context = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.flatten_from(D::Minus2)?;
-        let attended = layer.attention_norm.forward(&(layer.attention_output.forward(&context)? + hidden)?)?;
-        let inner = layer.intermediate.forward(&attended)?;
+        let (projected, _) = recorder.dense(&layer.attention_output, &context, None)?;
+        let (attended, attended_from) = recorder.norm(&layer.attention_norm, &(projected + hidden)?, None)?;
+        let (inner, _) = recorder.dense(&layer.intermediate, &attended, attended_from)?;
         let inner = match self.activation {
             HiddenAct::Gelu => inner.gelu_erf()?,
             HiddenAct::GeluApproximate => inner.gelu()?,
             HiddenAct::Relu => inner.relu()?,
         };
-        layer.output_norm.forward(&(layer.output.forward(&inner)? + attended)?)
+        let (output, _) = recorder.dense(&layer.output, &inner, None)?;
+        recorder.norm(&layer.output_norm, &(output + attended)?, None)
     }
 }

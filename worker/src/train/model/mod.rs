@@ -4,7 +4,9 @@
 //!
 //! Per-operator precision (QSync): a network lists the operators a plan may name
 //! (`precision_ops`) and runs each at the plan's precision (`set_precision`, checked against
-//! the keep-list); its master weights stay f32 (`crate::train::precision`).
+//! the keep-list); its master weights stay f32 (`crate::train::precision`). A traced forward
+//! (`forward_traced`) records each of those operators on the real batch, so the planner
+//! can time it at every precision and read its tensors ([`OpTrace`]).
 
 pub mod bert;
 pub mod encoder;
@@ -13,7 +15,29 @@ pub mod mlp;
 use candle_core::{Result, Tensor, Var};
 
 use super::data::Examples;
-use super::precision::{OpKind, PlanError, PrecisionPlan};
+use super::precision::{OpKind, PlanError, Precision, PrecisionPlan};
+
+/// Reruns one operator on the input it read, at any precision, differentiably (its
+/// weights are the network's own `Var`s), so both passes can be timed.
+pub type Rerun = Box<dyn FnMut(Precision) -> Result<Tensor> + Send>;
+
+/// One operator a precision plan may name, as a traced forward ran it.
+pub struct OpTrace {
+    pub name: String,
+    pub kind: OpKind,
+    /// What the operator read (detached); an embedding: the rows it gathered.
+    pub input: Tensor,
+    /// What it wrote, at the precision it ran at (detached).
+    pub output: Tensor,
+    /// The parameter whose gradient QSync's indicator reads (the network's own tensor, so
+    /// a `GradStore` of the traced loss holds its gradient); `None` for a LayerNorm, whose
+    /// indicator reads its input alone.
+    pub weight: Option<Tensor>,
+    /// The traced operator whose output this one reads as it is; `None` when it reads
+    /// anything else (the batch, a residual sum, an activation).
+    pub reads: Option<usize>,
+    pub rerun: Rerun,
+}
 
 pub trait Network: Send {
     /// Outputs for `rows` of `examples`.
@@ -21,6 +45,12 @@ pub trait Network: Send {
 
     /// Every trainable parameter with its checkpoint name, in a fixed order.
     fn parameters(&self) -> &[(String, Var)];
+
+    /// [`Network::forward`] in training mode that also records every operator of
+    /// `precision_ops`, in that order. None recorded by default.
+    fn forward_traced(&self, examples: &Examples, rows: &[usize]) -> Result<(Tensor, Vec<OpTrace>)> {
+        Ok((self.forward(examples, rows, true)?, Vec::new()))
+    }
 
     /// The operators a precision plan may name, with their kinds, in forward order.
     /// None by default: the network runs at f32 throughout.
