@@ -16,19 +16,18 @@
 //!      cargo run -p tessera-bench --bin lr_schedules [-- --seeds 10 --sanity-seeds 5]
 
 use std::collections::BTreeMap;
-use std::hash::{Hash, Hasher};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
 use candle_core::Device;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_api::train::{CandidateScore, LrSchedule, LrStageRecord, StepPhase};
-use tessera_bench::machine;
-use tessera_worker::engine::EmbeddingModel;
+use tessera_bench::datasets::{assets_dir, dataset, embedded_reviews};
+use tessera_bench::stats::t95;
+use tessera_bench::{cpu_flags, machine};
 use tessera_worker::train::data::{prepare, Prepared, Table, TaskColumns, TaskKind};
 use tessera_worker::train::model::mlp::Mlp;
 use tessera_worker::train::optim::OptimizerKind;
@@ -250,12 +249,6 @@ fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len().max(1) as f64
 }
 
-/// Two-sided 95 % Student t quantiles for 1..=30 degrees of freedom.
-const T95: [f64; 30] = [
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
-    2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-];
-
 /// A paired speed-up: per seed `baseline / contender` steps to target, summarised by the
 /// geometric mean with a 95 % t-interval on the log ratios. Seeds where either missed
 /// the target are left out (and counted).
@@ -278,7 +271,7 @@ fn paired(baseline: &[Option<u64>], contender: &[Option<u64>]) -> Paired {
     let m = mean(&logs);
     let half = if n >= 2 {
         let sd = (logs.iter().map(|l| (l - m).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt();
-        T95[(n - 2).min(29)] * sd / (n as f64).sqrt()
+        t95(n - 1) * sd / (n as f64).sqrt()
     } else {
         f64::NAN
     };
@@ -341,50 +334,6 @@ fn cell(value: Option<u64>) -> String {
     value.map_or("–".into(), |s| s.to_string())
 }
 
-/// The sentence embeddings of every review, cached beside the dataset as a CSV of
-/// `e0..e383,label` (keyed by the corpus's and the model's bytes), so the frozen encoder
-/// runs once.
-fn embedded_reviews(assets: &Path) -> anyhow::Result<Table> {
-    let corpus = assets.join("datasets/rotten_tomatoes.csv");
-    let model_dir = assets.join("all-MiniLM-L6-v2");
-    let bytes =
-        std::fs::read(&corpus).with_context(|| format!("{}: run scripts/fetch-datasets.sh", corpus.display()))?;
-    let weights = std::fs::metadata(model_dir.join("model.safetensors"))
-        .with_context(|| format!("{}: run scripts/fetch-assets.sh", model_dir.display()))?;
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    bytes.hash(&mut hasher);
-    weights.len().hash(&mut hasher);
-    let cache = assets.join(format!("cache/rotten_tomatoes.minilm.{:016x}.csv", hasher.finish()));
-    if let Ok(cached) = std::fs::read(&cache) {
-        return Ok(Table::parse(&cached)?);
-    }
-    let table = Table::parse(&bytes)?;
-    let (text, label) = (table.column("text")?, table.column("label")?);
-    let engine = EmbeddingModel::load(&model_dir)?;
-    let started = Instant::now();
-    let mut csv = String::new();
-    for chunk in table.rows.chunks(64) {
-        let texts: Vec<&str> = chunk.iter().map(|r| r[text].as_str()).collect();
-        for (vector, row) in engine.embed(&texts)?.into_iter().zip(chunk) {
-            if csv.is_empty() {
-                let names: Vec<String> = (0..vector.len()).map(|i| format!("e{i}")).collect();
-                csv += &format!("{},label\n", names.join(","));
-            }
-            let values: Vec<String> = vector.iter().map(|v| format!("{v:.6}")).collect();
-            csv += &format!("{},{}\n", values.join(","), row[label]);
-        }
-    }
-    println!(
-        "embedded {} reviews with the frozen encoder ({} GEMMs) in {:.1} s",
-        table.rows.len(),
-        engine.gemm_dtype(),
-        started.elapsed().as_secs_f64()
-    );
-    std::fs::create_dir_all(cache.parent().expect("cache folder"))?;
-    std::fs::write(&cache, &csv)?;
-    Ok(Table::parse(csv.as_bytes())?)
-}
-
 /// The configurations of the groups asked for (all without `--groups`); `keep_first`
 /// keeps the first, whose result is the problem's target.
 fn selected(configs: Vec<Config>, groups: &Option<Vec<String>>, keep_first: bool) -> Vec<Config> {
@@ -399,11 +348,7 @@ fn selected(configs: Vec<Config>, groups: &Option<Vec<String>>, keep_first: bool
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let assets = cli.assets.clone().unwrap_or_else(|| {
-        std::env::var("TESSERA_ASSETS")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"))
-    });
+    let assets = assets_dir(cli.assets.clone());
     let started = Instant::now();
     let mut results = Vec::new();
     let mut markdown = String::new();
@@ -492,16 +437,13 @@ fn main() -> anyhow::Result<()> {
         ];
         let key = |file: &str| if file.starts_with("digits") { "digits" } else { "wine" };
         for (problem, file, task) in sanity.iter().filter(|(_, file, _)| wanted(key(file))) {
-            let path = assets.join("datasets").join(file);
-            let bytes =
-                std::fs::read(&path).with_context(|| format!("{}: run scripts/fetch-datasets.sh", path.display()))?;
+            let table = dataset(&assets, file)?;
             let so_far = (markdown.clone(), results.clone());
-            let (text, value) =
-                run_problem(problem, &Table::parse(&bytes)?, task, &sanity_seeds, cli.stages, &mut |text, value| {
-                    let mut all = so_far.1.clone();
-                    all.push(value.clone());
-                    write(&(so_far.0.clone() + text), &all)
-                })?;
+            let (text, value) = run_problem(problem, &table, task, &sanity_seeds, cli.stages, &mut |text, value| {
+                let mut all = so_far.1.clone();
+                all.push(value.clone());
+                write(&(so_far.0.clone() + text), &all)
+            })?;
             markdown += &text;
             results.push(value);
             write(&markdown, &results)?;
@@ -543,20 +485,6 @@ fn write_results(started: &Instant, markdown: &str, results: &[Value]) -> anyhow
 }
 
 /// The CPU flags that decide the kernels' speed (for the result file's header).
-fn cpu_flags() -> String {
-    let flags = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("flags")).map(|l| l.to_string()))
-        .unwrap_or_default();
-    let wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"];
-    let present: Vec<&str> = wanted.iter().copied().filter(|w| flags.split_whitespace().any(|f| f == *w)).collect();
-    if present.is_empty() {
-        "none of avx2/fma/avx512f".into()
-    } else {
-        present.join(", ")
-    }
-}
-
 /// Runs every configuration of a problem; after each one, `partial` gets the summary so
 /// far (so the results file records a run that is cut short).
 fn run_problem(
