@@ -1,14 +1,18 @@
 //! Collective communication between the ranks of a data-parallel gang: the TCP ring
 //! (`ring`) and [`RingSync`], the training engine's `GradientSync` over it. Each step's
 //! gradients (every parameter, flattened in the network's fixed order) and the weighted
-//! loss travel as one f32 buffer, so every rank applies bit-identical gradients.
+//! loss travel as one f32 buffer, so every rank applies bit-identical gradients. A gang whose
+//! ranks are all CUDA GPUs reduces over NCCL instead (`nccl`, the `nccl` feature): [`for_gang`]
+//! picks, the same way on every rank.
 
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod ring;
 
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::train::trainer::{Evaluation, GradientSync, Share, SyncTiming};
 use ring::{Ring, RingError};
@@ -16,6 +20,64 @@ use ring::{Ring, RingError};
 /// The ring's first failure, kept for the job: a lost rank is the server's to recover
 /// (the gang resumes from its checkpoint), not a failure of the training run.
 pub type RingFault = Arc<OnceLock<String>>;
+
+/// Why a gang's gradient sync could not be set up or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    #[error("NCCL: no progress in {what} for {seconds} s: a rank is gone; the step fails and the gang resumes from its last checkpoint")]
+    NcclTimeout { what: &'static str, seconds: u64 },
+}
+
+impl SyncError {
+    /// A lost or silent rank (the server's to recover), not a fault of this rank's set-up.
+    pub fn is_rank_lost(&self) -> bool {
+        matches!(self, SyncError::Ring(_) | SyncError::NcclTimeout { .. })
+    }
+}
+
+/// How a gang reduces its gradients: the transport, for the rank's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// GPU to GPU (every rank on CUDA, every worker built with `nccl`).
+    Nccl,
+    /// Host-staged over the TCP ring (unequal devices).
+    Ring,
+}
+
+/// Whether this rank can join an NCCL gang: a CUDA device in a build with NCCL.
+fn nccl_capable(device: &Device) -> bool {
+    cfg!(feature = "nccl") && device.is_cuda()
+}
+
+/// The gradient sync for this rank of a gang, over its connected `ring`: NCCL when every rank
+/// is [`nccl_capable`], the host-staged ring otherwise. The ranks vote with one ring
+/// all-reduce (each adds 1 if it can), so all of them see the same count and pick alike;
+/// every rank must call this once, right after the ring connects. `timeout` bounds NCCL's
+/// set-up and reductions (the ring has its own).
+pub fn for_gang(
+    mut ring: Ring,
+    device: &Device,
+    timeout: std::time::Duration,
+) -> std::result::Result<(Box<dyn GradientSync>, RingFault, Transport), SyncError> {
+    let mut votes = [nccl_capable(device) as u8 as f32];
+    ring.all_reduce(&mut votes)?;
+    if votes[0] as usize == ring.world() && ring.world() > 1 {
+        #[cfg(feature = "nccl")]
+        {
+            let sync = nccl::NcclSync::new(ring, device, timeout)?;
+            let fault = sync.fault();
+            return Ok((Box::new(sync), fault, Transport::Nccl));
+        }
+    }
+    let _ = timeout;
+    let sync = RingSync::new(ring);
+    let fault = sync.fault();
+    Ok((Box::new(sync), fault, Transport::Ring))
+}
 
 /// Data-parallel gradient synchronisation over a [`Ring`].
 pub struct RingSync {
@@ -95,4 +157,36 @@ fn decode(bytes: &[u8]) -> Option<Evaluation> {
     let at = |i: usize| f64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
     let present = |v: f64| Some(v).filter(|v| !v.is_nan());
     Some(Evaluation { val_loss: at(0), accuracy: present(at(1)), rmse: present(at(2)) })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use uuid::Uuid;
+
+    use super::*;
+
+    /// CPU ranks cannot use NCCL: the vote keeps every rank of the gang on the ring, and the
+    /// ring still reduces afterwards (the vote consumed one all-reduce on every rank alike).
+    #[test]
+    fn cpu_ranks_vote_for_the_ring_and_stay_in_step() {
+        let timeout = Duration::from_secs(20);
+        let rings = ring::loopback(3, Uuid::new_v4(), timeout).unwrap();
+        let results: Vec<(Transport, f64)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = rings
+                .into_iter()
+                .map(|ring| {
+                    scope.spawn(move || {
+                        let (mut sync, _, transport) = for_gang(ring, &Device::Cpu, timeout).unwrap();
+                        let mut grads = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap().backward().unwrap();
+                        let share = sync.share();
+                        (transport, sync.synchronise(&[], &mut grads, share.rank as f64 + 0.5).unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(results, vec![(Transport::Ring, 4.5); 3]);
+    }
 }

@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use super::{prefetch, JobContext, JobError};
 use crate::collective::ring::{Hello, Ring};
-use crate::collective::{RingFault, RingSync};
+use crate::collective::{self, RingFault, Transport};
 use crate::train::data::{self, TaskColumns, TaskKind};
 use crate::train::model::bert::BertClassifier;
 use crate::train::model::mlp::Mlp;
@@ -342,19 +342,31 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
     let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
     let threads = rank.device.threads;
-    let setup =
-        tokio::task::spawn_blocking(move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault), JobError> {
+    let setup = tokio::task::spawn_blocking(
+        move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
             let ring =
                 Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
             let breakers = ring.breakers()?;
-            let sync = RingSync::new(ring);
-            let fault = sync.fault();
+            // NCCL when every rank is a CUDA GPU in an `nccl` build, else the ring itself.
+            let (sync, fault, transport) = collective::for_gang(ring, &device, RING_TIMEOUT).map_err(|e| {
+                if e.is_rank_lost() {
+                    JobError::RankLost(e.to_string())
+                } else {
+                    JobError::Train(e.to_string())
+                }
+            })?;
             let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
-            let session = Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)));
-            Ok((session, breakers, fault))
-        });
-    let (session, breakers, fault) =
+            let session = Session::with_trainer(session, |trainer| trainer.with_sync(sync));
+            Ok((session, breakers, fault, transport))
+        },
+    );
+    let (session, breakers, fault, transport) =
         setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    let transport = match transport {
+        Transport::Nccl => "NCCL (GPU to GPU)",
+        Transport::Ring => "the host-staged TCP ring",
+    };
+    context.log(format!("rank {} all-reduces its gradients over {transport}", rank.rank)).await?;
     let pool = match threads {
         Some(n) => Some(
             rayon::ThreadPoolBuilder::new()
