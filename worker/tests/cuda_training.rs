@@ -282,24 +282,41 @@ mod nccl {
         assert!(sync.last_timing().is_some());
     }
 
-    /// A gang with a CPU rank keeps the host-staged ring on every rank, even when the other
-    /// rank is a CUDA GPU in an NCCL build.
-    #[test]
-    fn a_gang_with_a_cpu_rank_keeps_the_ring() {
-        let Some(device) = gpu() else { return };
+    /// The transports two ranks on `devices` pick.
+    fn transports(devices: [Device; 2]) -> Vec<Transport> {
         let rings = loopback(2, Uuid::new_v4(), TIMEOUT).unwrap();
-        let transports: Vec<Transport> = std::thread::scope(|scope| {
+        std::thread::scope(|scope| {
             let handles: Vec<_> = rings
                 .into_iter()
-                .zip([device, Device::Cpu])
+                .zip(devices)
                 .map(|(ring, device)| {
                     scope
                         .spawn(move || for_gang(ring, &device, TIMEOUT).map(|(_, _, t)| t).unwrap())
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(transports, [Transport::Ring, Transport::Ring]);
+        })
+    }
+
+    /// A gang with a CPU rank keeps the host-staged ring on every rank, even when the other
+    /// rank is a CUDA GPU in an NCCL build.
+    #[test]
+    fn a_gang_with_a_cpu_rank_keeps_the_ring() {
+        let Some(device) = gpu() else { return };
+        assert_eq!(
+            transports([device, Device::Cpu]),
+            [Transport::Ring, Transport::Ring]
+        );
+    }
+
+    /// Two ranks on one GPU keep the ring: NCCL refuses a GPU twice in one communicator.
+    #[test]
+    fn two_ranks_on_one_gpu_keep_the_ring() {
+        let Some(device) = gpu() else { return };
+        assert_eq!(
+            transports([device.clone(), device]),
+            [Transport::Ring, Transport::Ring]
+        );
     }
 
     /// Two GPUs, two ranks: both pick NCCL, and each ends with the sum of both ranks'

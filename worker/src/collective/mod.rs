@@ -48,24 +48,50 @@ pub enum Transport {
     Ring,
 }
 
-/// Whether this rank can join an NCCL gang: a CUDA device in a build with NCCL.
-fn nccl_capable(device: &Device) -> bool {
-    cfg!(feature = "nccl") && device.is_cuda()
+/// This rank's claim to join an NCCL gang: its GPU's UUID, when it trains on a CUDA device
+/// in a build with NCCL; `None` otherwise.
+fn nccl_identity(device: &Device) -> Option<[u8; 16]> {
+    #[cfg(feature = "nccl")]
+    if let Ok(cuda) = device.as_cuda_device() {
+        let uuid = cuda.cuda_stream().context().uuid().ok()?;
+        return Some(uuid.bytes.map(|b| b as u8));
+    }
+    let _ = device;
+    None
 }
 
-/// The gradient sync for this rank of a gang, over its connected `ring`: NCCL when every rank
-/// is [`nccl_capable`], the host-staged ring otherwise. The ranks vote with one ring
-/// all-reduce (each adds 1 if it can), so all of them see the same count and pick alike;
-/// every rank must call this once, right after the ring connects. `timeout` bounds NCCL's
-/// set-up and reductions (the ring has its own).
+/// f32 slots per rank in the vote: whether it can join, then its GPU's 16 UUID bytes as six
+/// 24-bit integers (exact in f32; the ring adds only zeros to them).
+const VOTE_SLOTS: usize = 7;
+
+/// The gradient sync for this rank of a gang, over its connected `ring`: NCCL when every
+/// rank can join (a CUDA GPU in an `nccl` build) and no GPU is in the gang twice (NCCL
+/// refuses that; two ranks sharing one GPU stay on the ring), the host-staged ring
+/// otherwise. The ranks vote with one ring all-reduce in which each fills only its own
+/// slots, so all of them see every rank's claim and pick alike; every rank must call this
+/// once, right after the ring connects. `timeout` bounds NCCL's set-up and reductions (the
+/// ring has its own).
 pub fn for_gang(
     mut ring: Ring,
     device: &Device,
     timeout: std::time::Duration,
 ) -> std::result::Result<(Box<dyn GradientSync>, RingFault, Transport), SyncError> {
-    let mut votes = [nccl_capable(device) as u8 as f32];
+    let (rank, world) = (ring.rank(), ring.world());
+    let mut votes = vec![0f32; world * VOTE_SLOTS];
+    if let Some(uuid) = nccl_identity(device) {
+        let mine = &mut votes[rank * VOTE_SLOTS..(rank + 1) * VOTE_SLOTS];
+        mine[0] = 1.0;
+        let mut bytes = [0u8; 18];
+        bytes[..16].copy_from_slice(&uuid);
+        for (slot, chunk) in mine[1..].iter_mut().zip(bytes.chunks(3)) {
+            *slot = u32::from_be_bytes([0, chunk[0], chunk[1], chunk[2]]) as f32;
+        }
+    }
     ring.all_reduce(&mut votes)?;
-    if votes[0] as usize == ring.world() && ring.world() > 1 {
+    let claims: Vec<&[f32]> = votes.chunks(VOTE_SLOTS).collect();
+    let all_can = claims.iter().all(|c| c[0] == 1.0);
+    let distinct = claims.iter().enumerate().all(|(i, a)| claims[..i].iter().all(|b| a[1..] != b[1..]));
+    if world > 1 && all_can && distinct {
         #[cfg(feature = "nccl")]
         {
             let sync = nccl::NcclSync::new(ring, device, timeout)?;
