@@ -10,9 +10,9 @@
 #   bash scripts/gpu-run.sh [all|tests|bench]   (on the GPU machine; it runs from the repo root)
 #
 # The device tool allows 10 minutes a command. In `all` the steps' limits add up to 490 s
-# (start-up check 40, kernel and training tests 120, end-to-end 90, benchmark 240) and the set-up's to
-# at most 70 s more, so the call ends inside its 10 minutes even when every step runs to its
-# limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
+# (start-up check 40, kernel and training tests 120, end-to-end 90, benchmark 240) and the
+# set-up's to at most 70 s more, so the call ends inside its 10 minutes even when every step
+# runs to its limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
 # every config, so a cut-short run still brings back what it measured.
 set -uo pipefail
 
@@ -25,9 +25,9 @@ work=/tmp/tessera-gpu
 bin="$work/bin"
 [[ -d "$bundle/bin" ]] || { echo "no $bundle/bin: run scripts/gpu-bundle.sh here first and carry .gpu-bundle" >&2; exit 1; }
 
-# candle links the CUDA 13 libraries dynamically, the worker's `nccl` feature NCCL; the
-# machine has them in PyTorch's nvidia wheels. Ask Python where those are (cheap), and search the disk once only for what that
-# did not find.
+# candle links the CUDA 13 libraries dynamically, and the worker's `nccl` feature NCCL; the
+# machine has them in PyTorch's nvidia wheels. Ask Python where those are (cheap), and search
+# the disk once only for what that did not find.
 needed=(libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libnvrtc.so.13 libcurand.so.10 libnccl.so.2)
 candidates="$(timeout 20 python3 - <<'PY' 2>/dev/null
 import glob, importlib.util, os
