@@ -3,7 +3,8 @@
 # the CUDA libraries from pinned PyPI wheels in a venv outside the repository
 # ($TESSERA_CUDA_HOME, default ~/.cache/tessera-cuda), unversioned link names and a stub
 # libcuda.so (the real one comes with the driver on the GPU machine) in the toolkit's
-# lib/stubs, where cudarc's build script looks for link-time libraries under $CUDA_ROOT.
+# lib/stubs, where cudarc's build script looks for link-time libraries under $CUDA_ROOT
+# (NCCL's too, for the worker's `nccl` feature).
 # Prints the environment for the build; progress goes to stderr.
 #
 #   eval "$(scripts/cuda-toolchain.sh)"
@@ -32,6 +33,10 @@ pins=(
     nvidia-cuda-nvrtc==13.0.88
     nvidia-cublas==13.0.2.14
     nvidia-curand==10.4.0.35
+    # NCCL for the worker's `nccl` feature (GPU-to-GPU all-reduce). 2.27.7 is the oldest
+    # CUDA 13 build, the one PyTorch 2.9 ships: linking against it keeps the binary to
+    # symbols every newer NCCL 2 has, so it runs on the GPU machine's PyTorch copy.
+    nvidia-nccl-cu13==2.27.7
 )
 
 log() { printf 'cuda-toolchain: %s\n' "$*" >&2; }
@@ -70,6 +75,10 @@ for n in cublas cublasLt cudart nvrtc; do
     link_name "lib$n.so.13" "lib$n.so"
 done
 link_name libcurand.so.10 libcurand.so
+# NCCL's wheel keeps its library in a folder of its own.
+nccl_lib="$(find "$site/nvidia" -name 'libnccl.so.2' -print -quit)"
+[[ -n "$nccl_lib" ]] || die "no libnccl.so.2 under $site/nvidia after installing the wheels"
+ln -sfn "$nccl_lib" "$stubs/libnccl.so"
 
 # 3. A stub libcuda.so with soname libcuda.so.1: every CUDA driver API function (cu +
 # capital letter; cublas*/curand*/cuda* belong to other libraries) as an empty function.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, here, everything the GPU machine runs for the CUDA path (it has the NVIDIA driver,
 # PyTorch and transformers, but no Rust toolchain and no network) into .gpu-bundle/ (ignored
-# by git): release builds of the worker, the kernel tests (worker/tests/cuda_kernels.rs),
+# by git): release builds of the worker (with NCCL), the kernel tests
+# (worker/tests/cuda_kernels.rs), the training tests (cuda_training.rs: precision ops, NCCL),
 # the end-to-end test (cuda_embeddings.rs) and the GPU benchmark (bench gpu_serving), each
 # stripped and xz-compressed; all-MiniLM-L6-v2 with its weights stored as f16 (both sides of
 # every comparison load the same f16 weights), as one assets.tar.xz; and build-info.json
@@ -45,6 +46,7 @@ mkdir -p "$bundle/bin" "$bundle/stage/all-MiniLM-L6-v2/1_Pooling"
 worker_targets=()
 wanted tessera-worker && worker_targets+=(--bin tessera-worker)
 wanted cuda_kernels && worker_targets+=(--test cuda_kernels)
+wanted cuda_training && worker_targets+=(--test cuda_training)
 wanted cuda_embeddings && worker_targets+=(--test cuda_embeddings)
 log "building ${worker_targets[*]:-no worker targets}$(wanted gpu_serving && echo ' and the GPU benchmark') (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
 # Test binaries have hashed names: take them from cargo's own report of what it built.
@@ -52,11 +54,11 @@ log "building ${worker_targets[*]:-no worker targets}$(wanted gpu_serving && ech
 built="$bundle/stage/built.txt"
 {
     if ((${#worker_targets[@]})); then
-        cargo build --release -p tessera-worker --features cuda "${worker_targets[@]}" \
+        cargo build --release -p tessera-worker --features cuda,nccl "${worker_targets[@]}" \
             --message-format=json-render-diagnostics
     fi
     if wanted gpu_serving; then
-        cargo build --release -p tessera-bench --features cuda --bin gpu_serving \
+        cargo build --release -p tessera-bench --features cuda,tessera-worker/nccl --bin gpu_serving \
             --message-format=json-render-diagnostics
     fi
 } | python3 -c '
@@ -146,7 +148,7 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
     log "  TESSERA_GPU_BUNDLE_SKIP=gpu_serving bash scripts/gpu-bundle.sh                 (tests only: gpu-run.sh tests)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_embeddings' bash scripts/gpu-bundle.sh   (benchmark only: gpu-run.sh bench)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings' bash scripts/gpu-bundle.sh   (benchmark only: gpu-run.sh bench)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi

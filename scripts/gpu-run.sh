@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, everything scripts/gpu-bundle.sh prepared (.gpu-bundle/ carried
 # beside the tree): the worker's start-up GPU check first (quick, and it says at once whether
-# the build fits this GPU and driver), then the kernel tests (each in its own process, so one
-# fault cannot poison the rest), the end-to-end GPU-vs-CPU test and the GPU benchmark. Each
+# the build fits this GPU and driver), then the kernel and training tests (cuda_kernels,
+# cuda_training: each test in its own process, so one fault cannot poison the rest), the
+# end-to-end GPU-vs-CPU test and the GPU benchmark. Each
 # step's output goes to a file in $OUT (the device tool brings back at most 8 files: this
 # writes 7). Steps run even when an earlier one fails; the exit status is the first failure's.
 #
 #   bash scripts/gpu-run.sh [all|tests|bench]   (on the GPU machine; it runs from the repo root)
 #
 # The device tool allows 10 minutes a command. In `all` the steps' limits add up to 490 s
-# (start-up check 40, kernel tests 120, end-to-end 90, benchmark 240) and the set-up's to
-# at most 70 s more, so the call ends inside its 10 minutes even when every step runs to its
-# limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
+# (start-up check 40, kernel and training tests 120, end-to-end 90, benchmark 240) and the
+# set-up's to at most 70 s more, so the call ends inside its 10 minutes even when every step
+# runs to its limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
 # every config, so a cut-short run still brings back what it measured.
 set -uo pipefail
 
@@ -24,10 +25,10 @@ work=/tmp/tessera-gpu
 bin="$work/bin"
 [[ -d "$bundle/bin" ]] || { echo "no $bundle/bin: run scripts/gpu-bundle.sh here first and carry .gpu-bundle" >&2; exit 1; }
 
-# candle links the CUDA 13 libraries dynamically; the machine has them in PyTorch's nvidia
-# wheels. Ask Python where those are (cheap), and search the disk once only for what that
-# did not find.
-needed=(libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libnvrtc.so.13 libcurand.so.10)
+# candle links the CUDA 13 libraries dynamically, and the worker's `nccl` feature NCCL; the
+# machine has them in PyTorch's nvidia wheels. Ask Python where those are (cheap), and search
+# the disk once only for what that did not find.
+needed=(libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libnvrtc.so.13 libcurand.so.10 libnccl.so.2)
 candidates="$(timeout 20 python3 - <<'PY' 2>/dev/null
 import glob, importlib.util, os
 dirs = []
@@ -136,26 +137,28 @@ if [[ "$what" == all || "$what" == tests ]]; then
         fi
     fi
 
-    # 2. Kernel tests, one process each (at most 120 s in all, 60 s each).
-    if have cuda_kernels; then
-        : >"$out/cuda_kernels.txt"
-        mapfile -t tests < <("$bin/cuda_kernels" --list --format=terse 2>>"$out/cuda_kernels.txt" | sed -n 's/: test$//p')
-        ((${#tests[@]})) || { echo "==> cuda_kernels lists no tests" | tee -a "$out/cuda_kernels.txt"; fail 1; }
-        deadline=$((SECONDS + 120))
-        results=()
+    # 2. Kernel tests, then the training tests (precision ops, NCCL), one process each (at
+    # most 120 s in all, 60 s each), all into cuda_kernels.txt (the tool brings back 8 files).
+    : >"$out/cuda_kernels.txt"
+    deadline=$((SECONDS + 120))
+    results=()
+    for binary in cuda_kernels cuda_training; do
+        have "$binary" || continue
+        mapfile -t tests < <("$bin/$binary" --list --format=terse 2>>"$out/cuda_kernels.txt" | sed -n 's/: test$//p')
+        ((${#tests[@]})) || { echo "==> $binary lists no tests" | tee -a "$out/cuda_kernels.txt"; fail 1; }
         for t in "${tests[@]}"; do
             left=$((deadline - SECONDS))
             if ((left < 10)); then
-                results+=("not run (kernel tests' 120 s spent)  $t")
+                results+=("not run (the tests' 120 s spent)  $binary $t")
                 fail 124
                 continue
             fi
-            run "$t" cuda_kernels $((left < 60 ? left : 60)) "$bin/cuda_kernels" --exact "$t" --nocapture
+            run "$binary $t" cuda_kernels $((left < 60 ? left : 60)) "$bin/$binary" --exact "$t" --nocapture
             rc=$?
-            results+=("$( ((rc == 0)) && echo ok || echo "FAILED (exit $rc)")  $t")
+            results+=("$( ((rc == 0)) && echo ok || echo "FAILED (exit $rc)")  $binary $t")
         done
-        printf '%s\n' "==> kernel tests:" "${results[@]}" | tee -a "$out/cuda_kernels.txt"
-    fi
+    done
+    printf '%s\n' "==> kernel and training tests:" "${results[@]}" | tee -a "$out/cuda_kernels.txt"
 
     # 3. End to end: MiniLM and BERT-base embeddings on the GPU against the CPU (90 s).
     if have cuda_embeddings; then

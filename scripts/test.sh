@@ -110,18 +110,20 @@ if [[ ! -f tests/browser/run.mjs ]]; then
 fi
 node tests/browser/run.mjs
 
-step "cargo build --features cuda"
-# The GPU path compiles on every run so it never rots unseen: the CUDA worker binary, the
-# GPU test binaries (cuda_kernels, cuda_embeddings) and the GPU benchmark (gpu_serving) are
-# built here and run on a GPU machine (scripts/gpu-bundle.sh, scripts/gpu-run.sh). nvcc and
-# the CUDA libraries come from pinned wheels (scripts/cuda-toolchain.sh). Its own target
-# dir: the CUDA tessera-worker (which refuses to start without a GPU) must not replace the
-# debug binary the end-to-end and browser tests run.
+step "cargo build --features cuda,nccl"
+# The GPU path compiles on every run so it never rots unseen: the CUDA worker binary (with
+# NCCL for gangs of GPUs), the GPU test binaries (cuda_kernels, cuda_training,
+# cuda_embeddings) and the GPU benchmark (gpu_serving) are built here and run on a GPU
+# machine (scripts/gpu-bundle.sh, scripts/gpu-run.sh). nvcc, the CUDA libraries and NCCL
+# come from pinned wheels (scripts/cuda-toolchain.sh). Its own target dir: the CUDA
+# tessera-worker (which refuses to start without a GPU) must not replace the debug binary
+# the end-to-end and browser tests run. Both builds name the same features of the worker,
+# so the second reuses the first's cudarc and candle instead of building them again.
 (
     eval "$(bash scripts/cuda-toolchain.sh)"
     export CUDA_COMPUTE_CAP=90
-    cargo build -p tessera-worker --features cuda --bins --tests --target-dir "$target_dir/cuda"
-    cargo build -p tessera-bench --features cuda --bin gpu_serving --target-dir "$target_dir/cuda"
+    cargo build -p tessera-worker --features cuda,nccl --bins --tests --target-dir "$target_dir/cuda"
+    cargo build -p tessera-bench --features cuda,tessera-worker/nccl --bin gpu_serving --target-dir "$target_dir/cuda"
     python3 -m py_compile bench/scripts/hf_transformers_gpu.py
 )
 

@@ -13,8 +13,8 @@ use candle_core::{CustomOp1, CustomOp2, CustomOp3, DType, Device, Tensor};
 use gpu_support::gpu;
 use kernel_cases::Kernels;
 use tessera_worker::engine::ops::{
-    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, Int8Scales, QuantizeInt8, SegmentedPool,
-    VarlenAttention,
+    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, DequantizeSums, Int8Scales, QuantizeInt8,
+    SegmentedPool, VarlenAttention,
 };
 
 /// Runs each op's `cuda_fwd` on CUDA device 0.
@@ -70,6 +70,10 @@ impl Kernels for Gpu {
 
     fn dequantize(&self, q: &Tensor, scales: &Tensor) -> Tensor {
         self.op2(q, scales, &DequantizeInt8)
+    }
+
+    fn dequantize_sums(&self, sums: &Tensor, params: &Tensor) -> Tensor {
+        self.op2(sums, params, &DequantizeSums)
     }
 }
 

@@ -11,8 +11,8 @@ use candle_core::{DType, Tensor};
 use cuda_emulator::{emulator, run, Buffer};
 use kernel_cases::Kernels;
 use tessera_worker::engine::ops::{
-    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, Int8Scales, QuantizeInt8, SegmentedPool,
-    VarlenAttention,
+    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, DequantizeSums, Int8Scales, QuantizeInt8,
+    SegmentedPool, VarlenAttention,
 };
 
 struct Emulated;
@@ -44,6 +44,10 @@ impl Kernels for Emulated {
 
     fn dequantize(&self, q: &Tensor, scales: &Tensor) -> Tensor {
         run(&DequantizeInt8, &[q, scales])
+    }
+
+    fn dequantize_sums(&self, sums: &Tensor, params: &Tensor) -> Tensor {
+        run(&DequantizeSums, &[sums, params])
     }
 }
 

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use super::{prefetch, JobContext, JobError};
 use crate::client::ClientError;
 use crate::collective::ring::{Hello, Ring};
-use crate::collective::{RingFault, RingSync};
+use crate::collective::{self, RingFault, Transport};
 use crate::train::data::{self, TaskColumns, TaskKind};
 use crate::train::hybrid::Planner;
 use crate::train::model::bert::BertClassifier;
@@ -391,24 +391,36 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
         Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
     });
-    let setup =
-        tokio::task::spawn_blocking(move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault), JobError> {
+    let setup = tokio::task::spawn_blocking(
+        move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
             let ring =
                 Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
             let breakers = ring.breakers()?;
-            let sync = RingSync::new(ring);
-            let fault = sync.fault();
+            // NCCL when every rank is a CUDA GPU in an `nccl` build, else the ring itself.
+            let (sync, fault, transport) = collective::for_gang(ring, &device, RING_TIMEOUT).map_err(|e| {
+                if e.is_rank_lost() {
+                    JobError::RankLost(e.to_string())
+                } else {
+                    JobError::Train(e.to_string())
+                }
+            })?;
             let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
             let session =
-                Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)).with_slowdown(slowdown));
+                Session::with_trainer(session, |trainer| trainer.with_sync(sync).with_slowdown(slowdown));
             let session = match planner {
                 Some(planner) => session.with_planner(planner),
                 None => session,
             };
-            Ok((session, breakers, fault))
-        });
-    let (session, breakers, fault) =
+            Ok((session, breakers, fault, transport))
+        },
+    );
+    let (session, breakers, fault, transport) =
         setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    let transport = match transport {
+        Transport::Nccl => "NCCL (GPU to GPU)",
+        Transport::Ring => "the host-staged TCP ring",
+    };
+    context.log(format!("rank {} all-reduces its gradients over {transport}", rank.rank)).await?;
     let pool = match threads {
         Some(n) => Some(
             rayon::ThreadPoolBuilder::new()

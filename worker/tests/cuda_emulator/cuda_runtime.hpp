@@ -101,6 +101,9 @@ inline unsigned int atomicMax(unsigned int* address, unsigned int value) {
 
 inline unsigned int __float_as_uint(float x) { return emu::from_bits<unsigned int>(emu::to_bits(x)); }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }  // ties to even
+// Rounded products and sums, never fused (-std=c++20 keeps GCC from contracting them).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -14,8 +14,8 @@ use tessera_worker::engine::ops::varlen_attention::cuda::{
     attention_plan, short_kernel_max_len, AttentionKernel,
 };
 use tessera_worker::engine::ops::{
-    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, Granularity, Int8Scales, Pooling,
-    QuantizeInt8, SegmentedPool, VarlenAttention,
+    BiasGelu, BiasResidualLayerNorm, DequantizeInt8, DequantizeSums, Granularity, Int8Scales,
+    Pooling, QuantizeInt8, SegmentedPool, VarlenAttention,
 };
 
 /// Where the kernels run. Inputs are CPU tensors already in the storage type (`cu_seqlens`
@@ -28,6 +28,7 @@ pub trait Kernels {
     fn int8_scales(&self, op: &Int8Scales, x: &Tensor) -> Tensor;
     fn quantize(&self, x: &Tensor, scales: &Tensor) -> Tensor;
     fn dequantize(&self, q: &Tensor, scales: &Tensor) -> Tensor;
+    fn dequantize_sums(&self, sums: &Tensor, params: &Tensor) -> Tensor;
 }
 
 /// One `#[test]` per case, each running on the [`Kernels`] that `$kernels` gives (an
@@ -81,6 +82,12 @@ macro_rules! kernel_tests {
         fn int8_quantisation_matches_the_cpu_bit_for_bit() {
             if let Some(k) = $kernels {
                 kernel_cases::int8_quantisation(&k);
+            }
+        }
+        #[test]
+        fn int8_gemm_sums_dequantise_like_the_cpu_bit_for_bit() {
+            if let Some(k) = $kernels {
+                kernel_cases::int8_sums(&k);
             }
         }
     };
@@ -293,5 +300,31 @@ pub fn int8_quantisation(k: &impl Kernels) {
                 );
             }
         }
+    }
+}
+
+/// The i32 sums of an int8 GEMM (as u32 bits, rows padded to `ld`) back to f32 with two
+/// per-tensor scales and a bias: bit for bit, since both sides round each step alike. Sums
+/// up to ±127²·1536 (a K of 1536), negative ones included.
+pub fn int8_sums(k: &impl Kernels) {
+    let mut rng = Rng::new(11);
+    for (rows, ld, cols) in [(1, 4, 1), (7, 8, 5), (96, 384, 384), (33, 1540, 1537)] {
+        let sums: Vec<u32> = (0..rows * ld)
+            .map(|_| (rng.uniform(127.0 * 127.0 * 1536.0) as i32) as u32)
+            .collect();
+        let sums = Tensor::from_vec(sums, (rows, ld), &Device::Cpu).unwrap();
+        let mut params = vec![
+            rng.uniform(0.05).abs() + 1e-4,
+            rng.uniform(0.01).abs() + 1e-5,
+        ];
+        params.extend((0..cols).map(|_| rng.uniform(0.1)));
+        let params = Tensor::new(params.as_slice(), &Device::Cpu).unwrap();
+        let want = sums.apply_op2_no_bwd(&params, &DequantizeSums).unwrap();
+        let got = k.dequantize_sums(&sums, &params);
+        assert_eq!(
+            got.to_vec2::<f32>().unwrap(),
+            want.to_vec2::<f32>().unwrap(),
+            "int8 sums [{rows}, {ld}] → [{rows}, {cols}]"
+        );
     }
 }

@@ -12,14 +12,14 @@
 //!   bf16) and `dX = bf16(dY)·bf16(W)`. candle keeps the f32 `x` alive in its graph anyway, so
 //!   unlike QSync this saves no memory; the numerics are QSync's.
 //!
-//! The bias gradient is `Σ_rows dY` in f32 at every precision. Off the CPU (a CUDA device),
-//! bf16 runs candle's own bf16 matmul between dtype casts (cuBLAS; candle differentiates the
-//! casts), and int8 is refused: its CUDA op is not written.
+//! The bias gradient is `Σ_rows dY` in f32 at every precision. On a CUDA device (a `cuda`
+//! build) the same numerics run on cuBLAS and cuBLASLt (`cuda.rs`), which also gives f16;
+//! on the CPU f16 is refused.
 
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::Precision;
@@ -35,14 +35,13 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, precision: Precision) 
     let rows = x.elem_count() / k.max(1);
     let x2 = x.reshape((rows, k))?;
     let y = match precision {
-        Precision::F16 => bail!("linear: f16 is not implemented by the training operators; use bf16, int8 or f32"),
         Precision::F32 => x2.matmul(&weight.t()?)?.broadcast_add(bias)?,
-        Precision::Bf16 if !x.device().is_cpu() => x2
-            .to_dtype(DType::BF16)?
-            .matmul(&weight.to_dtype(DType::BF16)?.t()?)?
-            .to_dtype(DType::F32)?
-            .broadcast_add(bias)?,
-        Precision::Int8 if !x.device().is_cpu() => bail!("linear: int8 runs on the CPU only; use bf16 or f32 here"),
+        #[cfg(feature = "cuda")]
+        _ if x.device().is_cuda() => super::cuda::linear(&x2, weight, bias, precision)?,
+        _ if !x.device().is_cpu() => {
+            bail!("linear: {precision} runs on the CPU or a CUDA device; use f32 on {:?}", x.device().location())
+        }
+        Precision::F16 => bail!("linear: f16 is not implemented by the training operators; use bf16, int8 or f32"),
         Precision::Bf16 => x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Bf16Linear)?,
         Precision::Int8 => {
             x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Int8Linear::default())?
@@ -240,7 +239,7 @@ fn quantise(x: &[f32], scale: f32) -> Vec<i8> {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     use super::*;
     use crate::engine::ops::{Granularity, Int8Scales, QuantizeInt8};

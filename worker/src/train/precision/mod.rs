@@ -9,6 +9,8 @@
 //! `encoder.layer.3.attention.self.query`, plus the embeddings, LayerNorms and head) and
 //! checks a plan against the keep-list before it runs (`Network::set_precision`).
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod linear;
 
 use std::collections::BTreeMap;

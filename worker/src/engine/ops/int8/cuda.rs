@@ -2,7 +2,9 @@
 //! `atomicMax` on the float's bits, then one thread per scale divides by 127. Quantise and
 //! dequantise: one grid-stride pass, the scale indexed by row (per channel) or 0.
 
-use super::{per_channel, DequantizeInt8, Granularity, Int8Scales, QuantizeInt8};
+use super::{
+    per_channel, sums_dims, DequantizeInt8, DequantizeSums, Granularity, Int8Scales, QuantizeInt8,
+};
 use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands};
 use crate::engine::ops::cuda::plan::{ELEMENTWISE_THREADS, ROW_THREADS};
 use crate::engine::ops::cuda::{Arg, CudaKernel, Launch, Module, Operand, Output, Plan};
@@ -119,6 +121,33 @@ impl CudaKernel for DequantizeInt8 {
             (rows, cols),
             per_channel,
             DType::F32,
+        ))
+    }
+}
+
+impl CudaKernel for DequantizeSums {
+    const MODULE: Module = MODULE;
+
+    fn plan(&self, inputs: &[Operand]) -> Result<Plan> {
+        let op = self.name();
+        let [sums, params] = operands(op, inputs)?;
+        sums.expect_dtype(DType::U32, op, "the sums (i32 bits)")?;
+        params.expect_dtype(DType::F32, op, "params")?;
+        let (rows, ld, cols) = sums_dims(op, sums.shape, params.shape)?;
+        let n = rows * cols;
+        let args = vec![
+            Arg::Input(0),
+            Arg::Input(1),
+            Arg::Output,
+            Arg::U64(n as u64),
+            Arg::I32(cols as i32),
+            Arg::I32(ld as i32),
+        ];
+        Ok(Plan::single(
+            op,
+            DType::F32,
+            (rows, cols),
+            Launch::elementwise("int8_dequantize_sums".into(), n, args),
         ))
     }
 }

@@ -68,3 +68,23 @@ extern "C" __global__ void int8_dequantize(const int8_t* __restrict__ q,
     }
 
 FOR_EACH_STORAGE(INT8_KERNELS)
+
+// The int8 GEMM's i32 sums back to f32, for the CUDA int8 linear of train/precision:
+//   out[r, c] = float(sums[r, c]) * (params[0] * params[1]) + params[2 + c]
+// (the two per-tensor scales, then the bias) over the first `cols` columns of each `ld`-wide
+// row (the GEMM pads its rows to a multiple of 4). Each product and the sum are rounded on
+// their own (__fmul_rn and __fadd_rn are never fused into an FMA), as the CPU computes them,
+// so the two agree bit for bit.
+extern "C" __global__ void int8_dequantize_sums(const int32_t* __restrict__ sums,
+                                                const float* __restrict__ params,
+                                                float* __restrict__ out, size_t n, int cols,
+                                                int ld) {
+    const float scale = __fmul_rn(params[0], params[1]);
+    const float* bias = params + 2;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / cols;
+        const int col = (int)(i % cols);
+        out[i] = __fadd_rn(__fmul_rn((float)sums[row * ld + col], scale), bias[col]);
+    }
+}

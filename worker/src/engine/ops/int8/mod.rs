@@ -39,6 +39,15 @@ pub struct QuantizeInt8;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DequantizeInt8;
 
+/// `(sums [rows, ld] u32, params [2 + cols] f32)` → f32 `[rows, cols]`:
+/// `sums[r, c] as i32 · (params[0] · params[1]) + params[2 + c]`, each product and the sum
+/// rounded on its own. The i32 sums of an int8 GEMM (`u32` holding each sum's bits, as `q`
+/// holds i8 bytes in `u8`) dequantised with the two operands' per-tensor scales (`params[..2]`)
+/// plus the bias (the rest: one buffer, so the kernel's arguments stay few); `ld ≥ cols` lets
+/// the GEMM pad its rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DequantizeSums;
+
 /// Round to nearest, ties to even, clamped to the symmetric int8 range; scale 0 gives 0.
 pub(crate) fn quantize_value(x: f32, scale: f32) -> i8 {
     if scale > 0.0 {
@@ -169,6 +178,65 @@ impl CustomOp2 for DequantizeInt8 {
     }
 }
 
+/// The dims `(rows, ld, cols)` of a [`DequantizeSums`], checked as its CPU and CUDA paths
+/// both need them.
+pub(crate) fn sums_dims(op: &str, sums: &Shape, params: &Shape) -> Result<(usize, usize, usize)> {
+    let (rows, ld) = sums.dims2()?;
+    let len = params.dims1()?;
+    if len < 3 || len - 2 > ld {
+        bail!("{op}: {len} parameters (the two scales, then the bias) for sums of {ld} columns; expected 3..={}", ld + 2);
+    }
+    Ok((rows, ld, len - 2))
+}
+
+impl CustomOp2 for DequantizeSums {
+    fn name(&self) -> &'static str {
+        "int8-dequantize-sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a_s: &CpuStorage,
+        a_l: &Layout,
+        p_s: &CpuStorage,
+        p_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (rows, ld, cols) = sums_dims(name, a_l.shape(), p_l.shape())?;
+        let sums = match (a_s, a_l.contiguous_offsets()) {
+            (CpuStorage::U32(data), Some((start, end))) => &data[start..end],
+            (CpuStorage::U32(_), None) => bail!("{name}: the sums must be contiguous"),
+            (other, _) => bail!(
+                "{name}: the sums must be u32 (i32 bits), got {:?}",
+                other.dtype()
+            ),
+        };
+        let params = contiguous_f32(name, "params", p_s, p_l)?;
+        let (scale, bias) = (params[0] * params[1], &params[2..]);
+        let mut out = Vec::with_capacity(rows * cols);
+        for row in sums.chunks_exact(ld) {
+            out.extend(
+                row[..cols]
+                    .iter()
+                    .zip(bias)
+                    .map(|(a, b)| *a as i32 as f32 * scale + b),
+            );
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, cols))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a_s: &candle_core::CudaStorage,
+        a_l: &Layout,
+        p_s: &candle_core::CudaStorage,
+        p_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::run(self, &[(a_s, a_l), (p_s, p_l)])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_inputs::Rng;
@@ -242,6 +310,30 @@ mod tests {
             [32, -127, 67]
         );
         assert_eq!(q[1], [0, 0, 0]);
+    }
+
+    #[test]
+    fn dequantises_i32_sums_of_a_padded_gemm() {
+        // Rows of 4 sums of which the first 3 are the output's columns; -5 as i32 bits.
+        let sums = Tensor::new(
+            &[[7u32, (-5i32) as u32, 0, 99], [1, 2, 3, 99]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        // Scales 0.5 and 0.25, then the bias.
+        let params = Tensor::new(&[0.5f32, 0.25, 1.0, 0.0, -1.0], &Device::Cpu).unwrap();
+        let out = sums.apply_op2_no_bwd(&params, &DequantizeSums).unwrap();
+        assert_eq!(
+            out.to_vec2::<f32>().unwrap(),
+            [[1.875, -0.625, -1.0], [1.125, 0.25, -0.625]]
+        );
+        for len in [2, 7] {
+            let wrong = Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap();
+            assert!(
+                sums.apply_op2_no_bwd(&wrong, &DequantizeSums).is_err(),
+                "{len} parameters"
+            );
+        }
     }
 
     #[test]
