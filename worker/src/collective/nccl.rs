@@ -209,4 +209,13 @@ impl GradientSync for NcclSync {
     fn last_timing(&self) -> Option<SyncTiming> {
         self.timing
     }
+
+    // Precision planning's small exchanges stay on the TCP ring, as for the loss.
+    fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.ring.all_gather(bytes).map_err(|e| self.failed(e.into()))
+    }
+
+    fn broadcast(&mut self, bytes: Vec<u8>) -> Result<Vec<u8>> {
+        self.ring.broadcast(bytes).map_err(|e| self.failed(e.into()))
+    }
 }
