@@ -25,12 +25,16 @@ use tessera_api::train::TrainJob;
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::scheduler::loaning::{capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes};
+use crate::scheduler::loaning::{
+    capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
+};
 use crate::state::AppState;
 use crate::store::db::now_ms;
 use crate::store::deployments::{self as deployments_store, StoredDeployment};
 use crate::store::jobs::NewJob;
-use crate::store::loaning::{self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan};
+use crate::store::loaning::{
+    self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan,
+};
 use crate::store::{models, Scope};
 
 /// The `scheduler_leases` row of the round.
@@ -63,7 +67,11 @@ pub struct Resources {
 // preemptible (a gang already resumes from its last checkpoint when it loses a rank).
 pub fn resources(train: &TrainJob, ranks: u32) -> Resources {
     let _ = train;
-    Resources { min_ranks: ranks, max_ranks: ranks, preemptible: true }
+    Resources {
+        min_ranks: ranks,
+        max_ranks: ranks,
+        preemptible: true,
+    }
 }
 
 /// What one round did, for logs and tests.
@@ -92,7 +100,14 @@ pub fn spawn(state: AppState) {
                 tracing::warn!(error = %e, "recording request rates failed");
             }
             match lead_and_run(&state, server).await {
-                Ok(report) if report.lent + report.reclaiming + report.returned + report.started + report.preempted > 0 => {
+                Ok(report)
+                    if report.lent
+                        + report.reclaiming
+                        + report.returned
+                        + report.started
+                        + report.preempted
+                        > 0 =>
+                {
                     tracing::info!(?report, "loaning round")
                 }
                 Ok(_) => {}
@@ -105,8 +120,10 @@ pub fn spawn(state: AppState) {
 /// This server's gateway rate of every deployment, into the store.
 pub async fn record_rates(state: &AppState, server: Uuid) -> Result<()> {
     let deployments = deployments_store::list(&state.db, &Scope::all()).await?;
-    let rates: Vec<(Uuid, f64)> =
-        deployments.iter().map(|d| (d.id, state.gateway.stats.recent_rate(d.id, RATE_BUCKETS))).collect();
+    let rates: Vec<(Uuid, f64)> = deployments
+        .iter()
+        .map(|d| (d.id, state.gateway.stats.recent_rate(d.id, RATE_BUCKETS)))
+        .collect();
     store::record_rates(&state.db, server, &rates).await?;
     Ok(())
 }
@@ -141,7 +158,9 @@ async fn slice_rate(state: &AppState, d: &StoredDeployment, slices: &[&FleetSlic
     for s in slices {
         let best = table
             .iter()
-            .filter(|r| Some(&r.gpu_model) == s.gpu_model.as_ref() && Some(&r.profile) == s.profile.as_ref())
+            .filter(|r| {
+                Some(&r.gpu_model) == s.gpu_model.as_ref() && Some(&r.profile) == s.profile.as_ref()
+            })
             .filter(|r| latency.is_none_or(|l| r.p99_ms <= l))
             .map(|r| r.throughput)
             .fold(0.0, f64::max);
@@ -160,7 +179,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     let online_since = crate::workers::online_since(state);
     let fleet = store::fleet(db, online_since).await?;
     let deployments = deployments_store::list(db, &Scope::all()).await?;
-    let rates = store::rates(db, now - 3 * state.config.loan_round_secs.max(1) as i64 * 1000).await?;
+    let rates = store::rates(
+        db,
+        now - 3 * state.config.loan_round_secs.max(1) as i64 * 1000,
+    )
+    .await?;
 
     // 1. What each deployment lends: grow the loan now, or mark slices to take back.
     let mut lenders: Vec<Lender> = deployments
@@ -191,8 +214,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             measured_rate: rates.get(&d.id).copied().unwrap_or(0.0),
             loanable: d.loanable,
         };
-        let policy = LoanPolicy { headroom: d.reclaim_headroom, ..LoanPolicy::default() };
-        let prev = LoanState { loaned: lender.loaned.len() as u32, calm: d.loan_calm };
+        let policy = LoanPolicy {
+            headroom: d.reclaim_headroom,
+            ..LoanPolicy::default()
+        };
+        let prev = LoanState {
+            loaned: lender.loaned.len() as u32,
+            calm: d.loan_calm,
+        };
         let next = capacity::next_loan(&view, &policy, prev);
         store::set_calm(db, d.id, next.calm).await?;
         if next.loaned > prev.loaned {
@@ -203,7 +232,12 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 view.slice_rate,
                 d.reclaim_headroom * 100.0
             );
-            for slice in lender.bound.iter().rev().take((next.loaned - prev.loaned) as usize) {
+            for slice in lender
+                .bound
+                .iter()
+                .rev()
+                .take((next.loaned - prev.loaned) as usize)
+            {
                 let replica = match slice.holder {
                     Holder::Replica { job, .. } => Some(job),
                     _ => None,
@@ -218,12 +252,18 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
     }
     // The fleet again, with this round's loans.
-    let fleet = if newly_loaned.is_empty() { fleet } else { store::fleet(db, online_since).await? };
+    let fleet = if newly_loaned.is_empty() {
+        fleet
+    } else {
+        store::fleet(db, online_since).await?
+    };
 
     // 2. Free loaned slices go back first; the rest of each take-back is the plan's.
     let mut reclaim_now: HashSet<String> = HashSet::new();
     for (&d, need) in take_back.iter_mut() {
-        for s in fleet.iter().filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned && s.holder == Holder::Free) {
+        for s in fleet.iter().filter(|s| {
+            s.lender == Some(d) && s.loan_state == SliceLoan::Loaned && s.holder == Holder::Free
+        }) {
             if *need == 0 {
                 break;
             }
@@ -244,8 +284,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     let mut plans: Vec<(u32, TrainingPlan)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for profile in profiles {
-        let slices: Vec<&FleetSlice> = fleet.iter().filter(|s| s.profile.as_deref() == Some(profile)).collect();
-        let mine: Vec<&SliceGang> = gangs.iter().filter(|g| g.profile() == Some(profile)).collect();
+        let slices: Vec<&FleetSlice> = fleet
+            .iter()
+            .filter(|s| s.profile.as_deref() == Some(profile))
+            .collect();
+        let mine: Vec<&SliceGang> = gangs
+            .iter()
+            .filter(|g| g.profile() == Some(profile))
+            .collect();
         // Capacity: free or rank-held serving slices, and each lender's loaned slices
         // that stay lent (its take-back, less the free ones already chosen).
         let mut capacity: HashMap<Pool, u32> = HashMap::new();
@@ -259,14 +305,17 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             *capacity.entry(pool).or_default() += u32::from(usable);
         }
         // A lender's remaining take-back comes off its held loaned slices of this profile.
+        // Held slices each lender takes back in this profile, marked once the plan says
+        // whom that preempts.
+        let mut cuts: HashMap<Uuid, u32> = HashMap::new();
         let lenders_back: Vec<(Uuid, u32)> = take_back.iter().map(|(&d, &n)| (d, n)).collect();
         for (d, need) in lenders_back {
             if let Some(i) = lender_ids.iter().position(|&x| x == d) {
                 let c = capacity.entry(Pool::Loaned(i)).or_default();
-                let here = slices.iter().filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned).count() as u32;
-                let cut = need.min(*c).min(here);
+                let cut = need.min(*c);
                 *c -= cut;
                 take_back.insert(d, need - cut);
+                cuts.insert(d, cut);
             }
         }
         let mut jobs = Vec::new();
@@ -286,7 +335,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     *holdings.entry(pool).or_default() += 1;
                 }
             }
-            let (min, max) = if waiting { (wanted.min_ranks, wanted.max_ranks.max(wanted.min_ranks)) } else { (ranks, ranks) };
+            let (min, max) = if waiting {
+                (wanted.min_ranks, wanted.max_ranks.max(wanted.min_ranks))
+            } else {
+                (ranks, ranks)
+            };
             let step_secs = StepTimes::new(store::step_secs_by_ranks(db, g.id, STEP_WINDOW).await?);
             jobs.push(Job {
                 min_ranks: min,
@@ -301,7 +354,12 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             });
         }
         let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_PAUSE_SECS });
+        let plan = plan_round(&Round {
+            capacity: &capacity,
+            jobs: &jobs,
+            elastic: true,
+            resize_pause_secs: RESIZE_PAUSE_SECS,
+        });
 
         // Reclaims: the jobs the greedy chose give their slices back.
         let mut preempted: HashSet<Uuid> = HashSet::new();
@@ -331,10 +389,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             store::record_reclaim(db, now, &record).await?;
         }
         // Which loaned slices the take-back marks: those the preempted jobs held first.
-        for (&d, need) in take_back.iter_mut() {
-            let mut held: Vec<&&FleetSlice> =
-                slices.iter().filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned).collect();
-            held.sort_by_key(|s| !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang)));
+        for (&d, need) in cuts.iter_mut() {
+            let mut held: Vec<&&FleetSlice> = slices
+                .iter()
+                .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
+                .collect();
+            held.sort_by_key(
+                |s| !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang)),
+            );
             for s in held {
                 if *need == 0 {
                     break;
@@ -363,17 +425,25 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             for &(pool, n) in &placement.holdings {
                 let mut candidates: Vec<&&FleetSlice> = slices
                     .iter()
-                    .filter(|s| pool_of(s) == Some(pool) && !reclaim_now.contains(&s.uuid) && !taken.contains(s.uuid.as_str()))
+                    .filter(|s| {
+                        pool_of(s) == Some(pool)
+                            && !reclaim_now.contains(&s.uuid)
+                            && !taken.contains(s.uuid.as_str())
+                    })
                     .filter(|s| s.loan_state != SliceLoan::Reclaiming)
                     .filter(|s| match s.holder {
                         Holder::Free => true,
                         // Slices pinned by waiting gangs are re-placed this round.
-                        Holder::Rank { gang, .. } => gangs.iter().any(|w| w.id == gang && w.waiting()),
+                        Holder::Rank { gang, .. } => {
+                            gangs.iter().any(|w| w.id == gang && w.waiting())
+                        }
                         Holder::Replica { .. } => false,
                     })
                     .collect();
                 // Its own pins first (a stable plan moves nothing), then free slices.
-                candidates.sort_by_key(|s| !matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id));
+                candidates.sort_by_key(
+                    |s| !matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id),
+                );
                 for s in candidates.into_iter().take(n as usize) {
                     taken.insert(s.uuid.as_str());
                     chosen.push(s.uuid.clone());
@@ -386,9 +456,18 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             if !store::resize_waiting_gang(db, g.id, total).await? {
                 continue;
             }
-            let ranks = store::slice_gangs(db).await?.into_iter().find(|x| x.id == g.id).map(|x| x.ranks).unwrap_or_default();
+            let ranks = store::slice_gangs(db)
+                .await?
+                .into_iter()
+                .find(|x| x.id == g.id)
+                .map(|x| x.ranks)
+                .unwrap_or_default();
             let pins: Vec<(Uuid, String)> = ranks.iter().map(|r| r.job).zip(chosen).collect();
-            if pins.iter().zip(&ranks).any(|((_, s), r)| r.slice.as_deref() != Some(s.as_str())) {
+            if pins
+                .iter()
+                .zip(&ranks)
+                .any(|((_, s), r)| r.slice.as_deref() != Some(s.as_str()))
+            {
                 store::pin_ranks(db, g.id, &pins).await?;
                 report.started += 1;
             }
@@ -398,8 +477,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         for (j, g) in mine.iter().enumerate() {
             let placement = &plan.placements[j];
             let ranks: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
-            let at = if ranks > 0 { ranks } else { jobs[j].requested_ranks };
-            let secs = jobs[j].step_secs.remaining_secs(jobs[j].remaining_steps, at);
+            let at = if ranks > 0 {
+                ranks
+            } else {
+                jobs[j].requested_ranks
+            };
+            let secs = jobs[j]
+                .step_secs
+                .remaining_secs(jobs[j].remaining_steps, at);
             let note = if preempted.contains(&g.id) {
                 "preempted this round".to_string()
             } else if g.waiting() && ranks == 0 {
@@ -436,14 +521,27 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
     }
     let fleet = store::fleet(db, online_since).await?;
-    for s in fleet.iter().filter(|s| s.loan_state == SliceLoan::Reclaiming) {
-        let Some(d) = s.lender.and_then(|l| deployments.iter().find(|d| d.id == l)) else { continue };
+    for s in fleet
+        .iter()
+        .filter(|s| s.loan_state == SliceLoan::Reclaiming)
+    {
+        let Some(d) = s
+            .lender
+            .and_then(|l| deployments.iter().find(|d| d.id == l))
+        else {
+            continue;
+        };
         let spec = crate::deployments::replica_spec(d);
         let name = format!("replica of {}", d.name);
         let job = NewJob {
             deployment: Some(d.id),
             pinned_slice: Some(&s.uuid),
-            ..NewJob::new(d.owner_id, &name, &spec, crate::deployments::REPLICA_MAX_ATTEMPTS)
+            ..NewJob::new(
+                d.owner_id,
+                &name,
+                &spec,
+                crate::deployments::REPLICA_MAX_ATTEMPTS,
+            )
         };
         if store::finish_reclaim(db, &s.uuid, d.id, &job).await? {
             report.returned += 1;
@@ -452,13 +550,21 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
 
     // 5. What the dashboard shows.
     plans.sort_by_key(|(order, _)| *order);
-    let plans: Vec<TrainingPlan> =
-        plans.into_iter().enumerate().map(|(i, (_, p))| TrainingPlan { position: i as u32, ..p }).collect();
+    let plans: Vec<TrainingPlan> = plans
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, p))| TrainingPlan {
+            position: i as u32,
+            ..p
+        })
+        .collect();
     store::replace_plans(db, &plans).await?;
     let count = |f: &dyn Fn(&FleetSlice) -> bool| fleet.iter().filter(|s| f(s)).count() as u32;
     let round = LoanRound {
         at: crate::store::db::time(now),
-        serving: count(&|s| s.loan_state == SliceLoan::Serving && !matches!(s.holder, Holder::Rank { .. })),
+        serving: count(&|s| {
+            s.loan_state == SliceLoan::Serving && !matches!(s.holder, Holder::Rank { .. })
+        }),
         loaned: count(&|s| s.loan_state == SliceLoan::Loaned),
         reclaiming: count(&|s| s.loan_state == SliceLoan::Reclaiming),
         training: count(&|s| matches!(s.holder, Holder::Rank { .. })),

@@ -33,6 +33,9 @@ pub async fn overview(state: &AppState, scope: &Scope) -> Result<LoanOverview> {
 /// last round planned with each job's predicted time to finish.
 #[utoipa::path(get, path = "/api/v1/fleet/loaning", tag = "workers", security(("bearer" = [])),
     responses((status = 200, body = LoanOverview)))]
-pub async fn get(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<LoanOverview>> {
+pub async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+) -> Result<ApiJson<LoanOverview>> {
     Ok(ApiJson(overview(&state, &principal.scope()).await?))
 }

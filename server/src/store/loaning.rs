@@ -21,7 +21,8 @@ use super::jobs::{self, NewJob};
 use super::{parse_json, parse_uuid, Result, Scope, StoreError};
 
 /// Jobs holding a slice (the same rule as `slices`' HOLDING).
-const HOLDING: &str = "(j.state IN ('leased', 'running') OR (j.state = 'queued' AND j.slice_pinned = 1))";
+const HOLDING: &str =
+    "(j.state IN ('leased', 'running') OR (j.state = 'queued' AND j.slice_pinned = 1))";
 
 fn loan_state(text: &str) -> Result<LoanState> {
     LoanState::parse(text).ok_or_else(|| StoreError::Corrupt {
@@ -37,9 +38,15 @@ fn loan_state(text: &str) -> Result<LoanState> {
 pub enum Holder {
     Free,
     /// A serve job of `deployment`.
-    Replica { job: Uuid, deployment: Uuid },
+    Replica {
+        job: Uuid,
+        deployment: Uuid,
+    },
     /// A rank of the training job `gang`.
-    Rank { job: Uuid, gang: Uuid },
+    Rank {
+        job: Uuid,
+        gang: Uuid,
+    },
 }
 
 /// A slice of an online worker, as the round sees it.
@@ -80,21 +87,36 @@ pub async fn fleet(db: &Db, online_since: i64) -> Result<Vec<FleetSlice>> {
                 let deployment: Option<String> = row.try_get("deployment_id")?;
                 let gang: Option<String> = row.try_get("gang_id")?;
                 match (deployment, gang) {
-                    (Some(d), _) => Holder::Replica { job, deployment: parse_uuid("jobs", "deployment_id", &d)? },
-                    (None, Some(g)) => Holder::Rank { job, gang: parse_uuid("jobs", "gang_id", &g)? },
+                    (Some(d), _) => Holder::Replica {
+                        job,
+                        deployment: parse_uuid("jobs", "deployment_id", &d)?,
+                    },
+                    (None, Some(g)) => Holder::Rank {
+                        job,
+                        gang: parse_uuid("jobs", "gang_id", &g)?,
+                    },
                     // Nothing else binds slices; treat an unknown holder as a replica of nobody.
-                    (None, None) => Holder::Replica { job, deployment: Uuid::nil() },
+                    (None, None) => Holder::Replica {
+                        job,
+                        deployment: Uuid::nil(),
+                    },
                 }
             }
         };
         let lender: Option<String> = row.try_get("lender_id")?;
         out.push(FleetSlice {
             uuid,
-            worker: parse_uuid("slices", "worker_id", &row.try_get::<String, _>("worker_id")?)?,
+            worker: parse_uuid(
+                "slices",
+                "worker_id",
+                &row.try_get::<String, _>("worker_id")?,
+            )?,
             gpu_model: row.try_get("gpu_model")?,
             profile: row.try_get("profile")?,
             loan_state: loan_state(&row.try_get::<String, _>("loan_state")?)?,
-            lender: lender.map(|l| parse_uuid("slices", "lender_id", &l)).transpose()?,
+            lender: lender
+                .map(|l| parse_uuid("slices", "lender_id", &l))
+                .transpose()?,
             holder,
         });
     }
@@ -133,7 +155,10 @@ impl SliceGang {
     /// The MIG profile every rank asks for, when they agree.
     pub fn profile(&self) -> Option<&str> {
         let first = self.ranks.first()?.placement.strip_prefix("slice:")?;
-        self.ranks.iter().all(|r| r.placement.strip_prefix("slice:") == Some(first)).then_some(first)
+        self.ranks
+            .iter()
+            .all(|r| r.placement.strip_prefix("slice:") == Some(first))
+            .then_some(first)
     }
 
     /// No rank is held by a worker: the round may re-place (and resize) it.
@@ -157,7 +182,9 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     for g in &gangs {
         let id: String = g.try_get("id")?;
         let spec: JobSpec = parse_json("jobs", "spec", &g.try_get::<String, _>("spec")?)?;
-        let JobSpec::Train(train) = spec else { continue };
+        let JobSpec::Train(train) = spec else {
+            continue;
+        };
         let ranks = sqlx::query(
             "SELECT id, gang_rank, state, gang_placement, slice_uuid FROM jobs WHERE gang_id = $1 \
              AND state IN ('queued', 'leased', 'running') ORDER BY gang_rank",
@@ -191,7 +218,10 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
             owner: parse_uuid("jobs", "owner_id", &g.try_get::<String, _>("owner_id")?)?,
             state,
             train,
-            progress_step: g.try_get::<Option<i64>, _>("progress_step")?.unwrap_or(0).max(0) as u64,
+            progress_step: g
+                .try_get::<Option<i64>, _>("progress_step")?
+                .unwrap_or(0)
+                .max(0) as u64,
             created_at: created,
             last_safe_at: checkpointed.map_or(formed, |c| c.max(formed)),
             ranks,
@@ -214,7 +244,9 @@ pub async fn step_secs_by_ranks(db: &Db, gang: Uuid, last: usize) -> Result<Vec<
     let mut by_world: HashMap<u32, Vec<f64>> = HashMap::new();
     for row in &rows {
         let world = row.try_get::<i64, _>("world")? as u32;
-        let Some(ms) = row.try_get::<Option<f64>, _>("iter_ms")? else { continue };
+        let Some(ms) = row.try_get::<Option<f64>, _>("iter_ms")? else {
+            continue;
+        };
         let seen = by_world.entry(world).or_default();
         if seen.len() < last && ms.is_finite() && ms > 0.0 {
             seen.push(ms);
@@ -256,7 +288,13 @@ async fn event(
 /// Lends `slice` of `deployment` to training: the replica on it (if any) stops at its
 /// worker's next heartbeat, and only training ranks may take the slice. False when the
 /// slice was no longer the serving side's.
-pub async fn lend(db: &Db, slice: &str, deployment: Uuid, replica: Option<Uuid>, detail: &str) -> Result<bool> {
+pub async fn lend(
+    db: &Db,
+    slice: &str,
+    deployment: Uuid,
+    replica: Option<Uuid>,
+    detail: &str,
+) -> Result<bool> {
     let now = now_ms();
     let mut tx = db.begin().await?;
     let changed = sqlx::query(
@@ -280,7 +318,16 @@ pub async fn lend(db: &Db, slice: &str, deployment: Uuid, replica: Option<Uuid>,
         .execute(&mut *tx)
         .await?;
     }
-    event(&mut tx, now, slice, "loaned", Some(deployment), None, detail).await?;
+    event(
+        &mut tx,
+        now,
+        slice,
+        "loaned",
+        Some(deployment),
+        None,
+        detail,
+    )
+    .await?;
     tx.commit().await?;
     Ok(true)
 }
@@ -294,8 +341,12 @@ pub async fn start_reclaim(db: &Db, slice: &str, detail: &str) -> Result<bool> {
             .bind(slice)
             .fetch_optional(&mut *tx)
             .await?;
-    let Some(lender) = lender else { return Ok(false) };
-    let lender = lender.map(|l| parse_uuid("slices", "lender_id", &l)).transpose()?;
+    let Some(lender) = lender else {
+        return Ok(false);
+    };
+    let lender = lender
+        .map(|l| parse_uuid("slices", "lender_id", &l))
+        .transpose()?;
     event(&mut tx, now, slice, "reclaiming", lender, None, detail).await?;
     tx.commit().await?;
     Ok(true)
@@ -304,7 +355,12 @@ pub async fn start_reclaim(db: &Db, slice: &str, detail: &str) -> Result<bool> {
 /// Gives a reclaiming slice back to `lender` once no rank holds it: the slice serves
 /// again and `replica` (a serve job of the lender pinned to the slice) is queued in the
 /// same transaction. False while a rank still holds it.
-pub async fn finish_reclaim(db: &Db, slice: &str, lender: Uuid, replica: &NewJob<'_>) -> Result<bool> {
+pub async fn finish_reclaim(
+    db: &Db,
+    slice: &str,
+    lender: Uuid,
+    replica: &NewJob<'_>,
+) -> Result<bool> {
     let now = now_ms();
     let mut tx = db.begin().await?;
     let held: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -329,7 +385,16 @@ pub async fn finish_reclaim(db: &Db, slice: &str, lender: Uuid, replica: &NewJob
         return Ok(false);
     }
     jobs::insert_in(&mut tx, replica).await?;
-    event(&mut tx, now, slice, "serving", Some(lender), None, "back to serving; a replica was queued on it").await?;
+    event(
+        &mut tx,
+        now,
+        slice,
+        "serving",
+        Some(lender),
+        None,
+        "back to serving; a replica was queued on it",
+    )
+    .await?;
     tx.commit().await?;
     Ok(true)
 }
@@ -337,11 +402,13 @@ pub async fn finish_reclaim(db: &Db, slice: &str, lender: Uuid, replica: &NewJob
 /// Returns every loaned or reclaiming slice of `deployment` to plain serving state (the
 /// deployment was deleted or stopped lending), without queueing replicas.
 pub async fn release_lender(db: &Db, deployment: Uuid) -> Result<u64> {
-    Ok(sqlx::query("UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE lender_id = $1")
-        .bind(deployment.to_string())
-        .execute(db.pool())
-        .await?
-        .rows_affected())
+    Ok(sqlx::query(
+        "UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE lender_id = $1",
+    )
+    .bind(deployment.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected())
 }
 
 /// Loaned or reclaiming slices whose lender is gone (deleted deployment): back to serving.
@@ -365,7 +432,12 @@ pub async fn set_calm(db: &Db, deployment: Uuid, calm: u32) -> Result<()> {
 }
 
 /// Sets a deployment's loaning settings (`None` leaves one as it is).
-pub async fn set_loanable(db: &Db, deployment: Uuid, loanable: Option<bool>, headroom: Option<f64>) -> Result<()> {
+pub async fn set_loanable(
+    db: &Db,
+    deployment: Uuid,
+    loanable: Option<bool>,
+    headroom: Option<f64>,
+) -> Result<()> {
     sqlx::query(
         "UPDATE deployments SET loanable = COALESCE($1, loanable), reclaim_headroom = COALESCE($2, reclaim_headroom), \
          loan_calm = 0, updated_at = $3 WHERE id = $4",
@@ -396,7 +468,16 @@ pub async fn pin_ranks(db: &Db, gang: Uuid, pins: &[(Uuid, String)]) -> Result<(
         .await?
         .rows_affected();
         if changed > 0 {
-            event(&mut tx, now, slice, "training", None, Some(gang), "a rank was placed on it").await?;
+            event(
+                &mut tx,
+                now,
+                slice,
+                "training",
+                None,
+                Some(gang),
+                "a rank was placed on it",
+            )
+            .await?;
         }
     }
     tx.commit().await?;
@@ -418,7 +499,16 @@ pub async fn unpin_ranks(db: &Db, gang: Uuid) -> Result<()> {
         .execute(&mut *tx)
         .await?;
     for slice in pinned {
-        event(&mut tx, now, &slice, "idle", None, Some(gang), "the waiting job was placed elsewhere").await?;
+        event(
+            &mut tx,
+            now,
+            &slice,
+            "idle",
+            None,
+            Some(gang),
+            "the waiting job was placed elsewhere",
+        )
+        .await?;
     }
     tx.commit().await?;
     Ok(())
@@ -437,15 +527,23 @@ pub async fn resize_waiting_gang(db: &Db, gang: Uuid, ranks: u32) -> Result<bool
     .bind(gang.to_string())
     .fetch_all(&mut *tx)
     .await?;
-    let Some(first) = rows.first() else { return Ok(false) };
-    if rows.iter().any(|r| r.try_get::<String, _>("state").is_ok_and(|s| s != "queued")) || ranks == 0 {
+    let Some(first) = rows.first() else {
+        return Ok(false);
+    };
+    if rows
+        .iter()
+        .any(|r| r.try_get::<String, _>("state").is_ok_and(|s| s != "queued"))
+        || ranks == 0
+    {
         return Ok(false);
     }
     if rows.len() as u32 == ranks {
         return Ok(true);
     }
     let spec: JobSpec = parse_json("jobs", "spec", &first.try_get::<String, _>("spec")?)?;
-    let JobSpec::TrainRank(template) = spec else { return Ok(false) };
+    let JobSpec::TrainRank(template) = spec else {
+        return Ok(false);
+    };
     let owner: String = first.try_get("owner_id")?;
     let dataset: Option<String> = first.try_get("dataset_id")?;
     let placement: String = first.try_get("gang_placement")?;
@@ -458,9 +556,16 @@ pub async fn resize_waiting_gang(db: &Db, gang: Uuid, ranks: u32) -> Result<bool
         let rank = row.try_get::<i64, _>("gang_rank")? as u32;
         let id: String = row.try_get("id")?;
         if rank >= ranks {
-            sqlx::query("DELETE FROM jobs WHERE id = $1").bind(&id).execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM jobs WHERE id = $1")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
         } else {
-            let spec = JobSpec::TrainRank(RankJob { rank, world: ranks, ..template.clone() });
+            let spec = JobSpec::TrainRank(RankJob {
+                rank,
+                world: ranks,
+                ..template.clone()
+            });
             sqlx::query("UPDATE jobs SET spec = $1, slice_uuid = NULL, slice_pinned = 0, updated_at = $2 WHERE id = $3")
                 .bind(serde_json::to_string(&spec)?)
                 .bind(now)
@@ -470,7 +575,11 @@ pub async fn resize_waiting_gang(db: &Db, gang: Uuid, ranks: u32) -> Result<bool
         }
     }
     for rank in rows.len() as u32..ranks {
-        let spec = JobSpec::TrainRank(RankJob { rank, world: ranks, ..template.clone() });
+        let spec = JobSpec::TrainRank(RankJob {
+            rank,
+            world: ranks,
+            ..template.clone()
+        });
         sqlx::query(
             "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
              dataset_id, gang_id, gang_rank, gang_placement) \
@@ -513,19 +622,22 @@ pub async fn requeue_preempted(db: &Db, gang: Uuid, message: &str) -> Result<boo
     .rows_affected();
     if changed == 0 {
         // A gang still forming holds slices too: its ranks go back unpinned, its job waits.
-        let forming: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND state = 'queued'")
-            .bind(gang.to_string())
-            .fetch_one(&mut *tx)
-            .await?;
+        let forming: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND state = 'queued'")
+                .bind(gang.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
         if forming == 0 {
             return Ok(false);
         }
-        sqlx::query("UPDATE jobs SET gang_deadline = NULL, message = $1, updated_at = $2 WHERE id = $3")
-            .bind(message)
-            .bind(now)
-            .bind(gang.to_string())
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "UPDATE jobs SET gang_deadline = NULL, message = $1, updated_at = $2 WHERE id = $3",
+        )
+        .bind(message)
+        .bind(now)
+        .bind(gang.to_string())
+        .execute(&mut *tx)
+        .await?;
     }
     let slices: Vec<Option<String>> = sqlx::query_scalar(
         "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state IN ('queued', 'leased', 'running', 'succeeded')",
@@ -544,7 +656,16 @@ pub async fn requeue_preempted(db: &Db, gang: Uuid, message: &str) -> Result<boo
     .execute(&mut *tx)
     .await?;
     for slice in slices.into_iter().flatten() {
-        event(&mut tx, now, &slice, "idle", None, Some(gang), "its rank was preempted").await?;
+        event(
+            &mut tx,
+            now,
+            &slice,
+            "idle",
+            None,
+            Some(gang),
+            "its rank was preempted",
+        )
+        .await?;
     }
     tx.commit().await?;
     Ok(true)
@@ -595,14 +716,25 @@ pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<
     rows.iter()
         .map(|r| {
             let owner: Option<String> = r.try_get("owner_id")?;
-            let owner = owner.map(|o| parse_uuid("reclaim_events", "owner_id", &o)).transpose()?;
+            let owner = owner
+                .map(|o| parse_uuid("reclaim_events", "owner_id", &o))
+                .transpose()?;
             let visible = owner.is_some_and(|o| scope.sees(o));
             let job: Option<String> = r.try_get("job_id")?;
             Ok(ReclaimEvent {
                 at: db::time(r.try_get("at")?),
                 deployment: r.try_get("deployment")?,
-                job_id: if visible { job.map(|j| parse_uuid("reclaim_events", "job_id", &j)).transpose()? } else { None },
-                job_name: if visible { r.try_get("job_name")? } else { "another user's job".into() },
+                job_id: if visible {
+                    job.map(|j| parse_uuid("reclaim_events", "job_id", &j))
+                        .transpose()?
+                } else {
+                    None
+                },
+                job_name: if visible {
+                    r.try_get("job_name")?
+                } else {
+                    "another user's job".into()
+                },
                 ranks: r.try_get::<i64, _>("ranks")? as u32,
                 preempted: r.try_get::<i64, _>("preempted")? != 0,
                 reason: r.try_get("reason")?,
@@ -641,7 +773,9 @@ pub async fn slice_states_before(db: &Db, at: i64) -> Result<HashMap<String, Str
     .bind(at)
     .fetch_all(db.pool())
     .await?;
-    rows.iter().map(|r| Ok((r.try_get("slice_uuid")?, r.try_get("state")?))).collect()
+    rows.iter()
+        .map(|r| Ok((r.try_get("slice_uuid")?, r.try_get("state")?)))
+        .collect()
 }
 
 pub async fn record_round(db: &Db, round: &LoanRound) -> Result<()> {
@@ -686,7 +820,12 @@ pub async fn rounds(db: &Db, since: i64) -> Result<Vec<LoanRound>> {
 /// Drops round rows and events older than `before` (the history is kept for a day).
 pub async fn prune(db: &Db, before: i64) -> Result<()> {
     for table in ["loan_rounds", "loan_events", "reclaim_events"] {
-        sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {table} WHERE at < $1"))).bind(before).execute(db.pool()).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE at < $1"
+        )))
+        .bind(before)
+        .execute(db.pool())
+        .await?;
     }
     Ok(())
 }
@@ -707,7 +846,9 @@ pub struct TrainingPlan {
 pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
     let now = now_ms();
     let mut tx = db.begin().await?;
-    sqlx::query("DELETE FROM training_plans").execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM training_plans")
+        .execute(&mut *tx)
+        .await?;
     for p in plans {
         sqlx::query(
             "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, predicted_secs, note, \
@@ -743,7 +884,11 @@ pub async fn queue(db: &Db, scope: &Scope) -> Result<Vec<QueuedTraining>> {
         .map(|r| {
             let n = |c: &str| r.try_get::<i64, _>(c).map(|v| v.max(0) as u32);
             Ok(QueuedTraining {
-                job_id: parse_uuid("training_plans", "job_id", &r.try_get::<String, _>("job_id")?)?,
+                job_id: parse_uuid(
+                    "training_plans",
+                    "job_id",
+                    &r.try_get::<String, _>("job_id")?,
+                )?,
                 name: r.try_get("name")?,
                 state: r.try_get("state")?,
                 position: n("position")?,
@@ -784,7 +929,11 @@ pub async fn rates(db: &Db, since: i64) -> Result<HashMap<Uuid, f64>> {
         .await?;
     let mut out = HashMap::new();
     for r in &rows {
-        let id = parse_uuid("serving_rates", "deployment_id", &r.try_get::<String, _>("deployment_id")?)?;
+        let id = parse_uuid(
+            "serving_rates",
+            "deployment_id",
+            &r.try_get::<String, _>("deployment_id")?,
+        )?;
         out.insert(id, r.try_get::<f64, _>("rate")?);
     }
     Ok(out)

@@ -105,14 +105,24 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
     let fleet = workers::list_all(state, &scope).await?;
     let mut events: HashMap<&str, Vec<(i64, &str, &str)>> = HashMap::new();
     for e in data.slice_events.iter().rev() {
-        events.entry(e.slice.as_str()).or_default().push((e.at.timestamp_millis(), e.state.as_str(), e.detail.as_str()));
+        events.entry(e.slice.as_str()).or_default().push((
+            e.at.timestamp_millis(),
+            e.state.as_str(),
+            e.detail.as_str(),
+        ));
     }
     let mut slices = Vec::new();
     for worker in &fleet {
         for s in &worker.slices {
             let uuid = s.slice.uuid.as_str();
-            let mut changes: Vec<(i64, String, String)> =
-                vec![(start, before.get(uuid).cloned().unwrap_or_else(|| "serving".into()), String::new())];
+            let mut changes: Vec<(i64, String, String)> = vec![(
+                start,
+                before
+                    .get(uuid)
+                    .cloned()
+                    .unwrap_or_else(|| "serving".into()),
+                String::new(),
+            )];
             for &(at, st, detail) in events.get(uuid).map(Vec::as_slice).unwrap_or(&[]) {
                 changes.push((at, st.to_string(), detail.to_string()));
             }
@@ -136,11 +146,17 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                 segments.push(Segment {
                     x: format!("{x0:.1}"),
                     width: format!("{:.1}", x1 - x0),
-                    title: if detail.is_empty() { shown.clone() } else { format!("{shown}: {detail}") },
+                    title: if detail.is_empty() {
+                        shown.clone()
+                    } else {
+                        format!("{shown}: {detail}")
+                    },
                     state: shown,
                 });
             }
-            let now_state = if s.training_job.is_some() || (s.in_use && s.deployment.is_none() && s.replica.is_none()) {
+            let now_state = if s.training_job.is_some()
+                || (s.in_use && s.deployment.is_none() && s.replica.is_none())
+            {
                 "training"
             } else {
                 s.loan_state.as_str()
@@ -151,7 +167,10 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                     worker.name,
                     s.slice.gpu_index,
                     s.slice.profile.as_deref().unwrap_or("whole GPU"),
-                    s.lender.as_deref().map(|l| format!(" · lent by {l}")).unwrap_or_default()
+                    s.lender
+                        .as_deref()
+                        .map(|l| format!(" · lent by {l}"))
+                        .unwrap_or_default()
                 ),
                 now: now_state,
                 segments,
@@ -163,12 +182,24 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
         data.rounds.iter().map(|r| Some(pick(r) as f64)).collect()
     };
     let charts = vec![
-        chart("Loaned capacity", "slices", &[("loaned", series(|r| r.loaned)), ("reclaiming", series(|r| r.reclaiming))], |v| {
-            format!("{v:.0}")
-        }),
-        chart("Training", "slices / jobs", &[("ranks on slices", series(|r| r.training)), ("jobs waiting", series(|r| r.waiting))], |v| {
-            format!("{v:.0}")
-        }),
+        chart(
+            "Loaned capacity",
+            "slices",
+            &[
+                ("loaned", series(|r| r.loaned)),
+                ("reclaiming", series(|r| r.reclaiming)),
+            ],
+            |v| format!("{v:.0}"),
+        ),
+        chart(
+            "Training",
+            "slices / jobs",
+            &[
+                ("ranks on slices", series(|r| r.training)),
+                ("jobs waiting", series(|r| r.waiting)),
+            ],
+            |v| format!("{v:.0}"),
+        ),
     ];
     let now_time = Utc::now();
     let reclaims = data
@@ -199,20 +230,36 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                 format!("{} ({}–{})", q.ranks, q.min_ranks, q.max_ranks)
             },
             preemptible: q.preemptible,
-            predicted: q.predicted_secs.map_or_else(|| "not measured yet".into(), duration),
+            predicted: q
+                .predicted_secs
+                .map_or_else(|| "not measured yet".into(), duration),
             note: q.note.clone(),
         })
         .collect();
-    Ok(FleetView { slices, charts, reclaims, queue, rounds: data.rounds.len() })
+    Ok(FleetView {
+        slices,
+        charts,
+        reclaims,
+        queue,
+        rounds: data.rounds.len(),
+    })
 }
 
-pub async fn page(State(state): State<AppState>, user: WebUser, Query(query): Query<PageQuery>) -> Response {
+pub async fn page(
+    State(state): State<AppState>,
+    user: WebUser,
+    Query(query): Query<PageQuery>,
+) -> Response {
     let result: Result<Response> = async {
         let v = view(&state, &user).await?;
         if query.fragment.is_some() {
             return Ok(render(&FleetFragment { v })?.into_response());
         }
-        Ok(render(&FleetPage { layout: user.layout("Fleet", "fleet"), v })?.into_response())
+        Ok(render(&FleetPage {
+            layout: user.layout("Fleet", "fleet"),
+            v,
+        })?
+        .into_response())
     }
     .await;
     user.page(result)
