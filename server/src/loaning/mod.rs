@@ -143,7 +143,8 @@ pub async fn lead_and_run(state: &AppState, server: Uuid) -> Result<RoundReport>
 /// A deployment as this round sees it: its slices by what they do.
 struct Lender<'a> {
     deployment: &'a StoredDeployment,
-    /// Slices its live replicas hold (serving state), newest replica last.
+    /// Slices its live replicas hold (serving state), by worker, GPU and start; the loan
+    /// takes them from the end.
     bound: Vec<&'a FleetSlice>,
     loaned: Vec<&'a FleetSlice>,
 }

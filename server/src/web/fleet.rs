@@ -154,13 +154,7 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                     state: shown,
                 });
             }
-            let now_state = if s.training_job.is_some()
-                || (s.in_use && s.deployment.is_none() && s.replica.is_none())
-            {
-                "training"
-            } else {
-                s.loan_state.as_str()
-            };
+            let now_state = if s.training_job.is_some() { "training" } else { s.loan_state.as_str() };
             slices.push(SliceLine {
                 label: format!(
                     "{} · GPU {} · {}{}",
