@@ -33,13 +33,22 @@ const MODEL_FILES: &[&str] = &[
 fn minilm_dir() -> Option<std::path::PathBuf> {
     let root = std::env::var("TESSERA_ASSETS")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
+        .unwrap_or_else(|_| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets")
+        });
     let dir = root.join("all-MiniLM-L6-v2");
     if dir.join("model.safetensors").exists() {
         return Some(dir);
     }
-    assert!(std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"), "{} is missing", dir.display());
-    eprintln!("skipping: {} is missing; run scripts/fetch-assets.sh", dir.display());
+    assert!(
+        std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
+        "{} is missing",
+        dir.display()
+    );
+    eprintln!(
+        "skipping: {} is missing; run scripts/fetch-assets.sh",
+        dir.display()
+    );
     None
 }
 
@@ -52,7 +61,9 @@ async fn ok(response: reqwest::Response) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
-    let (Some(model_dir), Some(csv)) = (minilm_dir(), digits_csv()) else { return };
+    let (Some(model_dir), Some(csv)) = (minilm_dir(), digits_csv()) else {
+        return;
+    };
     let data = tempfile::tempdir().unwrap();
     let mut server = Process::spawn(
         std::process::Command::new(binary("tessera-server"))
@@ -74,40 +85,83 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     let mut form = reqwest::multipart::Form::new().text("name", "minilm");
     for path in MODEL_FILES {
         let bytes = std::fs::read(model_dir.join(path)).unwrap();
-        form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()));
+        form = form.part(
+            "files",
+            reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()),
+        );
     }
-    ok(http.post(api("/models")).bearer_auth(&user.token).multipart(form).send().await.unwrap()).await;
+    ok(http
+        .post(api("/models"))
+        .bearer_auth(&user.token)
+        .multipart(form)
+        .send()
+        .await
+        .unwrap())
+    .await;
     let dataset = user.upload_dataset(csv).await;
     let worker = Process::spawn(
         std::process::Command::new(binary("tessera-worker"))
             .args(["--server", &url, "--name", "sim-h100", "--data-dir"])
             .arg(data.path().join("worker"))
-            .args(["--simulate-gpus", "H100-80GB:mig=2g.20gb+2g.20gb+2g.20gb", "--slots", "2", "--cpu-precision", "f32"])
+            .args([
+                "--simulate-gpus",
+                "H100-80GB:mig=2g.20gb+2g.20gb+2g.20gb",
+                "--slots",
+                "2",
+                "--cpu-precision",
+                "f32",
+            ])
             .env("TESSERA_WORKER_TOKEN", WORKER_TOKEN),
     );
-    eventually("the worker offers three slices", Duration::from_secs(30), || async {
-        let workers = user.get("/workers").await;
-        (workers[0]["slices"].as_array().map_or(0, Vec::len) == 3).then_some(())
-    })
+    eventually(
+        "the worker offers three slices",
+        Duration::from_secs(30),
+        || async {
+            let workers = user.get("/workers").await;
+            (workers[0]["slices"].as_array().map_or(0, Vec::len) == 3).then_some(())
+        },
+    )
     .await;
-    let profile = ok(http.post(api("/models/minilm/profiles")).bearer_auth(&user.token).json(&json!({"batch_sizes": [1]})).send().await.unwrap()).await;
+    let profile = ok(http
+        .post(api("/models/minilm/profiles"))
+        .bearer_auth(&user.token)
+        .json(&json!({"batch_sizes": [1]}))
+        .send()
+        .await
+        .unwrap())
+    .await;
     let profile = profile["id"].as_str().unwrap().to_string();
-    eventually("the profile job succeeds", Duration::from_secs(180), || async {
-        let job = user.get(&format!("/jobs/{profile}")).await;
-        assert_ne!(job["state"], "failed", "{job}");
-        (job["state"] == "succeeded").then_some(())
-    })
+    eventually(
+        "the profile job succeeds",
+        Duration::from_secs(180),
+        || async {
+            let job = user.get(&format!("/jobs/{profile}")).await;
+            assert_ne!(job["state"], "failed", "{job}");
+            (job["state"] == "succeeded").then_some(())
+        },
+    )
     .await;
 
     // Headroom 4: the deployment keeps five times its measured rate served, so a modest
     // spike (over a fifth of one slice's rate) needs every slice back.
     let body = json!({"name": "embed", "model": "minilm", "replicas": 3, "loanable": true, "reclaim_headroom": 4.0,
                       "max_batch_tokens": 2048});
-    ok(http.post(api("/deployments")).bearer_auth(&user.token).json(&body).send().await.unwrap()).await;
-    eventually("the deployment serves from its three slices", Duration::from_secs(240), || async {
-        let d = user.get("/deployments/embed").await;
-        (d["ready_replicas"] == 3 || d["loaned_slices"].as_u64() > Some(0)).then_some(())
-    })
+    ok(http
+        .post(api("/deployments"))
+        .bearer_auth(&user.token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap())
+    .await;
+    eventually(
+        "the deployment serves from its three slices",
+        Duration::from_secs(240),
+        || async {
+            let d = user.get("/deployments/embed").await;
+            (d["ready_replicas"] == 3 || d["loaned_slices"].as_u64() > Some(0)).then_some(())
+        },
+    )
     .await;
 
     // Night: no traffic. The job asks for two 2g.20gb ranks: only loaned slices are free.
@@ -120,16 +174,32 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
             "parallel": {"ranks": [{"slice": "2g.20gb"}, {"slice": "2g.20gb"}]}
         }))
         .await;
-    eventually("two slices are lent and the job trains on them", Duration::from_secs(120), || async {
-        let d = user.get("/deployments/embed").await;
-        let j = user.get(&format!("/jobs/{job}")).await;
-        assert_ne!(j["state"], "failed", "{j}\n{}", worker.output());
-        (d["loaned_slices"] == 2 && j["state"] == "running" && j["progress"]["step"].as_u64() > Some(0)).then_some(())
-    })
+    eventually(
+        "two slices are lent and the job trains on them",
+        Duration::from_secs(120),
+        || async {
+            let d = user.get("/deployments/embed").await;
+            let j = user.get(&format!("/jobs/{job}")).await;
+            assert_ne!(j["state"], "failed", "{j}\n{}", worker.output());
+            (d["loaned_slices"] == 2
+                && j["state"] == "running"
+                && j["progress"]["step"].as_u64() > Some(0))
+            .then_some(())
+        },
+    )
     .await;
-    let checkpoint = eventually("a checkpoint is stored", Duration::from_secs(120), || async {
-        user.get(&format!("/jobs/{job}/checkpoints")).await.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
-    })
+    let checkpoint = eventually(
+        "a checkpoint is stored",
+        Duration::from_secs(120),
+        || async {
+            user.get(&format!("/jobs/{job}/checkpoints"))
+                .await
+                .as_array()
+                .unwrap()
+                .last()
+                .map(|c| c["step"].as_u64().unwrap())
+        },
+    )
     .await;
 
     // Morning: a burst of requests from eight clients until the slices are back.
@@ -138,11 +208,22 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     let spike = Instant::now();
     let clients: Vec<_> = (0..8)
         .map(|i| {
-            let (http, url, token, stop, sent) = (http.clone(), url.clone(), user.token.clone(), stop.clone(), sent.clone());
+            let (http, url, token, stop, sent) = (
+                http.clone(),
+                url.clone(),
+                user.token.clone(),
+                stop.clone(),
+                sent.clone(),
+            );
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let body = json!({"model": "embed", "input": [format!("morning request {i}")]});
-                    let _ = http.post(format!("{url}/v1/embeddings")).bearer_auth(&token).json(&body).send().await;
+                    let _ = http
+                        .post(format!("{url}/v1/embeddings"))
+                        .bearer_auth(&token)
+                        .json(&body)
+                        .send()
+                        .await;
                     sent.fetch_add(1, Ordering::Relaxed);
                 }
             })
@@ -159,7 +240,12 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     }
     let overview = user.get("/fleet/loaning").await;
     let reclaims = overview["reclaims"].as_array().unwrap();
-    assert!(reclaims.iter().any(|r| r["job_id"] == job.as_str() && r["preempted"] == true), "{overview}");
+    assert!(
+        reclaims
+            .iter()
+            .any(|r| r["job_id"] == job.as_str() && r["preempted"] == true),
+        "{overview}"
+    );
     eprintln!(
         "capacity back {:.1} s after the spike began ({} requests sent); checkpoint at step {checkpoint} before it",
         back.as_secs_f64(),
@@ -167,13 +253,31 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     );
 
     // Evening lull: the slices are lent again and the job resumes and finishes.
-    let finished = user.finished(&job, &[&worker], Duration::from_secs(400)).await;
-    assert!(finished["attempts"].as_u64().unwrap() >= 2, "it ran again after the preemption: {finished}");
+    let finished = user
+        .finished(&job, &[&worker], Duration::from_secs(400))
+        .await;
+    assert!(
+        finished["attempts"].as_u64().unwrap() >= 2,
+        "it ran again after the preemption: {finished}"
+    );
     let lines = user.log_lines(&job).await;
-    assert!(lines.iter().any(|l| l.contains("resuming from the checkpoint at step")), "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("resuming from the checkpoint at step")),
+        "{lines:?}"
+    );
     let overview = user.get("/fleet/loaning").await;
-    let lent_again = overview["slice_events"].as_array().unwrap().iter().filter(|e| e["state"] == "loaned").count();
-    assert!(lent_again >= 4, "two slices lent at night and again in the lull: {overview}");
+    let lent_again = overview["slice_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["state"] == "loaned")
+        .count();
+    assert!(
+        lent_again >= 4,
+        "two slices lent at night and again in the lull: {overview}"
+    );
     drop(worker);
     drop(server);
 }

@@ -535,3 +535,57 @@ async fn loaning_settings_are_validated() {
         );
     }
 }
+
+/// The round sizes an elastic job when it starts: a waiting gang's rank rows are added or
+/// dropped and every rank's `world` rewritten; a gang a worker holds a rank of is left
+/// alone. (Until a-preempt's `resources` reach `loaning::resources`, every job is
+/// inelastic and the round never asks for another size; this checks the store's half.)
+#[tokio::test]
+async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = register_mig(&server, "mig-1").await;
+        let data = dataset(&server, &admin).await;
+        let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}});
+        let job: Value = server
+            .post(&admin, "/jobs", body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let gang: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+        let db = &server.state.db;
+
+        for size in [4u32, 3, 2] {
+            assert!(store::resize_waiting_gang(db, gang, size).await.unwrap());
+            let gangs = store::slice_gangs(db).await.unwrap();
+            let ranks: Vec<u32> = gangs[0].ranks.iter().map(|r| r.rank).collect();
+            assert_eq!(ranks, (0..size).collect::<Vec<_>>());
+        }
+        assert!(store::resize_waiting_gang(db, gang, 3).await.unwrap());
+        // Placed by a round, the three ranks are claimed, each with a world of three.
+        let report = run_round(&server.state).await.unwrap();
+        assert_eq!(report.started, 1, "{report:?}");
+        let mut worlds = Vec::new();
+        for _ in 0..3 {
+            let rank = claim(&server, &secret, &["train_rank"])
+                .await
+                .expect("a pinned rank");
+            worlds.push((
+                rank["spec"]["rank"].as_u64().unwrap(),
+                rank["spec"]["world"].as_u64().unwrap(),
+            ));
+        }
+        worlds.sort();
+        assert_eq!(worlds, vec![(0, 3), (1, 3), (2, 3)]);
+        assert!(
+            !store::resize_waiting_gang(db, gang, 2).await.unwrap(),
+            "a claimed gang keeps its size"
+        );
+    }
+}

@@ -154,7 +154,11 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                     state: shown,
                 });
             }
-            let now_state = if s.training_job.is_some() { "training" } else { s.loan_state.as_str() };
+            let now_state = if s.training_job.is_some() {
+                "training"
+            } else {
+                s.loan_state.as_str()
+            };
             slices.push(SliceLine {
                 label: format!(
                     "{} · GPU {} · {}{}",
