@@ -27,6 +27,30 @@ pub struct CreateDeployment {
     /// p99 latency SLO in milliseconds (with `throughput`).
     #[serde(default)]
     pub latency_ms: Option<f64>,
+    /// Lend the slices its measured traffic leaves idle to training (default false).
+    #[serde(default)]
+    pub loanable: bool,
+    /// With `loanable`: the fraction above the measured request rate that keeps serving
+    /// (default 0.2, at most 4).
+    #[serde(default)]
+    pub reclaim_headroom: Option<f64>,
+}
+
+/// Headroom a loanable deployment keeps when none is given.
+pub const DEFAULT_RECLAIM_HEADROOM: f64 = 0.2;
+/// The largest headroom accepted: five times the measured rate stays served.
+pub const MAX_RECLAIM_HEADROOM: f64 = 4.0;
+
+/// Refuses a headroom that is not a number between 0 and [`MAX_RECLAIM_HEADROOM`].
+pub fn check_reclaim_headroom(headroom: f64) -> Result<(), String> {
+    if headroom.is_finite() && (0.0..=MAX_RECLAIM_HEADROOM).contains(&headroom) {
+        Ok(())
+    } else {
+        Err(format!(
+            "reclaim_headroom is the fraction above the measured request rate that keeps serving: give a number \
+             from 0 to {MAX_RECLAIM_HEADROOM} (0.2 keeps 20% headroom)."
+        ))
+    }
 }
 
 /// The body as sent, so that giving both `replicas` and `throughput` can be refused (and
@@ -46,6 +70,10 @@ struct CreateDeploymentBody {
     throughput: Option<f64>,
     #[serde(default)]
     latency_ms: Option<f64>,
+    #[serde(default)]
+    loanable: Option<bool>,
+    #[serde(default)]
+    reclaim_headroom: Option<f64>,
 }
 
 impl TryFrom<CreateDeploymentBody> for CreateDeployment {
@@ -63,6 +91,9 @@ impl TryFrom<CreateDeploymentBody> for CreateDeployment {
             (None, Some(_)) => 0,
             (None, None) => 1,
         };
+        if body.reclaim_headroom.is_some() && body.loanable != Some(true) {
+            return Err("\"reclaim_headroom\" comes with \"loanable\": true (a deployment that lends nothing keeps all its slices)".into());
+        }
         let defaults = BatchLimits::DEFAULT;
         Ok(CreateDeployment {
             name: body.name,
@@ -74,6 +105,8 @@ impl TryFrom<CreateDeploymentBody> for CreateDeployment {
             },
             throughput: body.throughput,
             latency_ms: body.latency_ms,
+            loanable: body.loanable.unwrap_or(false),
+            reclaim_headroom: body.reclaim_headroom,
         })
     }
 }
@@ -128,9 +161,16 @@ impl Default for BatchLimits {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+/// `PATCH`: any of the replica count, whether it lends idle slices, and its headroom.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct UpdateDeployment {
-    pub replicas: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loanable: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reclaim_headroom: Option<f64>,
 }
 
 /// `pending → loading → ready`, or `failed` with the reason shown.
@@ -191,6 +231,16 @@ pub struct Deployment {
     /// For a deployment given a throughput SLO: the plan behind its replicas.
     #[serde(default)]
     pub slo: Option<crate::mig::SloStatus>,
+    /// It lends the slices its measured traffic leaves idle to training.
+    #[serde(default)]
+    pub loanable: bool,
+    /// Fraction above the measured request rate that keeps serving.
+    #[serde(default)]
+    pub reclaim_headroom: f64,
+    /// Slices lent to training now (loaned or being reclaimed); `replicas` less these
+    /// are the replicas that serve.
+    #[serde(default)]
+    pub loaned_slices: u32,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }

@@ -9,6 +9,7 @@ pub mod deployments;
 pub mod engine;
 pub mod error;
 pub mod jobs;
+pub mod loaning;
 pub mod mig;
 pub mod models;
 pub mod parallel;

@@ -40,9 +40,18 @@ pub struct SliceStatus {
     pub replica: Option<Uuid>,
     /// The deployment that replica serves; shown only to its owner and to admins.
     pub deployment: Option<String>,
-    /// A replica holds the slice, whether or not the caller may see whose.
+    /// A replica or a training rank holds the slice, whether or not the caller may see whose.
     #[serde(default)]
     pub in_use: bool,
+    /// Serving, lent to training, or being taken back (issue 16).
+    #[serde(default)]
+    pub loan_state: crate::loaning::LoanState,
+    /// The deployment that lent it, while loaned or reclaiming (named as `deployment` is).
+    #[serde(default)]
+    pub lender: Option<String>,
+    /// The training job whose rank holds it (shown only to its owner and to admins).
+    #[serde(default)]
+    pub training_job: Option<Uuid>,
 }
 
 /// A slice the planner chose for an SLO deployment.

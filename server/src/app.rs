@@ -26,7 +26,8 @@ use crate::registry::blobs::{BlobError, BlobStore};
 use crate::state::AppState;
 use crate::store::db::Db;
 use crate::{
-    accounts, auth, datasets, deployments, error, fleet, gangs, jobs, openapi, registry, telemetry, training, web, workers,
+    accounts, auth, datasets, deployments, error, fleet, gangs, jobs, loaning, openapi, registry, telemetry, training, web,
+    workers,
 };
 
 /// Why the server could not start: a setting is refused, the data directory, the
@@ -114,6 +115,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(deployments::routes::get, deployments::routes::update, deployments::routes::delete))
         .routes(routes!(deployments::routes::stats))
         .routes(routes!(workers::list))
+        .routes(routes!(loaning::routes::get))
         .routes(routes!(fleet::profiles::create, fleet::profiles::get))
         .routes(routes!(fleet::profiles::agent_report))
         .routes(routes!(workers::agent::register))
@@ -270,6 +272,7 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
     let state = AppState::open(config).await?;
     spawn_lease_expiry(state.clone());
     registry::gc::spawn(state.clone());
+    loaning::spawn(state.clone());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let address = listener.local_addr()?;
     println!("Tessera is listening on http://{address}");

@@ -120,6 +120,11 @@ pub struct Config {
     #[arg(long, env = "TESSERA_BLOB_GRACE_SECS", default_value_t = 3600)]
     pub blob_grace_secs: u64,
 
+    /// Seconds between capacity-loaning rounds (issue 16): one server at a time lends idle
+    /// serving slices to training, takes them back, and places training ranks on slices.
+    #[arg(long, env = "TESSERA_LOAN_ROUND_SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub loan_round_secs: u64,
+
     /// Most jobs one user may have queued or running at once (serving replicas count
     /// against the replica quota instead). Admins are not bound by quotas.
     #[arg(long, env = "TESSERA_QUOTA_JOBS", default_value_t = 32)]
@@ -164,6 +169,7 @@ impl Config {
             quota_jobs: 32,
             quota_replicas: 16,
             quota_storage_bytes: 64 << 30,
+            loan_round_secs: 5,
         }
     }
 

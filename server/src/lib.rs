@@ -12,6 +12,7 @@ pub mod fleet;
 pub mod gangs;
 pub mod gateway;
 pub mod jobs;
+pub mod loaning;
 pub mod multipart;
 pub mod openapi;
 pub mod quotas;

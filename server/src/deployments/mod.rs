@@ -12,7 +12,7 @@ pub mod slo;
 use std::collections::HashSet;
 
 use sqlx::AnyConnection;
-use tessera_api::deployments::{CreateDeployment, Deployment, Replica, ServingState};
+use tessera_api::deployments::{CreateDeployment, Deployment, Replica, ServingState, UpdateDeployment};
 use tessera_api::jobs::JobSpec;
 use uuid::Uuid;
 
@@ -23,9 +23,10 @@ use crate::store::Scope;
 use crate::store::db::Db;
 use crate::store::deployments::{self as store, NewDeployment, StoredDeployment};
 use crate::store::jobs::{self, NewJob};
+use crate::store::loaning as loaning_store;
 
 /// Times a replica may be placed again after its worker vanished before it is failed.
-const REPLICA_MAX_ATTEMPTS: u32 = 20;
+pub const REPLICA_MAX_ATTEMPTS: u32 = 20;
 const MAX_REPLICAS: u32 = 64;
 
 /// The deployment's state from its replicas': ready when every replica asked for is
@@ -58,7 +59,16 @@ fn deployment_state(wanted: u32, replicas: &[Replica]) -> (ServingState, Option<
 /// A stored deployment with its replicas and the state they add up to.
 async fn with_status(db: &Db, stored: StoredDeployment) -> Result<Deployment> {
     let replica_status = store::replicas(db, stored.id).await?;
-    let (state, mut reason) = deployment_state(stored.replicas, &replica_status);
+    // Slices lent to training are not expected to serve until they come back.
+    let serving = stored.replicas.saturating_sub(stored.loaned_slices);
+    let (state, mut reason) = deployment_state(serving, &replica_status);
+    if stored.loaned_slices > 0 && stored.replicas > 0 {
+        let lent = format!("{} of its {} slices are lent to training.", stored.loaned_slices, stored.replicas);
+        reason = Some(match reason {
+            Some(r) => format!("{r} {lent}"),
+            None => lent,
+        });
+    }
     // An SLO deployment the fleet could give no slice says why, not "scaled to zero".
     if let Some(slo) = stored.slo.as_ref().filter(|_| stored.replicas == 0) {
         reason = Some(slo.note.clone());
@@ -76,6 +86,9 @@ async fn with_status(db: &Db, stored: StoredDeployment) -> Result<Deployment> {
         limits: stored.limits,
         replica_status,
         slo: stored.slo,
+        loanable: stored.loanable,
+        reclaim_headroom: stored.reclaim_headroom,
+        loaned_slices: stored.loaned_slices,
         created_at: stored.created_at,
         updated_at: stored.updated_at,
     })
@@ -129,6 +142,11 @@ fn check_replicas(replicas: u32) -> Result<()> {
     Ok(())
 }
 
+/// A loaning headroom in range, as a 422 that says what to give.
+fn check_headroom(headroom: f64) -> Result<()> {
+    tessera_api::deployments::check_reclaim_headroom(headroom).map_err(|m| Error::invalid("invalid_reclaim_headroom", m))
+}
+
 fn check_name(name: &str) -> Result<()> {
     let valid = (1..=128).contains(&name.len())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
@@ -144,15 +162,16 @@ fn check_name(name: &str) -> Result<()> {
 }
 
 /// The job spec of each of the deployment's replicas.
-fn replica_spec(deployment: &StoredDeployment) -> JobSpec {
+pub fn replica_spec(deployment: &StoredDeployment) -> JobSpec {
     JobSpec::Serve { deployment: deployment.id, model: deployment.model_id, limits: deployment.limits }
 }
 
-/// Brings the number of live replicas to `wanted`: queues new ones, or cancels the
-/// least advanced ones (pending before loading before ready, newest first). Runs in the
-/// caller's transaction, with the replica count it stores, so two changes to one
-/// deployment cannot both count the same live replicas.
+/// Brings the number of live replicas to `wanted` less the slices it lent to training:
+/// queues new ones, or cancels the least advanced ones (pending before loading before
+/// ready, newest first). Runs in the caller's transaction, with the replica count it
+/// stores, so two changes to one deployment cannot both count the same live replicas.
 async fn reconcile(conn: &mut AnyConnection, deployment: &StoredDeployment, wanted: u32) -> Result<()> {
+    let wanted = wanted.saturating_sub(deployment.loaned_slices);
     let replicas = store::replicas_in(conn, deployment.id).await?;
     let live: Vec<&Replica> = replicas.iter().filter(|r| r.state != ServingState::Failed).collect();
     let live_count = live.len() as u32;
@@ -186,6 +205,9 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
         slo::check(throughput, request.latency_ms)?;
     }
     request.limits.validate().map_err(|message| Error::invalid("invalid_batching", message))?;
+    if let Some(headroom) = request.reclaim_headroom {
+        check_headroom(headroom)?;
+    }
     let model = crate::registry::resolve(state, principal, &request.model).await?;
     if request.throughput.is_some() {
         slo::check_table(&state.db, model.id, &model.name).await?;
@@ -198,6 +220,8 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
         model: model.id,
         replicas: request.replicas,
         limits: request.limits,
+        loanable: request.loanable,
+        reclaim_headroom: request.reclaim_headroom.unwrap_or(tessera_api::deployments::DEFAULT_RECLAIM_HEADROOM),
     };
     // The quota check, the row and its replicas are one transaction (see `quotas`).
     let mut tx = state.db.begin().await?;
@@ -227,20 +251,56 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
 
 /// Changes the number of replicas of a deployment `principal` may see.
 pub async fn scale(state: &AppState, principal: &Principal, id_or_name: &str, replicas: u32) -> Result<Deployment> {
-    check_replicas(replicas)?;
-    let scope = principal.scope();
-    let deployment = find(&state.db, &scope, id_or_name).await?;
-    if deployment.slo.is_some() {
+    update(state, principal, id_or_name, UpdateDeployment { replicas: Some(replicas), ..UpdateDeployment::default() }).await
+}
+
+/// Changes any of the replica count, whether the deployment lends idle slices to
+/// training, and its headroom. Checked whole before anything changes.
+pub async fn update(
+    state: &AppState,
+    principal: &Principal,
+    id_or_name: &str,
+    request: UpdateDeployment,
+) -> Result<Deployment> {
+    if request.replicas.is_none() && request.loanable.is_none() && request.reclaim_headroom.is_none() {
         return Err(Error::invalid(
-            "slo_deployment",
-            "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
+            "empty_update",
+            "Give at least one of \"replicas\", \"loanable\" or \"reclaim_headroom\" to change.",
         ));
     }
-    let mut tx = state.db.begin().await?;
-    crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
-    store::set_replicas(&mut tx, deployment.id, replicas).await?;
-    reconcile(&mut tx, &deployment, replicas).await?;
-    tx.commit().await?;
+    if let Some(replicas) = request.replicas {
+        check_replicas(replicas)?;
+    }
+    if let Some(headroom) = request.reclaim_headroom {
+        check_headroom(headroom)?;
+    }
+    let scope = principal.scope();
+    let deployment = find(&state.db, &scope, id_or_name).await?;
+    if request.reclaim_headroom.is_some() && !request.loanable.unwrap_or(deployment.loanable) {
+        return Err(Error::invalid(
+            "invalid_reclaim_headroom",
+            "reclaim_headroom applies to a loanable deployment: send \"loanable\": true with it.",
+        ));
+    }
+    if let Some(replicas) = request.replicas {
+        if deployment.slo.is_some() {
+            return Err(Error::invalid(
+                "slo_deployment",
+                "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
+            ));
+        }
+    }
+    if request.loanable.is_some() || request.reclaim_headroom.is_some() {
+        // What it lent comes back through the loaning round's reclaim, not at once.
+        loaning_store::set_loanable(&state.db, deployment.id, request.loanable, request.reclaim_headroom).await?;
+    }
+    if let Some(replicas) = request.replicas {
+        let mut tx = state.db.begin().await?;
+        crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
+        store::set_replicas(&mut tx, deployment.id, replicas).await?;
+        reconcile(&mut tx, &deployment, replicas).await?;
+        tx.commit().await?;
+    }
     resolve(&state.db, &scope, id_or_name).await
 }
 

@@ -37,17 +37,19 @@ pub async fn get(State(state): State<AppState>, principal: Principal, ApiPath(id
     Ok(ApiJson(super::resolve(&state.db, &principal.scope(), &id).await?))
 }
 
-/// Change the number of replicas.
+/// Change the number of replicas, whether it lends idle slices to training (`loanable`),
+/// or its `reclaim_headroom`.
 #[utoipa::path(patch, path = "/api/v1/deployments/{id}", tag = "deployments", security(("bearer" = [])),
     params(("id" = String, Path, description = "id or name")), request_body = UpdateDeployment,
-    responses((status = 200, body = Deployment), (status = 404, body = tessera_api::error::ErrorBody)))]
+    responses((status = 200, body = Deployment), (status = 404, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn update(
     State(state): State<AppState>,
     principal: Principal,
     ApiPath(id): ApiPath<String>,
     ApiJson(request): ApiJson<UpdateDeployment>,
 ) -> Result<ApiJson<Deployment>> {
-    Ok(ApiJson(super::scale(&state, &principal, &id, request.replicas).await?))
+    Ok(ApiJson(super::update(&state, &principal, &id, request).await?))
 }
 
 /// Stop serving: every replica is stopped at its worker's next heartbeat.

@@ -190,6 +190,14 @@ impl TrafficStats {
         windows.get(&deployment).map_or(0.0, |w| rate(w, now))
     }
 
+    /// Requests per second over the last `buckets` buckets (the current one in part): the
+    /// loaning round's short window, so returning demand shows within seconds.
+    pub fn recent_rate(&self, deployment: Uuid, buckets: u64) -> f64 {
+        let now = self.started.elapsed();
+        let windows = self.lock();
+        windows.get(&deployment).map_or(0.0, |w| rate_over(w, now, buckets))
+    }
+
     pub fn snapshot(&self, deployment: Uuid) -> DeploymentStats {
         self.snapshot_at(deployment, self.started.elapsed())
     }
@@ -233,8 +241,12 @@ fn bucket_span(n: u64, now: Duration) -> Duration {
 }
 
 fn rate(window: &Window, now: Duration) -> f64 {
+    rate_over(window, now, RATE_BUCKETS)
+}
+
+fn rate_over(window: &Window, now: Duration, buckets: u64) -> f64 {
     let current = now.as_secs() / BUCKET_SECONDS;
-    let first = (current + 1).saturating_sub(RATE_BUCKETS);
+    let first = (current + 1).saturating_sub(buckets.max(1));
     let requests: u64 = (first..=current).filter_map(|n| window.bucket(n)).map(|c| c.requests).sum();
     let span = now.saturating_sub(Duration::from_secs(first * BUCKET_SECONDS)).max(Duration::from_secs(1));
     requests as f64 / span.as_secs_f64()

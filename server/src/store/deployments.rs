@@ -26,12 +26,20 @@ pub struct StoredDeployment {
     pub replicas: u32,
     pub limits: BatchLimits,
     pub slo: Option<SloStatus>,
+    /// It lends the slices its traffic leaves idle (issue 16), keeping this headroom.
+    pub loanable: bool,
+    pub reclaim_headroom: f64,
+    /// Rounds in a row its rate allowed a larger loan.
+    pub loan_calm: u32,
+    /// Slices it has lent now (loaned or being reclaimed).
+    pub loaned_slices: u32,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
 
 const COLUMNS: &str = "d.id, d.name, d.model_id, m.name AS model_name, d.owner_id, u.username AS owner, d.replicas, \
-     d.max_batch_tokens, d.max_batch_requests, d.slo, d.created_at, d.updated_at";
+     d.max_batch_tokens, d.max_batch_requests, d.slo, d.created_at, d.updated_at, d.loanable, d.reclaim_headroom, \
+     d.loan_calm, (SELECT COUNT(*) FROM slices s WHERE s.lender_id = d.id) AS loaned_slices";
 
 /// Decodes a count column the schema keeps as a 64-bit integer.
 fn count(row: &AnyRow, column: &'static str) -> Result<u32> {
@@ -59,6 +67,10 @@ fn from_row(row: &AnyRow) -> Result<StoredDeployment> {
             max_batch_requests: count(row, "max_batch_requests")?,
         },
         slo: slo.map(|text| parse_json("deployments", "slo", &text)).transpose()?,
+        loanable: row.try_get::<i64, _>("loanable")? != 0,
+        reclaim_headroom: row.try_get("reclaim_headroom")?,
+        loan_calm: count(row, "loan_calm")?,
+        loaned_slices: count(row, "loaned_slices")?,
         created_at: db::time(row.try_get("created_at")?),
         updated_at: db::time(row.try_get("updated_at")?),
     })
@@ -164,6 +176,8 @@ pub struct NewDeployment<'a> {
     pub model: Uuid,
     pub replicas: u32,
     pub limits: BatchLimits,
+    pub loanable: bool,
+    pub reclaim_headroom: f64,
 }
 
 /// Adds a deployment inside the caller's transaction; a taken name is a unique violation
@@ -171,7 +185,7 @@ pub struct NewDeployment<'a> {
 pub async fn insert(conn: &mut AnyConnection, deployment: &NewDeployment<'_>) -> Result<()> {
     sqlx::query(
         "INSERT INTO deployments (id, owner_id, name, model_id, replicas, max_batch_tokens, max_batch_requests, \
-         created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
+         created_at, updated_at, loanable, reclaim_headroom) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9, $10)",
     )
     .bind(deployment.id.to_string())
     .bind(deployment.owner.to_string())
@@ -181,6 +195,8 @@ pub async fn insert(conn: &mut AnyConnection, deployment: &NewDeployment<'_>) ->
     .bind(i64::from(deployment.limits.max_batch_tokens))
     .bind(i64::from(deployment.limits.max_batch_requests))
     .bind(now_ms())
+    .bind(i64::from(deployment.loanable))
+    .bind(deployment.reclaim_headroom)
     .execute(conn)
     .await?;
     Ok(())

@@ -82,7 +82,9 @@ pub async fn placements(db: &Db, worker: Uuid) -> Result<Vec<String>> {
 
 /// Leases `worker` the next queued rank it can host, oldest gang first and lowest rank
 /// first (so claimers fill one gang before the next), and starts the gang's rendezvous
-/// clock: unless every rank is claimed and posted by `deadline`, all are released.
+/// clock: unless every rank is claimed and posted by `deadline`, all are released. A rank
+/// on a MIG slice is claimed only by the worker of the slice the loaning round pinned it
+/// to (`store::loaning`), so training never lands on a slice serving holds.
 pub async fn claim_rank(
     db: &Db,
     worker: Uuid,
@@ -104,6 +106,8 @@ pub async fn claim_rank(
          updated_at = $3, message = NULL, gang_address = NULL \
          WHERE state = 'queued' AND id = (SELECT r.id FROM jobs r JOIN jobs g ON g.id = r.gang_id \
          WHERE r.state = 'queued' AND r.kind = 'train_rank' AND g.state = 'queued' AND r.gang_placement IN ({}) \
+         AND (r.gang_placement NOT LIKE 'slice:%' OR (r.slice_pinned = 1 AND r.slice_uuid IN \
+           (SELECT s.uuid FROM slices s WHERE s.worker_id = $1))) \
          ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at, gang_id",
         params.join(", ")

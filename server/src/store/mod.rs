@@ -10,6 +10,7 @@ pub mod deployments;
 pub mod db;
 pub mod gangs;
 pub mod jobs;
+pub mod loaning;
 pub mod models;
 pub mod precision;
 pub mod quotas;

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
+use tessera_api::loaning::LoanState;
 use tessera_api::mig::{Slice, SliceStatus};
 use uuid::Uuid;
 
@@ -110,13 +111,15 @@ pub async fn replace_gpu(conn: &mut AnyConnection, worker: Uuid, gpu_uuid: &str,
 }
 
 /// Every worker's slices with what holds each, by worker id. Slices are shared by every
-/// tenant, so all are listed; the replica and deployment holding one are named only when
-/// `scope` sees its owner (others read "in use").
+/// tenant, so all are listed; the replica, deployment, lender and training job are named
+/// only when `scope` sees their owner (others read "in use").
 pub async fn by_worker(db: &Db, scope: &Scope) -> Result<HashMap<Uuid, Vec<SliceStatus>>> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT s.worker_id, {COLUMNS}, j.id AS job_id, j.owner_id, d.name AS deployment FROM slices s \
+        "SELECT s.worker_id, {COLUMNS}, s.loan_state, l.name AS lender, l.owner_id AS lender_owner, \
+           j.id AS job_id, j.owner_id, j.gang_id, d.name AS deployment FROM slices s \
          LEFT JOIN jobs j ON j.slice_uuid = s.uuid AND {HOLDING} \
          LEFT JOIN deployments d ON d.id = j.deployment_id \
+         LEFT JOIN deployments l ON l.id = s.lender_id \
          ORDER BY s.worker_id, s.gpu_index, s.start, s.uuid"
     )))
     .fetch_all(db.pool())
@@ -127,11 +130,18 @@ pub async fn by_worker(db: &Db, scope: &Scope) -> Result<HashMap<Uuid, Vec<Slice
         let owner: Option<String> = row.try_get("owner_id")?;
         let owner = owner.map(|o| parse_uuid("jobs", "owner_id", &o)).transpose()?;
         let visible = owner.is_some_and(|o| scope.sees(o));
+        let gang: Option<String> = row.try_get("gang_id")?;
+        let lender_owner: Option<String> = row.try_get("lender_owner")?;
+        let lender_owner = lender_owner.map(|o| parse_uuid("deployments", "owner_id", &o)).transpose()?;
+        let loan_state: String = row.try_get("loan_state")?;
         let status = SliceStatus {
             slice: slice_from_row(row)?,
-            replica: job.as_deref().filter(|_| visible).map(|j| parse_uuid("jobs", "id", j)).transpose()?,
+            replica: job.as_deref().filter(|_| visible && gang.is_none()).map(|j| parse_uuid("jobs", "id", j)).transpose()?,
             deployment: if visible { row.try_get("deployment")? } else { None },
             in_use: job.is_some(),
+            loan_state: LoanState::parse(&loan_state).unwrap_or_default(),
+            lender: if lender_owner.is_some_and(|o| scope.sees(o)) { row.try_get("lender")? } else { None },
+            training_job: gang.as_deref().filter(|_| visible).map(|g| parse_uuid("jobs", "gang_id", g)).transpose()?,
         };
         let worker = parse_uuid("slices", "worker_id", &row.try_get::<String, _>("worker_id")?)?;
         let list = out.entry(worker).or_default();
@@ -177,8 +187,9 @@ pub async fn online(db: &Db, online_since: i64) -> Result<Vec<FleetSliceRow>> {
         .collect()
 }
 
-/// What a claiming worker may take: its slices that no live replica holds, and those of
-/// them no queued replica is pinned to.
+/// What a claiming worker may take: its serving-side slices (not lent to training, not
+/// being reclaimed) that no live replica or rank holds, and those of them no queued job is
+/// pinned to.
 #[derive(Debug, Clone, Default)]
 pub struct Free {
     pub has_slices: bool,
@@ -191,12 +202,17 @@ pub async fn free_for(db: &Db, worker: Uuid) -> Result<Free> {
         "SELECT s.uuid, \
            (SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = s.uuid AND j.state IN ('leased', 'running')) AS busy, \
            (SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = s.uuid AND j.state = 'queued' AND j.slice_pinned = 1) AS waiting \
-         FROM slices s WHERE s.worker_id = $1 ORDER BY s.gpu_index, s.start, s.uuid",
+         FROM slices s WHERE s.worker_id = $1 AND s.loan_state = 'serving' ORDER BY s.gpu_index, s.start, s.uuid",
     )
     .bind(worker.to_string())
     .fetch_all(db.pool())
     .await?;
-    let mut free = Free { has_slices: !rows.is_empty(), ..Free::default() };
+    // A worker whose slices are all lent still has slices: its unpinned replicas wait.
+    let offered: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM slices WHERE worker_id = $1")
+        .bind(worker.to_string())
+        .fetch_one(db.pool())
+        .await?;
+    let mut free = Free { has_slices: offered > 0, ..Free::default() };
     for row in &rows {
         if row.try_get::<i64, _>("busy")? == 0 {
             let uuid: String = row.try_get("uuid")?;
@@ -230,16 +246,19 @@ impl Free {
 }
 
 /// Binds a just-claimed serve job to its slice: the pinned one, or the first free slice
-/// nobody waits for; none on a worker without slices.
+/// nobody waits for; none on a worker without slices. A training rank the loaning round
+/// pinned to a slice gets that slice.
 pub async fn bind_claimed(db: &Db, job: Uuid, free: &Free) -> Result<Option<Slice>> {
     let row = sqlx::query("SELECT kind, slice_uuid, slice_pinned FROM jobs WHERE id = $1")
         .bind(job.to_string())
         .fetch_one(db.pool())
         .await?;
-    if row.try_get::<String, _>("kind")? != "serve" {
+    let kind: String = row.try_get("kind")?;
+    let pinned = row.try_get::<i64, _>("slice_pinned")? != 0;
+    if kind != "serve" && !(kind == "train_rank" && pinned) {
         return Ok(None);
     }
-    let uuid = if row.try_get::<i64, _>("slice_pinned")? != 0 {
+    let uuid = if pinned {
         row.try_get::<Option<String>, _>("slice_uuid")?
     } else {
         let uuid = free.unreserved.first().cloned();

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use chrono::Utc;
 use serde::Deserialize;
-use tessera_api::deployments::{BatchLimits, CreateDeployment, Deployment, DeploymentStats, Percentiles};
+use tessera_api::deployments::{BatchLimits, CreateDeployment, Deployment, DeploymentStats, Percentiles, UpdateDeployment};
 
 use super::chart::{chart, Chart};
 use super::jobs::{worker_label, worker_names};
@@ -73,6 +73,22 @@ pub struct CreateForm {
     max_batch_tokens: String,
     #[serde(default)]
     max_batch_requests: String,
+    /// The checkbox: present ("on") when ticked.
+    #[serde(default)]
+    loanable: Option<String>,
+    /// Headroom in percent above the measured rate.
+    #[serde(default)]
+    headroom_percent: String,
+}
+
+/// A headroom given in percent on a form, as the API's fraction (`None` when left empty).
+fn headroom(text: &str) -> Result<Option<f64>> {
+    match text.trim() {
+        "" => Ok(None),
+        text => text.parse::<f64>().map(|p| Some(p / 100.0)).map_err(|_| {
+            Error::invalid("invalid_reclaim_headroom", "The headroom is a percentage from 0 to 400 (20 keeps 20% above the measured rate).")
+        }),
+    }
 }
 
 #[derive(Template)]
@@ -165,6 +181,8 @@ pub async fn create(State(state): State<AppState>, user: WebUser, Form(form): Fo
                 limits,
                 throughput: None,
                 latency_ms: None,
+                loanable: form.loanable.is_some(),
+                reclaim_headroom: if form.loanable.is_some() { headroom(&form.headroom_percent)? } else { None },
             };
             deployments::create(&state, &user.0, request).await
         };
@@ -219,6 +237,10 @@ struct DeploymentView {
     charts: Vec<Chart>,
     window_minutes: u32,
     since: String,
+    loanable: bool,
+    /// Headroom in percent, as the form shows it.
+    headroom_percent: String,
+    loaned: u32,
 }
 
 #[derive(Template)]
@@ -307,6 +329,9 @@ async fn deployment_view(state: &AppState, deployment: Deployment) -> Result<Dep
         charts: charts(&stats),
         window_minutes: stats.window_seconds / 60,
         since: format::instant(stats.since),
+        loanable: deployment.loanable,
+        headroom_percent: format!("{}", (deployment.reclaim_headroom * 100.0).round()),
+        loaned: deployment.loaned_slices,
     })
 }
 
@@ -347,6 +372,38 @@ pub async fn scale(State(state): State<AppState>, user: WebUser, Path(id): Path<
             deployments::scale(&state, &user.0, &id, replicas).await
         };
         match scaled.await {
+            Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
+            Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
+                with_status(error.status(), render(&detail_page(&state, &user, &id, Some(error.public_message())).await?))
+            }
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct LoaningForm {
+    #[serde(default)]
+    loanable: Option<String>,
+    #[serde(default)]
+    headroom_percent: String,
+}
+
+/// Lend idle slices to training or stop lending, and the headroom kept above demand.
+pub async fn loaning(State(state): State<AppState>, user: WebUser, Path(id): Path<String>, Form(form): Form<LoaningForm>) -> Response {
+    let result = async {
+        let changed = async {
+            let loanable = form.loanable.is_some();
+            let update = UpdateDeployment {
+                replicas: None,
+                loanable: Some(loanable),
+                reclaim_headroom: if loanable { headroom(&form.headroom_percent)? } else { None },
+            };
+            deployments::update(&state, &user.0, &id, update).await
+        };
+        match changed.await {
             Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
             Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
                 with_status(error.status(), render(&detail_page(&state, &user, &id, Some(error.public_message())).await?))

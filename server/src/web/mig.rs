@@ -8,6 +8,7 @@ use askama::Template;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use tessera_api::loaning::LoanState;
 use tessera_api::mig::SliceStatus;
 
 use super::{render, Layout, WebUser};
@@ -147,10 +148,15 @@ pub async fn page(
                                 .clone()
                                 .unwrap_or_else(|| "whole GPU".into()),
                             // Another tenant's replica: the slice is taken, by whom is theirs.
-                            service: match (&s.deployment, s.in_use) {
-                                (Some(name), _) => name.clone(),
-                                (None, true) => "in use".into(),
-                                (None, false) => String::new(),
+                            service: match (&s.deployment, s.in_use, s.loan_state) {
+                                (Some(name), _, _) => name.clone(),
+                                (None, _, _) if s.training_job.is_some() => "training".into(),
+                                (None, true, LoanState::Serving) => "in use".into(),
+                                (None, _, LoanState::Serving) => String::new(),
+                                (None, _, state) => match &s.lender {
+                                    Some(lender) => format!("{} by {lender}", state.as_str()),
+                                    None => state.as_str().into(),
+                                },
                             },
                             colour: colour(&names, s.deployment.as_deref()),
                         }

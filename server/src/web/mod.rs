@@ -8,6 +8,7 @@ mod assets;
 mod chart;
 mod datasets;
 mod deployments;
+mod fleet;
 mod format;
 mod jobs;
 mod mig;
@@ -58,9 +59,11 @@ pub fn routes() -> Router<AppState> {
         .route("/deployments", get(deployments::list).post(deployments::create))
         .route("/deployments/{id}", get(deployments::detail))
         .route("/deployments/{id}/scale", post(deployments::scale))
+        .route("/deployments/{id}/loaning", post(deployments::loaning))
         .route("/deployments/{id}/delete", post(deployments::delete))
         .route("/workers", get(workers::list))
         .route("/mig", get(mig::page))
+        .route("/fleet", get(fleet::page))
         .route("/api/docs", get(api_docs::page))
         .route("/static/{name}", get(assets::serve))
         .fallback(not_found)

@@ -1,0 +1,577 @@
+//! Capacity loaning and elastic training in the server (issue 16, Aryl): the periodic
+//! scheduling round that reads the fleet from the store, decides what each loanable
+//! deployment lends (`scheduler::loaning::capacity`), plans training on the slices per MIG
+//! profile (`scheduler::loaning::round::plan_round`) and applies the plan: slices lent or
+//! reclaimed, waiting gangs sized and pinned to slices, reclaimed jobs preempted.
+//!
+//! One server runs the round at a time: it holds the `loaning` row of
+//! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL); every
+//! server records its own gateway's request rates, which the round sums.
+//!
+//! Departures from the pure planner's model, forced by the platform: a running gang is
+//! not resized in place (its ranks would stop and re-form anyway), so the round treats a
+//! running job as inelastic at its current ranks and sizes elastic jobs when they start,
+//! or restart after a preemption; a job's ranks all ask for one MIG profile, so each
+//! profile is its own round.
+
+pub mod preempt;
+pub mod routes;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::Duration;
+
+use tessera_api::loaning::{LoanRound, LoanState as SliceLoan};
+use tessera_api::train::TrainJob;
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::scheduler::loaning::{
+    capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
+};
+use crate::state::AppState;
+use crate::store::db::now_ms;
+use crate::store::deployments::{self as deployments_store, StoredDeployment};
+use crate::store::jobs::NewJob;
+use crate::store::loaning::{
+    self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan,
+};
+use crate::store::{models, Scope};
+
+/// The `scheduler_leases` row of the round.
+const LEASE: &str = "loaning";
+/// Seconds a preempted job takes to start again (load its checkpoint, re-form its ranks):
+/// part of the reclaim greedy's preemption cost.
+const RESTART_SECS: f64 = 60.0;
+/// Seconds an elastic job's ranks stop to change their number.
+const RESIZE_PAUSE_SECS: f64 = 30.0;
+/// Steps of a gang's timing averaged per rank count.
+const STEP_WINDOW: usize = 50;
+/// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike
+/// reaches the round within seconds.
+const RATE_BUCKETS: u64 = 2;
+/// History the dashboard shows, and how long it is kept.
+const HISTORY_MS: i64 = 24 * 3600 * 1000;
+
+/// What a training spec asks of the scheduler: elastic bounds and whether it may be
+/// preempted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resources {
+    pub min_ranks: u32,
+    pub max_ranks: u32,
+    pub preemptible: bool,
+}
+
+/// The resources of a job queued with `ranks` ranks.
+// a-preempt provides: the spec's `resources: {min_ranks, max_ranks, preemptible}`; read
+// it here (`train.resources`). Until then every job is inelastic at its queued ranks and
+// preemptible (a gang already resumes from its last checkpoint when it loses a rank).
+pub fn resources(train: &TrainJob, ranks: u32) -> Resources {
+    let _ = train;
+    Resources {
+        min_ranks: ranks,
+        max_ranks: ranks,
+        preemptible: true,
+    }
+}
+
+/// What one round did, for logs and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoundReport {
+    /// This server held the lease and ran the round.
+    pub led: bool,
+    pub lent: u32,
+    pub reclaiming: u32,
+    pub returned: u32,
+    pub started: u32,
+    pub preempted: u32,
+}
+
+/// Runs the round every `loan_round_secs` and records this server's request rates, until
+/// the server stops.
+pub fn spawn(state: AppState) {
+    let server = Uuid::new_v4();
+    let period = Duration::from_secs(state.config.loan_round_secs.max(1));
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            if let Err(e) = record_rates(&state, server).await {
+                tracing::warn!(error = %e, "recording request rates failed");
+            }
+            match lead_and_run(&state, server).await {
+                Ok(report)
+                    if report.lent
+                        + report.reclaiming
+                        + report.returned
+                        + report.started
+                        + report.preempted
+                        > 0 =>
+                {
+                    tracing::info!(?report, "loaning round")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "loaning round failed"),
+            }
+        }
+    });
+}
+
+/// This server's gateway rate of every deployment, into the store.
+pub async fn record_rates(state: &AppState, server: Uuid) -> Result<()> {
+    let deployments = deployments_store::list(&state.db, &Scope::all()).await?;
+    let rates: Vec<(Uuid, f64)> = deployments
+        .iter()
+        .map(|d| (d.id, state.gateway.stats.recent_rate(d.id, RATE_BUCKETS)))
+        .collect();
+    store::record_rates(&state.db, server, &rates).await?;
+    Ok(())
+}
+
+/// Takes (or renews) the round's lease and runs the round when this server holds it.
+pub async fn lead_and_run(state: &AppState, server: Uuid) -> Result<RoundReport> {
+    let now = now_ms();
+    let ttl = 3 * state.config.loan_round_secs.max(1) as i64 * 1000;
+    if !store::lead(&state.db, LEASE, server, now, now + ttl).await? {
+        return Ok(RoundReport::default());
+    }
+    let mut report = run_round(state).await?;
+    report.led = true;
+    Ok(report)
+}
+
+/// A deployment as this round sees it: its slices by what they do.
+struct Lender<'a> {
+    deployment: &'a StoredDeployment,
+    /// Slices its live replicas hold (serving state), by worker, GPU and start; the loan
+    /// takes them from the end.
+    bound: Vec<&'a FleetSlice>,
+    loaned: Vec<&'a FleetSlice>,
+}
+
+/// Requests per second one of `slices` serves for `model`: the throughput table's best
+/// within the SLO's latency (any latency without one), the weakest slice's figure when
+/// they differ; 0 (nothing is known to be idle) without a table row.
+async fn slice_rate(state: &AppState, d: &StoredDeployment, slices: &[&FleetSlice]) -> Result<f64> {
+    let table = models::measured_profiles(&state.db, d.model_id).await?;
+    let latency = d.slo.as_ref().and_then(|s| s.latency_ms);
+    let mut rate = f64::INFINITY;
+    for s in slices {
+        let best = table
+            .iter()
+            .filter(|r| {
+                Some(&r.gpu_model) == s.gpu_model.as_ref() && Some(&r.profile) == s.profile.as_ref()
+            })
+            .filter(|r| latency.is_none_or(|l| r.p99_ms <= l))
+            .map(|r| r.throughput)
+            .fold(0.0, f64::max);
+        rate = rate.min(best);
+    }
+    Ok(if rate.is_finite() { rate } else { 0.0 })
+}
+
+/// One scheduling round; see the module comment. The caller holds the round's lease
+/// (tests call it directly).
+pub async fn run_round(state: &AppState) -> Result<RoundReport> {
+    let db = &state.db;
+    let now = now_ms();
+    let mut report = RoundReport::default();
+    store::release_orphans(db).await?;
+    let online_since = crate::workers::online_since(state);
+    let fleet = store::fleet(db, online_since).await?;
+    let deployments = deployments_store::list(db, &Scope::all()).await?;
+    let rates = store::rates(
+        db,
+        now - 3 * state.config.loan_round_secs.max(1) as i64 * 1000,
+    )
+    .await?;
+
+    // 1. What each deployment lends: grow the loan now, or mark slices to take back.
+    let mut lenders: Vec<Lender> = deployments
+        .iter()
+        .map(|d| Lender {
+            deployment: d,
+            bound: fleet
+                .iter()
+                .filter(|s| s.loan_state == SliceLoan::Serving)
+                .filter(|s| matches!(s.holder, Holder::Replica { deployment, .. } if deployment == d.id))
+                .collect(),
+            loaned: fleet.iter().filter(|s| s.lender == Some(d.id) && s.loan_state == SliceLoan::Loaned).collect(),
+        })
+        .collect();
+    // Slices to take back per lender, chosen after the plan picks whom it preempts.
+    let mut take_back: HashMap<Uuid, u32> = HashMap::new();
+    let mut newly_loaned: Vec<(Uuid, String)> = Vec::new();
+    for lender in &mut lenders {
+        let d = lender.deployment;
+        if !d.loanable && lender.loaned.is_empty() {
+            continue;
+        }
+        let all: Vec<&FleetSlice> = lender.bound.iter().chain(&lender.loaned).copied().collect();
+        let view = capacity::Deployment {
+            slices: all.len() as u32,
+            min_serving: 1,
+            slice_rate: slice_rate(state, d, &all).await?,
+            measured_rate: rates.get(&d.id).copied().unwrap_or(0.0),
+            loanable: d.loanable,
+        };
+        let policy = LoanPolicy {
+            headroom: d.reclaim_headroom,
+            ..LoanPolicy::default()
+        };
+        let prev = LoanState {
+            loaned: lender.loaned.len() as u32,
+            calm: d.loan_calm,
+        };
+        let next = capacity::next_loan(&view, &policy, prev);
+        store::set_calm(db, d.id, next.calm).await?;
+        if next.loaned > prev.loaned {
+            let detail = format!(
+                "lent by {}: {:.1} req/s measured, {:.1} req/s per slice, {:.0}% headroom",
+                d.name,
+                view.measured_rate,
+                view.slice_rate,
+                d.reclaim_headroom * 100.0
+            );
+            for slice in lender
+                .bound
+                .iter()
+                .rev()
+                .take((next.loaned - prev.loaned) as usize)
+            {
+                let replica = match slice.holder {
+                    Holder::Replica { job, .. } => Some(job),
+                    _ => None,
+                };
+                if store::lend(db, &slice.uuid, d.id, replica, &detail).await? {
+                    newly_loaned.push((d.id, slice.uuid.clone()));
+                    report.lent += 1;
+                }
+            }
+        } else if next.loaned < prev.loaned {
+            take_back.insert(d.id, prev.loaned - next.loaned);
+        }
+    }
+    // The fleet again, with this round's loans.
+    let fleet = if newly_loaned.is_empty() {
+        fleet
+    } else {
+        store::fleet(db, online_since).await?
+    };
+
+    // 2. Free loaned slices go back first; the rest of each take-back is the plan's.
+    let mut reclaim_now: HashSet<String> = HashSet::new();
+    for (&d, need) in take_back.iter_mut() {
+        for s in fleet.iter().filter(|s| {
+            s.lender == Some(d) && s.loan_state == SliceLoan::Loaned && s.holder == Holder::Free
+        }) {
+            if *need == 0 {
+                break;
+            }
+            reclaim_now.insert(s.uuid.clone());
+            *need -= 1;
+        }
+    }
+
+    // 3. Plan training per MIG profile.
+    let gangs = store::slice_gangs(db).await?;
+    let lender_ids: Vec<Uuid> = deployments.iter().map(|d| d.id).collect();
+    let pool_of = |s: &FleetSlice| match (s.loan_state, s.lender) {
+        (SliceLoan::Serving, _) => Some(Pool::Training),
+        (_, Some(l)) => lender_ids.iter().position(|&x| x == l).map(Pool::Loaned),
+        (_, None) => None,
+    };
+    let profiles: BTreeSet<&str> = fleet.iter().filter_map(|s| s.profile.as_deref()).collect();
+    let mut plans: Vec<(u32, TrainingPlan)> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    for profile in profiles {
+        let slices: Vec<&FleetSlice> = fleet
+            .iter()
+            .filter(|s| s.profile.as_deref() == Some(profile))
+            .collect();
+        let mine: Vec<&SliceGang> = gangs
+            .iter()
+            .filter(|g| g.profile() == Some(profile))
+            .collect();
+        // Capacity: free or rank-held serving slices, and each lender's loaned slices
+        // that stay lent (its take-back, less the free ones already chosen).
+        let mut capacity: HashMap<Pool, u32> = HashMap::new();
+        for s in &slices {
+            let Some(pool) = pool_of(s) else { continue };
+            let usable = match s.loan_state {
+                SliceLoan::Serving => matches!(s.holder, Holder::Free | Holder::Rank { .. }),
+                SliceLoan::Loaned => !reclaim_now.contains(&s.uuid),
+                SliceLoan::Reclaiming => false,
+            };
+            *capacity.entry(pool).or_default() += u32::from(usable);
+        }
+        // A lender's remaining take-back comes off its held loaned slices of this profile.
+        // Held slices each lender takes back in this profile, marked once the plan says
+        // whom that preempts.
+        let mut cuts: HashMap<Uuid, u32> = HashMap::new();
+        let lenders_back: Vec<(Uuid, u32)> = take_back.iter().map(|(&d, &n)| (d, n)).collect();
+        for (d, need) in lenders_back {
+            if let Some(i) = lender_ids.iter().position(|&x| x == d) {
+                let c = capacity.entry(Pool::Loaned(i)).or_default();
+                let cut = need.min(*c);
+                *c -= cut;
+                take_back.insert(d, need - cut);
+                cuts.insert(d, cut);
+            }
+        }
+        let mut jobs = Vec::new();
+        for g in &mine {
+            let ranks = g.ranks.len() as u32;
+            let wanted = resources(&g.train, ranks);
+            let waiting = g.waiting();
+            let mut holdings: HashMap<Pool, u32> = HashMap::new();
+            if !waiting {
+                for r in &g.ranks {
+                    let pool = r
+                        .slice
+                        .as_ref()
+                        .and_then(|u| slices.iter().find(|s| &s.uuid == u))
+                        .and_then(|s| pool_of(s))
+                        .unwrap_or(Pool::Training);
+                    *holdings.entry(pool).or_default() += 1;
+                }
+            }
+            let (min, max) = if waiting {
+                (wanted.min_ranks, wanted.max_ranks.max(wanted.min_ranks))
+            } else {
+                (ranks, ranks)
+            };
+            let step_secs = StepTimes::new(store::step_secs_by_ranks(db, g.id, STEP_WINDOW).await?);
+            jobs.push(Job {
+                min_ranks: min,
+                max_ranks: max,
+                requested_ranks: ranks.clamp(min, max),
+                preemptible: wanted.preemptible,
+                remaining_steps: g.train.max_steps.saturating_sub(g.progress_step) as f64,
+                step_secs,
+                checkpoint_age_secs: (now - g.last_safe_at).max(0) as f64 / 1000.0,
+                restart_secs: RESTART_SECS,
+                holdings: holdings.into_iter().collect(),
+            });
+        }
+        let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
+        let plan = plan_round(&Round {
+            capacity: &capacity,
+            jobs: &jobs,
+            elastic: true,
+            resize_pause_secs: RESIZE_PAUSE_SECS,
+        });
+
+        // Reclaims: the jobs the greedy chose give their slices back.
+        let mut preempted: HashSet<Uuid> = HashSet::new();
+        for event in &plan.reclaims {
+            let g = mine[event.job];
+            let (deployment, name) = match event.pool {
+                Pool::Loaned(i) => (Some(deployments[i].id), deployments[i].name.as_str()),
+                Pool::Training => (None, "training pool"),
+            };
+            let reason = format!("{name} needs its {profile} slices back");
+            if event.preempted && !preempted.contains(&g.id) {
+                if preempt::preempt_job(state, g.id, &reason).await? {
+                    report.preempted += 1;
+                }
+                preempted.insert(g.id);
+            }
+            let record = NewReclaim {
+                deployment,
+                deployment_name: name,
+                job: g.id,
+                job_name: &g.name,
+                owner: g.owner,
+                ranks: event.ranks,
+                preempted: event.preempted,
+                reason: &reason,
+            };
+            store::record_reclaim(db, now, &record).await?;
+        }
+        // Which loaned slices the take-back marks: those the preempted jobs held first.
+        for (&d, need) in cuts.iter_mut() {
+            let mut held: Vec<&&FleetSlice> = slices
+                .iter()
+                .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
+                .collect();
+            held.sort_by_key(
+                |s| !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang)),
+            );
+            for s in held {
+                if *need == 0 {
+                    break;
+                }
+                if reclaim_now.insert(s.uuid.clone()) {
+                    *need -= 1;
+                }
+            }
+        }
+
+        // Waiting gangs start where the plan put them: sized, then pinned slice by slice.
+        let mut taken: HashSet<&str> = HashSet::new();
+        for (j, g) in mine.iter().enumerate() {
+            if !g.waiting() {
+                continue;
+            }
+            let placement = &plan.placements[j];
+            let total: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
+            if total == 0 {
+                if g.ranks.iter().any(|r| r.slice.is_some()) {
+                    store::unpin_ranks(db, g.id).await?;
+                }
+                continue;
+            }
+            let mut chosen: Vec<String> = Vec::new();
+            for &(pool, n) in &placement.holdings {
+                let mut candidates: Vec<&&FleetSlice> = slices
+                    .iter()
+                    .filter(|s| {
+                        pool_of(s) == Some(pool)
+                            && !reclaim_now.contains(&s.uuid)
+                            && !taken.contains(s.uuid.as_str())
+                    })
+                    .filter(|s| s.loan_state != SliceLoan::Reclaiming)
+                    .filter(|s| match s.holder {
+                        Holder::Free => true,
+                        // Slices pinned by waiting gangs are re-placed this round.
+                        Holder::Rank { gang, .. } => {
+                            gangs.iter().any(|w| w.id == gang && w.waiting())
+                        }
+                        Holder::Replica { .. } => false,
+                    })
+                    .collect();
+                // Its own pins first (a stable plan moves nothing), then free slices.
+                candidates.sort_by_key(
+                    |s| !matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id),
+                );
+                for s in candidates.into_iter().take(n as usize) {
+                    taken.insert(s.uuid.as_str());
+                    chosen.push(s.uuid.clone());
+                }
+            }
+            if (chosen.len() as u32) < total {
+                notes.push(format!("{}: the plan's slices were not all free", g.name));
+                continue;
+            }
+            if !store::resize_waiting_gang(db, g.id, total).await? {
+                continue;
+            }
+            let ranks = store::slice_gangs(db)
+                .await?
+                .into_iter()
+                .find(|x| x.id == g.id)
+                .map(|x| x.ranks)
+                .unwrap_or_default();
+            let pins: Vec<(Uuid, String)> = ranks.iter().map(|r| r.job).zip(chosen).collect();
+            if pins
+                .iter()
+                .zip(&ranks)
+                .any(|((_, s), r)| r.slice.as_deref() != Some(s.as_str()))
+            {
+                store::pin_ranks(db, g.id, &pins).await?;
+                report.started += 1;
+            }
+        }
+
+        // The queue as planned: running jobs first, then waiting ones shortest-first.
+        for (j, g) in mine.iter().enumerate() {
+            let placement = &plan.placements[j];
+            let ranks: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
+            let at = if ranks > 0 {
+                ranks
+            } else {
+                jobs[j].requested_ranks
+            };
+            let secs = jobs[j]
+                .step_secs
+                .remaining_secs(jobs[j].remaining_steps, at);
+            let note = if preempted.contains(&g.id) {
+                "preempted this round".to_string()
+            } else if g.waiting() && ranks == 0 {
+                format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
+            } else if g.waiting() {
+                format!("placed on {ranks} {profile} slices")
+            } else {
+                format!("running on {ranks} {profile} slices")
+            };
+            let order = u32::from(g.waiting()) * 1_000_000 + plans.len() as u32;
+            plans.push((
+                order,
+                TrainingPlan {
+                    job: g.id,
+                    position: 0,
+                    ranks: at,
+                    min_ranks: jobs[j].min_ranks,
+                    max_ranks: jobs[j].max_ranks,
+                    preemptible: jobs[j].preemptible,
+                    predicted_secs: secs.is_finite().then_some(secs),
+                    note,
+                },
+            ));
+        }
+    }
+    for note in notes {
+        tracing::debug!(note, "loaning round");
+    }
+
+    // 4. Mark what goes back, and finish the slices no rank holds any more.
+    for uuid in &reclaim_now {
+        if store::start_reclaim(db, uuid, "demand returned").await? {
+            report.reclaiming += 1;
+        }
+    }
+    let fleet = store::fleet(db, online_since).await?;
+    for s in fleet
+        .iter()
+        .filter(|s| s.loan_state == SliceLoan::Reclaiming)
+    {
+        let Some(d) = s
+            .lender
+            .and_then(|l| deployments.iter().find(|d| d.id == l))
+        else {
+            continue;
+        };
+        let spec = crate::deployments::replica_spec(d);
+        let name = format!("replica of {}", d.name);
+        let job = NewJob {
+            deployment: Some(d.id),
+            pinned_slice: Some(&s.uuid),
+            ..NewJob::new(
+                d.owner_id,
+                &name,
+                &spec,
+                crate::deployments::REPLICA_MAX_ATTEMPTS,
+            )
+        };
+        if store::finish_reclaim(db, &s.uuid, d.id, &job).await? {
+            report.returned += 1;
+        }
+    }
+
+    // 5. What the dashboard shows.
+    plans.sort_by_key(|(order, _)| *order);
+    let plans: Vec<TrainingPlan> = plans
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, p))| TrainingPlan {
+            position: i as u32,
+            ..p
+        })
+        .collect();
+    store::replace_plans(db, &plans).await?;
+    let count = |f: &dyn Fn(&FleetSlice) -> bool| fleet.iter().filter(|s| f(s)).count() as u32;
+    let round = LoanRound {
+        at: crate::store::db::time(now),
+        serving: count(&|s| {
+            s.loan_state == SliceLoan::Serving && !matches!(s.holder, Holder::Rank { .. })
+        }),
+        loaned: count(&|s| s.loan_state == SliceLoan::Loaned),
+        reclaiming: count(&|s| s.loan_state == SliceLoan::Reclaiming),
+        training: count(&|s| matches!(s.holder, Holder::Rank { .. })),
+        waiting: gangs.iter().filter(|g| g.waiting()).count() as u32,
+    };
+    store::record_round(db, &round).await?;
+    store::prune(db, now - HISTORY_MS).await?;
+    Ok(report)
+}

@@ -1,0 +1,959 @@
+//! Capacity loaning (issue 16): each slice's loan state, the training gangs the scheduling
+//! round places on slices, and what the round leaves for the dashboard (loan and reclaim
+//! history, per-round slice counts, the training queue with predicted JCT). Also the
+//! scheduler lease (one server runs the round) and each server's measured request rates.
+//!
+//! A training rank holds a slice the way a replica does: its row names the slice
+//! (`slice_uuid`, pinned) while queued for it, leased or running, so the serving side's
+//! claim (`slices::free_for`) skips it. Only the round pins ranks to slices.
+
+use std::collections::HashMap;
+
+use sqlx::{AnyConnection, Row};
+use tessera_api::jobs::JobSpec;
+use tessera_api::loaning::{LoanRound, LoanState, QueuedTraining, ReclaimEvent, SliceEvent};
+use tessera_api::parallel::RankJob;
+use tessera_api::train::TrainJob;
+use uuid::Uuid;
+
+use super::db::{self, now_ms, Db};
+use super::jobs::{self, NewJob};
+use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+
+/// Jobs holding a slice (the same rule as `slices`' HOLDING).
+const HOLDING: &str =
+    "(j.state IN ('leased', 'running') OR (j.state = 'queued' AND j.slice_pinned = 1))";
+
+fn loan_state(text: &str) -> Result<LoanState> {
+    LoanState::parse(text).ok_or_else(|| StoreError::Corrupt {
+        table: "slices",
+        column: "loan_state",
+        value: text.to_string(),
+        reason: "not a loan state".into(),
+    })
+}
+
+/// What holds a slice now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holder {
+    Free,
+    /// A serve job of `deployment`.
+    Replica {
+        job: Uuid,
+        deployment: Uuid,
+    },
+    /// A rank of the training job `gang`.
+    Rank {
+        job: Uuid,
+        gang: Uuid,
+    },
+}
+
+/// A slice of an online worker, as the round sees it.
+#[derive(Debug, Clone)]
+pub struct FleetSlice {
+    pub uuid: String,
+    pub worker: Uuid,
+    pub gpu_model: Option<String>,
+    pub profile: Option<String>,
+    pub loan_state: LoanState,
+    pub lender: Option<Uuid>,
+    pub holder: Holder,
+}
+
+/// The slices of workers seen since `online_since`, by worker, GPU and start.
+pub async fn fleet(db: &Db, online_since: i64) -> Result<Vec<FleetSlice>> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT s.uuid, s.worker_id, s.gpu_model, s.profile, s.loan_state, s.lender_id, \
+           j.id AS job_id, j.kind, j.deployment_id, j.gang_id \
+         FROM slices s JOIN workers w ON w.id = s.worker_id \
+         LEFT JOIN jobs j ON j.slice_uuid = s.uuid AND {HOLDING} \
+         WHERE w.last_seen_at >= $1 ORDER BY w.name, s.gpu_index, s.start, s.uuid, j.created_at"
+    )))
+    .bind(online_since)
+    .fetch_all(db.pool())
+    .await?;
+    let mut out: Vec<FleetSlice> = Vec::new();
+    for row in &rows {
+        let uuid: String = row.try_get("uuid")?;
+        if out.last().is_some_and(|s| s.uuid == uuid) {
+            continue;
+        }
+        let job: Option<String> = row.try_get("job_id")?;
+        let holder = match job {
+            None => Holder::Free,
+            Some(job) => {
+                let job = parse_uuid("jobs", "id", &job)?;
+                let deployment: Option<String> = row.try_get("deployment_id")?;
+                let gang: Option<String> = row.try_get("gang_id")?;
+                match (deployment, gang) {
+                    (Some(d), _) => Holder::Replica {
+                        job,
+                        deployment: parse_uuid("jobs", "deployment_id", &d)?,
+                    },
+                    (None, Some(g)) => Holder::Rank {
+                        job,
+                        gang: parse_uuid("jobs", "gang_id", &g)?,
+                    },
+                    // Nothing else binds slices; treat an unknown holder as a replica of nobody.
+                    (None, None) => Holder::Replica {
+                        job,
+                        deployment: Uuid::nil(),
+                    },
+                }
+            }
+        };
+        let lender: Option<String> = row.try_get("lender_id")?;
+        out.push(FleetSlice {
+            uuid,
+            worker: parse_uuid(
+                "slices",
+                "worker_id",
+                &row.try_get::<String, _>("worker_id")?,
+            )?,
+            gpu_model: row.try_get("gpu_model")?,
+            profile: row.try_get("profile")?,
+            loan_state: loan_state(&row.try_get::<String, _>("loan_state")?)?,
+            lender: lender
+                .map(|l| parse_uuid("slices", "lender_id", &l))
+                .transpose()?,
+            holder,
+        });
+    }
+    Ok(out)
+}
+
+/// One rank row of a gang.
+#[derive(Debug, Clone)]
+pub struct GangRank {
+    pub job: Uuid,
+    pub rank: u32,
+    pub state: String,
+    pub placement: String,
+    /// The slice it is pinned to (or bound to while live).
+    pub slice: Option<String>,
+}
+
+/// A training job run as a gang whose ranks all run on MIG slices: what the round places.
+#[derive(Debug, Clone)]
+pub struct SliceGang {
+    pub id: Uuid,
+    pub name: String,
+    pub owner: Uuid,
+    /// `queued` (waiting, or forming) or `running`.
+    pub state: String,
+    pub train: TrainJob,
+    pub progress_step: u64,
+    pub created_at: i64,
+    /// When the gang's current attempt formed (`updated_at` of a running gang) or its last
+    /// checkpoint was stored, whichever is later: the work a preemption loses starts there.
+    pub last_safe_at: i64,
+    pub ranks: Vec<GangRank>,
+}
+
+impl SliceGang {
+    /// The MIG profile every rank asks for, when they agree.
+    pub fn profile(&self) -> Option<&str> {
+        let first = self.ranks.first()?.placement.strip_prefix("slice:")?;
+        self.ranks
+            .iter()
+            .all(|r| r.placement.strip_prefix("slice:") == Some(first))
+            .then_some(first)
+    }
+
+    /// No rank is held by a worker: the round may re-place (and resize) it.
+    pub fn waiting(&self) -> bool {
+        self.state == "queued" && self.ranks.iter().all(|r| r.state == "queued")
+    }
+}
+
+/// Unfinished gangs whose every rank asks for a MIG slice, oldest first.
+pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
+    let gangs = sqlx::query(
+        "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
+           (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at \
+         FROM jobs g WHERE g.kind = 'train_gang' AND g.state IN ('queued', 'running') \
+         AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.gang_placement NOT LIKE 'slice:%') \
+         ORDER BY g.created_at, g.id",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    let mut out = Vec::new();
+    for g in &gangs {
+        let id: String = g.try_get("id")?;
+        let spec: JobSpec = parse_json("jobs", "spec", &g.try_get::<String, _>("spec")?)?;
+        let JobSpec::Train(train) = spec else {
+            continue;
+        };
+        let ranks = sqlx::query(
+            "SELECT id, gang_rank, state, gang_placement, slice_uuid FROM jobs WHERE gang_id = $1 \
+             AND state IN ('queued', 'leased', 'running') ORDER BY gang_rank",
+        )
+        .bind(&id)
+        .fetch_all(db.pool())
+        .await?;
+        let ranks = ranks
+            .iter()
+            .map(|r| {
+                Ok(GangRank {
+                    job: parse_uuid("jobs", "id", &r.try_get::<String, _>("id")?)?,
+                    rank: r.try_get::<i64, _>("gang_rank")? as u32,
+                    state: r.try_get("state")?,
+                    placement: r.try_get("gang_placement")?,
+                    slice: r.try_get("slice_uuid")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if ranks.is_empty() {
+            continue;
+        }
+        let state: String = g.try_get("state")?;
+        let updated: i64 = g.try_get("updated_at")?;
+        let created: i64 = g.try_get("created_at")?;
+        let checkpointed: Option<i64> = g.try_get("checkpointed_at")?;
+        let formed = if state == "running" { updated } else { created };
+        out.push(SliceGang {
+            id: parse_uuid("jobs", "id", &id)?,
+            name: g.try_get("name")?,
+            owner: parse_uuid("jobs", "owner_id", &g.try_get::<String, _>("owner_id")?)?,
+            state,
+            train,
+            progress_step: g
+                .try_get::<Option<i64>, _>("progress_step")?
+                .unwrap_or(0)
+                .max(0) as u64,
+            created_at: created,
+            last_safe_at: checkpointed.map_or(formed, |c| c.max(formed)),
+            ranks,
+        });
+    }
+    Ok(out)
+}
+
+/// A gang's mean seconds per step at each rank count it ran at: rank 0's step time over
+/// the last `last` steps measured at that count (a step's rank count is how many ranks
+/// reported it).
+pub async fn step_secs_by_ranks(db: &Db, gang: Uuid, last: usize) -> Result<Vec<(u32, f64)>> {
+    let rows = sqlx::query(
+        "SELECT step, COUNT(*) AS world, MAX(CASE WHEN rank = 0 THEN iter_ms END) AS iter_ms FROM rank_steps \
+         WHERE job_id = $1 GROUP BY step ORDER BY step DESC",
+    )
+    .bind(gang.to_string())
+    .fetch_all(db.pool())
+    .await?;
+    let mut by_world: HashMap<u32, Vec<f64>> = HashMap::new();
+    for row in &rows {
+        let world = row.try_get::<i64, _>("world")? as u32;
+        let Some(ms) = row.try_get::<Option<f64>, _>("iter_ms")? else {
+            continue;
+        };
+        let seen = by_world.entry(world).or_default();
+        if seen.len() < last && ms.is_finite() && ms > 0.0 {
+            seen.push(ms);
+        }
+    }
+    let mut out: Vec<(u32, f64)> = by_world
+        .into_iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(world, v)| (world, v.iter().sum::<f64>() / v.len() as f64 / 1000.0))
+        .collect();
+    out.sort_by_key(|&(w, _)| w);
+    Ok(out)
+}
+
+async fn event(
+    conn: &mut AnyConnection,
+    at: i64,
+    slice: &str,
+    state: &str,
+    deployment: Option<Uuid>,
+    job: Option<Uuid>,
+    detail: &str,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO loan_events (id, at, slice_uuid, state, deployment_id, job_id, detail) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(Uuid::new_v4().to_string())
+    .bind(at)
+    .bind(slice)
+    .bind(state)
+    .bind(deployment.map(|d| d.to_string()))
+    .bind(job.map(|j| j.to_string()))
+    .bind(detail)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Lends `slice` of `deployment` to training: the replica on it (if any) stops at its
+/// worker's next heartbeat, and only training ranks may take the slice. False when the
+/// slice was no longer the serving side's.
+pub async fn lend(
+    db: &Db,
+    slice: &str,
+    deployment: Uuid,
+    replica: Option<Uuid>,
+    detail: &str,
+) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let changed = sqlx::query(
+        "UPDATE slices SET loan_state = 'loaned', lender_id = $1 WHERE uuid = $2 AND loan_state = 'serving'",
+    )
+    .bind(deployment.to_string())
+    .bind(slice)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if changed == 0 {
+        return Ok(false);
+    }
+    if let Some(replica) = replica {
+        sqlx::query(
+            "UPDATE jobs SET state = 'cancelled', message = 'Its slice was lent to training.', finished_at = $1, \
+             updated_at = $1, lease_expires_at = NULL, endpoint = NULL WHERE id = $2 AND state IN ('queued', 'leased', 'running')",
+        )
+        .bind(now)
+        .bind(replica.to_string())
+        .execute(&mut *tx)
+        .await?;
+    }
+    event(
+        &mut tx,
+        now,
+        slice,
+        "loaned",
+        Some(deployment),
+        None,
+        detail,
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Starts taking a loaned slice back: no rank may take it any more.
+pub async fn start_reclaim(db: &Db, slice: &str, detail: &str) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let lender: Option<Option<String>> =
+        sqlx::query_scalar("UPDATE slices SET loan_state = 'reclaiming' WHERE uuid = $1 AND loan_state = 'loaned' RETURNING lender_id")
+            .bind(slice)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some(lender) = lender else {
+        return Ok(false);
+    };
+    let lender = lender
+        .map(|l| parse_uuid("slices", "lender_id", &l))
+        .transpose()?;
+    event(&mut tx, now, slice, "reclaiming", lender, None, detail).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Gives a reclaiming slice back to `lender` once no rank holds it: the slice serves
+/// again and `replica` (a serve job of the lender pinned to the slice) is queued in the
+/// same transaction. False while a rank still holds it.
+pub async fn finish_reclaim(
+    db: &Db,
+    slice: &str,
+    lender: Uuid,
+    replica: &NewJob<'_>,
+) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let held: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = $1 AND {HOLDING}"
+    )))
+    .bind(slice)
+    .fetch_one(&mut *tx)
+    .await?;
+    if held > 0 {
+        return Ok(false);
+    }
+    let changed = sqlx::query(
+        "UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE uuid = $1 AND lender_id = $2 \
+         AND loan_state IN ('reclaiming', 'loaned')",
+    )
+    .bind(slice)
+    .bind(lender.to_string())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if changed == 0 {
+        return Ok(false);
+    }
+    jobs::insert_in(&mut tx, replica).await?;
+    event(
+        &mut tx,
+        now,
+        slice,
+        "serving",
+        Some(lender),
+        None,
+        "back to serving; a replica was queued on it",
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Returns every loaned or reclaiming slice of `deployment` to plain serving state (the
+/// deployment was deleted or stopped lending), without queueing replicas.
+pub async fn release_lender(db: &Db, deployment: Uuid) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE lender_id = $1",
+    )
+    .bind(deployment.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected())
+}
+
+/// Loaned or reclaiming slices whose lender is gone (deleted deployment): back to serving.
+pub async fn release_orphans(db: &Db) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE loan_state <> 'serving' \
+         AND (lender_id IS NULL OR NOT EXISTS (SELECT 1 FROM deployments d WHERE d.id = slices.lender_id))",
+    )
+    .execute(db.pool())
+    .await?
+    .rows_affected())
+}
+
+pub async fn set_calm(db: &Db, deployment: Uuid, calm: u32) -> Result<()> {
+    sqlx::query("UPDATE deployments SET loan_calm = $1 WHERE id = $2 AND loan_calm <> $1")
+        .bind(calm as i64)
+        .bind(deployment.to_string())
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+/// Sets a deployment's loaning settings (`None` leaves one as it is).
+pub async fn set_loanable(
+    db: &Db,
+    deployment: Uuid,
+    loanable: Option<bool>,
+    headroom: Option<f64>,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE deployments SET loanable = COALESCE($1, loanable), reclaim_headroom = COALESCE($2, reclaim_headroom), \
+         loan_calm = 0, updated_at = $3 WHERE id = $4",
+    )
+    .bind(loanable.map(i64::from))
+    .bind(headroom)
+    .bind(now_ms())
+    .bind(deployment.to_string())
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// Pins the ranks of a waiting gang to slices (`ranks[i]` ↔ `slices[i]`), recording a
+/// `training` event per slice. Ranks a worker already claimed are left alone.
+pub async fn pin_ranks(db: &Db, gang: Uuid, pins: &[(Uuid, String)]) -> Result<()> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    for (rank, slice) in pins {
+        let changed = sqlx::query(
+            "UPDATE jobs SET slice_uuid = $1, slice_pinned = 1, updated_at = $2 WHERE id = $3 AND state = 'queued' \
+             AND (slice_uuid IS NULL OR slice_uuid <> $1 OR slice_pinned = 0)",
+        )
+        .bind(slice)
+        .bind(now)
+        .bind(rank.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if changed > 0 {
+            event(
+                &mut tx,
+                now,
+                slice,
+                "training",
+                None,
+                Some(gang),
+                "a rank was placed on it",
+            )
+            .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Unpins the queued ranks of a gang (it waits for the next round's placement).
+pub async fn unpin_ranks(db: &Db, gang: Uuid) -> Result<()> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let pinned: Vec<String> = sqlx::query_scalar(
+        "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state = 'queued' AND slice_pinned = 1 AND slice_uuid IS NOT NULL",
+    )
+    .bind(gang.to_string())
+    .fetch_all(&mut *tx)
+    .await?;
+    sqlx::query("UPDATE jobs SET slice_uuid = NULL, slice_pinned = 0 WHERE gang_id = $1 AND state = 'queued'")
+        .bind(gang.to_string())
+        .execute(&mut *tx)
+        .await?;
+    for slice in pinned {
+        event(
+            &mut tx,
+            now,
+            &slice,
+            "idle",
+            None,
+            Some(gang),
+            "the waiting job was placed elsewhere",
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Resizes a waiting gang to `ranks` rank rows (every rank asks for `placement`): rows
+/// beyond are deleted, missing ones added from rank 0's spec, every rank's `world`
+/// rewritten. Nothing happens unless every rank is queued.
+pub async fn resize_waiting_gang(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let rows = sqlx::query(
+        "SELECT id, gang_rank, state, spec, owner_id, name, dataset_id, gang_placement, max_attempts FROM jobs \
+         WHERE gang_id = $1 AND state IN ('queued', 'leased', 'running') ORDER BY gang_rank",
+    )
+    .bind(gang.to_string())
+    .fetch_all(&mut *tx)
+    .await?;
+    let Some(first) = rows.first() else {
+        return Ok(false);
+    };
+    if rows
+        .iter()
+        .any(|r| r.try_get::<String, _>("state").is_ok_and(|s| s != "queued"))
+        || ranks == 0
+    {
+        return Ok(false);
+    }
+    if rows.len() as u32 == ranks {
+        return Ok(true);
+    }
+    let spec: JobSpec = parse_json("jobs", "spec", &first.try_get::<String, _>("spec")?)?;
+    let JobSpec::TrainRank(template) = spec else {
+        return Ok(false);
+    };
+    let owner: String = first.try_get("owner_id")?;
+    let dataset: Option<String> = first.try_get("dataset_id")?;
+    let placement: String = first.try_get("gang_placement")?;
+    let max_attempts: i64 = first.try_get("max_attempts")?;
+    let gang_name: String = sqlx::query_scalar("SELECT name FROM jobs WHERE id = $1")
+        .bind(gang.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+    for row in &rows {
+        let rank = row.try_get::<i64, _>("gang_rank")? as u32;
+        let id: String = row.try_get("id")?;
+        if rank >= ranks {
+            sqlx::query("DELETE FROM jobs WHERE id = $1")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+        } else {
+            let spec = JobSpec::TrainRank(RankJob {
+                rank,
+                world: ranks,
+                ..template.clone()
+            });
+            sqlx::query("UPDATE jobs SET spec = $1, slice_uuid = NULL, slice_pinned = 0, updated_at = $2 WHERE id = $3")
+                .bind(serde_json::to_string(&spec)?)
+                .bind(now)
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    for rank in rows.len() as u32..ranks {
+        let spec = JobSpec::TrainRank(RankJob {
+            rank,
+            world: ranks,
+            ..template.clone()
+        });
+        sqlx::query(
+            "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
+             dataset_id, gang_id, gang_rank, gang_placement) \
+             VALUES ($1, $2, $3, 'train_rank', $4, 'queued', 0, $5, $6, $6, $7, $8, $9, $10)",
+        )
+        .bind(Uuid::new_v4().to_string())
+        .bind(&owner)
+        .bind(format!("{gang_name} rank {rank}"))
+        .bind(serde_json::to_string(&spec)?)
+        .bind(max_attempts)
+        .bind(now)
+        .bind(&dataset)
+        .bind(gang.to_string())
+        .bind(rank as i64)
+        .bind(&placement)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Stops a running (or forming) gang and requeues it to resume from its last checkpoint,
+/// without spending one of its attempts: every rank goes back to the queue unpinned (their
+/// workers stop them at the next heartbeat). False when it was neither.
+pub async fn requeue_preempted(db: &Db, gang: Uuid, message: &str) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    // The next formation adds an attempt; the budget grows with it, so a preemption is
+    // never the attempt that fails the job.
+    let changed = sqlx::query(
+        "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2, max_attempts = max_attempts + 1, \
+         gang_deadline = NULL WHERE id = $3 AND state = 'running'",
+    )
+    .bind(message)
+    .bind(now)
+    .bind(gang.to_string())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if changed == 0 {
+        // A gang still forming holds slices too: its ranks go back unpinned, its job waits.
+        let forming: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND state = 'queued'")
+                .bind(gang.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
+        if forming == 0 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "UPDATE jobs SET gang_deadline = NULL, message = $1, updated_at = $2 WHERE id = $3",
+        )
+        .bind(message)
+        .bind(now)
+        .bind(gang.to_string())
+        .execute(&mut *tx)
+        .await?;
+    }
+    let slices: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state IN ('queued', 'leased', 'running', 'succeeded')",
+    )
+    .bind(gang.to_string())
+    .fetch_all(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, gang_address = NULL, message = $1, \
+         updated_at = $2, finished_at = NULL, slice_uuid = NULL, slice_pinned = 0 \
+         WHERE gang_id = $3 AND state IN ('queued', 'leased', 'running', 'succeeded')",
+    )
+    .bind(message)
+    .bind(now)
+    .bind(gang.to_string())
+    .execute(&mut *tx)
+    .await?;
+    for slice in slices.into_iter().flatten() {
+        event(
+            &mut tx,
+            now,
+            &slice,
+            "idle",
+            None,
+            Some(gang),
+            "its rank was preempted",
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// A reclaim decision to record.
+pub struct NewReclaim<'a> {
+    pub deployment: Option<Uuid>,
+    pub deployment_name: &'a str,
+    pub job: Uuid,
+    pub job_name: &'a str,
+    pub owner: Uuid,
+    pub ranks: u32,
+    pub preempted: bool,
+    pub reason: &'a str,
+}
+
+pub async fn record_reclaim(db: &Db, at: i64, r: &NewReclaim<'_>) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO reclaim_events (id, at, deployment_id, deployment, job_id, job_name, owner_id, ranks, preempted, reason) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(Uuid::new_v4().to_string())
+    .bind(at)
+    .bind(r.deployment.map(|d| d.to_string()))
+    .bind(r.deployment_name)
+    .bind(r.job.to_string())
+    .bind(r.job_name)
+    .bind(r.owner.to_string())
+    .bind(r.ranks as i64)
+    .bind(r.preempted as i64)
+    .bind(r.reason)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// Reclaim events, newest first; jobs `scope` cannot see are named "another user's job".
+pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<Vec<ReclaimEvent>> {
+    let rows = sqlx::query(
+        "SELECT at, deployment, job_id, job_name, owner_id, ranks, preempted, reason FROM reclaim_events \
+         WHERE at >= $1 ORDER BY at DESC, id LIMIT $2",
+    )
+    .bind(since)
+    .bind(limit)
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let owner: Option<String> = r.try_get("owner_id")?;
+            let owner = owner
+                .map(|o| parse_uuid("reclaim_events", "owner_id", &o))
+                .transpose()?;
+            let visible = owner.is_some_and(|o| scope.sees(o));
+            let job: Option<String> = r.try_get("job_id")?;
+            Ok(ReclaimEvent {
+                at: db::time(r.try_get("at")?),
+                deployment: r.try_get("deployment")?,
+                job_id: if visible {
+                    job.map(|j| parse_uuid("reclaim_events", "job_id", &j))
+                        .transpose()?
+                } else {
+                    None
+                },
+                job_name: if visible {
+                    r.try_get("job_name")?
+                } else {
+                    "another user's job".into()
+                },
+                ranks: r.try_get::<i64, _>("ranks")? as u32,
+                preempted: r.try_get::<i64, _>("preempted")? != 0,
+                reason: r.try_get("reason")?,
+            })
+        })
+        .collect()
+}
+
+/// Slice events since `since`, oldest first.
+pub async fn slice_events(db: &Db, since: i64, limit: i64) -> Result<Vec<SliceEvent>> {
+    let rows = sqlx::query(
+        "SELECT at, slice_uuid, state, detail FROM loan_events WHERE at >= $1 ORDER BY at, id LIMIT $2",
+    )
+    .bind(since)
+    .bind(limit)
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(SliceEvent {
+                at: db::time(r.try_get("at")?),
+                slice: r.try_get("slice_uuid")?,
+                state: r.try_get("state")?,
+                detail: r.try_get("detail")?,
+            })
+        })
+        .collect()
+}
+
+/// The state of each slice just before `at` from its events (the timeline's left edge).
+pub async fn slice_states_before(db: &Db, at: i64) -> Result<HashMap<String, String>> {
+    let rows = sqlx::query(
+        "SELECT e.slice_uuid, e.state FROM loan_events e WHERE e.at < $1 AND e.at = \
+         (SELECT MAX(f.at) FROM loan_events f WHERE f.slice_uuid = e.slice_uuid AND f.at < $1)",
+    )
+    .bind(at)
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get("slice_uuid")?, r.try_get("state")?)))
+        .collect()
+}
+
+pub async fn record_round(db: &Db, round: &LoanRound) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO loan_rounds (at, serving, loaned, reclaiming, training, waiting) VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (at) DO NOTHING",
+    )
+    .bind(round.at.timestamp_millis())
+    .bind(round.serving as i64)
+    .bind(round.loaned as i64)
+    .bind(round.reclaiming as i64)
+    .bind(round.training as i64)
+    .bind(round.waiting as i64)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// Rounds since `since`, oldest first.
+pub async fn rounds(db: &Db, since: i64) -> Result<Vec<LoanRound>> {
+    let rows = sqlx::query(
+        "SELECT at, serving, loaned, reclaiming, training, waiting FROM loan_rounds WHERE at >= $1 ORDER BY at",
+    )
+    .bind(since)
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let n = |c: &str| r.try_get::<i64, _>(c).map(|v| v.max(0) as u32);
+            Ok(LoanRound {
+                at: db::time(r.try_get("at")?),
+                serving: n("serving")?,
+                loaned: n("loaned")?,
+                reclaiming: n("reclaiming")?,
+                training: n("training")?,
+                waiting: n("waiting")?,
+            })
+        })
+        .collect()
+}
+
+/// Drops round rows and events older than `before` (the history is kept for a day).
+pub async fn prune(db: &Db, before: i64) -> Result<()> {
+    for table in ["loan_rounds", "loan_events", "reclaim_events"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE at < $1"
+        )))
+        .bind(before)
+        .execute(db.pool())
+        .await?;
+    }
+    Ok(())
+}
+
+/// The round's view of one training job.
+pub struct TrainingPlan {
+    pub job: Uuid,
+    pub position: u32,
+    pub ranks: u32,
+    pub min_ranks: u32,
+    pub max_ranks: u32,
+    pub preemptible: bool,
+    pub predicted_secs: Option<f64>,
+    pub note: String,
+}
+
+/// Replaces the stored plans with `plans` (jobs no longer scheduled drop out).
+pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    sqlx::query("DELETE FROM training_plans")
+        .execute(&mut *tx)
+        .await?;
+    for p in plans {
+        sqlx::query(
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, predicted_secs, note, \
+             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(p.job.to_string())
+        .bind(p.position as i64)
+        .bind(p.ranks as i64)
+        .bind(p.min_ranks as i64)
+        .bind(p.max_ranks as i64)
+        .bind(p.preemptible as i64)
+        .bind(p.predicted_secs.filter(|s| s.is_finite()))
+        .bind(&p.note)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The training queue as the last round saw it, in its order, for jobs `scope` sees.
+pub async fn queue(db: &Db, scope: &Scope) -> Result<Vec<QueuedTraining>> {
+    let rows = sqlx::query(
+        "SELECT p.job_id, j.name, j.state, p.position, p.ranks, p.min_ranks, p.max_ranks, p.preemptible, \
+           p.predicted_secs, p.note FROM training_plans p JOIN jobs j ON j.id = p.job_id \
+         WHERE ($1 IS NULL OR j.owner_id = $1) ORDER BY p.position",
+    )
+    .bind(scope.owner_filter())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let n = |c: &str| r.try_get::<i64, _>(c).map(|v| v.max(0) as u32);
+            Ok(QueuedTraining {
+                job_id: parse_uuid(
+                    "training_plans",
+                    "job_id",
+                    &r.try_get::<String, _>("job_id")?,
+                )?,
+                name: r.try_get("name")?,
+                state: r.try_get("state")?,
+                position: n("position")?,
+                ranks: n("ranks")?,
+                min_ranks: n("min_ranks")?,
+                max_ranks: n("max_ranks")?,
+                preemptible: r.try_get::<i64, _>("preemptible")? != 0,
+                predicted_secs: r.try_get("predicted_secs")?,
+                note: r.try_get("note")?,
+            })
+        })
+        .collect()
+}
+
+/// This server's measured request rate of each deployment.
+pub async fn record_rates(db: &Db, server: Uuid, rates: &[(Uuid, f64)]) -> Result<()> {
+    let now = now_ms();
+    for (deployment, rate) in rates {
+        sqlx::query(
+            "INSERT INTO serving_rates (server_id, deployment_id, rate, measured_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (server_id, deployment_id) DO UPDATE SET rate = excluded.rate, measured_at = excluded.measured_at",
+        )
+        .bind(server.to_string())
+        .bind(deployment.to_string())
+        .bind(rate)
+        .bind(now)
+        .execute(db.pool())
+        .await?;
+    }
+    Ok(())
+}
+
+/// Each deployment's request rate summed over the servers that measured it since `since`.
+pub async fn rates(db: &Db, since: i64) -> Result<HashMap<Uuid, f64>> {
+    let rows = sqlx::query("SELECT deployment_id, SUM(rate) AS rate FROM serving_rates WHERE measured_at >= $1 GROUP BY deployment_id")
+        .bind(since)
+        .fetch_all(db.pool())
+        .await?;
+    let mut out = HashMap::new();
+    for r in &rows {
+        let id = parse_uuid(
+            "serving_rates",
+            "deployment_id",
+            &r.try_get::<String, _>("deployment_id")?,
+        )?;
+        out.insert(id, r.try_get::<f64, _>("rate")?);
+    }
+    Ok(out)
+}
+
+/// Takes or renews the lease on the periodic task `name` for `holder` until
+/// `expires_at`; true when `holder` has it (no one had it, it expired, or it was
+/// `holder`'s). One conditional upsert, so two servers never both get it.
+pub async fn lead(db: &Db, name: &str, holder: Uuid, now: i64, expires_at: i64) -> Result<bool> {
+    let changed = sqlx::query(
+        "INSERT INTO scheduler_leases (name, holder, expires_at) VALUES ($1, $2, $3) \
+         ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at \
+         WHERE scheduler_leases.holder = excluded.holder OR scheduler_leases.expires_at < $4",
+    )
+    .bind(name)
+    .bind(holder.to_string())
+    .bind(expires_at)
+    .bind(now)
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}

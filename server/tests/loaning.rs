@@ -1,0 +1,591 @@
+//! Capacity loaning (issue 16) over real HTTP on SQLite and PostgreSQL: a loanable
+//! deployment lends the slices its measured traffic leaves idle once the rate stayed low
+//! for the policy's calm rounds, a waiting gang is pinned onto the loaned slices and only
+//! the slices' worker may claim its ranks, returning demand takes the slices back in one
+//! round (the gang preempted, a replica queued on each slice), and the round's history is
+//! what `/api/v1/fleet/loaning` and the fleet page show. Also the API's validation.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{backends, model_form, tiny_model, TestServer, WORKER_TOKEN};
+use tessera_server::loaning::{lead_and_run, run_round};
+use tessera_server::store::loaning as store;
+use uuid::Uuid;
+
+const PROFILE: &str = "1g.10gb";
+
+/// A worker offering seven simulated 1g.10gb slices of one H100.
+async fn register_mig(server: &TestServer, name: &str) -> String {
+    let slices: Vec<Value> = (0..7)
+        .map(|i| {
+            json!({"uuid": format!("MIG-sim-{name}-0-{i}"), "gpu_uuid": format!("GPU-sim-{name}-0"), "gpu_index": 0,
+                   "gpu_model": "H100-80GB", "profile": PROFILE, "start": null, "memory_bytes": 10u64 << 30, "simulated": true})
+        })
+        .collect();
+    let inventory =
+        json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1024, "slices": slices});
+    let body = json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": false});
+    let response = server.post(WORKER_TOKEN, "/agent/register", body).await;
+    assert_eq!(response.status(), 200);
+    response.json::<Value>().await.unwrap()["secret"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn claim(server: &TestServer, secret: &str, kinds: &[&str]) -> Option<Value> {
+    let response = server
+        .post(secret, "/agent/claim", json!({"kinds": kinds}))
+        .await;
+    (response.status() == 200)
+        .then(|| ())
+        .map(|_| response)?
+        .json()
+        .await
+        .ok()
+}
+
+/// A measured table: 100 req/s per 1g.10gb slice at p99 30 ms.
+async fn profile(server: &TestServer, admin: &str, secret: &str) {
+    server.post(admin, "/models/tiny/profiles", json!({})).await;
+    let leased = claim(server, secret, &["profile"])
+        .await
+        .expect("the profile job");
+    let id = leased["job_id"].as_str().unwrap();
+    let reports = json!([{"gpu_model": "H100-80GB", "profile": PROFILE, "simulated": true,
+        "points": [{"batch_size": 16, "throughput": 100.0, "p99_ms": 30.0}]}]);
+    let response = server
+        .post(secret, &format!("/agent/jobs/{id}/profiles"), reports)
+        .await;
+    assert_eq!(response.status(), 204);
+    server
+        .post(
+            secret,
+            &format!("/agent/jobs/{id}/status"),
+            json!({"state": "succeeded"}),
+        )
+        .await;
+}
+
+async fn dataset(server: &TestServer, token: &str) -> String {
+    let mut csv = String::from("f0,f1,label\n");
+    for i in 0..40 {
+        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
+    }
+    let form = reqwest::multipart::Form::new().text("name", "d").part(
+        "file",
+        reqwest::multipart::Part::bytes(csv.into_bytes()).file_name("d.csv"),
+    );
+    let response = server
+        .http
+        .post(server.api("/datasets"))
+        .bearer_auth(token)
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    response.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn patch(server: &TestServer, token: &str, path: &str, body: Value) -> reqwest::Response {
+    server
+        .http
+        .patch(server.api(path))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn get(server: &TestServer, token: &str, path: &str) -> Value {
+    let response = server.get(token, path).await;
+    assert_eq!(response.status(), 200, "{path}");
+    response.json().await.unwrap()
+}
+
+/// The worker's slices by loan state.
+async fn slices(server: &TestServer, token: &str) -> Vec<Value> {
+    let workers = get(server, token, "/workers").await;
+    workers
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w["slices"].as_array().unwrap().clone())
+        .collect()
+}
+
+fn count(slices: &[Value], state: &str) -> usize {
+    slices.iter().filter(|s| s["loan_state"] == state).count()
+}
+
+#[tokio::test]
+async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server
+            .http
+            .post(server.api("/models"))
+            .bearer_auth(&admin)
+            .multipart(model_form("tiny", tiny_model()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        let secret = register_mig(&server, "mig-1").await;
+        profile(&server, &admin, &secret).await;
+
+        let response = server
+            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 4, "loanable": true, "reclaim_headroom": 0.2}))
+            .await;
+        assert_eq!(response.status(), 201);
+        let deployment: Value = response.json().await.unwrap();
+        assert_eq!(
+            (
+                deployment["loanable"].as_bool(),
+                deployment["reclaim_headroom"].as_f64()
+            ),
+            (Some(true), Some(0.2))
+        );
+        for _ in 0..4 {
+            let replica = claim(&server, &secret, &["serve"])
+                .await
+                .expect("a replica");
+            let id = replica["job_id"].as_str().unwrap();
+            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
+            assert_eq!(
+                server
+                    .post(&secret, &format!("/agent/jobs/{id}/status"), body)
+                    .await
+                    .status(),
+                204
+            );
+        }
+        let data = dataset(&server, &admin).await;
+        let gang = json!({"name": "loan-dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}});
+        let response = server.post(&admin, "/jobs", gang).await;
+        assert_eq!(response.status(), 201);
+        let job = response.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // Until the round places it, no worker may claim a rank on a slice.
+        assert!(claim(&server, &secret, &["train_rank"]).await.is_none());
+
+        // No traffic: the first round counts a calm round, the second lends all but one.
+        let first = run_round(&server.state).await.unwrap();
+        assert_eq!(first.lent, 0, "{first:?}");
+        let second = run_round(&server.state).await.unwrap();
+        assert_eq!(second.lent, 3, "{second:?}");
+        assert_eq!(
+            second.started, 1,
+            "the gang is placed in the same round: {second:?}"
+        );
+        let now = slices(&server, &admin).await;
+        assert_eq!(count(&now, "loaned"), 3);
+        assert!(now
+            .iter()
+            .filter(|s| s["loan_state"] == "loaned")
+            .all(|s| s["lender"] == "embed"));
+        let d = get(&server, &admin, "/deployments/embed").await;
+        assert_eq!(d["loaned_slices"], 3);
+        assert_eq!(
+            d["replica_status"].as_array().unwrap().len(),
+            1,
+            "the lent slices' replicas stopped: {d}"
+        );
+        assert_eq!(d["state"], "ready", "one replica serves what is left: {d}");
+
+        // The gang's ranks are pinned to loaned slices: the worker claims both, each bound.
+        let mut ranks = Vec::new();
+        for _ in 0..2 {
+            let rank = claim(&server, &secret, &["train_rank"])
+                .await
+                .expect("a pinned rank");
+            let slice = rank["slice"]["uuid"]
+                .as_str()
+                .expect("bound to its slice")
+                .to_string();
+            let lent = now.iter().find(|s| s["uuid"] == slice.as_str()).unwrap();
+            assert_eq!(lent["loan_state"], "loaned", "{lent}");
+            ranks.push(rank["job_id"].as_str().unwrap().to_string());
+        }
+        // A replica may not take a loaned slice: with the loan in place none is queued, and
+        // the serve claim finds nothing.
+        assert!(claim(&server, &secret, &["serve"]).await.is_none());
+        for (i, rank) in ranks.iter().enumerate() {
+            let body = json!({"address": format!("127.0.0.1:{}", 7000 + i)});
+            assert_eq!(
+                server
+                    .post(&secret, &format!("/agent/jobs/{rank}/rendezvous"), body)
+                    .await
+                    .status(),
+                200
+            );
+        }
+        for rank in &ranks {
+            let body = json!({"address": "127.0.0.1:7000"});
+            let formed: Value = server
+                .post(&secret, &format!("/agent/jobs/{rank}/rendezvous"), body)
+                .await
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(formed["state"], "formed", "{formed}");
+        }
+        assert_eq!(
+            get(&server, &admin, &format!("/jobs/{job}")).await["state"],
+            "running"
+        );
+        let training = slices(&server, &admin).await;
+        assert_eq!(
+            training
+                .iter()
+                .filter(|s| s["training_job"] == job.as_str())
+                .count(),
+            2
+        );
+
+        // Demand returns: 350 req/s × 1.2 needs 5 slices of 100 req/s, more than the 4 it
+        // has, so everything lent comes back in this one round.
+        store::record_rates(
+            &server.state.db,
+            Uuid::new_v4(),
+            &[(d["id"].as_str().unwrap().parse().unwrap(), 350.0)],
+        )
+        .await
+        .unwrap();
+        let spike = run_round(&server.state).await.unwrap();
+        assert_eq!((spike.preempted, spike.returned), (1, 3), "{spike:?}");
+        let back = slices(&server, &admin).await;
+        assert_eq!(
+            count(&back, "loaned") + count(&back, "reclaiming"),
+            0,
+            "{back:?}"
+        );
+        let d = get(&server, &admin, "/deployments/embed").await;
+        assert_eq!(d["loaned_slices"], 0);
+        let pending: Vec<&Value> = d["replica_status"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "pending")
+            .collect();
+        assert_eq!(
+            pending.len(),
+            3,
+            "a replica is queued on each slice taken back: {d}"
+        );
+        assert!(pending.iter().all(|r| r["slice"].is_string()));
+        let preempted = get(&server, &admin, &format!("/jobs/{job}")).await;
+        assert_eq!(preempted["state"], "queued", "{preempted}");
+        assert!(
+            preempted["message"].as_str().unwrap().contains("Preempted"),
+            "{preempted}"
+        );
+        // The ranks' worker learns at its next heartbeat that they are gone.
+        let beat: Value = server
+            .post(&secret, "/agent/heartbeat", json!({"jobs": ranks}))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(beat["stop"].as_array().unwrap().len(), 2, "{beat}");
+
+        // The next round restarts the job on the three free serving slices, not the ones
+        // the deployment got back.
+        let after = run_round(&server.state).await.unwrap();
+        assert_eq!(after.started, 1, "{after:?}");
+        let placed = slices(&server, &admin).await;
+        let pinned: Vec<&Value> = placed
+            .iter()
+            .filter(|s| s["training_job"] == job.as_str())
+            .collect();
+        assert_eq!(pinned.len(), 2);
+        assert!(pinned.iter().all(|s| s["loan_state"] == "serving"));
+
+        // What the dashboard and the API show of it.
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        let reclaims = overview["reclaims"].as_array().unwrap();
+        assert_eq!(reclaims.len(), 1, "{overview}");
+        assert_eq!(reclaims[0]["job_id"], job.as_str());
+        assert_eq!(
+            (
+                reclaims[0]["deployment"].as_str(),
+                reclaims[0]["preempted"].as_bool()
+            ),
+            (Some("embed"), Some(true))
+        );
+        assert_eq!(overview["rounds"].as_array().unwrap().len(), 4);
+        let states: Vec<&str> = overview["slice_events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["state"].as_str().unwrap())
+            .collect();
+        for state in ["loaned", "training", "reclaiming", "serving", "idle"] {
+            assert!(states.contains(&state), "{state} in {states:?}");
+        }
+        let queue = overview["queue"].as_array().unwrap();
+        assert_eq!(queue.len(), 1);
+        assert_eq!(queue[0]["job_id"], job.as_str());
+        let page = fleet_page(&server).await;
+        assert!(
+            page.contains("loan-dp") && page.contains("preempted") && page.contains("embed"),
+            "{page}"
+        );
+        assert!(page.contains("data-now=\"training\""), "{page}");
+    }
+}
+
+/// The dashboard's fleet page, signed in as admin through the form.
+async fn fleet_page(server: &TestServer) -> String {
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let form = [
+        ("username", "admin"),
+        ("password", support::ADMIN_PASSWORD),
+        ("next", "/"),
+    ];
+    let response = http
+        .post(format!("{}/login", server.url))
+        .form(&form)
+        .send()
+        .await
+        .unwrap();
+    let cookie = response.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    let response = http
+        .get(format!("{}/fleet", server.url))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap()
+}
+
+#[tokio::test]
+async fn one_server_at_a_time_runs_the_round() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        assert!(lead_and_run(&server.state, a).await.unwrap().led);
+        assert!(
+            !lead_and_run(&server.state, b).await.unwrap().led,
+            "b waits while a's lease runs"
+        );
+        assert!(
+            lead_and_run(&server.state, a).await.unwrap().led,
+            "a renews its own lease"
+        );
+        let now = tessera_server::store::db::now_ms();
+        // Once a's lease lapses, b takes over.
+        assert!(
+            store::lead(&server.state.db, "loaning", b, now + 60_000, now + 90_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            !store::lead(&server.state.db, "loaning", a, now, now + 15_000)
+                .await
+                .unwrap()
+        );
+    }
+}
+
+async fn error(response: reqwest::Response) -> (u16, String, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    (
+        status,
+        body["error"]["code"].as_str().unwrap_or_default().into(),
+        body["error"]["message"].as_str().unwrap_or_default().into(),
+    )
+}
+
+#[tokio::test]
+async fn loaning_settings_are_validated() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server
+            .http
+            .post(server.api("/models"))
+            .bearer_auth(&admin)
+            .multipart(model_form("tiny", tiny_model()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        let create = |body: Value| server.post(&admin, "/deployments", body);
+
+        // A body whose fields do not go together is refused as the body's shape (400).
+        let (status, _, message) =
+            error(create(json!({"name": "a", "model": "tiny", "reclaim_headroom": 0.3})).await)
+                .await;
+        assert_eq!(status, 400);
+        assert!(message.contains("\"loanable\": true"), "{message}");
+        for bad in [-0.1, 4.5] {
+            let body =
+                json!({"name": "a", "model": "tiny", "loanable": true, "reclaim_headroom": bad});
+            let (status, code, message) = error(create(body).await).await;
+            assert_eq!(
+                (status, code.as_str()),
+                (422, "invalid_reclaim_headroom"),
+                "{bad}"
+            );
+            assert!(message.contains("from 0 to 4"), "{message}");
+        }
+        let plain: Value = create(json!({"name": "plain", "model": "tiny", "replicas": 0}))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            (plain["loanable"].as_bool(), plain["loaned_slices"].as_u64()),
+            (Some(false), Some(0))
+        );
+
+        let (status, code, _) =
+            error(patch(&server, &admin, "/deployments/plain", json!({})).await).await;
+        assert_eq!((status, code.as_str()), (422, "empty_update"));
+        let (status, _, message) = error(
+            patch(
+                &server,
+                &admin,
+                "/deployments/plain",
+                json!({"reclaim_headroom": 0.5}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(status, 422);
+        assert!(message.contains("loanable"), "{message}");
+        let response = patch(
+            &server,
+            &admin,
+            "/deployments/plain",
+            json!({"lonable": true}),
+        )
+        .await;
+        assert_eq!(response.status(), 400, "an unknown field is refused");
+        let response = patch(
+            &server,
+            &admin,
+            "/deployments/plain",
+            json!({"loanable": true, "reclaim_headroom": 0.5}),
+        )
+        .await;
+        assert_eq!(response.status(), 200);
+        let changed: Value = response.json().await.unwrap();
+        assert_eq!(
+            (
+                changed["loanable"].as_bool(),
+                changed["reclaim_headroom"].as_f64(),
+                changed["replicas"].as_u64()
+            ),
+            (Some(true), Some(0.5), Some(0))
+        );
+        let scaled: Value = patch(
+            &server,
+            &admin,
+            "/deployments/plain",
+            json!({"replicas": 2}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        assert_eq!(
+            (scaled["replicas"].as_u64(), scaled["loanable"].as_bool()),
+            (Some(2), Some(true)),
+            "{scaled}"
+        );
+
+        // Another user sees no other user's deployment to change.
+        let user = server.user(&admin, "someone").await;
+        assert_eq!(
+            patch(
+                &server,
+                &user,
+                "/deployments/plain",
+                json!({"loanable": false})
+            )
+            .await
+            .status(),
+            404
+        );
+    }
+}
+
+/// The round sizes an elastic job when it starts: a waiting gang's rank rows are added or
+/// dropped and every rank's `world` rewritten; a gang a worker holds a rank of is left
+/// alone. (Until a-preempt's `resources` reach `loaning::resources`, every job is
+/// inelastic and the round never asks for another size; this checks the store's half.)
+#[tokio::test]
+async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = register_mig(&server, "mig-1").await;
+        let data = dataset(&server, &admin).await;
+        let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}});
+        let job: Value = server
+            .post(&admin, "/jobs", body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let gang: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+        let db = &server.state.db;
+
+        for size in [4u32, 3, 2] {
+            assert!(store::resize_waiting_gang(db, gang, size).await.unwrap());
+            let gangs = store::slice_gangs(db).await.unwrap();
+            let ranks: Vec<u32> = gangs[0].ranks.iter().map(|r| r.rank).collect();
+            assert_eq!(ranks, (0..size).collect::<Vec<_>>());
+        }
+        assert!(store::resize_waiting_gang(db, gang, 3).await.unwrap());
+        // Placed by a round, the three ranks are claimed, each with a world of three.
+        let report = run_round(&server.state).await.unwrap();
+        assert_eq!(report.started, 1, "{report:?}");
+        let mut worlds = Vec::new();
+        for _ in 0..3 {
+            let rank = claim(&server, &secret, &["train_rank"])
+                .await
+                .expect("a pinned rank");
+            worlds.push((
+                rank["spec"]["rank"].as_u64().unwrap(),
+                rank["spec"]["world"].as_u64().unwrap(),
+            ));
+        }
+        worlds.sort();
+        assert_eq!(worlds, vec![(0, 3), (1, 3), (2, 3)]);
+        assert!(
+            !store::resize_waiting_gang(db, gang, 2).await.unwrap(),
+            "a claimed gang keeps its size"
+        );
+    }
+}
