@@ -363,7 +363,7 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
         assert_eq!(median(vec![]), None);
-        assert_eq!((ms(3.14159), ms(31.4159), ms(314.159)), ("3.14 ms".into(), "31.4 ms".into(), "314 ms".into()));
+        assert_eq!((ms(4.126), ms(41.26), ms(412.6)), ("4.13 ms".into(), "41.3 ms".into(), "413 ms".into()));
         assert_eq!((omega(0.0), omega(0.0042)), ("0".into(), "4.200e-3".into()));
     }
 }

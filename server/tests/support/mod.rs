@@ -43,9 +43,7 @@ pub async fn fresh_database(backend: Backend, dir: &std::path::Path) -> Option<S
             let base = std::env::var("TESSERA_TEST_POSTGRES_URL").expect("postgres url");
             let name = format!("t_{}", uuid::Uuid::new_v4().simple());
             let mut admin = sqlx::PgConnection::connect(&base).await.expect("connect to the test cluster");
-            sqlx::Executor::execute(&mut admin, sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                .await
-                .expect("create db");
+            sqlx::Executor::execute(&mut admin, sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).await.expect("create db");
             let _ = dir;
             let (prefix, _) = base.rsplit_once('/').expect("url has a database");
             Some(format!("{prefix}/{name}"))
