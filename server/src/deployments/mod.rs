@@ -282,24 +282,24 @@ pub async fn update(
             "reclaim_headroom applies to a loanable deployment: send \"loanable\": true with it.",
         ));
     }
-    if let Some(replicas) = request.replicas {
-        if deployment.slo.is_some() {
-            return Err(Error::invalid(
-                "slo_deployment",
-                "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
-            ));
-        }
+    if request.replicas.is_some() && deployment.slo.is_some() {
+        return Err(Error::invalid(
+            "slo_deployment",
+            "This deployment is sized by its throughput SLO; delete it and create it again with the new throughput or with replicas.",
+        ));
     }
-    if request.loanable.is_some() || request.reclaim_headroom.is_some() {
-        // What it lent comes back through the loaning round's reclaim, not at once.
-        loaning_store::set_loanable(&state.db, deployment.id, request.loanable, request.reclaim_headroom).await?;
-    }
+    // The replica change first: its quota check is the last refusal, so a refused request
+    // changes nothing.
     if let Some(replicas) = request.replicas {
         let mut tx = state.db.begin().await?;
         crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
         store::set_replicas(&mut tx, deployment.id, replicas).await?;
         reconcile(&mut tx, &deployment, replicas).await?;
         tx.commit().await?;
+    }
+    if request.loanable.is_some() || request.reclaim_headroom.is_some() {
+        // What it lent comes back through the loaning round's reclaim, not at once.
+        loaning_store::set_loanable(&state.db, deployment.id, request.loanable, request.reclaim_headroom).await?;
     }
     resolve(&state.db, &scope, id_or_name).await
 }
