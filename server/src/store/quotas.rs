@@ -8,12 +8,12 @@ use uuid::Uuid;
 use super::db::Db;
 use super::Result;
 
-/// Jobs of `owner` that are queued or hold a lease, serving replicas excepted (those
-/// count against the replica quota).
+/// Jobs of `owner` that are queued, preempted (waiting to resume) or hold a lease,
+/// serving replicas excepted (those count against the replica quota).
 pub async fn unfinished_jobs(conn: &mut AnyConnection, owner: Uuid) -> Result<i64> {
     Ok(sqlx::query_scalar(
         "SELECT COUNT(*) FROM jobs WHERE owner_id = $1 AND deployment_id IS NULL \
-         AND state IN ('queued', 'leased', 'running')",
+         AND state IN ('queued', 'preempted', 'leased', 'running')",
     )
     .bind(owner.to_string())
     .fetch_one(conn)

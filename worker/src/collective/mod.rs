@@ -1,10 +1,12 @@
 //! Collective communication between the ranks of a data-parallel gang: the TCP ring
 //! (`ring`) and [`RingSync`], the training engine's `GradientSync` over it. Each step's
-//! gradients (every parameter, flattened in the network's fixed order) and the weighted
-//! loss travel as one f32 buffer, so every rank applies bit-identical gradients.
+//! gradients (every parameter, flattened in the network's fixed order), the weighted
+//! loss and each rank's stop request (a preemption) travel as one f32 buffer, so every
+//! rank applies bit-identical gradients and the ranks agree on the step they stop after.
 
 pub mod ring;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backprop::GradStore;
@@ -23,11 +25,28 @@ pub struct RingSync {
     buffer: Vec<f32>,
     timing: Option<SyncTiming>,
     fault: RingFault,
+    /// Set when this rank is asked to preempt (its worker's heartbeat).
+    stop_request: Arc<AtomicBool>,
+    /// Whether any rank asked, in the last all-reduce.
+    stop_agreed: bool,
 }
 
 impl RingSync {
     pub fn new(ring: Ring) -> RingSync {
-        RingSync { ring, buffer: Vec::new(), timing: None, fault: RingFault::default() }
+        RingSync {
+            ring,
+            buffer: Vec::new(),
+            timing: None,
+            fault: RingFault::default(),
+            stop_request: Arc::default(),
+            stop_agreed: false,
+        }
+    }
+
+    /// This rank's preemption flag: once set, the next all-reduce tells every rank, and all
+    /// stop after that step.
+    pub fn with_stop_request(self, stop_request: Arc<AtomicBool>) -> RingSync {
+        RingSync { stop_request, ..self }
     }
 
     /// Set once the ring fails (a rank died or went silent).
@@ -57,7 +76,10 @@ impl GradientSync for RingSync {
             }
         }
         self.buffer.push(loss as f32);
+        // Every rank adds 0 or 1: the sum is above 0 on every rank alike once one asked.
+        self.buffer.push(if self.stop_request.load(Ordering::Relaxed) { 1.0 } else { 0.0 });
         let timing = self.ring.all_reduce(&mut self.buffer).map_err(|e| self.failed(e))?;
+        self.stop_agreed = self.buffer[self.buffer.len() - 1] > 0.5;
         self.timing = Some(SyncTiming { wait: timing.wait, reduce: timing.reduce });
         let mut offset = 0;
         for (_, var) in parameters {
@@ -77,6 +99,10 @@ impl GradientSync for RingSync {
 
     fn last_timing(&self) -> Option<SyncTiming> {
         self.timing
+    }
+
+    fn agreed_stop(&self, _requested: bool) -> bool {
+        self.stop_agreed
     }
 }
 

@@ -1,6 +1,7 @@
 //! Running one leased job: do the work, report how it ended. What a job prints goes to
 //! the server as log lines; what it measures, as metric points. Batch jobs report
-//! `running` when they start; a serving replica reports it once its engine answers.
+//! `running` when they start; a serving replica reports it once its engine answers. A
+//! training job asked to preempt checkpoints, then reports `preempted`.
 
 pub mod prefetch;
 pub mod profile;
@@ -8,6 +9,7 @@ pub mod serve;
 pub mod train;
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
@@ -30,11 +32,27 @@ pub struct JobContext {
     offered: Arc<Vec<Slice>>,
     /// How replicas bound to slices run.
     binding: Policy,
+    /// Set by the agent when the server asks to preempt the job (training jobs heed it).
+    preempt: Arc<AtomicBool>,
 }
 
 impl JobContext {
     pub fn new(client: Client, job: Uuid, data_dir: PathBuf, endpoint: Arc<Endpoint>) -> JobContext {
-        JobContext { client, job, data_dir, endpoint, slice: None, offered: Arc::default(), binding: Policy::default() }
+        JobContext {
+            client,
+            job,
+            data_dir,
+            endpoint,
+            slice: None,
+            offered: Arc::default(),
+            binding: Policy::default(),
+            preempt: Arc::default(),
+        }
+    }
+
+    /// The flag that asks this job to preempt (checkpoint now and stop).
+    pub fn preempt_flag(&self) -> Arc<AtomicBool> {
+        self.preempt.clone()
     }
 
     /// The slice the server bound this job to, the slices the worker offers, and how
@@ -88,6 +106,9 @@ pub enum JobError {
     /// A data-parallel rank lost its ring (a peer died or went silent).
     #[error("the gang lost a rank: {0}")]
     RankLost(String),
+    /// Not a failure: asked to preempt, the job checkpointed at `step` (uploaded) and stopped.
+    #[error("preempted at step {step}")]
+    Preempted { step: u64 },
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -111,6 +132,10 @@ pub async fn run(context: JobContext, spec: JobSpec) {
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),
+        Err(JobError::Preempted { step }) => {
+            let _ = context.log(format!("preempted: checkpointed at step {step} and stopped")).await;
+            (JobState::Preempted, format!("Preempted at step {step}; resumes from its checkpoint there."))
+        }
         Err(JobError::Client(ClientError::LeaseLost)) => {
             tracing::info!(%job, "lease lost while running; leaving the job to the server");
             return;

@@ -9,6 +9,11 @@
 //! A rank of a data-parallel job (`run_rank`) does the same after meeting the other ranks
 //! through the server's rendezvous and joining their all-reduce ring; rank 0 reports the
 //! job's metrics and checkpoints, every rank its own step timings.
+//!
+//! Preemption: the job's flag (set by the agent from a heartbeat answer) reaches the
+//! session (and a rank's ring, so the gang agrees on the step); the session checkpoints
+//! at that step and stops, the checkpoint is uploaded like any other, and the job ends
+//! as `JobError::Preempted`, which `jobs::run` reports as `preempted`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +35,7 @@ use crate::train::model::mlp::Mlp;
 use crate::train::model::Network;
 use crate::train::optim::OptimizerKind;
 use crate::train::policy;
-use crate::train::session::{Event, Limits, Session};
+use crate::train::session::{Event, Limits, Session, SessionError};
 use crate::train::trainer::{Evaluation, Trainer};
 
 /// Metric rows are sent when this many are waiting, or after `FLUSH_EVERY`.
@@ -231,8 +236,13 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
     .await
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
+    let session = session.with_preemption(context.preempt_flag());
     let (step, outcome) = drive(context, session, None, Vec::new(), true).await?;
-    Ok(summary(step, &outcome?))
+    match outcome {
+        Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// Runs the session on a blocking thread (inside `pool` when given) and streams what it
@@ -342,15 +352,17 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
     let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
     let threads = rank.device.threads;
+    let preempt = context.preempt_flag();
     let setup =
         tokio::task::spawn_blocking(move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault), JobError> {
             let ring =
                 Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
             let breakers = ring.breakers()?;
-            let sync = RingSync::new(ring);
+            let sync = RingSync::new(ring).with_stop_request(preempt.clone());
             let fault = sync.fault();
             let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
-            let session = Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync)));
+            let session =
+                Session::with_trainer(session, |trainer| trainer.with_sync(Box::new(sync))).with_preemption(preempt);
             Ok((session, breakers, fault))
         });
     let (session, breakers, fault) =
@@ -370,6 +382,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let (step, outcome) = drive(context, session, pool, breakers, rank.rank == 0).await?;
     match outcome {
         Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
         Err(error) => match fault.get() {
             Some(reason) => Err(JobError::RankLost(reason.clone())),
             None => Err(error.into()),

@@ -8,9 +8,17 @@
 //! grows, and a restored stage snapshot rewinds the model, never the step count. A run
 //! whose budget ends inside a search, or on a diverged exploitation, ends on the stage
 //! snapshot (the last model it kept), never on a candidate's or a diverged model.
+//!
+//! Preemption: once its preemption flag is set (a data-parallel gang: once any rank's is,
+//! agreed in the step's all-reduce), the session checkpoints after the step it is on,
+//! whatever `checkpoint_every` says, and stops with [`SessionError::Preempted`]. That
+//! checkpoint holds everything the next steps depend on (weights, optimizer moments and
+//! step count, loader position and RNG, the LR policy's state, an AutoLRS stage's
+//! snapshot), so a run resumed from it takes exactly the steps the uninterrupted run took.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -96,6 +104,9 @@ pub enum SessionError {
     NoSnapshot,
     #[error("cancelled")]
     Cancelled,
+    /// Not a failure: asked to preempt, the run checkpointed at `step` and stopped.
+    #[error("preempted: checkpointed at step {step} and stopped")]
+    Preempted { step: u64 },
 }
 
 pub struct Session {
@@ -104,6 +115,8 @@ pub struct Session {
     limits: Limits,
     step: u64,
     stage: Option<Snapshot>,
+    /// Set from outside to preempt the run (see the module comment).
+    preempt: Arc<AtomicBool>,
 }
 
 fn row(step: u64, phase: Option<StepPhase>, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
@@ -121,7 +134,12 @@ pub fn eval_row(step: u64, phase: Option<StepPhase>, evaluation: &Evaluation) ->
 
 impl Session {
     pub fn new(trainer: Trainer, policy: Box<dyn LrPolicy>, limits: Limits) -> Session {
-        Session { trainer, policy, limits, step: 0, stage: None }
+        Session { trainer, policy, limits, step: 0, stage: None, preempt: Arc::default() }
+    }
+
+    /// The session with `flag` as its preemption flag.
+    pub fn with_preemption(self, flag: Arc<AtomicBool>) -> Session {
+        Session { preempt: flag, ..self }
     }
 
     /// The same session with its trainer changed (a data-parallel rank's gradient sync
@@ -236,6 +254,13 @@ impl Session {
                     let checkpoint = self.step % self.limits.checkpoint_every == 0 || last;
                     if checkpoint && self.trainer.share().is_leader() {
                         emit(Event::Checkpoint(self.checkpoint()?));
+                    }
+                    // The last step ends the run anyway; a preemption then has nothing to save.
+                    if !last && self.trainer.agreed_stop(self.preempt.load(Ordering::Relaxed)) {
+                        if !checkpoint && self.trainer.share().is_leader() {
+                            emit(Event::Checkpoint(self.checkpoint()?));
+                        }
+                        return Err(SessionError::Preempted { step: self.step });
                     }
                 }
             }

@@ -72,6 +72,13 @@ pub trait GradientSync: Send {
     fn last_timing(&self) -> Option<SyncTiming> {
         None
     }
+
+    /// Whether to stop after the step just taken (a preemption), given whether this
+    /// replica was asked to. Replicas that communicate answer what they agreed in that
+    /// step's `synchronise` (any one asked), so a gang stops at one step together.
+    fn agreed_stop(&self, requested: bool) -> bool {
+        requested
+    }
 }
 
 /// One device, one replica: its gradients are the step's gradients.
@@ -140,6 +147,11 @@ impl Trainer {
 
     pub fn last_timing(&self) -> Option<SyncTiming> {
         self.sync.last_timing()
+    }
+
+    /// See [`GradientSync::agreed_stop`].
+    pub fn agreed_stop(&self, requested: bool) -> bool {
+        self.sync.agreed_stop(requested)
     }
 
     pub fn batch_size(&self) -> usize {
