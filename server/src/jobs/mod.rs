@@ -135,7 +135,8 @@ async fn request_preemption(db: &Db, id: Uuid, reason: &str, force: bool) -> Res
     };
     if !force && !train.resources().preemptible {
         return Err(Error::Conflict(
-            "This job is not preemptible (its spec's resources.preemptible is false); an admin may force it              with {\"force\": true}."
+            "This job is not preemptible (its spec's resources.preemptible is false); an admin may force it \
+             with {\"force\": true}."
                 .into(),
         ));
     }
