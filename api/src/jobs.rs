@@ -9,7 +9,9 @@ use crate::parallel::RankJob;
 use crate::train::{TrainJob, TrainProgress, TrainSpec};
 
 /// `queued → leased → running → succeeded | failed | cancelled`; an expired lease puts a
-/// leased or running job back to `queued`.
+/// leased or running job back to `queued`. A preempted training job (issue 16) checkpoints
+/// and waits as `preempted` (`running → preempted → leased`): claimed like a queued job,
+/// it resumes from that checkpoint, and the preempted run spends no attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
@@ -19,11 +21,13 @@ pub enum JobState {
     Succeeded,
     Failed,
     Cancelled,
+    Preempted,
 }
 
 impl JobState {
-    pub const ALL: [JobState; 6] = [
+    pub const ALL: [JobState; 7] = [
         JobState::Queued,
+        JobState::Preempted,
         JobState::Leased,
         JobState::Running,
         JobState::Succeeded,
@@ -39,6 +43,7 @@ impl JobState {
             JobState::Succeeded => "succeeded",
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
+            JobState::Preempted => "preempted",
         }
     }
 
@@ -163,6 +168,10 @@ pub struct Job {
     pub message: Option<String>,
     pub attempts: u32,
     pub max_attempts: u32,
+    /// Times the job was preempted (checkpointed and stopped to free its slices); these
+    /// runs are not counted in `attempts`.
+    #[serde(default)]
+    pub preemptions: u32,
     pub worker_id: Option<Uuid>,
     pub lease_expires_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
@@ -226,7 +235,11 @@ mod create_job_tests {
     #[test]
     fn a_body_with_spec_is_generic_and_one_without_is_training() {
         let generic = CreateJob::from_json(json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}}));
-        let expected = GenericJob { name: "warm".into(), spec: GenericSpec::Prefetch { model: "tiny".into() }, max_attempts: None };
+        let expected = GenericJob {
+            name: "warm".into(),
+            spec: GenericSpec::Prefetch { model: "tiny".into() },
+            max_attempts: None,
+        };
         assert_eq!(generic.unwrap(), CreateJob::Generic(expected));
         let train = CreateJob::from_json(json!({"name": "digits", "max_attempts": 2, "seed": 1}));
         assert_eq!(train.unwrap_err().path().to_string(), ".", "a training body missing fields");

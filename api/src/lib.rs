@@ -6,6 +6,7 @@
 pub mod accounts;
 pub mod datasets;
 pub mod deployments;
+pub mod elastic;
 pub mod engine;
 pub mod error;
 pub mod jobs;

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::datasets::{DatasetColumn, DatasetFormat};
+use crate::elastic::{Resources, ResourcesSpec};
 use crate::parallel::{ParallelSpec, RankStep};
 
 /// A spec mistake, named by its JSON path (`task.validation_split`), so the 422 says
@@ -63,6 +64,10 @@ pub struct TrainSpec {
     /// Data-parallel ranks (issue 12); left out, the job runs on one device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallel: Option<ParallelSpec>,
+    /// Elastic rank range and preemptibility (issue 16, [`crate::elastic`]); left out,
+    /// the job runs at its `parallel.ranks` and is never preempted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesSpec>,
 }
 
 /// A registered model (id or name) to fine-tune, or a built-in model trained from
@@ -353,10 +358,16 @@ impl TrainSpec {
             return Err(SpecError::new("checkpoint_every", "must be at least 1"));
         }
         self.lr_schedule.validate()?;
-        match &self.parallel {
-            Some(parallel) => parallel.validate(self.batch_size),
-            None => Ok(()),
+        if let Some(parallel) = &self.parallel {
+            parallel.validate(self.batch_size)?;
         }
+        self.resolve_resources().map(|_| ())
+    }
+
+    /// The job's resources with their defaults filled in (checked against `parallel`).
+    pub fn resolve_resources(&self) -> Result<Resources, SpecError> {
+        let ranks = self.parallel.as_ref().map_or(1, |p| p.ranks.len() as u32);
+        self.resources.clone().unwrap_or_default().resolve(ranks)
     }
 }
 
@@ -419,6 +430,18 @@ pub struct TrainJob {
     /// The ranks of a data-parallel job; `batch_size` is then the global batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallel: Option<ParallelSpec>,
+    /// Rank range and preemptibility; absent in jobs queued before issue 16 (see
+    /// [`TrainJob::resources`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
+}
+
+impl TrainJob {
+    /// The job's resources: as queued, or for a job queued before they existed, its
+    /// ranks fixed and not preemptible.
+    pub fn resources(&self) -> Resources {
+        self.resources.unwrap_or_else(|| Resources::fixed(self.parallel.as_ref().map_or(1, |p| p.ranks.len() as u32)))
+    }
 }
 
 /// One row of a metric series: the step and the values named at it, e.g.

@@ -81,6 +81,11 @@ pub struct Heartbeat {
 pub struct HeartbeatResponse {
     /// Jobs the worker must stop: cancelled by a user, or no longer leased to it.
     pub stop: Vec<Uuid>,
+    /// Training jobs (or ranks) to preempt: checkpoint at the step they are on, upload
+    /// it, report `preempted` and stop. Absent from servers before issue 16, ignored by
+    /// workers before it (their jobs then stop only when the lease is revoked).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preempt: Vec<Uuid>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -101,7 +106,8 @@ pub struct Assignment {
     pub slice: Option<Slice>,
 }
 
-/// `POST /api/v1/agent/jobs/{id}/status`: only `running`, `succeeded` and `failed`.
+/// `POST /api/v1/agent/jobs/{id}/status`: only `running`, `succeeded`, `failed`, and
+/// `preempted` for a training job told to preempt, once its checkpoint is uploaded.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct StatusReport {
     pub state: JobState,

@@ -102,6 +102,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::create, jobs::list))
         .routes(routes!(jobs::get))
         .routes(routes!(jobs::cancel))
+        .routes(routes!(jobs::preempt))
         .routes(routes!(jobs::logs))
         .routes(routes!(training::routes::job_metrics))
         .routes(routes!(training::routes::job_lr_stages))

@@ -1,9 +1,11 @@
 //! The agent loop: register, then heartbeat and claim until the server forgets us (then
 //! register again). Jobs run as tasks; a heartbeat answer that says a job's lease is
-//! gone (cancelled, expired) aborts that task.
+//! gone (cancelled, expired) aborts that task, one that says to preempt a job sets its
+//! preemption flag (a training job then checkpoints and stops on its own).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +44,13 @@ pub struct AgentConfig {
 enum Use {
     Replica,
     Batch,
+}
+
+/// A job task the agent runs: how it uses the host, its handle, its preemption flag.
+struct Running {
+    usage: Use,
+    task: tokio::task::AbortHandle,
+    preempt: Arc<AtomicBool>,
 }
 
 pub struct Agent {
@@ -127,8 +136,8 @@ impl Agent {
     }
 
     /// The job kinds there is room for now.
-    fn claimable(&self, running: &HashMap<Uuid, (Use, tokio::task::AbortHandle)>) -> Vec<&'static str> {
-        let used = |u: Use| running.values().filter(|(kind, _)| *kind == u).count();
+    fn claimable(&self, running: &HashMap<Uuid, Running>) -> Vec<&'static str> {
+        let used = |u: Use| running.values().filter(|job| job.usage == u).count();
         let mut kinds = Vec::new();
         if used(Use::Batch) < self.config.slots {
             kinds.extend(["prefetch", "train", "train_rank", "profile"]);
@@ -141,7 +150,7 @@ impl Agent {
 
     async fn work(&self, heartbeat_every: Duration) -> Result<(), ClientError> {
         let offered = Arc::new(self.config.inventory.slices.clone());
-        let mut running: HashMap<Uuid, (Use, tokio::task::AbortHandle)> = HashMap::new();
+        let mut running: HashMap<Uuid, Running> = HashMap::new();
         let mut tasks: JoinSet<Uuid> = JoinSet::new();
         let mut heartbeat = tokio::time::interval(heartbeat_every);
         let mut poll = tokio::time::interval(CLAIM_POLL);
@@ -150,9 +159,16 @@ impl Agent {
                 _ = heartbeat.tick() => {
                     let answer = self.client.heartbeat(running.keys().copied().collect()).await?;
                     for job in answer.stop {
-                        if let Some((_, task)) = running.remove(&job) {
+                        if let Some(stopped) = running.remove(&job) {
                             tracing::info!(%job, "the server revoked this job's lease; stopping it");
-                            task.abort();
+                            stopped.task.abort();
+                        }
+                    }
+                    for job in answer.preempt {
+                        if let Some(preempted) = running.get(&job) {
+                            if !preempted.preempt.swap(true, Ordering::Relaxed) {
+                                tracing::info!(%job, "the server asks to preempt this job; it checkpoints and stops");
+                            }
                         }
                     }
                 }
@@ -169,12 +185,13 @@ impl Agent {
                         )
                         .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding)
                         .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0));
+                        let preempt = context.preempt_flag();
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job
                         });
                         let usage = if kind == "serve" { Use::Replica } else { Use::Batch };
-                        running.insert(job, (usage, task));
+                        running.insert(job, Running { usage, task, preempt });
                         poll.reset_immediately();
                     }
                 }
@@ -182,7 +199,7 @@ impl Agent {
                     if let Ok(job) = done {
                         running.remove(&job);
                     }
-                    running.retain(|_, (_, task)| !task.is_finished());
+                    running.retain(|_, job| !job.task.is_finished());
                 }
             }
         }

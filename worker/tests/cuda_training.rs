@@ -291,7 +291,7 @@ mod nccl {
                 .zip(devices)
                 .map(|(ring, device)| {
                     scope
-                        .spawn(move || for_gang(ring, &device, TIMEOUT).map(|(_, _, t)| t).unwrap())
+                        .spawn(move || for_gang(ring, &device, TIMEOUT, Default::default()).map(|(_, _, t)| t).unwrap())
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -341,7 +341,7 @@ mod nccl {
                         scope.spawn(move || {
                             let device = Device::new_cuda(rank).unwrap();
                             let (mut sync, _, transport) =
-                                for_gang(ring, &device, TIMEOUT).unwrap();
+                                for_gang(ring, &device, TIMEOUT, Default::default()).unwrap();
                             let (parameters, mut grads, weights) = step(&device, rank);
                             let loss = sync
                                 .synchronise(&parameters, &mut grads, 1.25 + rank as f64)

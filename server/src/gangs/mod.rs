@@ -2,9 +2,16 @@
 //! to workers that can host them, the rendezvous at which the ranks learn each other's
 //! ring addresses, and keeping a gang's job in step with its ranks. How a gang is
 //! claimed all or none is `store::gangs`' doc comment.
+//!
+//! Elastic gangs (issue 16): a gang is queued at its `max_ranks` (every device its spec
+//! lists). While it waits (queued, or preempted) [`resize`] sets the rank count its next
+//! formation runs at, `min_ranks..=max_ranks`: the first n devices of `parallel.ranks`.
+//! Nothing picks that count by itself yet; the scheduling round of the loaning policy is
+//! to call [`resize`] (a pull-based claim cannot see what the whole fleet has free).
 
 use axum::extract::State;
 use sqlx::AnyConnection;
+use tessera_api::jobs::JobSpec;
 use tessera_api::parallel::{ParallelSpec, RankJob, RendezvousRequest, RendezvousResponse};
 use tessera_api::train::TrainJob;
 use uuid::Uuid;
@@ -16,21 +23,49 @@ use crate::store::db::{now_ms, Db};
 use crate::store::gangs::{self as store, RankOf, Rendezvous};
 use crate::store::jobs::{self as jobs_store, Claimed, NewJob};
 
-/// Queues a data-parallel job inside the caller's transaction: its job row and one rank
-/// row per entry of `parallel`.
-pub async fn queue(conn: &mut AnyConnection, job: &NewJob<'_>, train: &TrainJob, parallel: &ParallelSpec) -> Result<Uuid> {
-    let world = parallel.ranks.len() as u32;
-    let ranks: Vec<(String, RankJob)> = parallel
-        .ranks
+/// The rank rows of `gang` at `world` ranks: the first `world` devices of `parallel`.
+fn rank_rows(gang: Uuid, train: &TrainJob, parallel: &ParallelSpec, world: u32) -> Vec<(String, RankJob)> {
+    parallel.ranks[..world as usize]
         .iter()
         .enumerate()
         .map(|(rank, device)| {
-            let spec =
-                RankJob { gang: Uuid::nil(), rank: rank as u32, world, device: device.clone(), train: train.clone() };
+            let spec = RankJob { gang, rank: rank as u32, world, device: device.clone(), train: train.clone() };
             (device.placement(), spec)
         })
-        .collect();
+        .collect()
+}
+
+/// Queues a data-parallel job inside the caller's transaction: its job row and one rank
+/// row per entry of `parallel` (an elastic job starts at its most ranks; see [`resize`]).
+pub async fn queue(conn: &mut AnyConnection, job: &NewJob<'_>, train: &TrainJob, parallel: &ParallelSpec) -> Result<Uuid> {
+    let ranks = rank_rows(Uuid::nil(), train, parallel, parallel.ranks.len() as u32);
     Ok(store::insert_in(conn, job, &ranks).await?)
+}
+
+/// Sets the rank count of a waiting elastic gang's next formation to `world` (within its
+/// `resources`, `min_ranks..=max_ranks`); it resumes from its last checkpoint at that
+/// count. 409 while the gang runs or forms (preempt it first: `jobs::preempt_job`), 422
+/// for a count outside its range, 404 for a job that is not a data-parallel one.
+pub async fn resize(db: &Db, gang: Uuid, world: u32) -> Result<()> {
+    let Some(JobSpec::Train(train)) = jobs_store::spec(db, gang).await? else {
+        return Err(Error::not_found("Data-parallel job"));
+    };
+    let Some(parallel) = &train.parallel else {
+        return Err(Error::not_found("Data-parallel job"));
+    };
+    let resources = train.resources();
+    if !(resources.min_ranks..=resources.max_ranks).contains(&world) {
+        return Err(Error::invalid(
+            "invalid_ranks",
+            format!("This job runs at {} to {} ranks, not {world}.", resources.min_ranks, resources.max_ranks),
+        ));
+    }
+    if !store::reshape(db, gang, &rank_rows(gang, &train, parallel, world)).await? {
+        return Err(Error::Conflict(
+            "The gang is running or forming; resize it while it waits (queued or preempted).".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Leases `worker` a rank of the oldest gang it can host, if any.
@@ -60,6 +95,12 @@ pub async fn settle(db: &Db, job: Uuid) -> Result<()> {
     let gang = store::rank_of(db, job).await?.map_or(job, |rank| rank.gang);
     store::sweep(db, now_ms(), Some(gang)).await?;
     Ok(())
+}
+
+/// Releases the claimed ranks of a gang still forming (for a preemption: nothing trains
+/// yet, so nothing is checkpointed); false when `gang` is not forming.
+pub async fn release_forming(db: &Db, gang: Uuid, reason: &str) -> Result<bool> {
+    Ok(store::release_forming(db, gang, now_ms(), reason).await?)
 }
 
 fn check_address(address: &str) -> Result<()> {

@@ -1,10 +1,16 @@
-//! Jobs as users see them: submit, list, inspect, cancel, read logs. A submitted body is
-//! read once into `tessera_api::jobs::CreateJob`; each kind is then resolved into the
-//! `JobSpec` a worker receives (training through `training::spec`).
+//! Jobs as users see them: submit, list, inspect, cancel, preempt, read logs. A submitted
+//! body is read once into `tessera_api::jobs::CreateJob`; each kind is then resolved into
+//! the `JobSpec` a worker receives (training through `training::spec`).
+//!
+//! Preemption (issue 16) is asked of the worker, not done to it: [`preempt_job`] flags the
+//! job, the worker learns it at its next heartbeat, checkpoints at the step it is on and
+//! reports `preempted`; the job then waits, claimable, and resumes from that checkpoint.
 
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Deserialize;
+use tessera_api::elastic::PreemptRequest;
 use tessera_api::jobs::{CreateJob, GenericSpec, Job, JobSpec, JobState, LogLine};
 use uuid::Uuid;
 
@@ -94,6 +100,100 @@ pub async fn cancel_job(db: &Db, principal: &Principal, id: Uuid) -> Result<Job>
     find(db, &scope, id).await
 }
 
+/// What [`preempt_job`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preemption {
+    /// The worker (every rank, for a gang) was asked to checkpoint now and stop; the job
+    /// shows `preempted` once it has, and its slices are then free.
+    Requested,
+    /// A gang still forming (some ranks claimed, none training): its ranks went back to
+    /// the queue at once, there being nothing to checkpoint.
+    Released,
+}
+
+/// Preempts a running training job for the server's scheduler (`reason` goes in the job's
+/// message): a one-process job or a whole data-parallel gang checkpoints at the step it is
+/// on and stops, then waits as `preempted` (claimed like `queued`, not counted as an
+/// attempt) and resumes from that checkpoint. Asking again while a request is pending
+/// keeps the first reason. Refuses with 409 a job whose spec is not `preemptible`, one
+/// that is not a training job, and one with nothing running (queued, preempted, ended).
+/// Ownership is not checked: that is [`preempt`]'s, for people.
+pub async fn preempt_job(db: &Db, job: Uuid, reason: &str) -> Result<Preemption> {
+    request_preemption(db, job, reason, false).await
+}
+
+/// [`preempt_job`], with `force` lifting the `preemptible` check (an admin's choice).
+async fn request_preemption(db: &Db, id: Uuid, reason: &str, force: bool) -> Result<Preemption> {
+    let job = find(db, &Scope::all(), id).await?;
+    let train = match &job.spec {
+        JobSpec::Train(train) => train,
+        JobSpec::TrainRank(rank) => {
+            return Err(Error::Conflict(format!(
+                "This is one rank of data-parallel job {}; preempt that job, and every rank stops together.",
+                rank.gang
+            )))
+        }
+        _ => return Err(Error::Conflict("Only training jobs can be preempted.".into())),
+    };
+    if !force && !train.resources().preemptible {
+        return Err(Error::Conflict(
+            "This job is not preemptible (its spec's resources.preemptible is false); an admin may force it \
+             with {\"force\": true}."
+                .into(),
+        ));
+    }
+    if store::request_preemption(db, id, reason).await? {
+        tracing::info!(job = %id, reason, "preemption requested");
+        return Ok(Preemption::Requested);
+    }
+    if train.parallel.is_some() && gangs::release_forming(db, id, reason).await? {
+        tracing::info!(job = %id, reason, "forming gang released for a preemption");
+        return Ok(Preemption::Released);
+    }
+    let job = find(db, &Scope::all(), id).await?;
+    Err(Error::Conflict(format!("The job is {}, not running; there is nothing to preempt.", job.state.as_str())))
+}
+
+/// Preempt a training job: it checkpoints at the step it is on, stops, and waits as
+/// `preempted` until a worker claims it again and resumes from that checkpoint (no
+/// attempt spent). The owner may preempt their own job when its spec says
+/// `resources.preemptible`; an admin any training job, one that is not preemptible only
+/// with `"force": true`. The body may be left out. 202 once the request is recorded: the
+/// job shows `preempted` after the worker's next heartbeat and checkpoint upload.
+#[utoipa::path(post, path = "/api/v1/jobs/{id}/preempt", tag = "jobs", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), request_body(content = Option<PreemptRequest>),
+    responses((status = 202, body = Job), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody), (status = 409, body = tessera_api::error::ErrorBody)))]
+pub async fn preempt(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+    body: Bytes,
+) -> Result<(StatusCode, ApiJson<Job>)> {
+    let request: PreemptRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        PreemptRequest::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            Error::invalid("invalid_request", format!("Send {{\"reason\": \"…\", \"force\": false}} or no body: {e}"))
+        })?
+    };
+    // 404 for a job the caller may not see, before anything else is said about it.
+    find(&state.db, &principal.scope(), id).await?;
+    if request.force && !principal.is_admin() {
+        return Err(Error::Forbidden(
+            "Only an admin may force the preemption of a job that is not preemptible.".into(),
+        ));
+    }
+    let reason = match request.reason.as_deref().map(str::trim) {
+        Some(reason) if !reason.is_empty() => {
+            format!("Preempted by {}: {}", principal.username, reason.chars().take(500).collect::<String>())
+        }
+        _ => format!("Preempted by {}.", principal.username),
+    };
+    request_preemption(&state.db, id, &reason, request.force).await?;
+    Ok((StatusCode::ACCEPTED, ApiJson(find(&state.db, &principal.scope(), id).await?)))
+}
+
 /// Submit a job to the queue: a training job (its spec's fields at the top level), or
 /// another kind as `{"name", "spec": {"kind": …}}`.
 #[utoipa::path(post, path = "/api/v1/jobs", tag = "jobs", security(("bearer" = [])), request_body = CreateJob,
@@ -126,7 +226,7 @@ pub async fn list(
         None | Some("") => None,
         Some(s) => Some(JobState::parse(s).ok_or_else(|| {
             Error::BadRequest(format!(
-                "Unknown state {s:?}; use queued, leased, running, succeeded, failed or cancelled."
+                "Unknown state {s:?}; use queued, preempted, leased, running, succeeded, failed or cancelled."
             ))
         })?),
     };

@@ -119,7 +119,7 @@ pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<StoredDeployment>> {
 
 fn replica_state(state: JobState) -> ServingState {
     match state {
-        JobState::Queued => ServingState::Pending,
+        JobState::Queued | JobState::Preempted => ServingState::Pending,
         JobState::Leased => ServingState::Loading,
         JobState::Running => ServingState::Ready,
         JobState::Succeeded | JobState::Failed | JobState::Cancelled => ServingState::Failed,

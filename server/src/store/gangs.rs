@@ -14,6 +14,12 @@
 //! checkpoint, or fails once its attempts are spent. A rank that reports a failure fails
 //! the job, as a one-process job's failure does; the job succeeds when every rank has.
 //! Rank rows get a `max_attempts` no requeue reaches: the gang's job counts attempts.
+//!
+//! Preemption (issue 16): a formed gang asked to preempt (its job's `preempt_reason`)
+//! tells every rank at its heartbeat; the ranks agree on a step through their all-reduce,
+//! rank 0 checkpoints, and each rank reports `preempted`. Once every rank has, the gang
+//! waits as `preempted` (claimed like `queued`, no attempt spent) with its ranks queued.
+//! While it waits an elastic gang may be [`reshape`]d to another rank count.
 
 use sqlx::{AnyConnection, Row};
 use tessera_api::jobs::{JobSpec, JobState};
@@ -21,7 +27,7 @@ use tessera_api::parallel::{RankJob, RankStep};
 use uuid::Uuid;
 
 use super::db::{now_ms, Backend, Db};
-use super::jobs::{self, Claimed, NewJob};
+use super::jobs::{self, Claimed, NewJob, UNFINISHED, WAITING};
 use super::{parse_json, parse_uuid, Result};
 
 /// A rank row's attempts are claims, which a gang that does not form repeats; the gang's
@@ -36,11 +42,24 @@ const LIVE: &str = "('leased', 'running')";
 pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>, ranks: &[(String, RankJob)]) -> Result<Uuid> {
     let gang = jobs::insert_in(conn, job).await?;
     sqlx::query("UPDATE jobs SET kind = 'train_gang' WHERE id = $1").bind(gang.to_string()).execute(&mut *conn).await?;
+    insert_ranks(conn, gang, job.owner, job.name, job.dataset, ranks).await?;
+    Ok(gang)
+}
+
+/// One queued rank row per entry of `ranks`, in `gang`.
+async fn insert_ranks(
+    conn: &mut AnyConnection,
+    gang: Uuid,
+    owner: Uuid,
+    gang_name: &str,
+    dataset: Option<Uuid>,
+    ranks: &[(String, RankJob)],
+) -> Result<()> {
     for (placement, rank) in ranks {
         let spec = JobSpec::TrainRank(RankJob { gang, ..rank.clone() });
-        let name = format!("{} rank {}", job.name, rank.rank);
-        let row = NewJob { dataset: job.dataset, ..NewJob::new(job.owner, &name, &spec, 1) };
-        let id = jobs::insert_in(conn, &row).await?;
+        let name = format!("{gang_name} rank {}", rank.rank);
+        let row = NewJob { dataset, ..NewJob::new(owner, &name, &spec, 1) };
+        let id = jobs::insert_in(&mut *conn, &row).await?;
         sqlx::query(
             "UPDATE jobs SET gang_id = $1, gang_rank = $2, gang_placement = $3, max_attempts = $4 WHERE id = $5",
         )
@@ -52,7 +71,48 @@ pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>, ranks: &[(Str
         .execute(&mut *conn)
         .await?;
     }
-    Ok(gang)
+    Ok(())
+}
+
+/// Replaces a waiting gang's ranks by `ranks` (an elastic job resized while it waits:
+/// its next formation runs at `ranks.len()`). Only while the gang is queued or preempted
+/// and none of its ranks is claimed: false otherwise, changing nothing. The gang's job
+/// keeps its metrics, checkpoints and logs; the rank rows hold nothing else.
+pub async fn reshape(db: &Db, gang: Uuid, ranks: &[(String, RankJob)]) -> Result<bool> {
+    let mut tx = db.begin().await?;
+    // Taking the gang's row first makes reshapes of one gang wait for each other.
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET updated_at = $1 WHERE id = $2 AND kind = 'train_gang' AND state IN {WAITING} \
+         RETURNING owner_id, name, dataset_id"
+    )))
+    .bind(now_ms())
+    .bind(gang.to_string())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let total: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE gang_id = $1")
+        .bind(gang.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+    // Only unclaimed ranks go: a rank claimed meanwhile keeps its row and the reshape is off.
+    let deleted = sqlx::query("DELETE FROM jobs WHERE gang_id = $1 AND state = 'queued'")
+        .bind(gang.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    if deleted as i64 != total {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    let owner = parse_uuid("jobs", "owner_id", &row.try_get::<String, _>("owner_id")?)?;
+    let name: String = row.try_get("name")?;
+    let dataset: Option<String> = row.try_get("dataset_id")?;
+    let dataset = dataset.as_deref().map(|d| parse_uuid("jobs", "dataset_id", d)).transpose()?;
+    insert_ranks(&mut tx, gang, owner, &name, dataset, ranks).await?;
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// What `worker` can host: `cpu` always, `cuda` with a GPU, `slice:<profile>` per MIG
@@ -105,7 +165,7 @@ pub async fn claim_rank(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
          updated_at = $3, message = NULL, gang_address = NULL \
          WHERE state = 'queued' AND id = (SELECT r.id FROM jobs r JOIN jobs g ON g.id = r.gang_id \
-         WHERE r.state = 'queued' AND r.kind = 'train_rank' AND g.state = 'queued' AND r.gang_placement IN ({}) \
+         WHERE r.state = 'queued' AND r.kind = 'train_rank' AND g.state IN {WAITING} AND r.gang_placement IN ({}) \
          AND (r.gang_placement NOT LIKE 'slice:%' OR (r.slice_pinned = 1 AND r.slice_uuid IN \
            (SELECT s.uuid FROM slices s WHERE s.worker_id = $1))) \
          ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
@@ -120,11 +180,13 @@ pub async fn claim_rank(
         return Ok(None);
     };
     let gang: String = row.try_get("gang_id")?;
-    sqlx::query("UPDATE jobs SET gang_deadline = $1 WHERE id = $2 AND state = 'queued' AND gang_deadline IS NULL")
-        .bind(deadline)
-        .bind(&gang)
-        .execute(db.pool())
-        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET gang_deadline = $1 WHERE id = $2 AND state IN {WAITING} AND gang_deadline IS NULL"
+    )))
+    .bind(deadline)
+    .bind(&gang)
+    .execute(db.pool())
+    .await?;
     Ok(Some(Claimed {
         job_id: parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?,
         spec: parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?,
@@ -216,10 +278,11 @@ pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Resu
     let all_here = ranks.iter().all(|r| matches!(r.state.as_str(), "leased" | "running") && r.address.is_some());
     if all_here {
         // Conditional: of ranks posting at once, one forms the gang, the others see it formed.
-        sqlx::query(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE jobs SET state = 'running', attempts = attempts + 1, started_at = COALESCE(started_at, $1), \
-             updated_at = $1, gang_deadline = NULL, message = NULL WHERE id = $2 AND state = 'queued'",
-        )
+             updated_at = $1, gang_deadline = NULL, message = NULL, preempt_reason = NULL \
+             WHERE id = $2 AND state IN {WAITING}"
+        )))
         .bind(now)
         .bind(&gang)
         .execute(&mut *tx)
@@ -233,10 +296,12 @@ pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Resu
         .execute(&mut *tx)
         .await?;
     }
-    let formed = sqlx::query("SELECT attempts FROM jobs WHERE id = $1 AND state = 'running'")
-        .bind(&gang)
-        .fetch_optional(&mut *tx)
-        .await?;
+    // Preempted runs give their attempt back, so the sum is what grows with every formation.
+    let formed =
+        sqlx::query("SELECT attempts + preemptions AS generation FROM jobs WHERE id = $1 AND state = 'running'")
+            .bind(&gang)
+            .fetch_optional(&mut *tx)
+            .await?;
     let this_running: Option<String> = sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1")
         .bind(job.to_string())
         .fetch_optional(&mut *tx)
@@ -246,7 +311,7 @@ pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Resu
         Some(row) if this_running.as_deref() == Some("running") => {
             let ranks = ranks_in(&mut *db.pool().acquire().await?, &gang).await?;
             Ok(Rendezvous::Formed {
-                generation: row.try_get::<i64, _>("attempts")? as u32,
+                generation: row.try_get::<i64, _>("generation")? as u32,
                 peers: ranks.into_iter().map(|r| r.address.unwrap_or_default()).collect(),
             })
         }
@@ -261,6 +326,8 @@ pub struct Swept {
     pub released: u64,
     /// Formed gangs that lost a rank and went back to the queue.
     pub requeued: u64,
+    /// Formed gangs whose every rank checkpointed and stopped when asked to preempt.
+    pub preempted: u64,
     /// Gangs that ended (succeeded, failed) or whose ranks were stopped after the job ended.
     pub settled: u64,
 }
@@ -272,9 +339,9 @@ pub struct Swept {
 /// sweeps running at once (several servers) do each change once.
 pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
     let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline FROM jobs g WHERE g.kind = 'train_gang' \
-         AND ($1 IS NULL OR g.id = $1) AND (g.state IN ('queued', 'running') OR EXISTS (SELECT 1 FROM jobs r \
-         WHERE r.gang_id = g.id AND r.state IN ('queued', 'leased', 'running')))"
+        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline, g.preempt_reason FROM jobs g \
+         WHERE g.kind = 'train_gang' AND ($1 IS NULL OR g.id = $1) AND (g.state IN {UNFINISHED} OR EXISTS \
+         (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.state IN {UNFINISHED}))"
     )))
     .bind(only.map(|id| id.to_string()))
     .fetch_all(db.pool())
@@ -286,12 +353,13 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
         let attempts: i64 = gang.try_get("attempts")?;
         let max_attempts: i64 = gang.try_get("max_attempts")?;
         let deadline: Option<i64> = gang.try_get("gang_deadline")?;
+        let preempt_reason: Option<String> = gang.try_get("preempt_reason")?;
         let mut tx = db.begin().await?;
         let ranks = ranks_in(&mut tx, &id).await?;
         let failed = ranks.iter().find(|r| r.state == "failed");
         match state.as_str() {
             // A rank that failed before or after the gang formed fails the job.
-            "queued" | "running" if failed.is_some() => {
+            "queued" | "preempted" | "running" if failed.is_some() => {
                 let failed = failed.expect("checked");
                 let message =
                     format!("Rank {} failed: {}", failed.rank, failed.message.as_deref().unwrap_or("no message"));
@@ -299,12 +367,14 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                 stop_ranks(&mut tx, &id, now).await?;
                 swept.settled += 1;
             }
-            "queued" if deadline.is_some_and(|d| d < now) => {
+            "queued" | "preempted" if deadline.is_some_and(|d| d < now) => {
                 release(&mut tx, &id, now, "The gang did not form within the rendezvous time-out; released.").await?;
-                sqlx::query("UPDATE jobs SET gang_deadline = NULL WHERE id = $1 AND state = 'queued'")
-                    .bind(&id)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE jobs SET gang_deadline = NULL WHERE id = $1 AND state IN {WAITING}"
+                )))
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
                 swept.released += 1;
             }
             "running" => {
@@ -321,7 +391,8 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                         );
                         release(&mut tx, &id, now, &message).await?;
                         sqlx::query(
-                            "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2 WHERE id = $3 AND state = 'running'",
+                            "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2, preempt_reason = NULL \
+                             WHERE id = $3 AND state = 'running'",
                         )
                         .bind(&message)
                         .bind(now)
@@ -330,13 +401,27 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                         .await?;
                     }
                     swept.requeued += 1;
+                } else if preempt_reason.is_some() && ranks.iter().all(|r| r.state == "preempted") {
+                    // Rank 0 reported after its checkpoint was stored: the gang resumes from it.
+                    let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();
+                    release(&mut tx, &id, now, &message).await?;
+                    sqlx::query(
+                        "UPDATE jobs SET state = 'preempted', message = $1, updated_at = $2, preempt_reason = NULL, \
+                         attempts = attempts - 1, preemptions = preemptions + 1 WHERE id = $3 AND state = 'running'",
+                    )
+                    .bind(&message)
+                    .bind(now)
+                    .bind(&id)
+                    .execute(&mut *tx)
+                    .await?;
+                    swept.preempted += 1;
                 } else if ranks.iter().all(|r| r.state == "succeeded") {
                     let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();
                     end(&mut tx, &id, JobState::Succeeded, &message, now).await?;
                     swept.settled += 1;
                 }
             }
-            "queued" => {}
+            "queued" | "preempted" => {}
             _ => {
                 stop_ranks(&mut tx, &id, now).await?;
                 swept.settled += 1;
@@ -347,13 +432,33 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
     Ok(swept)
 }
 
+/// Sends the claimed ranks of a forming gang (waiting, some rank held) back to the queue,
+/// its rendezvous clock stopped; false when the gang is not forming.
+pub async fn release_forming(db: &Db, gang: Uuid, now: i64, message: &str) -> Result<bool> {
+    let mut tx = db.begin().await?;
+    let forming = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET gang_deadline = NULL, updated_at = $1 WHERE id = $2 AND kind = 'train_gang' \
+         AND state IN {WAITING} AND EXISTS (SELECT 1 FROM jobs r WHERE r.gang_id = $2 AND r.state IN {LIVE})"
+    )))
+    .bind(now)
+    .bind(gang.to_string())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if forming > 0 {
+        release(&mut tx, &gang.to_string(), now, message).await?;
+    }
+    tx.commit().await?;
+    Ok(forming > 0)
+}
+
 /// Every rank back to the queue, unheld and unposted (one that already finished too: the
 /// gang reruns from its checkpoint as a whole).
 async fn release(conn: &mut AnyConnection, gang: &str, now: i64, message: &str) -> Result<()> {
     sqlx::query(
         "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, gang_address = NULL, \
          message = $1, updated_at = $2, finished_at = NULL \
-         WHERE gang_id = $3 AND state IN ('queued', 'leased', 'running', 'cancelled', 'succeeded')",
+         WHERE gang_id = $3 AND state IN ('queued', 'preempted', 'leased', 'running', 'cancelled', 'succeeded')",
     )
     .bind(message)
     .bind(now)
@@ -368,7 +473,7 @@ async fn stop_ranks(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()
     sqlx::query(
         "UPDATE jobs SET state = 'cancelled', message = 'The training job ended.', worker_id = NULL, \
          lease_expires_at = NULL, finished_at = $1, updated_at = $1 \
-         WHERE gang_id = $2 AND state IN ('queued', 'leased', 'running')",
+         WHERE gang_id = $2 AND state IN ('queued', 'preempted', 'leased', 'running')",
     )
     .bind(now)
     .bind(gang)
@@ -379,8 +484,8 @@ async fn stop_ranks(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()
 
 async fn end(conn: &mut AnyConnection, gang: &str, state: JobState, message: &str, now: i64) -> Result<()> {
     sqlx::query(
-        "UPDATE jobs SET state = $1, message = $2, finished_at = $3, updated_at = $3, gang_deadline = NULL \
-         WHERE id = $4 AND state IN ('queued', 'running')",
+        "UPDATE jobs SET state = $1, message = $2, finished_at = $3, updated_at = $3, gang_deadline = NULL, \
+         preempt_reason = NULL WHERE id = $4 AND state IN ('queued', 'preempted', 'running')",
     )
     .bind(state.as_str())
     .bind(message)

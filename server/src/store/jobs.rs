@@ -14,10 +14,17 @@ use super::slices::Free;
 use super::{parse_json, parse_uuid, Result, Scope, StoreError};
 
 pub(super) const JOB_COLUMNS: &str = "j.id, j.name, j.spec, j.state, j.message, j.attempts, j.max_attempts, j.worker_id, \
-     j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, j.progress_step, u.username AS owner";
+     j.lease_expires_at, j.created_at, j.updated_at, j.started_at, j.finished_at, j.progress_step, j.preemptions, u.username AS owner";
 
 /// The states in which a worker holds a job's lease.
 const LIVE: &str = "state IN ('leased', 'running')";
+
+/// The states in which a job waits for a claim: queued, or preempted (issue 16), which is
+/// claimed alike and resumes from the checkpoint it stopped at.
+pub(super) const WAITING: &str = "('queued', 'preempted')";
+
+/// The states of a job that has not ended.
+pub(super) const UNFINISHED: &str = "('queued', 'preempted', 'leased', 'running')";
 
 pub(super) fn job_from_row(row: &AnyRow) -> Result<Job> {
     let state: String = row.try_get("state")?;
@@ -44,6 +51,7 @@ pub(super) fn job_from_row(row: &AnyRow) -> Result<Job> {
         message: row.try_get("message")?,
         attempts: row.try_get::<i64, _>("attempts")? as u32,
         max_attempts: row.try_get::<i64, _>("max_attempts")? as u32,
+        preemptions: row.try_get::<i64, _>("preemptions")?.max(0) as u32,
         worker_id: worker.as_deref().map(|w| parse_uuid("jobs", "worker_id", w)).transpose()?,
         lease_expires_at: db::opt_time(row.try_get("lease_expires_at")?),
         created_at: db::time(row.try_get("created_at")?),
@@ -147,8 +155,8 @@ pub async fn spec(db: &Db, id: Uuid) -> Result<Option<JobSpec>> {
 pub async fn cancel(db: &Db, scope: &Scope, id: Uuid, message: &str) -> Result<bool> {
     let now = now_ms();
     let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE jobs SET state = 'cancelled', message = $1, finished_at = $2, updated_at = $2, lease_expires_at = NULL \
-         WHERE id = $3 AND ($4 IS NULL OR owner_id = $4) AND state IN ('queued', 'leased', 'running')"
+        "UPDATE jobs SET state = 'cancelled', message = $1, finished_at = $2, updated_at = $2, lease_expires_at = NULL, \
+         preempt_reason = NULL WHERE id = $3 AND ($4 IS NULL OR owner_id = $4) AND state IN {UNFINISHED}"
     )))
     .bind(message)
     .bind(now)
@@ -162,9 +170,9 @@ pub async fn cancel(db: &Db, scope: &Scope, id: Uuid, message: &str) -> Result<b
 
 /// How many unfinished jobs read `dataset`.
 pub async fn unfinished_reading(db: &Db, dataset: Uuid) -> Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN ('queued', 'leased', 'running')",
-    )
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN {UNFINISHED}"
+    )))
     .bind(dataset.to_string())
     .fetch_one(db.pool())
     .await?)
@@ -251,8 +259,8 @@ pub async fn claim(
     let (slice_condition, slice_params) = slices.condition(4 + kinds.len());
     let sql = format!(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
-         updated_at = $3, message = NULL \
-         WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE state = 'queued' AND kind IN ({}) \
+         updated_at = $3, message = NULL, preempt_reason = NULL \
+         WHERE state IN {WAITING} AND id = (SELECT id FROM jobs WHERE state IN {WAITING} AND kind IN ({}) \
          AND {slice_condition} ORDER BY {FAIR_ORDER} LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at",
         kind_params.join(", ")
@@ -356,7 +364,7 @@ pub async fn mark_finished(db: &Db, worker: Uuid, job: Uuid, state: JobState, me
 pub async fn requeue_held_by(db: &Db, worker: Uuid, message: &str) -> Result<u64> {
     let touched = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
-         message = $2 WHERE worker_id = $3 AND {LIVE}"
+         message = $2, preempt_reason = NULL WHERE worker_id = $3 AND {LIVE}"
     )))
     .bind(now_ms())
     .bind(message)
@@ -378,7 +386,7 @@ pub async fn expire_leases(db: &Db) -> Result<u64> {
              THEN 'The lease expired on the last allowed attempt; the worker stopped responding.' \
              ELSE 'The lease expired (the worker stopped responding); the job was requeued.' END, \
            finished_at = CASE WHEN attempts >= max_attempts THEN $1 ELSE NULL END, \
-           worker_id = NULL, lease_expires_at = NULL, updated_at = $1 \
+           worker_id = NULL, lease_expires_at = NULL, updated_at = $1, preempt_reason = NULL \
          WHERE {LIVE} AND lease_expires_at < $1"
     )))
     .bind(now)
@@ -388,7 +396,63 @@ pub async fn expire_leases(db: &Db) -> Result<u64> {
     Ok(touched)
 }
 
-/// Jobs waiting in the queue (a Prometheus gauge and the dashboard use it).
+/// Jobs waiting in the queue, preempted ones included (a Prometheus gauge and the
+/// dashboard use it).
 pub async fn depth(db: &Db) -> Result<i64> {
-    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE state = 'queued'").fetch_one(db.pool()).await?)
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM jobs WHERE state IN {WAITING}")))
+        .fetch_one(db.pool())
+        .await?)
+}
+
+/// Asks the worker holding `job` (a one-process job, or a formed gang's job) to preempt
+/// it, keeping the first reason given; false when no worker runs it (queued, preempted,
+/// a gang still forming, ended). The heartbeat answer carries the request (see
+/// [`preempt_requested`]); the lease stays the worker's until it reports `preempted`.
+pub async fn request_preemption(db: &Db, job: Uuid, reason: &str) -> Result<bool> {
+    let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), updated_at = $2 WHERE id = $3 AND {LIVE}"
+    )))
+    .bind(reason)
+    .bind(now_ms())
+    .bind(job.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}
+
+/// The jobs `worker` holds that are asked to preempt: their own request, or for a rank,
+/// its gang's.
+pub async fn preempt_requested(db: &Db, worker: Uuid) -> Result<Vec<Uuid>> {
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT j.id FROM jobs j LEFT JOIN jobs g ON g.id = j.gang_id WHERE j.worker_id = $1 \
+         AND j.state IN ('leased', 'running') AND (j.preempt_reason IS NOT NULL OR g.preempt_reason IS NOT NULL)",
+    )
+    .bind(worker.to_string())
+    .fetch_all(db.pool())
+    .await?;
+    ids.iter().map(|id| parse_uuid("jobs", "id", id)).collect()
+}
+
+/// A job `worker` holds and was asked to preempt has checkpointed and stopped: a
+/// one-process job waits as `preempted` for its next claim, its attempt given back; a
+/// rank waits as `preempted` for its gang's other ranks (`gangs::sweep` then preempts the
+/// gang). False when the worker does not hold it or no preemption was asked for.
+pub async fn mark_preempted(db: &Db, worker: Uuid, job: Uuid, message: &str) -> Result<bool> {
+    let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET state = 'preempted', message = $1, updated_at = $2, worker_id = NULL, \
+         lease_expires_at = NULL, endpoint = NULL, preempt_reason = NULL, \
+         attempts = CASE WHEN gang_id IS NULL THEN attempts - 1 ELSE attempts END, \
+         preemptions = CASE WHEN gang_id IS NULL THEN preemptions + 1 ELSE preemptions END \
+         WHERE id = $3 AND worker_id = $4 AND {LIVE} AND (preempt_reason IS NOT NULL OR EXISTS \
+         (SELECT 1 FROM jobs g WHERE g.id = jobs.gang_id AND g.preempt_reason IS NOT NULL))"
+    )))
+    .bind(message)
+    .bind(now_ms())
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
 }

@@ -7,13 +7,13 @@ use uuid::Uuid;
 
 use super::Result;
 
-/// Jobs of `owner` that are queued or hold a lease. Serving replicas are left out (they
+/// Jobs of `owner` that are queued, preempted (waiting to resume) or hold a lease. Serving replicas are left out (they
 /// count against the replica quota), and so are a data-parallel job's ranks: the job
 /// the user submitted counts once.
 pub async fn unfinished_jobs(conn: &mut AnyConnection, owner: Uuid) -> Result<i64> {
     Ok(sqlx::query_scalar(
         "SELECT COUNT(*) FROM jobs WHERE owner_id = $1 AND deployment_id IS NULL AND gang_id IS NULL \
-         AND state IN ('queued', 'leased', 'running')",
+         AND state IN ('queued', 'preempted', 'leased', 'running')",
     )
     .bind(owner.to_string())
     .fetch_one(conn)

@@ -150,6 +150,7 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
         lr_schedule: spec.lr_schedule.clone(),
         seed: spec.seed,
         parallel: spec.parallel.clone(),
+        resources: Some(spec.resolve_resources().map_err(spec_error)?),
     };
     Ok((job, dataset.id))
 }

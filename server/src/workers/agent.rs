@@ -100,7 +100,8 @@ fn lease_ttl_ms(state: &AppState) -> i64 {
     state.config.lease_ttl_secs as i64 * 1000
 }
 
-/// Say the worker is alive and renew the leases of the jobs it is running.
+/// Say the worker is alive and renew the leases of the jobs it is running; the answer
+/// names the jobs to stop and those to preempt (checkpoint now, report `preempted`).
 #[utoipa::path(post, path = "/api/v1/agent/heartbeat", tag = "agent", security(("worker" = [])),
     request_body = Heartbeat, responses((status = 200, body = HeartbeatResponse)))]
 pub async fn heartbeat(
@@ -109,7 +110,8 @@ pub async fn heartbeat(
     ApiJson(beat): ApiJson<Heartbeat>,
 ) -> Result<ApiJson<HeartbeatResponse>> {
     let stop = jobs::renew(&state.db, agent.worker_id, &beat.jobs, lease_ttl_ms(&state)).await?;
-    Ok(ApiJson(HeartbeatResponse { stop }))
+    let preempt = jobs::preempt_requested(&state.db, agent.worker_id).await?;
+    Ok(ApiJson(HeartbeatResponse { stop, preempt }))
 }
 
 /// Lease the oldest queued job of a kind the worker can run; `204` when there is none.
@@ -252,9 +254,19 @@ pub async fn report_status(
         JobState::Succeeded | JobState::Failed => {
             jobs::mark_finished(&state.db, agent.worker_id, job, report.state, report.message.as_deref()).await?
         }
+        JobState::Preempted => {
+            let message = report.message.as_deref().unwrap_or("Preempted: checkpointed and stopped.");
+            let preempted = jobs::mark_preempted(&state.db, agent.worker_id, job, message).await?;
+            if !preempted && jobs::holds_lease(&state.db, agent.worker_id, job).await? {
+                return Err(Error::Conflict(
+                    "Nobody asked this job to preempt; report running, succeeded or failed.".into(),
+                ));
+            }
+            preempted
+        }
         other => {
             return Err(Error::BadRequest(format!(
-                "A worker reports running, succeeded or failed, not {}.",
+                "A worker reports running, succeeded, failed or preempted, not {}.",
                 other.as_str()
             )))
         }

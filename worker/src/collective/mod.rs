@@ -1,14 +1,16 @@
 //! Collective communication between the ranks of a data-parallel gang: the TCP ring
 //! (`ring`) and [`RingSync`], the training engine's `GradientSync` over it. Each step's
-//! gradients (every parameter, flattened in the network's fixed order) and the weighted
-//! loss travel as one f32 buffer, so every rank applies bit-identical gradients. A gang whose
-//! ranks are all CUDA GPUs reduces over NCCL instead (`nccl`, the `nccl` feature): [`for_gang`]
-//! picks, the same way on every rank.
+//! gradients (every parameter, flattened in the network's fixed order), the weighted
+//! loss and each rank's stop request (a preemption) travel as one f32 buffer, so every
+//! rank applies bit-identical gradients and the ranks agree on the step they stop after.
+//! A gang whose ranks are all CUDA GPUs reduces over NCCL instead (`nccl`, the `nccl`
+//! feature): [`for_gang`] picks, the same way on every rank.
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod ring;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backprop::GradStore;
@@ -70,11 +72,13 @@ const VOTE_SLOTS: usize = 7;
 /// otherwise. The ranks vote with one ring all-reduce in which each fills only its own
 /// slots, so all of them see every rank's claim and pick alike; every rank must call this
 /// once, right after the ring connects. `timeout` bounds NCCL's set-up and reductions (the
-/// ring has its own).
+/// ring has its own). `stop_request` is this rank's preemption flag: the ranks agree in
+/// each step's reduction whether any one of them was asked to stop.
 pub fn for_gang(
     mut ring: Ring,
     device: &Device,
     timeout: std::time::Duration,
+    stop_request: Arc<AtomicBool>,
 ) -> std::result::Result<(Box<dyn GradientSync>, RingFault, Transport), SyncError> {
     let (rank, world) = (ring.rank(), ring.world());
     let mut votes = vec![0f32; world * VOTE_SLOTS];
@@ -94,13 +98,13 @@ pub fn for_gang(
     if world > 1 && all_can && distinct {
         #[cfg(feature = "nccl")]
         {
-            let sync = nccl::NcclSync::new(ring, device, timeout)?;
+            let sync = nccl::NcclSync::new(ring, device, timeout)?.with_stop_request(stop_request);
             let fault = sync.fault();
             return Ok((Box::new(sync), fault, Transport::Nccl));
         }
     }
     let _ = timeout;
-    let sync = RingSync::new(ring);
+    let sync = RingSync::new(ring).with_stop_request(stop_request);
     let fault = sync.fault();
     Ok((Box::new(sync), fault, Transport::Ring))
 }
@@ -111,11 +115,28 @@ pub struct RingSync {
     buffer: Vec<f32>,
     timing: Option<SyncTiming>,
     fault: RingFault,
+    /// Set when this rank is asked to preempt (its worker's heartbeat).
+    stop_request: Arc<AtomicBool>,
+    /// Whether any rank asked, in the last all-reduce.
+    stop_agreed: bool,
 }
 
 impl RingSync {
     pub fn new(ring: Ring) -> RingSync {
-        RingSync { ring, buffer: Vec::new(), timing: None, fault: RingFault::default() }
+        RingSync {
+            ring,
+            buffer: Vec::new(),
+            timing: None,
+            fault: RingFault::default(),
+            stop_request: Arc::default(),
+            stop_agreed: false,
+        }
+    }
+
+    /// This rank's preemption flag: once set, the next all-reduce tells every rank, and all
+    /// stop after that step.
+    pub fn with_stop_request(self, stop_request: Arc<AtomicBool>) -> RingSync {
+        RingSync { stop_request, ..self }
     }
 
     /// Set once the ring fails (a rank died or went silent).
@@ -145,7 +166,10 @@ impl GradientSync for RingSync {
             }
         }
         self.buffer.push(loss as f32);
+        // Every rank adds 0 or 1: the sum is above 0 on every rank alike once one asked.
+        self.buffer.push(if self.stop_request.load(Ordering::Relaxed) { 1.0 } else { 0.0 });
         let timing = self.ring.all_reduce(&mut self.buffer).map_err(|e| self.failed(e))?;
+        self.stop_agreed = self.buffer[self.buffer.len() - 1] > 0.5;
         self.timing = Some(SyncTiming { wait: timing.wait, reduce: timing.reduce });
         let mut offset = 0;
         for (_, var) in parameters {
@@ -173,6 +197,10 @@ impl GradientSync for RingSync {
 
     fn broadcast(&mut self, bytes: Vec<u8>) -> Result<Vec<u8>> {
         self.ring.broadcast(bytes).map_err(|e| self.failed(e))
+    }
+
+    fn agreed_stop(&self, _requested: bool) -> bool {
+        self.stop_agreed
     }
 }
 
@@ -212,7 +240,7 @@ mod tests {
                 .into_iter()
                 .map(|ring| {
                     scope.spawn(move || {
-                        let (mut sync, _, transport) = for_gang(ring, &Device::Cpu, timeout).unwrap();
+                        let (mut sync, _, transport) = for_gang(ring, &Device::Cpu, timeout, Arc::default()).unwrap();
                         let mut grads = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap().backward().unwrap();
                         let share = sync.share();
                         (transport, sync.synchronise(&[], &mut grads, share.rank as f64 + 0.5).unwrap())

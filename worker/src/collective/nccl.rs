@@ -6,7 +6,8 @@
 //! dies inside a reduction fails the step instead of hanging the gang.
 
 use std::ffi::{c_char, c_void};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
@@ -62,6 +63,9 @@ pub struct NcclSync {
     timeout: Duration,
     timing: Option<SyncTiming>,
     fault: RingFault,
+    /// This rank's preemption flag, and whether any rank's was set in the last step.
+    stop_request: Arc<AtomicBool>,
+    stop_agreed: bool,
 }
 
 impl NcclSync {
@@ -109,7 +113,22 @@ impl NcclSync {
                 return Err(SyncError::NcclTimeout { what: "joining the communicator", seconds: timeout.as_secs() })
             }
         };
-        Ok(NcclSync { ring, comm, device, timeout, timing: None, fault: RingFault::default() })
+        Ok(NcclSync {
+            ring,
+            comm,
+            device,
+            timeout,
+            timing: None,
+            fault: RingFault::default(),
+            stop_request: Arc::default(),
+            stop_agreed: false,
+        })
+    }
+
+    /// The same sync with `stop_request` as this rank's preemption flag: the ranks agree in
+    /// each step's loss reduction whether to stop after that step.
+    pub fn with_stop_request(self, stop_request: Arc<AtomicBool>) -> NcclSync {
+        NcclSync { stop_request, ..self }
     }
 
     /// Set once a reduction fails (a rank died or went silent).
@@ -184,9 +203,12 @@ impl GradientSync for NcclSync {
             });
         }
         let flat = Tensor::cat(&parts, 0)?;
-        // The loss over the ring first: every rank alive and at this step, or an error now.
-        let mut summed_loss = [loss as f32];
+        // The loss and the stop requests over the ring first: every rank alive and at this
+        // step, or an error now.
+        let stop = if self.stop_request.load(Ordering::Relaxed) { 1.0 } else { 0.0 };
+        let mut summed_loss = [loss as f32, stop];
         let ring = self.ring.all_reduce(&mut summed_loss).map_err(|e| self.failed(e.into()))?;
+        self.stop_agreed = summed_loss[1] > 0.5;
         let started = Instant::now();
         let summed = self.all_reduce(&flat).map_err(|e| self.failed(e))?;
         self.timing = Some(SyncTiming { wait: ring.wait, reduce: ring.reduce + started.elapsed() });
@@ -208,6 +230,10 @@ impl GradientSync for NcclSync {
 
     fn last_timing(&self) -> Option<SyncTiming> {
         self.timing
+    }
+
+    fn agreed_stop(&self, _requested: bool) -> bool {
+        self.stop_agreed
     }
 
     // Precision planning's small exchanges stay on the TCP ring, as for the loss.

@@ -1,6 +1,7 @@
 //! Running one leased job: do the work, report how it ended. What a job prints goes to
 //! the server as log lines; what it measures, as metric points. Batch jobs report
-//! `running` when they start; a serving replica reports it once its engine answers.
+//! `running` when they start; a serving replica reports it once its engine answers. A
+//! training job asked to preempt checkpoints, then reports `preempted`.
 
 pub mod prefetch;
 pub mod profile;
@@ -8,6 +9,7 @@ pub mod serve;
 pub mod train;
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
@@ -32,6 +34,8 @@ pub struct JobContext {
     binding: Policy,
     /// Test-only: data-parallel ranks compute this many times slower (`--test-slowdown`).
     test_slowdown: f64,
+    /// Set by the agent when the server asks to preempt the job (training jobs heed it).
+    preempt: Arc<AtomicBool>,
 }
 
 impl JobContext {
@@ -45,12 +49,18 @@ impl JobContext {
             offered: Arc::default(),
             binding: Policy::default(),
             test_slowdown: 1.0,
+            preempt: Arc::default(),
         }
     }
 
     /// Test-only: the data-parallel ranks this worker runs compute `factor` times slower.
     pub fn with_test_slowdown(self, factor: f64) -> JobContext {
         JobContext { test_slowdown: factor, ..self }
+    }
+
+    /// The flag that asks this job to preempt (checkpoint now and stop).
+    pub fn preempt_flag(&self) -> Arc<AtomicBool> {
+        self.preempt.clone()
     }
 
     /// The slice the server bound this job to, the slices the worker offers, and how
@@ -104,6 +114,9 @@ pub enum JobError {
     /// A data-parallel rank lost its ring (a peer died or went silent).
     #[error("the gang lost a rank: {0}")]
     RankLost(String),
+    /// Not a failure: asked to preempt, the job checkpointed at `step` (uploaded) and stopped.
+    #[error("preempted at step {step}")]
+    Preempted { step: u64 },
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -127,6 +140,10 @@ pub async fn run(context: JobContext, spec: JobSpec) {
     };
     let (state, message) = match outcome {
         Ok(summary) => (JobState::Succeeded, summary),
+        Err(JobError::Preempted { step }) => {
+            let _ = context.log(format!("preempted: checkpointed at step {step} and stopped")).await;
+            (JobState::Preempted, format!("Preempted at step {step}; resumes from its checkpoint there."))
+        }
         Err(JobError::Client(ClientError::LeaseLost)) => {
             tracing::info!(%job, "lease lost while running; leaving the job to the server");
             return;

@@ -11,6 +11,11 @@
 //! job's metrics and checkpoints, every rank its own step timings. When the job asks for
 //! per-operator precision the ranks plan it after their first steps (`train::hybrid`) and
 //! rank 0 sends the plan (`PUT …/precision-plan`), again at the end with the measured step.
+//!
+//! Preemption: the job's flag (set by the agent from a heartbeat answer) reaches the
+//! session (and a rank's ring, so the gang agrees on the step); the session checkpoints
+//! at that step and stops, the checkpoint is uploaded like any other, and the job ends
+//! as `JobError::Preempted`, which `jobs::run` reports as `preempted`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,7 +41,7 @@ use crate::train::model::mlp::Mlp;
 use crate::train::model::Network;
 use crate::train::optim::OptimizerKind;
 use crate::train::policy;
-use crate::train::session::{Event, Limits, Session};
+use crate::train::session::{Event, Limits, Session, SessionError};
 use crate::train::trainer::{Evaluation, Slowdown, Trainer};
 
 /// Metric rows are sent when this many are waiting, or after `FLUSH_EVERY`.
@@ -276,8 +281,13 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
     .await
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
+    let session = session.with_preemption(context.preempt_flag());
     let (step, outcome) = drive(context, session, None, Vec::new(), true).await?;
-    Ok(summary(step, &outcome?))
+    match outcome {
+        Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// Runs the session on a blocking thread (inside `pool` when given) and streams what it
@@ -391,13 +401,14 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
         Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
     });
+    let preempt = context.preempt_flag();
     let setup = tokio::task::spawn_blocking(
         move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
             let ring =
                 Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
             let breakers = ring.breakers()?;
             // NCCL when every rank is a CUDA GPU in an `nccl` build, else the ring itself.
-            let (sync, fault, transport) = collective::for_gang(ring, &device, RING_TIMEOUT).map_err(|e| {
+            let (sync, fault, transport) = collective::for_gang(ring, &device, RING_TIMEOUT, preempt.clone()).map_err(|e| {
                 if e.is_rank_lost() {
                     JobError::RankLost(e.to_string())
                 } else {
@@ -406,7 +417,8 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             })?;
             let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
             let session =
-                Session::with_trainer(session, |trainer| trainer.with_sync(sync).with_slowdown(slowdown));
+                Session::with_trainer(session, |trainer| trainer.with_sync(sync).with_slowdown(slowdown))
+                    .with_preemption(preempt);
             let session = match planner {
                 Some(planner) => session.with_planner(planner),
                 None => session,
@@ -436,6 +448,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let (step, outcome) = drive(context, session, pool, breakers, rank.rank == 0).await?;
     match outcome {
         Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
         Err(error) => match fault.get() {
             Some(reason) => Err(JobError::RankLost(reason.clone())),
             None => Err(error.into()),

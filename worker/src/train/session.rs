@@ -8,9 +8,17 @@
 //! grows, and a restored stage snapshot rewinds the model, never the step count. A run
 //! whose budget ends inside a search, or on a diverged exploitation, ends on the stage
 //! snapshot (the last model it kept), never on a candidate's or a diverged model.
+//!
+//! Preemption: once its preemption flag is set (a data-parallel gang: once any rank's is,
+//! agreed in the step's all-reduce), the session checkpoints after the step it is on,
+//! whatever `checkpoint_every` says, and stops with [`SessionError::Preempted`]. That
+//! checkpoint holds everything the next steps depend on (weights, optimizer moments and
+//! step count, loader position and RNG, the LR policy's state, an AutoLRS stage's
+//! snapshot), so a run resumed from it takes exactly the steps the uninterrupted run took.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -103,6 +111,9 @@ pub enum SessionError {
     Planning(#[from] PlanningError),
     #[error("cancelled")]
     Cancelled,
+    /// Not a failure: asked to preempt, the run checkpointed at `step` and stopped.
+    #[error("preempted: checkpointed at step {step} and stopped")]
+    Preempted { step: u64 },
 }
 
 pub struct Session {
@@ -112,6 +123,8 @@ pub struct Session {
     step: u64,
     stage: Option<Snapshot>,
     planner: Option<Planner>,
+    /// Set from outside to preempt the run (see the module comment).
+    preempt: Arc<AtomicBool>,
 }
 
 fn row(step: u64, phase: Option<StepPhase>, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
@@ -129,13 +142,18 @@ pub fn eval_row(step: u64, phase: Option<StepPhase>, evaluation: &Evaluation) ->
 
 impl Session {
     pub fn new(trainer: Trainer, policy: Box<dyn LrPolicy>, limits: Limits) -> Session {
-        Session { trainer, policy, limits, step: 0, stage: None, planner: None }
+        Session { trainer, policy, limits, step: 0, stage: None, planner: None, preempt: Arc::default() }
     }
 
     /// The same session planning per-operator precision after its first steps (a
     /// data-parallel rank whose job asks for it).
     pub fn with_planner(self, planner: Planner) -> Session {
         Session { planner: Some(planner), ..self }
+    }
+
+    /// The session with `flag` as its preemption flag.
+    pub fn with_preemption(self, flag: Arc<AtomicBool>) -> Session {
+        Session { preempt: flag, ..self }
     }
 
     /// The same session with its trainer changed (a data-parallel rank's gradient sync
@@ -257,6 +275,13 @@ impl Session {
                     let checkpoint = self.step % self.limits.checkpoint_every == 0 || last;
                     if checkpoint && self.trainer.share().is_leader() {
                         emit(Event::Checkpoint(self.checkpoint()?));
+                    }
+                    // The last step ends the run anyway; a preemption then has nothing to save.
+                    if !last && self.trainer.agreed_stop(self.preempt.load(Ordering::Relaxed)) {
+                        if !checkpoint && self.trainer.share().is_leader() {
+                            emit(Event::Checkpoint(self.checkpoint()?));
+                        }
+                        return Err(SessionError::Preempted { step: self.step });
                     }
                 }
             }

@@ -73,6 +73,13 @@ pub trait GradientSync: Send {
         None
     }
 
+    /// Whether to stop after the step just taken (a preemption), given whether this
+    /// replica was asked to. Replicas that communicate answer what they agreed in that
+    /// step's `synchronise` (any one asked), so a gang stops at one step together.
+    fn agreed_stop(&self, requested: bool) -> bool {
+        requested
+    }
+
     /// Every replica's `bytes`, by rank (precision planning gathers the ranks' profiles).
     fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         Ok(vec![bytes])
@@ -241,6 +248,11 @@ impl Trainer {
 
     pub fn last_timing(&self) -> Option<SyncTiming> {
         self.sync.last_timing()
+    }
+
+    /// See [`GradientSync::agreed_stop`].
+    pub fn agreed_stop(&self, requested: bool) -> bool {
+        self.sync.agreed_stop(requested)
     }
 
     pub fn batch_size(&self) -> usize {
