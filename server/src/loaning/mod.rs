@@ -21,7 +21,6 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use tessera_api::loaning::{LoanRound, LoanState as SliceLoan};
-use tessera_api::train::TrainJob;
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -51,28 +50,6 @@ const STEP_WINDOW: usize = 50;
 const RATE_BUCKETS: u64 = 2;
 /// History the dashboard shows, and how long it is kept.
 const HISTORY_MS: i64 = 24 * 3600 * 1000;
-
-/// What a training spec asks of the scheduler: elastic bounds and whether it may be
-/// preempted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resources {
-    pub min_ranks: u32,
-    pub max_ranks: u32,
-    pub preemptible: bool,
-}
-
-/// The resources of a job queued with `ranks` ranks.
-// a-preempt provides: the spec's `resources: {min_ranks, max_ranks, preemptible}`; read
-// it here (`train.resources`). Until then every job is inelastic at its queued ranks and
-// preemptible (a gang already resumes from its last checkpoint when it loses a rank).
-pub fn resources(train: &TrainJob, ranks: u32) -> Resources {
-    let _ = train;
-    Resources {
-        min_ranks: ranks,
-        max_ranks: ranks,
-        preemptible: true,
-    }
-}
 
 /// What one round did, for logs and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -322,7 +299,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         let mut jobs = Vec::new();
         for g in &mine {
             let ranks = g.ranks.len() as u32;
-            let wanted = resources(&g.train, ranks);
+            let wanted = g.train.resources();
             let waiting = g.waiting();
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
@@ -454,7 +431,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 notes.push(format!("{}: the plan's slices were not all free", g.name));
                 continue;
             }
-            if !store::resize_waiting_gang(db, g.id, total).await? {
+            // Within the spec's min..=max ranks (the plan's range); refused only if the gang
+            // left the queue since the round read it.
+            if total as usize != g.ranks.len() && crate::gangs::resize(db, g.id, total).await.is_err() {
                 continue;
             }
             let ranks = store::slice_gangs(db)

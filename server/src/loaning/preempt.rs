@@ -1,21 +1,21 @@
 //! The seam to preemption (issue 16's reclaim step): how the loaning round asks a training
-//! job to give its slices back.
-//!
-//! a-preempt provides `preempt_job(state, job, reason)`: the job checkpoints now on a
-//! heartbeat signal, stops, and is requeued in the `preempted` state (not a failed
-//! attempt). Until that lands, [`preempt_job`] stops the job at once and requeues it to
-//! resume from its last checkpoint (the gang's lost-rank path, without spending an
-//! attempt), so a preemption costs the steps since that checkpoint.
+//! job to give its slices back. `jobs::preempt_job` does it: the job checkpoints at the
+//! step it is on (a heartbeat signal), stops and waits as `preempted`, its rank pins
+//! cleared, so the reclaim finishes once the slices are free.
 
 use uuid::Uuid;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::state::AppState;
-use crate::store::loaning as store;
 
-/// Asks training job `job` (a gang) to stop and requeue; true when it was stopped.
-// a-preempt provides: replace the body with its `preempt_job(state, job, reason)`.
+/// Asks training job `job` (a gang) to checkpoint now and stop; true when it was asked (or
+/// a gang still forming was sent back to the queue), false when there is nothing to stop.
 pub async fn preempt_job(state: &AppState, job: Uuid, reason: &str) -> Result<bool> {
-    let message = format!("Preempted: {reason}; requeued to resume from its last checkpoint.");
-    Ok(store::requeue_preempted(&state.db, job, &message).await?)
+    match crate::jobs::preempt_job(&state.db, job, reason).await {
+        Ok(_) => Ok(true),
+        // Not running (it ended or was preempted since the round read it), or not
+        // preemptible (the round only picks preemptible jobs, so a spec read in between).
+        Err(Error::Conflict(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }

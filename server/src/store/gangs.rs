@@ -414,6 +414,7 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                     .bind(&id)
                     .execute(&mut *tx)
                     .await?;
+                    super::loaning::free_preempted_slices(&mut tx, &id, now).await?;
                     swept.preempted += 1;
                 } else if ranks.iter().all(|r| r.state == "succeeded") {
                     let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();

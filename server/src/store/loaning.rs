@@ -12,7 +12,6 @@ use std::collections::HashMap;
 use sqlx::{AnyConnection, Row};
 use tessera_api::jobs::JobSpec;
 use tessera_api::loaning::{LoanRound, LoanState, QueuedTraining, ReclaimEvent, SliceEvent};
-use tessera_api::parallel::RankJob;
 use tessera_api::train::TrainJob;
 use uuid::Uuid;
 
@@ -163,7 +162,7 @@ impl SliceGang {
 
     /// No rank is held by a worker: the round may re-place (and resize) it.
     pub fn waiting(&self) -> bool {
-        self.state == "queued" && self.ranks.iter().all(|r| r.state == "queued")
+        matches!(self.state.as_str(), "queued" | "preempted") && self.ranks.iter().all(|r| r.state == "queued")
     }
 }
 
@@ -172,7 +171,7 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     let gangs = sqlx::query(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
            (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at \
-         FROM jobs g WHERE g.kind = 'train_gang' AND g.state IN ('queued', 'running') \
+         FROM jobs g WHERE g.kind = 'train_gang' AND g.state IN ('queued', 'preempted', 'running') \
          AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.gang_placement NOT LIKE 'slice:%') \
          ORDER BY g.created_at, g.id",
     )
@@ -261,7 +260,7 @@ pub async fn step_secs_by_ranks(db: &Db, gang: Uuid, last: usize) -> Result<Vec<
     Ok(out)
 }
 
-async fn event(
+pub(super) async fn event(
     conn: &mut AnyConnection,
     at: i64,
     slice: &str,
@@ -514,161 +513,22 @@ pub async fn unpin_ranks(db: &Db, gang: Uuid) -> Result<()> {
     Ok(())
 }
 
-/// Resizes a waiting gang to `ranks` rank rows (every rank asks for `placement`): rows
-/// beyond are deleted, missing ones added from rank 0's spec, every rank's `world`
-/// rewritten. Nothing happens unless every rank is queued.
-pub async fn resize_waiting_gang(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
-    let now = now_ms();
-    let mut tx = db.begin().await?;
-    let rows = sqlx::query(
-        "SELECT id, gang_rank, state, spec, owner_id, name, dataset_id, gang_placement, max_attempts FROM jobs \
-         WHERE gang_id = $1 AND state IN ('queued', 'leased', 'running') ORDER BY gang_rank",
-    )
-    .bind(gang.to_string())
-    .fetch_all(&mut *tx)
-    .await?;
-    let Some(first) = rows.first() else {
-        return Ok(false);
-    };
-    if rows
-        .iter()
-        .any(|r| r.try_get::<String, _>("state").is_ok_and(|s| s != "queued"))
-        || ranks == 0
-    {
-        return Ok(false);
-    }
-    if rows.len() as u32 == ranks {
-        return Ok(true);
-    }
-    let spec: JobSpec = parse_json("jobs", "spec", &first.try_get::<String, _>("spec")?)?;
-    let JobSpec::TrainRank(template) = spec else {
-        return Ok(false);
-    };
-    let owner: String = first.try_get("owner_id")?;
-    let dataset: Option<String> = first.try_get("dataset_id")?;
-    let placement: String = first.try_get("gang_placement")?;
-    let max_attempts: i64 = first.try_get("max_attempts")?;
-    let gang_name: String = sqlx::query_scalar("SELECT name FROM jobs WHERE id = $1")
-        .bind(gang.to_string())
-        .fetch_one(&mut *tx)
+/// A preempted gang's slices are free: its ranks' pins go (the round re-pins the gang when
+/// it places it again) and each slice's history says why it is idle.
+pub(super) async fn free_preempted_slices(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()> {
+    let slices: Vec<Option<String>> = sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1")
+        .bind(gang)
+        .fetch_all(&mut *conn)
         .await?;
-    for row in &rows {
-        let rank = row.try_get::<i64, _>("gang_rank")? as u32;
-        let id: String = row.try_get("id")?;
-        if rank >= ranks {
-            sqlx::query("DELETE FROM jobs WHERE id = $1")
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?;
-        } else {
-            let spec = JobSpec::TrainRank(RankJob {
-                rank,
-                world: ranks,
-                ..template.clone()
-            });
-            sqlx::query("UPDATE jobs SET spec = $1, slice_uuid = NULL, slice_pinned = 0, updated_at = $2 WHERE id = $3")
-                .bind(serde_json::to_string(&spec)?)
-                .bind(now)
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?;
-        }
-    }
-    for rank in rows.len() as u32..ranks {
-        let spec = JobSpec::TrainRank(RankJob {
-            rank,
-            world: ranks,
-            ..template.clone()
-        });
-        sqlx::query(
-            "INSERT INTO jobs (id, owner_id, name, kind, spec, state, attempts, max_attempts, created_at, updated_at, \
-             dataset_id, gang_id, gang_rank, gang_placement) \
-             VALUES ($1, $2, $3, 'train_rank', $4, 'queued', 0, $5, $6, $6, $7, $8, $9, $10)",
-        )
-        .bind(Uuid::new_v4().to_string())
-        .bind(&owner)
-        .bind(format!("{gang_name} rank {rank}"))
-        .bind(serde_json::to_string(&spec)?)
-        .bind(max_attempts)
-        .bind(now)
-        .bind(&dataset)
-        .bind(gang.to_string())
-        .bind(rank as i64)
-        .bind(&placement)
-        .execute(&mut *tx)
+    sqlx::query("UPDATE jobs SET slice_uuid = NULL, slice_pinned = 0 WHERE gang_id = $1")
+        .bind(gang)
+        .execute(&mut *conn)
         .await?;
-    }
-    tx.commit().await?;
-    Ok(true)
-}
-
-/// Stops a running (or forming) gang and requeues it to resume from its last checkpoint,
-/// without spending one of its attempts: every rank goes back to the queue unpinned (their
-/// workers stop them at the next heartbeat). False when it was neither.
-pub async fn requeue_preempted(db: &Db, gang: Uuid, message: &str) -> Result<bool> {
-    let now = now_ms();
-    let mut tx = db.begin().await?;
-    // The next formation adds an attempt; the budget grows with it, so a preemption is
-    // never the attempt that fails the job.
-    let changed = sqlx::query(
-        "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2, max_attempts = max_attempts + 1, \
-         gang_deadline = NULL WHERE id = $3 AND state = 'running'",
-    )
-    .bind(message)
-    .bind(now)
-    .bind(gang.to_string())
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if changed == 0 {
-        // A gang still forming holds slices too: its ranks go back unpinned, its job waits.
-        let forming: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND state = 'queued'")
-                .bind(gang.to_string())
-                .fetch_one(&mut *tx)
-                .await?;
-        if forming == 0 {
-            return Ok(false);
-        }
-        sqlx::query(
-            "UPDATE jobs SET gang_deadline = NULL, message = $1, updated_at = $2 WHERE id = $3",
-        )
-        .bind(message)
-        .bind(now)
-        .bind(gang.to_string())
-        .execute(&mut *tx)
-        .await?;
-    }
-    let slices: Vec<Option<String>> = sqlx::query_scalar(
-        "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state IN ('queued', 'leased', 'running', 'succeeded')",
-    )
-    .bind(gang.to_string())
-    .fetch_all(&mut *tx)
-    .await?;
-    sqlx::query(
-        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, gang_address = NULL, message = $1, \
-         updated_at = $2, finished_at = NULL, slice_uuid = NULL, slice_pinned = 0 \
-         WHERE gang_id = $3 AND state IN ('queued', 'leased', 'running', 'succeeded')",
-    )
-    .bind(message)
-    .bind(now)
-    .bind(gang.to_string())
-    .execute(&mut *tx)
-    .await?;
+    let job = parse_uuid("jobs", "id", gang)?;
     for slice in slices.into_iter().flatten() {
-        event(
-            &mut tx,
-            now,
-            &slice,
-            "idle",
-            None,
-            Some(gang),
-            "its rank was preempted",
-        )
-        .await?;
+        event(conn, now, &slice, "idle", None, Some(job), "its rank was preempted").await?;
     }
-    tx.commit().await?;
-    Ok(true)
+    Ok(())
 }
 
 /// A reclaim decision to record.
