@@ -2,13 +2,13 @@
 //! as a user and an operator would.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, Process};
+use tessera_tests::{binary, eventually, minilm_dir, Process};
 use tessera_worker::engine::synthetic::RandomBert;
 use tessera_worker::engine::EmbeddingModel;
 
@@ -50,17 +50,6 @@ async fn upload_minilm(http: &reqwest::Client, url: &str, token: &str, dir: &Pat
     let model = upload_model(http, url, token, dir, MODEL_FILES, name).await;
     assert_eq!(model["architecture"], "BertModel");
     model["id"].as_str().unwrap().to_string()
-}
-
-fn minilm_dir() -> Option<PathBuf> {
-    let root = std::env::var("TESSERA_ASSETS").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
-    let dir = root.join("all-MiniLM-L6-v2");
-    if dir.join("model.safetensors").exists() {
-        return Some(dir);
-    }
-    assert!(std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"), "{} is missing; run scripts/fetch-assets.sh", dir.display());
-    eprintln!("skipping: {} is missing; run scripts/fetch-assets.sh", dir.display());
-    None
 }
 
 async fn login(http: &reqwest::Client, url: &str, username: &str, password: &str) -> String {

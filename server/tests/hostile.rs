@@ -39,20 +39,7 @@ async fn refuses_to_start_with_a_short_or_empty_secret() {
     }
 }
 
-#[tokio::test]
-async fn the_binary_refuses_an_empty_worker_token_from_the_environment() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tessera-server"))
-        .env("TESSERA_DATA_DIR", dir.path())
-        .env("TESSERA_BIND", "127.0.0.1:0")
-        .env("TESSERA_WORKER_TOKEN", "")
-        .env_remove("TESSERA_JWT_SECRET")
-        .env_remove("TESSERA_DATABASE_URL")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success() && stderr.contains("TESSERA_WORKER_TOKEN"), "{stderr}");
-}
+// The binary itself refusing them from its environment: tests/hostile.rs.
 
 #[tokio::test]
 async fn long_secrets_and_a_generated_jwt_secret_start() {
