@@ -74,6 +74,19 @@ impl Route {
         }
     }
 
+    /// The `index`th embedding of an answer.
+    fn embedding(self, body: &Value, index: usize) -> Vec<f64> {
+        let values = match self {
+            Route::OpenAi => &body["data"][index]["embedding"],
+            Route::KServe => &body["outputs"][0]["data"],
+        };
+        let all: Vec<f64> = values.as_array().unwrap_or_else(|| panic!("{body}")).iter().map(|v| v.as_f64().unwrap()).collect();
+        match self {
+            Route::OpenAi => all,
+            Route::KServe => all[index * 384..(index + 1) * 384].to_vec(),
+        }
+    }
+
     /// The refusal's sentence, from the route's error shape: OpenAI's
     /// `{"error": {"message", "type", "code"}}`, KServe's `{"error": "…"}`.
     fn error_message(self, body: &Value, status: u16) -> String {
@@ -172,10 +185,20 @@ async fn an_overloaded_replica_answers_every_request_at_once_with_200_or_429_and
         eprintln!("{route:?}: {refused} of {BURST} refused");
         assert!(refused >= 1 && refused < BURST, "{route:?}: {refused} of {BURST} refused");
 
-        // Once the burst is over the replica has room again.
-        let after = send(route, &user, &texts(99, 2)).await;
+        // Once the burst is over the replica has room again. 8 texts of about 250 tokens
+        // are more than one CPU pass of MiniLM (1365 tokens): each text's embedding is the
+        // one it gets alone.
+        let batch = texts(99, 8);
+        let after = send(route, &user, &batch).await;
         assert_eq!(after.status, 200, "{route:?} after the burst: {}", after.body);
-        route.check_answer(&after.body, 2);
+        route.check_answer(&after.body, 8);
+        for i in [0, 7] {
+            let alone = send(route, &user, &batch[i..=i]).await;
+            assert_eq!(alone.status, 200, "{}", alone.body);
+            let (together, alone) = (route.embedding(&after.body, i), route.embedding(&alone.body, 0));
+            let gap = together.iter().zip(&alone).map(|(a, b)| (a - b).abs()).fold(0.0f64, f64::max);
+            assert!(gap < 1e-4, "{route:?}: text {i} differs by {gap} computed with the others and alone");
+        }
 
         // Per-request caps: 413 naming the limit, in the route's shape.
         let too_many = vec!["a short text".to_string(); MAX_REQUEST_INPUTS + 1];
