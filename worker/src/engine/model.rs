@@ -73,9 +73,9 @@ pub struct EmbeddingModel {
 /// The widest activation of one CPU forward pass (the feed-forward's `[tokens,
 /// intermediate]`, f32), at most. Passes whose activations stay under about 12 MB reuse the
 /// allocator's memory from pass to pass; past that (2,464 tokens and up for MiniLM, here)
-/// every pass maps and page-faults fresh memory, and a 16k-token batch ran at about 0.75 of
-/// the tokens per CPU-second of 1-2k-token passes, and got less CPU besides (measured for
-/// bench/results/overload.md). 8 MiB keeps a margin under that edge.
+/// every pass maps and page-faults fresh memory, and 13k-token batches ran at about 0.7 of
+/// the tokens per CPU-second of 1.4k-token passes, and got less CPU besides
+/// (bench/results/overload.md). 8 MiB keeps a margin under that edge.
 const CPU_PASS_ACTIVATION_BYTES: usize = 8 << 20;
 
 impl EmbeddingModel {

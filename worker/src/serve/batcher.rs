@@ -302,6 +302,7 @@ pub fn compute_limits(model: &EmbeddingModel, limits: BatchLimits) -> BatchLimit
         None => limits,
     }
 }
+
 /// The next batch, open while the current one computes: it takes each request as it
 /// arrives, in order, up to the request cap and the token budget, and goes to the compute
 /// thread the moment that thread is free. So a burst that arrives during one batch is
