@@ -66,7 +66,17 @@ pub struct EmbeddingModel {
     pooling: Pooling,
     normalize: bool,
     max_input_tokens: usize,
+    /// Most tokens one forward pass holds (`pass_tokens`); `None`: no limit.
+    pass_tokens: Option<usize>,
 }
+
+/// The widest activation of one CPU forward pass (the feed-forward's `[tokens,
+/// intermediate]`, f32), at most. Passes whose activations stay under about 12 MB reuse the
+/// allocator's memory from pass to pass; past that (2,464 tokens and up for MiniLM, here)
+/// every pass maps and page-faults fresh memory, and 13k-token batches ran at about 0.7 of
+/// the tokens per CPU-second of 1.4k-token passes, and got less CPU besides
+/// (bench/results/overload.md). 8 MiB keeps a margin under that edge.
+const CPU_PASS_ACTIVATION_BYTES: usize = 8 << 20;
 
 impl EmbeddingModel {
     /// Loads `config.json`, `model.safetensors`, `tokenizer.json` and the optional
@@ -121,6 +131,8 @@ impl EmbeddingModel {
             }))
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
 
+        let widest = config.intermediate_size.max(config.hidden_size) * std::mem::size_of::<f32>();
+        let pass_tokens = device.is_cpu().then(|| (CPU_PASS_ACTIVATION_BYTES / widest).max(1));
         Ok(Self {
             encoder,
             gemm: if device.is_cpu() {
@@ -134,6 +146,7 @@ impl EmbeddingModel {
             pooling: sentence.pooling,
             normalize: sentence.normalize,
             max_input_tokens,
+            pass_tokens,
         })
     }
 
@@ -218,6 +231,13 @@ impl EmbeddingModel {
             .enumerate()
             .map(|(i, text)| self.tokenize_indexed(i, text, truncate))
             .collect()
+    }
+
+    /// Most tokens worth computing in one forward pass on this model's device: a batch
+    /// with more is best computed as several passes (the serving queue does). `None` on a
+    /// GPU, where bigger passes only fill the device better.
+    pub fn pass_tokens(&self) -> Option<usize> {
+        self.pass_tokens
     }
 
     /// Packs token-id sequences for this model (see [`Batch::pack`]).

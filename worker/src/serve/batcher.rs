@@ -212,6 +212,7 @@ impl Queue {
     /// `limits`, requests within `admission`; `prior_tokens_per_s` (the warm-up batch's)
     /// estimates waits until the first batches are measured.
     pub fn start(model: Arc<EmbeddingModel>, task: Task, limits: BatchLimits, admission: Admission, prior_tokens_per_s: f64) -> Queue {
+        let limits = compute_limits(&model, limits);
         Queue::with_compute(limits, admission, prior_tokens_per_s, move |sequences: &[&[u32]]| run(&model, task, sequences))
     }
 
@@ -257,17 +258,7 @@ impl Queue {
             return Err(SubmitError::TooManyTokens { tokens, max });
         }
         let mut load = self.load.lock().expect("load lock");
-        let limit = self.admission.max_queue_wait();
-        let wait = load.wait(Instant::now());
-        let over_bound = load.queued_tokens + tokens > self.max_queued_tokens;
-        if wait > limit || over_bound {
-            // When the queue, draining at the measured rate, will have room for it.
-            let rate = load.throughput.per_second();
-            let excess = (wait.saturating_sub(limit).as_secs_f64())
-                .max((load.queued_tokens + tokens).saturating_sub(self.max_queued_tokens) as f64 / rate);
-            let retry_after_secs = (excess.ceil() as u64).max(1);
-            return Err(SubmitError::Overloaded { wait, limit, retry_after_secs });
-        }
+        self.refusal(&load, tokens)?;
         let ticket = Arc::new(Ticket { tokens: tokens.into(), load: self.load.clone() });
         let (reply, answer) = oneshot::channel();
         self.sender.send(Job { request, ticket: ticket.clone(), reply }).map_err(|_| SubmitError::Closed)?;
@@ -275,7 +266,43 @@ impl Queue {
         drop(load);
         Ok(Pending { answer, ticket })
     }
+
+    /// Refuses at once when the work already queued would keep any request waiting past
+    /// the wait limit. The endpoint asks before it tokenizes, so under overload a request
+    /// costs the replica no tokenization before its 429 (`submit` checks again, with the
+    /// request's own tokens).
+    pub fn check(&self) -> Result<(), SubmitError> {
+        self.refusal(&self.load.lock().expect("load lock"), 0)
+    }
+
+    /// Why a request of `tokens` cannot be queued now, if it cannot: it would wait past
+    /// the wait limit or take the queue past its token bound.
+    fn refusal(&self, load: &Load, tokens: usize) -> Result<(), SubmitError> {
+        let limit = self.admission.max_queue_wait();
+        let wait = load.wait(Instant::now());
+        let over_bound = load.queued_tokens + tokens > self.max_queued_tokens;
+        if wait <= limit && !over_bound {
+            return Ok(());
+        }
+        // When the queue, draining at the measured rate, will have room for it.
+        let rate = load.throughput.per_second();
+        let excess = (wait.saturating_sub(limit).as_secs_f64())
+            .max((load.queued_tokens + tokens).saturating_sub(self.max_queued_tokens) as f64 / rate);
+        let retry_after_secs = (excess.ceil() as u64).max(1);
+        Err(SubmitError::Overloaded { wait, limit, retry_after_secs })
+    }
 }
+
+/// The batch limits a replica of `model` batches under: the deployment's, with the token
+/// budget cut to the model's pass size where it has one (on the CPU), so a batch is one
+/// pass and a request waits for no more than that behind it.
+pub fn compute_limits(model: &EmbeddingModel, limits: BatchLimits) -> BatchLimits {
+    match model.pass_tokens() {
+        Some(pass) => BatchLimits { max_batch_tokens: limits.max_batch_tokens.min(pass.try_into().unwrap_or(u32::MAX)), ..limits },
+        None => limits,
+    }
+}
+
 /// The next batch, open while the current one computes: it takes each request as it
 /// arrives, in order, up to the request cap and the token budget, and goes to the compute
 /// thread the moment that thread is free. So a burst that arrives during one batch is
@@ -420,12 +447,38 @@ where
     }
 }
 
-fn run(model: &EmbeddingModel, task: Task, sequences: &[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError> {
-    let batch: Batch = model.pack(sequences, true)?;
-    match task {
-        Task::Embed => model.embed_batch(&batch),
-        Task::Classify => Ok(model.classify_batch(&batch)?.into_iter().map(|p| p.logits).collect()),
+/// Computes `sequences` in passes of at most the model's pass size (a request over the
+/// batch budget is a batch of its own, and may be larger), one output per sequence in order.
+pub fn run(model: &EmbeddingModel, task: Task, sequences: &[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError> {
+    let mut outputs = Vec::with_capacity(sequences.len());
+    for pass in passes(sequences, model.pass_tokens().unwrap_or(usize::MAX)) {
+        let batch: Batch = model.pack(pass, true)?;
+        match task {
+            Task::Embed => outputs.extend(model.embed_batch(&batch)?),
+            Task::Classify => outputs.extend(model.classify_batch(&batch)?.into_iter().map(|p| p.logits)),
+        }
     }
+    Ok(outputs)
+}
+
+/// `sequences` cut, in order, into runs of at most `max_tokens` tokens (a longer sequence is
+/// a run of its own).
+fn passes<'a, 's>(sequences: &'a [&'s [u32]], max_tokens: usize) -> impl Iterator<Item = &'a [&'s [u32]]> {
+    let mut rest = sequences;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut tokens = rest[0].len();
+        let mut end = 1;
+        while end < rest.len() && tokens + rest[end].len() <= max_tokens {
+            tokens += rest[end].len();
+            end += 1;
+        }
+        let (pass, after) = rest.split_at(end);
+        rest = after;
+        Some(pass)
+    })
 }
 
 #[cfg(test)]
@@ -607,6 +660,32 @@ mod tests {
             other => panic!("{:?}", other.map(|_| ())),
         }
         assert_eq!(g.finish().await, Vec::<Vec<u32>>::new());
+    }
+
+    #[test]
+    fn a_batch_is_computed_in_passes_of_at_most_the_pass_size_in_order() {
+        let sequences: Vec<Vec<u32>> = [3, 4, 2, 9, 1, 1, 5].iter().enumerate().map(|(i, &n)| vec![i as u32; n]).collect();
+        let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+        let cut: Vec<Vec<u32>> = passes(&refs, 8).map(|pass| pass.iter().map(|s| s[0]).collect()).collect();
+        // 3+4 fit in 8; 2 alone (2+9 would not); 9 is over the size on its own; 1+1+5.
+        assert_eq!(cut, vec![vec![0, 1], vec![2], vec![3], vec![4, 5, 6]]);
+        assert_eq!(passes(&refs, usize::MAX).count(), 1);
+        assert_eq!(passes(&[], 8).count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_replica_past_its_wait_limit_refuses_before_the_request_is_tokenized() {
+        let admission = Admission { max_queue_wait_ms: 1000, ..Admission::DEFAULT };
+        let mut g = gated(limits(1000, 64), admission, 10.0);
+        assert!(g.queue.check().is_ok(), "an idle replica refused");
+        let _computing = submit(&g.queue, 0, &[5]);
+        g.started.recv().await.unwrap();
+        // 0.5 s of work left: within the limit, so a request may still be tokenized.
+        assert!(g.queue.check().is_ok());
+        let _queued = submit(&g.queue, 1, &[10]);
+        // 1.5 s ahead of anything that arrives now.
+        assert!(matches!(g.queue.check(), Err(SubmitError::Overloaded { retry_after_secs: 1, .. })));
+        drop(g.finish().await);
     }
 
     #[test]

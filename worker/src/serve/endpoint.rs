@@ -201,6 +201,10 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
         );
         return error(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message);
     }
+    // Under overload most requests are refused: refuse them before they cost tokenization.
+    if let Err(e) = replica.queue.check() {
+        return refused(e);
+    }
     let enqueued = Instant::now();
     let model = replica.model.clone();
     let tokenized = tokio::task::spawn_blocking(move || tokenize(&model, request)).await;

@@ -46,17 +46,15 @@ fn joined<T>(result: Result<Result<T, EngineError>, tokio::task::JoinError>) -> 
     result.map_err(|e| EngineError::Unsupported(format!("the loading thread panicked: {e}")))?
 }
 
-/// Runs one batch as large as the budget allows, of the longest inputs the model takes.
+/// Runs one batch as large as the replica's budget allows, of the longest inputs the model
+/// takes, as the queue would compute it.
 fn warm_up(model: &EmbeddingModel, task: Task, limits: BatchLimits) -> Result<usize, EngineError> {
+    let limits = batcher::compute_limits(model, limits);
     let text = "warm up ".repeat(model.max_input_tokens());
     let longest = model.tokenize(&text, true)?;
     let count = (limits.max_batch_tokens as usize / longest.len()).clamp(1, limits.max_batch_requests as usize);
-    let batch = model.pack(&vec![longest.as_slice(); count], true)?;
-    match task {
-        Task::Embed => model.embed_batch(&batch).map(|_| ()),
-        Task::Classify => model.classify_batch(&batch).map(|_| ()),
-    }?;
-    Ok(batch.total_tokens())
+    batcher::run(model, task, &vec![longest.as_slice(); count])?;
+    Ok(count * longest.len())
 }
 
 /// Loads the model in `folder`, warms it up with a full batch (so a model too big for the
