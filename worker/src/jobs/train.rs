@@ -459,9 +459,10 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
 /// The rank's device in words for its precision plan: `cpu, 4 threads`, `cuda:0`, with a
 /// test slowdown named.
 fn device_label(device: &Device, threads: Option<usize>, slowdown: Slowdown) -> String {
-    let mut label = match device.is_cuda() {
-        true => "cuda:0".to_string(),
-        false => format!("cpu, {} threads", threads.unwrap_or_else(rayon::current_num_threads)),
+    let mut label = match (device.is_cuda(), threads.unwrap_or_else(rayon::current_num_threads)) {
+        (true, _) => "cuda:0".to_string(),
+        (false, 1) => "cpu, 1 thread".to_string(),
+        (false, n) => format!("cpu, {n} threads"),
     };
     if slowdown.factor() > 1.0 {
         label += &format!(", test slowdown {}×", slowdown.factor());

@@ -31,7 +31,7 @@ pub struct RankMeasurement {
     /// Its operators at each precision, with the rest of its step (overhead, optimizer).
     pub table: CostTable,
     pub casts: CastModel,
-    /// Median transfer time of its all-reduces while profiling (waiting excluded), ms.
+    /// Transfer time of its fastest all-reduce while profiling (waiting excluded), ms.
     pub allreduce_ms: f64,
 }
 
