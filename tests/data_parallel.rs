@@ -116,7 +116,6 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
 /// one host cannot hold unequal devices). The slowed rank lowers operators, the other stays
 /// f32, and the plan, its measured step and the per-step predictions are served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the precision-plan routes (q-page branch)"]
 async fn a_qsync_job_serves_its_precision_plan() {
     let Some(csv) = digits_csv() else { return };
     let data = tempfile::tempdir().unwrap();
