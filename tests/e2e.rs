@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, minilm_dir, Process};
+use tessera_tests::{binary, eventually, minilm_dir, Process, MINILM_FILES};
 use tessera_worker::engine::synthetic::RandomBert;
 use tessera_worker::engine::EmbeddingModel;
 
@@ -47,7 +47,7 @@ async fn upload_model(http: &reqwest::Client, url: &str, token: &str, dir: &Path
 
 /// Uploads the real MiniLM folder as `name`; returns the model's id.
 async fn upload_minilm(http: &reqwest::Client, url: &str, token: &str, dir: &Path, name: &str) -> String {
-    let model = upload_model(http, url, token, dir, MODEL_FILES, name).await;
+    let model = upload_model(http, url, token, dir, MINILM_FILES, name).await;
     assert_eq!(model["architecture"], "BertModel");
     model["id"].as_str().unwrap().to_string()
 }
@@ -63,11 +63,6 @@ async fn get_json(http: &reqwest::Client, url: &str, token: &str) -> Value {
     assert!(response.status().is_success(), "GET {url}: {}", response.status());
     response.json().await.unwrap()
 }
-
-const MODEL_FILES: &[&str] = &[
-    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json",
-];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_and_worker_binaries_serve_a_real_model_end_to_end() {

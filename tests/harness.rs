@@ -324,6 +324,28 @@ pub async fn error_body(response: reqwest::Response, status: u16) -> Value {
     body
 }
 
+/// The files of the demo model's folder a model upload sends (sentence-transformers layout).
+pub const MINILM_FILES: &[&str] = &[
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "1_Pooling/config.json",
+];
+
+/// The JSON body of a response that must succeed (the status and body in the panic if not).
+pub async fn success_json(response: reqwest::Response) -> Value {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap();
+    assert!(status.is_success(), "{status}: {body}");
+    body
+}
+
 /// The demo model's folder (MiniLM) under `$TESSERA_ASSETS`, or `None` (skip) where it is
 /// missing and not required.
 pub fn minilm_dir() -> Option<PathBuf> {

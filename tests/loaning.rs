@@ -9,55 +9,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-use tessera_tests::{binary, digits_csv, eventually, Process, User};
+use serde_json::json;
+use tessera_tests::{binary, digits_csv, eventually, minilm_dir, success_json, Process, User, MINILM_FILES};
 
 const WORKER_TOKEN: &str = "loaning-e2e-worker-token-at-least-32-bytes";
 /// The stated bound: from the first request of the spike to every replica ready again.
 /// It spans the rate window (10 s), a round (1 s), the ranks' stop at a heartbeat (1 s)
 /// and three replicas loading MiniLM on a shared CPU.
 const CAPACITY_BACK: Duration = Duration::from_secs(60);
-const MODEL_FILES: &[&str] = &[
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "1_Pooling/config.json",
-];
-
-fn minilm_dir() -> Option<std::path::PathBuf> {
-    let root = std::env::var("TESSERA_ASSETS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets")
-        });
-    let dir = root.join("all-MiniLM-L6-v2");
-    if dir.join("model.safetensors").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
-        "{} is missing",
-        dir.display()
-    );
-    eprintln!(
-        "skipping: {} is missing; run scripts/fetch-assets.sh",
-        dir.display()
-    );
-    None
-}
-
-async fn ok(response: reqwest::Response) -> Value {
-    let status = response.status();
-    let body: Value = response.json().await.unwrap();
-    assert!(status.is_success(), "{status}: {body}");
-    body
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
@@ -83,14 +42,14 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     let api = |path: &str| format!("{url}/api/v1{path}");
 
     let mut form = reqwest::multipart::Form::new().text("name", "minilm");
-    for path in MODEL_FILES {
+    for path in MINILM_FILES {
         let bytes = std::fs::read(model_dir.join(path)).unwrap();
         form = form.part(
             "files",
             reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()),
         );
     }
-    ok(http
+    success_json(http
         .post(api("/models"))
         .bearer_auth(&user.token)
         .multipart(form)
@@ -122,7 +81,7 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
         },
     )
     .await;
-    let profile = ok(http
+    let profile = success_json(http
         .post(api("/models/minilm/profiles"))
         .bearer_auth(&user.token)
         .json(&json!({"batch_sizes": [1]}))
@@ -146,7 +105,7 @@ async fn loans_follow_a_diurnal_load_and_capacity_returns_after_the_spike() {
     // spike (over a fifth of one slice's rate) needs every slice back.
     let body = json!({"name": "embed", "model": "minilm", "replicas": 3, "loanable": true, "reclaim_headroom": 4.0,
                       "max_batch_tokens": 2048});
-    ok(http
+    success_json(http
         .post(api("/deployments"))
         .bearer_auth(&user.token)
         .json(&body)

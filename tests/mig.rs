@@ -3,53 +3,13 @@
 //! onto the slices, its replicas bind to them and become ready, and embeddings flow
 //! through the gateway.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, eventually, start_server, Process};
+use tessera_tests::{binary, eventually, minilm_dir, start_server, success_json, Process, MINILM_FILES};
 
 const WORKER_TOKEN: &str = "mig-e2e-worker-token-at-least-32-bytes-long";
-const MODEL_FILES: &[&str] = &[
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "1_Pooling/config.json",
-];
-
-fn minilm_dir() -> Option<PathBuf> {
-    let root = std::env::var("TESSERA_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
-    let dir = root.join("all-MiniLM-L6-v2");
-    if dir.join("model.safetensors").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"),
-        "{} is missing; run scripts/fetch-assets.sh",
-        dir.display()
-    );
-    eprintln!(
-        "skipping: {} is missing; run scripts/fetch-assets.sh",
-        dir.display()
-    );
-    None
-}
-
-async fn json_of(response: reqwest::Response) -> Value {
-    let status = response.status();
-    let body: Value = response.json().await.unwrap();
-    assert!(status.is_success(), "{status}: {body}");
-    body
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
@@ -67,16 +27,16 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         .send()
         .await
         .unwrap();
-    let admin = json_of(login).await["token"].as_str().unwrap().to_string();
+    let admin = success_json(login).await["token"].as_str().unwrap().to_string();
     let mut form = reqwest::multipart::Form::new().text("name", "minilm");
-    for path in MODEL_FILES {
+    for path in MINILM_FILES {
         let bytes = std::fs::read(model_dir.join(path)).unwrap();
         form = form.part(
             "files",
             reqwest::multipart::Part::bytes(bytes).file_name(path.to_string()),
         );
     }
-    json_of(
+    success_json(
         http.post(format!("{url}/api/v1/models"))
             .bearer_auth(&admin)
             .multipart(form)
@@ -96,7 +56,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     );
     let get = |path: String| {
         let (http, admin) = (http.clone(), admin.clone());
-        async move { json_of(http.get(path).bearer_auth(admin).send().await.unwrap()).await }
+        async move { success_json(http.get(path).bearer_auth(admin).send().await.unwrap()).await }
     };
     let slices = eventually(
         "the worker reports its slices",
@@ -134,7 +94,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         .send()
         .await
         .unwrap();
-    let job = json_of(response).await["id"].as_str().unwrap().to_string();
+    let job = success_json(response).await["id"].as_str().unwrap().to_string();
     eventually(
         "the profile job succeeds",
         Duration::from_secs(180),
@@ -178,7 +138,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
     let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(&admin)
         .json(&json!({"name": "minilm-slo", "model": "minilm", "throughput": best_2g * 1.5, "latency_ms": 60000, "max_batch_tokens": 2048}))
         .send().await.unwrap();
-    let deployment = json_of(response).await;
+    let deployment = success_json(response).await;
     let planned = deployment["slo"]["slices"].as_array().unwrap().clone();
     assert!(planned.len() >= 2, "{deployment}");
     assert!(deployment["slo"]["capacity"].as_f64().unwrap() >= best_2g * 1.5);
@@ -240,7 +200,7 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
 
     let response = http.post(format!("{url}/v1/embeddings")).bearer_auth(&admin)
         .json(&json!({"model": "minilm-slo", "input": ["a slice of a GPU", "served on the CPU engine"]})).send().await.unwrap();
-    let body = json_of(response).await;
+    let body = success_json(response).await;
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 2);
     assert_eq!(data[0]["embedding"].as_array().unwrap().len(), 384);

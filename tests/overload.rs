@@ -4,17 +4,12 @@
 //! times out or fails; the 429s carry `Retry-After` in the route's error shape; a request
 //! over a cap is a 413 naming it. Nothing here depends on timing beyond generous bounds.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tessera_tests::{eventually, start_server, User};
+use tessera_tests::{eventually, minilm_dir, start_server, User, MINILM_FILES};
 
 const WORKER_TOKEN: &str = "overload-e2e-worker-token-at-least-32-bytes";
-const MODEL_FILES: &[&str] = &[
-    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json",
-];
 /// The worker's limits: any work ahead past 50 ms is refused, so concurrent requests of a
 /// few thousand tokens each (hundreds of milliseconds of CPU) cannot all be admitted.
 const MAX_QUEUE_WAIT_MS: &str = "50";
@@ -25,17 +20,6 @@ const BURST: usize = 16;
 /// Longer than any answer should take, shorter than a client would wait: a request that
 /// takes this long counts as timed out.
 const ANSWER_BOUND: Duration = Duration::from_secs(30);
-
-fn minilm_dir() -> Option<PathBuf> {
-    let root = std::env::var("TESSERA_ASSETS").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets"));
-    let dir = root.join("all-MiniLM-L6-v2");
-    if dir.join("model.safetensors").exists() {
-        return Some(dir);
-    }
-    assert!(std::env::var("TESSERA_REQUIRE_ASSETS").as_deref() != Ok("1"), "{} is missing; run scripts/fetch-assets.sh", dir.display());
-    eprintln!("skipping: {} is missing; run scripts/fetch-assets.sh", dir.display());
-    None
-}
 
 /// `count` distinct texts of about 250 tokens each (MiniLM keeps 256).
 fn texts(seed: usize, count: usize) -> Vec<String> {
@@ -128,7 +112,7 @@ async fn an_overloaded_replica_answers_every_request_at_once_with_200_or_429_and
     let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 10);
     let user = User::login(&mut server, &url).await;
     let mut form = reqwest::multipart::Form::new().text("name", "minilm");
-    for path in MODEL_FILES {
+    for path in MINILM_FILES {
         form = form.part("files", reqwest::multipart::Part::bytes(std::fs::read(model_dir.join(path)).unwrap()).file_name(path.to_string()));
     }
     let uploaded = user.http.post(format!("{url}/api/v1/models")).bearer_auth(&user.token).multipart(form).send().await.unwrap();

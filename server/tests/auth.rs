@@ -4,7 +4,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
+use support::{backends, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
 
 /// Every route in the OpenAPI document, with `{param}`s filled in.
 async fn all_routes(server: &TestServer) -> Vec<(String, String)> {
@@ -54,7 +54,7 @@ async fn a_user_cannot_read_change_or_delete_another_users_things() {
         let alice = server.user(&admin, "alice").await;
         let bob = server.user(&admin, "bob").await;
 
-        let response = server.http.post(server.api("/models")).bearer_auth(&alice).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+        let response = server.upload_model(&alice, "tiny", tiny_model()).await;
         assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
         let model: Value = response.json().await.unwrap();
         let model_id = model["id"].as_str().unwrap();

@@ -5,10 +5,10 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, TestServer};
+use support::{backends, tiny_model, TestServer};
 
 async fn deploy(server: &TestServer, token: &str, replicas: u32) -> Value {
-    let response = server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+    let response = server.upload_model(token, "tiny", tiny_model()).await;
     assert_eq!(response.status(), 201);
     let response = server.post(token, "/deployments", json!({"name": "embedder", "model": "tiny", "replicas": replicas})).await;
     assert_eq!(response.status(), 201);

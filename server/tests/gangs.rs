@@ -12,23 +12,6 @@ use support::{backends, Backend, TestServer};
 use tessera_server::store::db::now_ms;
 use tessera_server::store::gangs;
 
-fn csv() -> String {
-    let mut csv = String::from("f0,f1,label\n");
-    for i in 0..40 {
-        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
-    }
-    csv
-}
-
-async fn dataset(server: &TestServer, token: &str) -> String {
-    let form = reqwest::multipart::Form::new()
-        .text("name", "d")
-        .part("file", reqwest::multipart::Part::bytes(csv().into_bytes()).file_name("d.csv"));
-    let response = server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
-}
-
 fn body(dataset: &str, ranks: Value) -> Value {
     json!({"name": "dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": dataset,
         "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
@@ -74,7 +57,7 @@ async fn a_gang_is_claimed_all_or_none() {
     for backend in backends() {
         let server = TestServer::start_tweaked(backend, |c| c.gang_rendezvous_secs = 1).await;
         let token = server.admin().await;
-        let data = dataset(&server, &token).await;
+        let data = server.toy_dataset(&token).await;
         let response = server
             .post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}])))
             .await;
@@ -153,7 +136,7 @@ async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let token = server.admin().await;
-        let data = dataset(&server, &token).await;
+        let data = server.toy_dataset(&token).await;
         let created: Value = server
             .post(&token, "/jobs", body(&data, json!([{"device": "cpu", "threads": 1}, {"device": "cpu"}])))
             .await
@@ -253,7 +236,7 @@ async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
 async fn parallel_specs_get_a_422_naming_the_field() {
     let server = TestServer::start(Backend::Sqlite).await;
     let token = server.admin().await;
-    let data = dataset(&server, &token).await;
+    let data = server.toy_dataset(&token).await;
     let cases = [
         (json!([{"device": "cpu"}]), "parallel.ranks"),
         (json!([{"device": "cpu"}, {"device": "cuda", "threads": 2}]), "parallel.ranks[1].threads"),

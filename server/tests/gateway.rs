@@ -17,7 +17,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, Backend, TestServer};
+use support::{backends, tiny_model, Backend, TestServer};
 use tessera_api::engine::{EngineInput, InferRequest, InferResponse, Timings};
 use tokio::sync::Semaphore;
 
@@ -80,7 +80,7 @@ async fn unreachable_endpoint() -> String {
 /// `owner` gets a model and a deployment, both called `name`, with one ready replica at
 /// each of `endpoints`.
 async fn deployment_at(server: &TestServer, owner: &str, name: &str, endpoints: &[String]) {
-    let response = server.http.post(server.api("/models")).bearer_auth(owner).multipart(model_form(name, tiny_model())).send().await.unwrap();
+    let response = server.upload_model(owner, name, tiny_model()).await;
     assert_eq!(response.status(), 201);
     let response = server.post(owner, "/deployments", json!({"name": name, "model": name, "replicas": endpoints.len()})).await;
     assert_eq!(response.status(), 201);

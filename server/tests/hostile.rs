@@ -224,14 +224,7 @@ async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server
-            .http
-            .post(server.api("/models"))
-            .bearer_auth(&admin)
-            .multipart(model_form("tiny", tiny_model()))
-            .send()
-            .await
-            .unwrap();
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
         assert_eq!(response.status(), 201);
         let model: Value = response.json().await.unwrap();
         let id = model["id"].as_str().unwrap();
@@ -321,14 +314,7 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server
-            .http
-            .post(server.api("/models"))
-            .bearer_auth(&admin)
-            .multipart(model_form("tiny", tiny_model()))
-            .send()
-            .await
-            .unwrap();
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
         assert_eq!(response.status(), 201);
         let model: Value = response.json().await.unwrap();
         let id = model["id"].as_str().unwrap();

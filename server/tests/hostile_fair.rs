@@ -5,7 +5,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, Backend, TestServer};
+use support::{backends, tiny_model, Backend, TestServer};
 use tessera_server::store::jobs as queue;
 
 /// The `{"error":{"code","message"}}` body of a rejection, asserting its shape.
@@ -18,22 +18,6 @@ async fn error_body(response: reqwest::Response) -> Value {
         "not the error shape: {body}"
     );
     body
-}
-
-async fn upload_model(
-    server: &TestServer,
-    token: &str,
-    name: &str,
-    files: Vec<(String, Vec<u8>)>,
-) -> reqwest::Response {
-    server
-        .http
-        .post(server.api("/models"))
-        .bearer_auth(token)
-        .multipart(model_form(name, files))
-        .send()
-        .await
-        .unwrap()
 }
 
 async fn upload_dataset(
@@ -91,7 +75,7 @@ async fn one_users_flood_does_not_starve_the_next_users_job() {
         let bob = server.user(&admin, "bob").await;
         for token in [&alice, &bob] {
             assert_eq!(
-                upload_model(&server, token, "tiny", tiny_model())
+                server.upload_model(token, "tiny", tiny_model())
                     .await
                     .status(),
                 201
@@ -149,14 +133,14 @@ async fn quotas_refuse_jobs_replicas_and_storage_past_the_limit_naming_it() {
         let admin = server.admin().await;
         let alice = server.user(&admin, "alice").await;
         assert_eq!(
-            upload_model(&server, &alice, "tiny", tiny_model())
+            server.upload_model(&alice, "tiny", tiny_model())
                 .await
                 .status(),
             201
         );
 
         // Storage: a second copy would pass the quota; a small dataset still fits.
-        let response = upload_model(&server, &alice, "tiny2", tiny_model()).await;
+        let response = server.upload_model(&alice, "tiny2", tiny_model()).await;
         assert_eq!(response.status(), 403, "{backend:?}");
         let body = error_body(response).await;
         assert_eq!(body["error"]["code"], "quota_exceeded");
@@ -236,13 +220,13 @@ async fn quotas_refuse_jobs_replicas_and_storage_past_the_limit_naming_it() {
 
         // Admins run the server and are not bound.
         assert_eq!(
-            upload_model(&server, &admin, "tiny", tiny_model())
+            server.upload_model(&admin, "tiny", tiny_model())
                 .await
                 .status(),
             201
         );
         assert_eq!(
-            upload_model(&server, &admin, "tiny2", tiny_model())
+            server.upload_model(&admin, "tiny2", tiny_model())
                 .await
                 .status(),
             201
@@ -304,7 +288,7 @@ async fn concurrent_creates_and_scales_cannot_together_pass_the_replica_quota() 
         let server = TestServer::start_tweaked(backend, |config| config.quota_replicas = 4).await;
         let admin = server.admin().await;
         let alice = server.user(&admin, "alice").await;
-        assert_eq!(upload_model(&server, &alice, "tiny", tiny_model()).await.status(), 201);
+        assert_eq!(server.upload_model(&alice, "tiny", tiny_model()).await.status(), 201);
 
         // Eight creates of two replicas each at once: each alone fits, only two together do.
         let creates = (0..8).map(|i| {
@@ -348,7 +332,7 @@ async fn concurrent_log_appends_never_collide() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         assert_eq!(
-            upload_model(&server, &admin, "tiny", tiny_model())
+            server.upload_model(&admin, "tiny", tiny_model())
                 .await
                 .status(),
             201
@@ -474,7 +458,7 @@ async fn text_fields_part_headers_part_counts_and_preambles_are_capped() {
     let long = "n".repeat(1 << 20);
 
     assert_413(
-        upload_model(&server, &admin, &long, tiny_model()).await,
+        server.upload_model(&admin, &long, tiny_model()).await,
         "'name'",
     )
     .await;
@@ -623,14 +607,13 @@ async fn safetensors_headers_are_bounded_by_their_tensor_count() {
         serde_json::to_vec(&json!({"embeddings.word_embeddings.weight": tensor})).unwrap();
     padded.resize(padded.len() + (256 << 10), b' ');
     assert_413(
-        upload_model(&server, &admin, "padded", with_weights_header(padded, 80)).await,
+        server.upload_model(&admin, "padded", with_weights_header(padded, 80)).await,
         "per tensor",
     )
     .await;
     // The same in metadata.
     let metadata = json!({"__metadata__": {"notes": "m".repeat(256 << 10)}, "embeddings.word_embeddings.weight": tensor});
-    let response = upload_model(
-        &server,
+    let response = server.upload_model(
         &admin,
         "meta",
         with_weights_header(serde_json::to_vec(&metadata).unwrap(), 80),
@@ -645,7 +628,7 @@ async fn safetensors_headers_are_bounded_by_their_tensor_count() {
     });
     let files = with_weights_header(serde_json::to_vec(&entry).unwrap(), 80);
     assert_413(
-        upload_model(&server, &admin, "named", files).await,
+        server.upload_model(&admin, "named", files).await,
         "one tensor may take",
     )
     .await;
@@ -656,7 +639,7 @@ async fn safetensors_headers_are_bounded_by_their_tensor_count() {
     .unwrap();
     honest.resize(honest.len().next_multiple_of(8), b' ');
     assert_eq!(
-        upload_model(&server, &admin, "honest", with_weights_header(honest, 80))
+        server.upload_model(&admin, "honest", with_weights_header(honest, 80))
             .await
             .status(),
         201
@@ -672,7 +655,7 @@ async fn a_model_folder_holds_at_most_one_pooling_config() {
         "2_Pooling/config.json".into(),
         br#"{"pooling_mode_cls_token": true}"#.to_vec(),
     ));
-    let response = upload_model(&server, &admin, "two-poolings", files).await;
+    let response = server.upload_model(&admin, "two-poolings", files).await;
     assert_eq!(response.status(), 422);
     let message = error_body(response).await["error"]["message"]
         .as_str()

@@ -8,7 +8,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, TestServer, WORKER_TOKEN};
+use support::{backends, tiny_model, TestServer, WORKER_TOKEN};
 use tessera_server::loaning::{lead_and_run, run_round};
 use tessera_server::store::loaning as store;
 use uuid::Uuid;
@@ -68,30 +68,6 @@ async fn profile(server: &TestServer, admin: &str, secret: &str) {
         .await;
 }
 
-async fn dataset(server: &TestServer, token: &str) -> String {
-    let mut csv = String::from("f0,f1,label\n");
-    for i in 0..40 {
-        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
-    }
-    let form = reqwest::multipart::Form::new().text("name", "d").part(
-        "file",
-        reqwest::multipart::Part::bytes(csv.into_bytes()).file_name("d.csv"),
-    );
-    let response = server
-        .http
-        .post(server.api("/datasets"))
-        .bearer_auth(token)
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-    response.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 async fn patch(server: &TestServer, token: &str, path: &str, body: Value) -> reqwest::Response {
     server
         .http
@@ -129,14 +105,7 @@ async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server
-            .http
-            .post(server.api("/models"))
-            .bearer_auth(&admin)
-            .multipart(model_form("tiny", tiny_model()))
-            .send()
-            .await
-            .unwrap();
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
         assert_eq!(response.status(), 201);
         let secret = register_mig(&server, "mig-1").await;
         profile(&server, &admin, &secret).await;
@@ -167,7 +136,7 @@ async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
                 204
             );
         }
-        let data = dataset(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
         let gang = json!({"name": "loan-dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
             "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
@@ -422,14 +391,7 @@ async fn loaning_settings_are_validated() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server
-            .http
-            .post(server.api("/models"))
-            .bearer_auth(&admin)
-            .multipart(model_form("tiny", tiny_model()))
-            .send()
-            .await
-            .unwrap();
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
         assert_eq!(response.status(), 201);
         let create = |body: Value| server.post(&admin, "/deployments", body);
 
@@ -541,7 +503,7 @@ async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         let secret = register_mig(&server, "mig-1").await;
-        let data = dataset(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
         let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
             "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,

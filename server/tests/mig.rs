@@ -6,7 +6,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, TestServer, WORKER_TOKEN};
+use support::{backends, tiny_model, TestServer, WORKER_TOKEN};
 
 fn slice(worker: &str, gpu: usize, i: usize, model: &str, profile: Option<&str>) -> Value {
     json!({
@@ -36,7 +36,7 @@ async fn secret_of(response: reqwest::Response) -> String {
 }
 
 async fn upload_tiny(server: &TestServer, token: &str) {
-    let response = server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form("tiny", tiny_model())).send().await.unwrap();
+    let response = server.upload_model(token, "tiny", tiny_model()).await;
     assert_eq!(response.status(), 201);
 }
 

@@ -16,7 +16,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use support::{model_form, tiny_model, Backend, TestServer};
+use support::{tiny_model, Backend, TestServer};
 use tessera_api::engine::{EngineInput, InferRequest, InferResponse, Timings};
 use tokio::sync::Semaphore;
 
@@ -81,7 +81,7 @@ async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<Infer
 
 /// `owner` gets a model and a deployment `name` with one ready replica at each of `engines`.
 async fn deployment_at(server: &TestServer, owner: &str, name: &str, engines: &[&StandIn]) {
-    let response = server.http.post(server.api("/models")).bearer_auth(owner).multipart(model_form(name, tiny_model())).send().await.unwrap();
+    let response = server.upload_model(owner, name, tiny_model()).await;
     assert_eq!(response.status(), 201);
     let response = server.post(owner, "/deployments", json!({"name": name, "model": name, "replicas": engines.len()})).await;
     assert_eq!(response.status(), 201);

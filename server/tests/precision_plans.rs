@@ -12,23 +12,6 @@ use support::{backends, Backend, TestServer, ADMIN_PASSWORD};
 use tessera_server::store::db::now_ms;
 use tessera_server::store::training::{upsert_metrics, Point, Series};
 
-fn csv() -> String {
-    let mut csv = String::from("f0,f1,label\n");
-    for i in 0..40 {
-        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
-    }
-    csv
-}
-
-async fn dataset(server: &TestServer, token: &str) -> String {
-    let form = reqwest::multipart::Form::new()
-        .text("name", "d")
-        .part("file", reqwest::multipart::Part::bytes(csv().into_bytes()).file_name("d.csv"));
-    let response = server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
-}
-
 /// A training job on `dataset`; `ranks` CPU ranks, or one process when 0.
 async fn submit(server: &TestServer, token: &str, name: &str, dataset: &str, ranks: usize) -> String {
     let mut body = json!({"name": name, "model": {"kind": "mlp", "hidden": [8]}, "dataset": dataset,
@@ -120,7 +103,7 @@ async fn only_rank_0s_worker_posts_a_plan_and_its_owner_reads_it_back() {
         let admin = server.admin().await;
         let alice = server.user(&admin, "alice").await;
         let bob = server.user(&admin, "bob").await;
-        let data = dataset(&server, &alice).await;
+        let data = server.toy_dataset(&alice).await;
         let id = submit(&server, &alice, "qsync", &data, 2).await;
         let plan_path = format!("/jobs/{id}/precision-plan");
 
@@ -220,7 +203,7 @@ async fn the_job_page_shows_ranks_the_layer_table_step_time_and_baselines() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let data = dataset(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
         let baseline = submit(&server, &admin, "f32-baseline", &data, 2).await;
         let wider = submit(&server, &admin, "three-ranks", &data, 3).await;
         let id = submit(&server, &admin, "qsync-run", &data, 2).await;

@@ -11,23 +11,6 @@ use serde_json::{json, Value};
 use support::{backends, TestServer};
 use tessera_server::store::jobs as jobs_store;
 
-fn csv() -> String {
-    let mut csv = String::from("f0,f1,label\n");
-    for i in 0..40 {
-        csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
-    }
-    csv
-}
-
-async fn dataset(server: &TestServer, token: &str) -> String {
-    let form = reqwest::multipart::Form::new()
-        .text("name", "d")
-        .part("file", reqwest::multipart::Part::bytes(csv().into_bytes()).file_name("d.csv"));
-    let response = server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
-    assert_eq!(response.status(), 201);
-    response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
-}
-
 /// A training body; `extra` is merged in (resources, parallel).
 fn body(dataset: &str, extra: Value) -> Value {
     let mut body = json!({"name": "t", "model": {"kind": "mlp", "hidden": [8]}, "dataset": dataset,
@@ -80,7 +63,7 @@ async fn a_preempted_job_waits_as_preempted_without_spending_an_attempt_and_is_c
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         let token = server.user(&admin, "ada").await;
-        let data = dataset(&server, &token).await;
+        let data = server.toy_dataset(&token).await;
         let preemptible = json!({"resources": {"preemptible": true}});
         let id = submit(&server, &token, body(&data, preemptible.clone())).await;
         let created = job(&server, &token, &id).await;
@@ -132,7 +115,7 @@ async fn who_may_preempt_what() {
         let admin = server.admin().await;
         let owner = server.user(&admin, "owner").await;
         let other = server.user(&admin, "other").await;
-        let data = dataset(&server, &owner).await;
+        let data = server.toy_dataset(&owner).await;
         let fixed = submit(&server, &owner, body(&data, json!({}))).await;
         let (_, secret) = server.register_worker("w").await;
         assert_eq!(claim(&server, &secret).await.unwrap()["job_id"], fixed);
@@ -208,7 +191,7 @@ async fn a_gang_is_preempted_once_every_rank_has_stopped_and_an_elastic_one_resi
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let token = server.admin().await;
-        let data = dataset(&server, &token).await;
+        let data = server.toy_dataset(&token).await;
         let elastic = json!({"parallel": {"ranks": [{"device": "cpu"}, {"device": "cpu"}]},
             "resources": {"min_ranks": 1, "preemptible": true}});
         let id = submit(&server, &token, body(&data, elastic)).await;
@@ -258,7 +241,7 @@ async fn a_worker_that_dies_instead_of_checkpointing_is_requeued_as_a_lost_lease
     for backend in backends() {
         let server = TestServer::start_tweaked(backend, |c| c.lease_ttl_secs = 1).await;
         let token = server.admin().await;
-        let data = dataset(&server, &token).await;
+        let data = server.toy_dataset(&token).await;
         let id = submit(&server, &token, body(&data, json!({"resources": {"preemptible": true}}))).await;
         let (_, secret) = server.register_worker("w").await;
         claim(&server, &secret).await.unwrap();

@@ -4,7 +4,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, minilm_dir, model_form, safetensors_bytes, tiny_model, Backend, TestServer};
+use support::{backends, minilm_dir, safetensors_bytes, tiny_model, Backend, TestServer};
 
 /// Files under the blob store and temp area.
 fn stored_files(server: &TestServer) -> usize {
@@ -18,14 +18,10 @@ fn with_file(path: &str, bytes: Vec<u8>) -> Vec<(String, Vec<u8>)> {
     files
 }
 
-async fn upload(server: &TestServer, token: &str, name: &str, files: Vec<(String, Vec<u8>)>) -> reqwest::Response {
-    server.http.post(server.api("/models")).bearer_auth(token).multipart(model_form(name, files)).send().await.unwrap()
-}
-
 /// Uploads and expects `status`, an error message mentioning `needle`, and no new files.
 async fn assert_rejected(server: &TestServer, token: &str, files: Vec<(String, Vec<u8>)>, status: u16, needle: &str) {
     let before = stored_files(server);
-    let response = upload(server, token, "broken", files).await;
+    let response = server.upload_model(token, "broken", files).await;
     let got = response.status().as_u16();
     let body: Value = response.json().await.unwrap();
     assert_eq!(got, status, "{body}");
@@ -110,11 +106,11 @@ async fn oversized_upload_is_refused_with_413() {
 async fn a_name_is_required_and_unique_per_owner() {
     let server = TestServer::start(Backend::Sqlite).await;
     let token = server.admin().await;
-    let response = upload(&server, &token, "", tiny_model()).await;
+    let response = server.upload_model(&token, "", tiny_model()).await;
     assert_eq!(response.status(), 422);
-    assert_eq!(upload(&server, &token, "tiny", tiny_model()).await.status(), 201);
+    assert_eq!(server.upload_model(&token, "tiny", tiny_model()).await.status(), 201);
     let before = stored_files(&server);
-    let response = upload(&server, &token, "tiny", tiny_model()).await;
+    let response = server.upload_model(&token, "tiny", tiny_model()).await;
     assert_eq!(response.status(), 409);
     assert_eq!(stored_files(&server), before);
 }
@@ -131,7 +127,7 @@ async fn valid_upload_round_trips_byte_for_byte() {
                 .collect(),
             None => tiny_model(),
         };
-        let response = upload(&server, &token, "minilm", files.clone()).await;
+        let response = server.upload_model(&token, "minilm", files.clone()).await;
         assert_eq!(response.status(), 201);
         let model: Value = response.json().await.unwrap();
         assert_eq!(model["files"].as_array().unwrap().len(), files.len());
@@ -145,7 +141,7 @@ async fn valid_upload_round_trips_byte_for_byte() {
         let listed: Vec<Value> = server.get(&token, "/models").await.json().await.unwrap();
         assert_eq!(listed.len(), 1);
         // Same content under another name shares blobs; deleting one keeps the other's.
-        assert_eq!(upload(&server, &token, "copy", files.clone()).await.status(), 201);
+        assert_eq!(server.upload_model(&token, "copy", files.clone()).await.status(), 201);
         assert_eq!(server.delete(&token, &format!("/models/{id}")).await.status(), 204);
         let copy: Vec<Value> = server.get(&token, "/models").await.json().await.unwrap();
         let copy_id = copy[0]["id"].as_str().unwrap();
@@ -163,7 +159,7 @@ async fn restart_keeps_users_models_and_queued_jobs() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         let alice = server.user(&admin, "alice").await;
-        assert_eq!(upload(&server, &alice, "tiny", tiny_model()).await.status(), 201);
+        assert_eq!(server.upload_model(&alice, "tiny", tiny_model()).await.status(), 201);
         let job: Value = server.post(&alice, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}})).await.json().await.unwrap();
         assert_eq!(job["state"], "queued");
         let server = server.restart().await;

@@ -144,6 +144,25 @@ impl TestServer {
         self.login(username, &password).await
     }
 
+    /// Uploads `files` as model `name` (multipart, as the dashboard does); the response.
+    pub async fn upload_model(&self, token: &str, name: &str, files: Vec<(String, Vec<u8>)>) -> reqwest::Response {
+        self.http.post(self.api("/models")).bearer_auth(token).multipart(model_form(name, files)).send().await.unwrap()
+    }
+
+    /// A 40-row classification CSV (`f0`, `f1`, `label`) uploaded as dataset `d`; its id.
+    pub async fn toy_dataset(&self, token: &str) -> String {
+        let mut csv = String::from("f0,f1,label\n");
+        for i in 0..40 {
+            csv.push_str(&format!("{},{},{}\n", i % 7, i % 5, i % 2));
+        }
+        let form = reqwest::multipart::Form::new()
+            .text("name", "d")
+            .part("file", reqwest::multipart::Part::bytes(csv.into_bytes()).file_name("d.csv"));
+        let response = self.http.post(self.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
+        assert_eq!(response.status(), 201);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+    }
+
     pub async fn get(&self, token: &str, path: &str) -> reqwest::Response {
         self.http.get(self.api(path)).bearer_auth(token).send().await.unwrap()
     }
