@@ -485,50 +485,35 @@ pub async fn pin_ranks(db: &Db, gang: Uuid, pins: &[(Uuid, String)]) -> Result<(
 
 /// Unpins the queued ranks of a gang (it waits for the next round's placement).
 pub async fn unpin_ranks(db: &Db, gang: Uuid) -> Result<()> {
-    let now = now_ms();
     let mut tx = db.begin().await?;
-    let pinned: Vec<String> = sqlx::query_scalar(
-        "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state = 'queued' AND slice_pinned = 1 AND slice_uuid IS NOT NULL",
-    )
-    .bind(gang.to_string())
-    .fetch_all(&mut *tx)
-    .await?;
-    sqlx::query("UPDATE jobs SET slice_uuid = NULL, slice_pinned = 0 WHERE gang_id = $1 AND state = 'queued'")
-        .bind(gang.to_string())
-        .execute(&mut *tx)
-        .await?;
-    for slice in pinned {
-        event(
-            &mut tx,
-            now,
-            &slice,
-            "idle",
-            None,
-            Some(gang),
-            "the waiting job was placed elsewhere",
-        )
-        .await?;
-    }
+    unpin(&mut tx, gang, now_ms(), "the waiting job was placed elsewhere").await?;
     tx.commit().await?;
     Ok(())
 }
 
-/// A preempted gang's slices are free: its ranks' pins go (the round re-pins the gang when
-/// it places it again) and each slice's history says why it is idle.
-pub(super) async fn free_preempted_slices(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()> {
-    let slices: Vec<Option<String>> = sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1")
-        .bind(gang)
-        .fetch_all(&mut *conn)
-        .await?;
-    sqlx::query("UPDATE jobs SET slice_uuid = NULL, slice_pinned = 0 WHERE gang_id = $1")
-        .bind(gang)
+/// Clears the slice pins of `gang`'s queued ranks and records each slice they held as idle,
+/// `detail` saying why.
+async fn unpin(conn: &mut AnyConnection, gang: Uuid, now: i64, detail: &str) -> Result<()> {
+    let pinned: Vec<String> = sqlx::query_scalar(
+        "SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND state = 'queued' AND slice_uuid IS NOT NULL",
+    )
+    .bind(gang.to_string())
+    .fetch_all(&mut *conn)
+    .await?;
+    sqlx::query("UPDATE jobs SET slice_uuid = NULL, slice_pinned = 0 WHERE gang_id = $1 AND state = 'queued'")
+        .bind(gang.to_string())
         .execute(&mut *conn)
         .await?;
-    let job = parse_uuid("jobs", "id", gang)?;
-    for slice in slices.into_iter().flatten() {
-        event(conn, now, &slice, "idle", None, Some(job), "its rank was preempted").await?;
+    for slice in pinned {
+        event(conn, now, &slice, "idle", None, Some(gang), detail).await?;
     }
     Ok(())
+}
+
+/// A preempted gang's slices are free (its ranks were just requeued): the pins go, and the
+/// round re-pins the gang when it places it again.
+pub(super) async fn free_preempted_slices(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()> {
+    unpin(conn, parse_uuid("jobs", "id", gang)?, now, "its rank was preempted").await
 }
 
 /// A reclaim decision to record.

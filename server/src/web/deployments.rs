@@ -371,16 +371,22 @@ pub async fn scale(State(state): State<AppState>, user: WebUser, Path(id): Path<
                 .ok_or_else(|| Error::invalid("invalid_replicas", "Say how many replicas to run (0 stops serving)."))?;
             deployments::scale(&state, &user.0, &id, replicas).await
         };
-        match scaled.await {
-            Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
-            Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
-                with_status(error.status(), render(&detail_page(&state, &user, &id, Some(error.public_message())).await?))
-            }
-            Err(error) => Err(error),
-        }
+        after_form(&state, &user, &id, scaled.await).await
     }
     .await;
     user.page(result)
+}
+
+/// What a form on a deployment's page answers: back to that page, or the page again with
+/// the user's mistake shown where they can fix it.
+async fn after_form(state: &AppState, user: &WebUser, id: &str, outcome: Result<Deployment>) -> Result<Response> {
+    match outcome {
+        Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
+        Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
+            with_status(error.status(), render(&detail_page(state, user, id, Some(error.public_message())).await?))
+        }
+        Err(error) => Err(error),
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -403,13 +409,7 @@ pub async fn loaning(State(state): State<AppState>, user: WebUser, Path(id): Pat
             };
             deployments::update(&state, &user.0, &id, update).await
         };
-        match changed.await {
-            Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
-            Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
-                with_status(error.status(), render(&detail_page(&state, &user, &id, Some(error.public_message())).await?))
-            }
-            Err(error) => Err(error),
-        }
+        after_form(&state, &user, &id, changed.await).await
     }
     .await;
     user.page(result)
