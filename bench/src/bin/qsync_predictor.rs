@@ -137,11 +137,16 @@ impl Model {
         loss(&x)
     }
 
-    /// One SGD iteration under `plan`; returns the gradients.
-    fn iteration(&self, plan: &[Precision]) -> Result<GradStore> {
-        let grads = self.forward(plan, None)?.backward()?;
+    /// One SGD iteration under `plan`, timed: (whole, forward with the loss, backward) ms.
+    fn iteration(&self, plan: &[Precision]) -> Result<(f64, f64, f64)> {
+        let start = Instant::now();
+        let loss = self.forward(plan, None)?;
+        let forward = start.elapsed();
+        let grads = loss.backward()?;
+        let backward = start.elapsed();
         self.sgd(&grads)?;
-        Ok(grads)
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        Ok((ms(start.elapsed()), ms(forward), ms(backward - forward)))
     }
 
     fn sgd(&self, grads: &GradStore) -> Result<()> {
@@ -197,16 +202,6 @@ fn fastest(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(best)
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
-}
-
 fn percentile(values: &[f64], q: f64) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
@@ -216,15 +211,69 @@ fn percentile(values: &[f64], q: f64) -> f64 {
 
 /// One run of a plan: the fastest of `ITERATIONS` iterations after a warm-up (the least
 /// disturbed by the processes sharing the cores, as the profile keeps each operator's).
-fn run_plan(model: &Model, plan: &[Precision]) -> Result<f64> {
+/// Also that iteration's forward and backward, to show where a prediction misses.
+fn run_plan(model: &Model, plan: &[Precision]) -> Result<(f64, f64, f64)> {
     model.iteration(plan)?;
-    let mut best = f64::INFINITY;
+    let mut best = (f64::INFINITY, 0.0, 0.0);
     for _ in 0..ITERATIONS {
-        let start = Instant::now();
-        model.iteration(plan)?;
-        best = best.min(start.elapsed().as_secs_f64() * 1e3);
+        let t = model.iteration(plan)?;
+        if t.0 < best.0 {
+            best = t;
+        }
     }
     Ok(best)
+}
+
+/// Evicts the caches (32 MiB L3 here) by writing one byte per line of a larger buffer.
+fn evict(buffer: &mut [u8], round: usize) {
+    for (j, v) in buffer.iter_mut().enumerate().step_by(64) {
+        *v = v.wrapping_add((j ^ round) as u8);
+    }
+    std::hint::black_box(&buffer[0]);
+}
+
+/// A diagnostic, not used by the prediction: each linear shape of the model alone at each
+/// precision, forward and backward (fastest of `PROFILE_ITERATIONS`, as the profile), with
+/// its operands hot in cache, as the harness runs it, and with the caches evicted before
+/// each pass, as a layer's tensors are by the rest of the iteration.
+fn cache_effect(device: &Device) -> Result<Vec<serde_json::Value>> {
+    let mut buffer = vec![0u8; 64 << 20];
+    let mut rows = Vec::new();
+    for (inputs, outputs) in [(WIDTHS[0], WIDTHS[1]), (WIDTHS[1], WIDTHS[2])] {
+        let x = Tensor::rand(-1f32, 1f32, (TOKENS, inputs), device)?;
+        let bound = (1.0 / inputs as f64).sqrt() as f32;
+        let w = Var::rand(-bound, bound, (outputs, inputs), device)?;
+        let b = Var::rand(-bound, bound, outputs, device)?;
+        for precision in [Precision::F32, Precision::Bf16, Precision::Int8] {
+            let mut row = json!({"inputs": inputs, "outputs": outputs, "precision": precision});
+            for (evicted, key) in [(false, "hot"), (true, "evicted")] {
+                let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
+                for round in 0..=PROFILE_ITERATIONS {
+                    if evicted {
+                        evict(&mut buffer, round);
+                    }
+                    let start = Instant::now();
+                    let y = linear(&x, &w, &b, precision)?;
+                    let f = start.elapsed().as_secs_f64() * 1e3;
+                    if evicted {
+                        evict(&mut buffer, round);
+                    }
+                    let start = Instant::now();
+                    drop(y.sum_all()?.backward()?);
+                    let bw = start.elapsed().as_secs_f64() * 1e3;
+                    // The first round warms up.
+                    if round > 0 {
+                        forward = forward.min(f);
+                        backward = backward.min(bw);
+                    }
+                }
+                row[key] = json!({"forward_ms": forward, "backward_ms": backward});
+            }
+            println!("cache effect {inputs}->{outputs} {precision}: {row}");
+            rows.push(row);
+        }
+    }
+    Ok(rows)
 }
 
 fn plan_label(plan: &[Precision]) -> String {
@@ -380,18 +429,26 @@ fn main() -> anyhow::Result<()> {
     }
     for ((label, plan), runs) in plans.iter().zip(runs) {
         let predicted = predict(plan)?.step_ms;
-        let measured = median(&mut runs.clone());
+        let timeline = rank.replay(&graph, plan)?;
+        // The run whose whole iteration is the median, with its forward and backward.
+        let mut sorted = runs.clone();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (measured, forward, backward) = sorted[sorted.len() / 2];
         let error = (predicted - measured) / measured;
         errors.push(error.abs());
         println!(
-            "{label}: predicted {predicted:.2} ms, measured {measured:.2} ms (runs {:.2?}), error {:+.1}% [{}]",
-            runs,
+            "{label}: predicted {predicted:.2} ms, measured {measured:.2} ms (runs {:.2?}), error {:+.1}%; forward {:.2}/{forward:.2}, backward {:.2}/{backward:.2} [{}]",
+            runs.iter().map(|r| r.0).collect::<Vec<_>>(),
             100.0 * error,
+            timeline.compute_ms - timeline.backward_ms,
+            timeline.backward_ms,
             plan_label(plan)
         );
         rows.push(json!({
             "plan": label, "precisions": plan, "predicted_ms": predicted, "measured_ms": measured,
-            "runs_ms": runs, "error": error,
+            "runs_ms": runs.iter().map(|r| r.0).collect::<Vec<_>>(), "error": error,
+            "predicted_forward_ms": timeline.compute_ms - timeline.backward_ms, "measured_forward_ms": forward,
+            "predicted_backward_ms": timeline.backward_ms, "measured_backward_ms": backward,
         }));
     }
     let signed: Vec<f64> = rows
@@ -410,6 +467,7 @@ fn main() -> anyhow::Result<()> {
     );
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let cache = cache_effect(&device)?;
     let loadavg = |s: &str| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let result = json!({
         "machine": machine(),
@@ -423,6 +481,7 @@ fn main() -> anyhow::Result<()> {
         "median_abs_error": median_error, "p90_abs_error": p90_error,
         "predicted_below_measured": under, "mean_signed_error": mean_signed,
         "allocations": allocations,
+        "cache_effect": cache,
     });
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
     std::fs::write(
@@ -477,7 +536,7 @@ fn markdown(
         rows.len(),
         100.0 * result["mean_signed_error"].as_f64().unwrap_or(f64::NAN)
     );
-    md += "| plan | predicted ms | measured ms | error | precisions |\n|---|---|---|---|---|\n";
+    md += "| plan | predicted ms | measured ms | error | forward predicted / measured | backward predicted / measured | precisions |\n|---|---|---|---|---|---|---|\n";
     for r in rows {
         let precisions: Vec<String> = r["precisions"]
             .as_array()
@@ -488,11 +547,15 @@ fn markdown(
             })
             .unwrap_or_default();
         md += &format!(
-            "| {} | {:.2} | {:.2} | {:+.1}% | {} |\n",
+            "| {} | {:.2} | {:.2} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} | {} |\n",
             r["plan"].as_str().unwrap_or(""),
             r["predicted_ms"].as_f64().unwrap_or(f64::NAN),
             r["measured_ms"].as_f64().unwrap_or(f64::NAN),
             100.0 * r["error"].as_f64().unwrap_or(f64::NAN),
+            r["predicted_forward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["measured_forward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["predicted_backward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["measured_backward_ms"].as_f64().unwrap_or(f64::NAN),
             precisions.join(" ")
         );
     }
@@ -518,6 +581,23 @@ fn markdown(
         md += &format!(
             "| {} → {} | {:.3e} | {:.4} | {:.4} |\n",
             f.from, f.to, f.ms_per_element, f.fixed_ms, f.r2
+        );
+    }
+    md += "\n## Diagnostic: the linears alone, operands hot or evicted from cache\n\n\
+           Not used by the prediction. Each linear shape alone (fastest of the runs, as the profile), operands hot as the harness \
+           runs them, or with a 64 MiB buffer written before each pass, as a layer's tensors are evicted by the rest of an iteration.\n\n\
+           | linear | precision | forward hot / evicted ms | backward hot / evicted ms |\n|---|---|---|---|\n";
+    for c in result["cache_effect"].as_array().into_iter().flatten() {
+        let f = |k: &str, pass: &str| c[k][pass].as_f64().unwrap_or(f64::NAN);
+        md += &format!(
+            "| {} → {} | {} | {:.2} / {:.2} | {:.2} / {:.2} |\n",
+            c["inputs"],
+            c["outputs"],
+            c["precision"].as_str().unwrap_or(""),
+            f("hot", "forward_ms"),
+            f("evicted", "forward_ms"),
+            f("hot", "backward_ms"),
+            f("evicted", "backward_ms")
         );
     }
     md += "\n## Allocator on this rank\n\nFrom the fastest plan above, at budgets between its predicted time and all-f32's (predicted, not measured; \
