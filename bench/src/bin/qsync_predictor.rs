@@ -1,435 +1,205 @@
 //! QSync predictor benchmark (issue 12): how close the replayer's predicted iteration time
 //! comes to the measured one, over uniform, random and allocator-chosen precision plans of
-//! a real CPU model.
+//! a real CPU model on the project's own training operators.
 //!
 //! The model is a chain of linear layers and ReLUs at MiniLM's widths (384 ↔ 1536, 256
-//! tokens) trained with plain SGD. Until the project's own bf16/int8 ops merge, each
-//! precision is a candle stand-in: f32 and bf16 are candle's matmuls in that dtype; "int8"
-//! quantises input and weight per tensor (amax/127, rounded, held in f32), multiplies them
-//! with candle's f32 matmul and rescales, and runs its backward in bf16 from the dequantised
-//! saved input, as QSync's int8 ops do. The predictor sees only what a rank would profile:
-//! every operator alone at every precision (`profile_ops`), the casts fitted to
-//! `t = a·numel + b` (`profile_casts`), and the optimizer step; it never sees a whole
-//! iteration. Single rank: no all-reduce is measured here.
+//! tokens) trained with plain SGD. Every linear is `train::precision::linear` at the plan's
+//! precision (f32: candle's matmul; bf16: the AVX512-BF16 GEMM; int8: per-tensor quantised
+//! VNNI GEMM, backward at bf16), which takes f32, casts or quantises inside and returns f32;
+//! ReLUs stay f32. The predictor sees only what a rank of a hybrid job profiles, through the
+//! worker's own pieces (`train::hybrid::ops`): one traced f32 forward, each traced operator
+//! rerun alone at each precision it runs at, the casts fitted to `t = a·numel + b`, plus the
+//! optimizer step and the loss timed alone; it never sees a whole iteration. Single rank:
+//! no all-reduce is measured here.
 //!
 //! Run: cargo run --release -p tessera-bench --bin qsync_predictor
-//! Writes bench/results/qsync_predictor.{json,md}. candle runs on one thread unless
+//! Writes bench/results/qsync_predictor.{json,md}. The GEMMs run on one thread unless
 //! RAYON_NUM_THREADS says otherwise: on a shared machine a two-thread GEMM waits for
 //! whichever core another process holds, which is noise, not the predictor.
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{bail, Device, Result, Tensor, Var};
 use serde_json::json;
 use tessera_api::precision::{OpKind, Precision};
 use tessera_bench::machine;
+use tessera_worker::train::hybrid::ops;
+use tessera_worker::train::model::{OpTrace, Rerun};
+use tessera_worker::train::precision::linear;
 use tessera_worker::train::qsync::{
-    fit_cast_model, greedy, measure_casts, profile_ops, GraphOp, IndicatorConfig, Indicators,
-    OpStats, Pass, Prediction, ProfileConfig, ProfiledCast, ProfiledOp, QsyncError, RankProfile,
-    Statistic, TrainingGraph,
+    greedy, IndicatorConfig, Indicators, OpStats, Prediction, QsyncError, RankProfile,
 };
+use tessera_worker::train::trainer::Slowdown;
 
 const TOKENS: usize = 256;
 const WIDTHS: [usize; 5] = [384, 1536, 384, 1536, 384];
 const LR: f64 = 1e-4;
-/// Timed iterations per run, runs per plan (the figure is the median of the run medians).
+/// Timed iterations per run, runs per plan (the figure is the median of the runs).
 const ITERATIONS: usize = 7;
 const RUNS: usize = 3;
+/// Timed runs of each operator alone (the fastest kept, as the in-job planner does).
+const PROFILE_ITERATIONS: usize = 15;
 /// Random mixed plans besides the three uniform ones.
 const RANDOM_PLANS: usize = 7;
 
-type Result<T> = candle_core::Result<T>;
-
-/// A value in a precision's representation: int8 is integers held in f32 with a scale.
-#[derive(Clone)]
-struct Value {
-    t: Tensor,
-    precision: Precision,
-    scale: f64,
-}
-
-fn dtype(p: Precision) -> DType {
-    match p {
-        Precision::Bf16 => DType::BF16,
-        Precision::F16 => DType::F16,
-        Precision::F32 | Precision::Int8 => DType::F32,
-    }
-}
-
-/// The precision an operator's backward runs in.
-fn backward_precision(p: Precision) -> Precision {
-    if p == Precision::Int8 {
-        Precision::Bf16
-    } else {
-        p
-    }
-}
-
-/// Casts between representations; int8 quantises per tensor (a host sync for the amax).
-fn cast(v: &Value, to: Precision) -> Result<Value> {
-    if v.precision == to {
-        return Ok(v.clone());
-    }
-    let real = if v.precision == Precision::Int8 {
-        v.t.affine(v.scale, 0.0)?
-    } else {
-        v.t.clone()
-    };
-    if to == Precision::Int8 {
-        let real = real.to_dtype(DType::F32)?;
-        let amax = real.abs()?.max_all()?.to_scalar::<f32>()? as f64;
-        let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
-        return Ok(Value {
-            t: real.affine(1.0 / scale, 0.0)?.round()?,
-            precision: to,
-            scale,
-        });
-    }
-    Ok(Value {
-        t: real.to_dtype(dtype(to))?,
-        precision: to,
-        scale: 1.0,
-    })
-}
-
-#[derive(Clone, Copy, PartialEq)]
 enum Layer {
-    Linear { inputs: usize, outputs: usize },
-    Relu { width: usize },
-}
-
-impl Layer {
-    fn kind(self) -> OpKind {
-        match self {
-            Layer::Linear { .. } => OpKind::Linear,
-            Layer::Relu { .. } => OpKind::Activation,
-        }
-    }
-
-    fn precisions(self) -> Vec<Precision> {
-        match self {
-            Layer::Linear { .. } => vec![Precision::Int8, Precision::Bf16, Precision::F32],
-            Layer::Relu { .. } => vec![Precision::Bf16, Precision::F32],
-        }
-    }
-
-    /// Forward from an input and weight already in `p`'s representation.
-    fn forward(self, x: &Value, w: Option<&Value>) -> Result<Value> {
-        match self {
-            Layer::Linear { .. } => {
-                let w = w.expect("linear has a weight");
-                let y = x.t.matmul(&w.t)?;
-                if x.precision == Precision::Int8 {
-                    Ok(Value {
-                        t: y.affine(x.scale * w.scale, 0.0)?,
-                        precision: Precision::F32,
-                        scale: 1.0,
-                    })
-                } else {
-                    Ok(Value {
-                        t: y,
-                        precision: x.precision,
-                        scale: 1.0,
-                    })
-                }
-            }
-            Layer::Relu { .. } => Ok(Value {
-                t: x.t.relu()?,
-                precision: x.precision,
-                scale: 1.0,
-            }),
-        }
-    }
-
-    /// Backward from the saved input/weight (in `p`'s representation) and the output
-    /// gradient in `p`'s backward precision: (input gradient, weight gradient).
-    fn backward(
-        self,
-        x: &Value,
-        w: Option<&Value>,
-        gy: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        match self {
-            Layer::Linear { .. } => {
-                let w = w.expect("linear has a weight");
-                // int8 runs its backward in bf16 from the dequantised saved tensors.
-                let b = backward_precision(x.precision);
-                let (x, w) = (cast(x, b)?.t, cast(w, b)?.t);
-                Ok((gy.matmul(&w.t()?)?, Some(x.t()?.matmul(gy)?)))
-            }
-            Layer::Relu { .. } => Ok(((gy * x.t.gt(0f64)?.to_dtype(gy.dtype())?)?, None)),
-        }
-    }
-
-    fn shapes(self) -> (usize, usize, usize) {
-        match self {
-            Layer::Linear { inputs, outputs } => {
-                (TOKENS * inputs, inputs * outputs, TOKENS * outputs)
-            }
-            Layer::Relu { width } => (TOKENS * width, 0, TOKENS * width),
-        }
-    }
+    /// `weight [out, in]`, `bias [out]`: f32 master copies.
+    Linear {
+        weight: Var,
+        bias: Var,
+    },
+    Relu,
 }
 
 struct Model {
     layers: Vec<Layer>,
-    /// f32 master weights (`None` for ReLUs).
-    weights: Vec<Option<Tensor>>,
-    batch: Tensor,
     names: Vec<String>,
+    batch: Tensor,
 }
 
 impl Model {
     fn new(device: &Device) -> Result<Model> {
         let mut layers = Vec::new();
+        let mut names = Vec::new();
         for pair in WIDTHS.windows(2) {
+            let (inputs, outputs) = (pair[0], pair[1]);
+            let bound = (1.0 / inputs as f64).sqrt() as f32;
+            names.push(format!("linear{}", layers.len()));
             layers.push(Layer::Linear {
-                inputs: pair[0],
-                outputs: pair[1],
+                weight: Var::rand(-bound, bound, (outputs, inputs), device)?,
+                bias: Var::rand(-bound, bound, outputs, device)?,
             });
-            layers.push(Layer::Relu { width: pair[1] });
+            names.push(format!("relu{}", layers.len()));
+            layers.push(Layer::Relu);
         }
         layers.pop();
-        let weights = layers
-            .iter()
-            .map(|l| match *l {
-                Layer::Linear { inputs, outputs } => {
-                    let bound = (1.0 / inputs as f64).sqrt() as f32;
-                    Tensor::rand(-bound, bound, (inputs, outputs), device).map(Some)
-                }
-                Layer::Relu { .. } => Ok(None),
-            })
-            .collect::<Result<_>>()?;
-        let names = layers
-            .iter()
-            .enumerate()
-            .map(|(i, l)| match l {
-                Layer::Linear { .. } => format!("linear{i}"),
-                Layer::Relu { .. } => format!("relu{i}"),
-            })
-            .collect();
+        names.pop();
         Ok(Model {
             layers,
-            weights,
-            batch: Tensor::rand(-1f32, 1f32, (TOKENS, WIDTHS[0]), device)?,
             names,
+            batch: Tensor::rand(-1f32, 1f32, (TOKENS, WIDTHS[0]), device)?,
         })
     }
 
-    fn graph(&self) -> TrainingGraph {
-        TrainingGraph {
-            ops: self
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| {
-                    let (input_numel, weight_numel, output_numel) = l.shapes();
-                    GraphOp {
-                        name: self.names[i].clone(),
-                        kind: l.kind(),
-                        input: i.checked_sub(1),
-                        input_numel,
-                        weight_numel,
-                        output_numel,
-                    }
-                })
-                .collect(),
-            buckets: vec![],
-        }
-    }
-
-    /// One SGD iteration under `plan`, every cast done where the replayer assumes one.
-    /// Returns the f32 tensors the indicator reads: (input, weight, weight grad, output).
-    #[allow(clippy::type_complexity)]
-    fn iteration(
-        &mut self,
-        plan: &[Precision],
-    ) -> Result<Vec<(Tensor, Option<Tensor>, Option<Tensor>, Tensor)>> {
-        let mut x = Value {
-            t: self.batch.clone(),
-            precision: Precision::F32,
-            scale: 1.0,
-        };
-        let mut saved = Vec::with_capacity(self.layers.len());
+    /// The loss of one forward under `plan` (one precision per layer; a ReLU's is f32).
+    /// With `traces`, records every layer as the in-job planner's traced forward does: its
+    /// detached input and output, its weight, and a rerun at any precision.
+    fn forward(&self, plan: &[Precision], mut traces: Option<&mut Vec<OpTrace>>) -> Result<Tensor> {
+        let mut x = self.batch.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            let input = cast(&x, plan[i])?;
-            let w = match &self.weights[i] {
-                Some(w) => Some(cast(
-                    &Value {
-                        t: w.clone(),
-                        precision: Precision::F32,
-                        scale: 1.0,
-                    },
-                    plan[i],
-                )?),
-                None => None,
+            let y = match layer {
+                Layer::Linear { weight, bias } => linear(&x, weight, bias, plan[i])?,
+                Layer::Relu => x.relu()?,
             };
-            x = layer.forward(&input, w.as_ref())?;
-            saved.push((input, w, x.t.clone()));
-        }
-        let mut gy = Value {
-            t: x.t
-                .ones_like()?
-                .to_dtype(DType::F32)?
-                .affine(1.0 / TOKENS as f64, 0.0)?,
-            precision: Precision::F32,
-            scale: 1.0,
-        };
-        let mut stats = Vec::with_capacity(self.layers.len());
-        let mut grads = vec![None; self.layers.len()];
-        for i in (0..self.layers.len()).rev() {
-            let b = backward_precision(plan[i]);
-            let g = cast(&gy, b)?;
-            let (input, w, y) = &saved[i];
-            let (dx, dw) = self.layers[i].backward(input, w.as_ref(), &g.t)?;
-            let dw = dw.map(|d| d.to_dtype(DType::F32)).transpose()?;
-            stats.push((input.t.clone(), None, dw.clone(), y.clone()));
-            grads[i] = dw;
-            gy = Value {
-                t: dx,
-                precision: b,
-                scale: 1.0,
-            };
-        }
-        stats.reverse();
-        self.sgd(&grads)?;
-        for (i, s) in stats.iter_mut().enumerate() {
-            s.1 = self.weights[i].clone();
-        }
-        Ok(stats)
-    }
-
-    fn sgd(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
-        for (w, g) in self.weights.iter_mut().zip(grads) {
-            if let (Some(w), Some(g)) = (w.as_mut(), g) {
-                *w = (&*w - g.affine(LR, 0.0)?)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// One layer alone for the profiling harness: input, weight and output gradient prepared
-/// in every precision's representation beforehand, so only the operator is timed.
-struct LayerOp {
-    name: String,
-    layer: Layer,
-    inputs: Vec<(Precision, Value, Option<Value>, Tensor)>,
-    saved: Option<Value>,
-}
-
-impl LayerOp {
-    fn new(name: &str, layer: Layer, weight: Option<&Tensor>, device: &Device) -> Result<LayerOp> {
-        let (input_numel, _, output_numel) = layer.shapes();
-        let x = Value {
-            t: Tensor::rand(-1f32, 1f32, (TOKENS, input_numel / TOKENS), device)?,
-            precision: Precision::F32,
-            scale: 1.0,
-        };
-        let gy = Tensor::rand(-1f32, 1f32, (TOKENS, output_numel / TOKENS), device)?;
-        let inputs = layer
-            .precisions()
-            .into_iter()
-            .map(|p| {
-                let w = weight
-                    .map(|w| {
-                        cast(
-                            &Value {
-                                t: w.clone(),
-                                precision: Precision::F32,
-                                scale: 1.0,
-                            },
-                            p,
+            if let Some(traces) = traces.as_deref_mut() {
+                let input = x.detach();
+                let (kind, weight, rerun): (OpKind, Option<Tensor>, Rerun) = match layer {
+                    Layer::Linear { weight, bias } => {
+                        let (x, w, b) = (
+                            input.clone(),
+                            weight.as_tensor().clone(),
+                            bias.as_tensor().clone(),
+                        );
+                        (
+                            OpKind::Linear,
+                            Some(w.clone()),
+                            Box::new(move |p| linear(&x, &w, &b, p)),
                         )
-                    })
-                    .transpose()?;
-                Ok((
-                    p,
-                    cast(&x, p)?,
-                    w,
-                    gy.to_dtype(dtype(backward_precision(p)))?,
-                ))
-            })
-            .collect::<Result<_>>()?;
-        Ok(LayerOp {
-            name: name.into(),
-            layer,
-            inputs,
-            saved: None,
-        })
-    }
-}
-
-impl ProfiledOp for LayerOp {
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn kind(&self) -> OpKind {
-        self.layer.kind()
-    }
-    fn precisions(&self) -> Vec<Precision> {
-        self.layer.precisions()
-    }
-    fn run(&mut self, precision: Precision, pass: Pass) -> Result<()> {
-        let (_, x, w, gy) = self
-            .inputs
-            .iter()
-            .find(|i| i.0 == precision)
-            .expect("prepared");
-        match pass {
-            Pass::Forward => {
-                std::hint::black_box(self.layer.forward(x, w.as_ref())?);
-                self.saved = Some(x.clone());
+                    }
+                    Layer::Relu => {
+                        // A variable, so the harness's backward reaches the ReLU as the
+                        // iteration's does (its input there is a linear's tracked output).
+                        let x = Var::from_tensor(&input)?.as_tensor().clone();
+                        (
+                            OpKind::Activation,
+                            None,
+                            Box::new(move |p| match p {
+                                Precision::F32 => x.relu(),
+                                // The trainable ops give activations no lower precision.
+                                _ => bail!("relu runs at f32 only"),
+                            }),
+                        )
+                    }
+                };
+                traces.push(OpTrace {
+                    name: self.names[i].clone(),
+                    kind,
+                    input,
+                    output: y.detach(),
+                    weight,
+                    reads: i.checked_sub(1),
+                    rerun,
+                });
             }
-            Pass::Backward => {
-                let x = self.saved.take().expect("forward before backward");
-                let (dx, dw) = self.layer.backward(&x, w.as_ref(), gy)?;
-                // The weight gradient's cast to f32 is the replayer's, not the operator's.
-                std::hint::black_box((dx, dw));
+            x = y;
+        }
+        loss(&x)
+    }
+
+    /// One SGD iteration under `plan`, timed: (whole, forward with the loss, backward) ms.
+    fn iteration(&self, plan: &[Precision]) -> Result<(f64, f64, f64)> {
+        let start = Instant::now();
+        let loss = self.forward(plan, None)?;
+        let forward = start.elapsed();
+        let grads = loss.backward()?;
+        let backward = start.elapsed();
+        self.sgd(&grads)?;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        Ok((ms(start.elapsed()), ms(forward), ms(backward - forward)))
+    }
+
+    fn sgd(&self, grads: &GradStore) -> Result<()> {
+        for layer in &self.layers {
+            if let Layer::Linear { weight, bias } = layer {
+                for var in [weight, bias] {
+                    if let Some(g) = grads.get(var) {
+                        var.set(&(var.as_tensor() - g.affine(LR, 0.0)?)?)?;
+                    }
+                }
             }
         }
         Ok(())
     }
 }
 
-/// The casts this model does, timed on fresh tensors.
-struct Casts {
-    device: Device,
-    prepared: Option<(Value, Precision)>,
+/// The mean over tokens of the summed outputs: the loss gradient is `1/TOKENS` everywhere.
+fn loss(output: &Tensor) -> Result<Tensor> {
+    output.sum_all()?.affine(1.0 / TOKENS as f64, 0.0)
 }
 
-impl ProfiledCast for Casts {
-    fn pairs(&self) -> Vec<(Precision, Precision)> {
-        use Precision::*;
-        vec![(F32, Bf16), (Bf16, F32), (F32, Int8), (Bf16, Int8)]
-    }
-    fn prepare(&mut self, from: Precision, to: Precision, numel: usize) -> Result<()> {
-        let t = Tensor::rand(-1f32, 1f32, numel, &self.device)?.to_dtype(dtype(from))?;
-        self.prepared = Some((
-            Value {
-                t,
-                precision: from,
-                scale: 1.0,
-            },
-            to,
-        ));
-        Ok(())
-    }
-    fn cast(&mut self) -> Result<()> {
-        let (v, to) = self.prepared.as_ref().expect("prepared");
-        std::hint::black_box(cast(v, *to)?);
-        Ok(())
-    }
+/// QSync's gradient-variance indicator from the traced f32 forward and its gradients, as
+/// the in-job planner computes it; depths count the operators in forward order.
+fn indicators(
+    traces: &[OpTrace],
+    grads: &GradStore,
+) -> std::result::Result<Indicators, QsyncError> {
+    let stats = traces
+        .iter()
+        .map(|t| match &t.weight {
+            Some(w) => {
+                let g = grads.get(w).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{}: no weight gradient", t.name))
+                })?;
+                OpStats::weighted_tensors(&t.input, w, g, &t.output)
+            }
+            None => OpStats::single_input_tensor(&t.input),
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let depths: Vec<usize> = (1..=stats.len()).collect();
+    Indicators::gradient_variance(&stats, &depths, stats.len(), &IndicatorConfig::default())
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
+/// The fastest of `PROFILE_ITERATIONS` timed runs of `f`, milliseconds.
+fn fastest(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..PROFILE_ITERATIONS {
+        let start = Instant::now();
+        f()?;
+        best = best.min(start.elapsed().as_secs_f64() * 1e3);
     }
+    Ok(best)
 }
 
 fn percentile(values: &[f64], q: f64) -> f64 {
@@ -441,15 +211,69 @@ fn percentile(values: &[f64], q: f64) -> f64 {
 
 /// One run of a plan: the fastest of `ITERATIONS` iterations after a warm-up (the least
 /// disturbed by the processes sharing the cores, as the profile keeps each operator's).
-fn run_plan(model: &mut Model, plan: &[Precision]) -> Result<f64> {
+/// Also that iteration's forward and backward, to show where a prediction misses.
+fn run_plan(model: &Model, plan: &[Precision]) -> Result<(f64, f64, f64)> {
     model.iteration(plan)?;
-    let mut best = f64::INFINITY;
+    let mut best = (f64::INFINITY, 0.0, 0.0);
     for _ in 0..ITERATIONS {
-        let start = Instant::now();
-        model.iteration(plan)?;
-        best = best.min(start.elapsed().as_secs_f64() * 1e3);
+        let t = model.iteration(plan)?;
+        if t.0 < best.0 {
+            best = t;
+        }
     }
     Ok(best)
+}
+
+/// Evicts the caches (32 MiB L3 here) by writing one byte per line of a larger buffer.
+fn evict(buffer: &mut [u8], round: usize) {
+    for (j, v) in buffer.iter_mut().enumerate().step_by(64) {
+        *v = v.wrapping_add((j ^ round) as u8);
+    }
+    std::hint::black_box(&buffer[0]);
+}
+
+/// A diagnostic, not used by the prediction: each linear shape of the model alone at each
+/// precision, forward and backward (fastest of `PROFILE_ITERATIONS`, as the profile), with
+/// its operands hot in cache, as the harness runs it, and with the caches evicted before
+/// each pass, as a layer's tensors are by the rest of the iteration.
+fn cache_effect(device: &Device) -> Result<Vec<serde_json::Value>> {
+    let mut buffer = vec![0u8; 64 << 20];
+    let mut rows = Vec::new();
+    for (inputs, outputs) in [(WIDTHS[0], WIDTHS[1]), (WIDTHS[1], WIDTHS[2])] {
+        let x = Tensor::rand(-1f32, 1f32, (TOKENS, inputs), device)?;
+        let bound = (1.0 / inputs as f64).sqrt() as f32;
+        let w = Var::rand(-bound, bound, (outputs, inputs), device)?;
+        let b = Var::rand(-bound, bound, outputs, device)?;
+        for precision in [Precision::F32, Precision::Bf16, Precision::Int8] {
+            let mut row = json!({"inputs": inputs, "outputs": outputs, "precision": precision});
+            for (evicted, key) in [(false, "hot"), (true, "evicted")] {
+                let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
+                for round in 0..=PROFILE_ITERATIONS {
+                    if evicted {
+                        evict(&mut buffer, round);
+                    }
+                    let start = Instant::now();
+                    let y = linear(&x, &w, &b, precision)?;
+                    let f = start.elapsed().as_secs_f64() * 1e3;
+                    if evicted {
+                        evict(&mut buffer, round);
+                    }
+                    let start = Instant::now();
+                    drop(y.sum_all()?.backward()?);
+                    let bw = start.elapsed().as_secs_f64() * 1e3;
+                    // The first round warms up.
+                    if round > 0 {
+                        forward = forward.min(f);
+                        backward = backward.min(bw);
+                    }
+                }
+                row[key] = json!({"forward_ms": forward, "backward_ms": backward});
+            }
+            println!("cache effect {inputs}->{outputs} {precision}: {row}");
+            rows.push(row);
+        }
+    }
+    Ok(rows)
 }
 
 fn plan_label(plan: &[Precision]) -> String {
@@ -483,91 +307,41 @@ fn keep_freed_memory() {
 fn main() -> anyhow::Result<()> {
     keep_freed_memory();
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // Before any candle op reads it; no other thread runs yet.
+        // Before any GEMM reads it; no other thread runs yet.
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
     let threads = candle_core::utils::get_num_threads();
     let device = Device::Cpu;
     let started = chrono::Utc::now();
-    let mut model = Model::new(&device)?;
-    let graph = model.graph();
+    let model = Model::new(&device)?;
+    let f32_plan = vec![Precision::F32; model.layers.len()];
 
-    // 1. What a rank profiles: each operator alone, the casts, the optimizer step.
-    let config = ProfileConfig {
-        warmup: 2,
-        iterations: 15,
-        statistic: Statistic::Min,
-    };
-    let mut ops: Vec<LayerOp> = model
-        .layers
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| LayerOp::new(&model.names[i], l, model.weights[i].as_ref(), &device))
-        .collect::<Result<_>>()?;
-    let mut dyn_ops: Vec<&mut dyn ProfiledOp> =
-        ops.iter_mut().map(|o| o as &mut dyn ProfiledOp).collect();
-    let mut table = profile_ops("cpu", &mut dyn_ops, &config)?;
-    // The sizes this model casts (activations, weights) and two between them.
-    let sizes: Vec<usize> = vec![
-        TOKENS * 192,
-        TOKENS * 384,
-        TOKENS * 768,
-        TOKENS * 1536,
-        384 * 1536,
-    ];
-    let cast_samples = measure_casts(
-        &mut Casts {
-            device: device.clone(),
-            prepared: None,
-        },
-        &sizes,
-        &config,
+    // 1. What a rank profiles: one traced f32 forward (whose tensors and gradients give the
+    //    indicator), each traced operator alone at every precision it runs at, the casts, the
+    //    optimizer step and the loss.
+    let mut traces = Vec::with_capacity(model.layers.len());
+    let grads = model.forward(&f32_plan, Some(&mut traces))?.backward()?;
+    let indicators = indicators(&traces, &grads)?;
+    let mut table = ops::profile(
+        "cpu",
+        &mut traces,
+        Precision::Int8,
+        PROFILE_ITERATIONS,
+        Slowdown::NONE,
     )?;
-    let casts = fit_cast_model(&cast_samples)?;
-    let grads: Vec<Option<Tensor>> = model
-        .weights
-        .iter()
-        .map(|w| w.as_ref().map(|w| w.zeros_like()).transpose())
-        .collect::<Result<_>>()?;
-    let mut sgd = Vec::new();
-    for _ in 0..15 {
-        let start = Instant::now();
-        model.sgd(&grads)?;
-        sgd.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    table.optimizer_ms = config.statistic.of(&mut sgd);
-    // The loss gradient the backward starts from: the loop's only work outside the operators.
-    let output = Tensor::zeros((TOKENS, WIDTHS[WIDTHS.len() - 1]), DType::F32, &device)?;
-    let mut loss = Vec::new();
-    for _ in 0..15 {
-        let start = Instant::now();
-        std::hint::black_box(output.ones_like()?.affine(1.0 / TOKENS as f64, 0.0)?);
-        loss.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    table.overhead_ms = config.statistic.of(&mut loss);
+    let casts = ops::profile_cast_model(&device, &traces, PROFILE_ITERATIONS, Slowdown::NONE)?;
+    table.optimizer_ms = fastest(|| model.sgd(&grads))?;
+    let output = Tensor::zeros(
+        (TOKENS, WIDTHS[WIDTHS.len() - 1]),
+        candle_core::DType::F32,
+        &device,
+    )?;
+    table.overhead_ms = fastest(|| loss(&output).map(|l| drop(std::hint::black_box(l))))?;
+    let graph = ops::graph(&traces, 0.0);
+    drop(traces);
     let rank = RankProfile::new(&graph, &table, &casts, Precision::Bf16)?;
-    for fit in &casts.fits {
-        println!(
-            "cast {}->{}: {:.3e} ms/element + {:.4} ms, R² {:.4}",
-            fit.from, fit.to, fit.ms_per_element, fit.fixed_ms, fit.r2
-        );
-    }
 
-    // 2. The indicator from one f32 iteration's real tensors.
-    let f32_plan = vec![Precision::F32; graph.ops.len()];
-    let tensors = model.iteration(&f32_plan)?;
-    let stats: Vec<OpStats> = tensors
-        .iter()
-        .map(|(x, w, g, y)| match (w, g) {
-            (Some(w), Some(g)) => OpStats::weighted_tensors(x, w, g, y),
-            _ => OpStats::single_input_tensor(x),
-        })
-        .collect::<std::result::Result<_, _>>()?;
-    let depths: Vec<usize> = (1..=stats.len()).collect();
-    let indicators =
-        Indicators::gradient_variance(&stats, &depths, stats.len(), &IndicatorConfig::default())?;
-
-    // 3. Plans: uniform and seeded random mixes.
+    // 2. Plans: uniform and seeded random mixes.
     let levels: Vec<Vec<Precision>> = (0..graph.ops.len()).map(|i| rank.precisions(i)).collect();
     let uniform = |p: Precision| -> Vec<Precision> {
         levels
@@ -601,7 +375,7 @@ fn main() -> anyhow::Result<()> {
     // The allocator on this rank alone, from its fastest plan, at budgets between that plan's
     // and all-f32's predicted time (reported, not measured: it picks among plans like these).
     // No LayerNorm, embedding or head in this chain, so the keep-list floors nothing.
-    let fastest = plans
+    let fastest_plan = plans
         .iter()
         .map(|(_, p)| {
             (
@@ -614,18 +388,18 @@ fn main() -> anyhow::Result<()> {
     let all_f32 = predict(&f32_plan)?.step_ms;
     let mut allocations = Vec::new();
     // With nothing between the fastest plan and all f32 there is one budget to try.
-    let shares: &[f64] = if all_f32 > fastest.0 {
+    let shares: &[f64] = if all_f32 > fastest_plan.0 {
         &[0.25, 0.5, 0.75, 1.0]
     } else {
         &[1.0]
     };
     for &share in shares {
-        let budget = fastest.0 + share * (all_f32 - fastest.0).max(0.0);
+        let budget = fastest_plan.0 + share * (all_f32 - fastest_plan.0).max(0.0);
         let a = greedy(
             &model.names,
             &levels,
             &indicators,
-            &fastest.1,
+            &fastest_plan.1,
             budget,
             &mut |p| predict(p),
         )?;
@@ -642,31 +416,39 @@ fn main() -> anyhow::Result<()> {
         }));
     }
 
-    // 4. Predicted against measured.
+    // 3. Predicted against measured.
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mut rows = Vec::new();
     let mut errors = Vec::new();
     // Runs go round the plans, so a change in the machine's load falls on every plan alike.
     let mut runs = vec![Vec::with_capacity(RUNS); plans.len()];
     for _ in 0..RUNS {
         for (k, (_, plan)) in plans.iter().enumerate() {
-            runs[k].push(run_plan(&mut model, plan)?);
+            runs[k].push(run_plan(&model, plan)?);
         }
     }
     for ((label, plan), runs) in plans.iter().zip(runs) {
-        let t = rank.replay(&graph, plan)?;
-        let predicted = t.compute_ms + t.optimizer_ms;
-        let measured = median(&mut runs.clone());
+        let predicted = predict(plan)?.step_ms;
+        let timeline = rank.replay(&graph, plan)?;
+        // The run whose whole iteration is the median, with its forward and backward.
+        let mut sorted = runs.clone();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (measured, forward, backward) = sorted[sorted.len() / 2];
         let error = (predicted - measured) / measured;
         errors.push(error.abs());
         println!(
-            "{label}: predicted {predicted:.2} ms, measured {measured:.2} ms (runs {:.2?}), error {:+.1}% [{}]",
-            runs,
+            "{label}: predicted {predicted:.2} ms, measured {measured:.2} ms (runs {:.2?}), error {:+.1}%; forward {:.2}/{forward:.2}, backward {:.2}/{backward:.2} [{}]",
+            runs.iter().map(|r| r.0).collect::<Vec<_>>(),
             100.0 * error,
+            timeline.compute_ms - timeline.backward_ms,
+            timeline.backward_ms,
             plan_label(plan)
         );
         rows.push(json!({
             "plan": label, "precisions": plan, "predicted_ms": predicted, "measured_ms": measured,
-            "runs_ms": runs, "error": error, "cast_ms": t.cast_ms,
+            "runs_ms": runs.iter().map(|r| r.0).collect::<Vec<_>>(), "error": error,
+            "predicted_forward_ms": timeline.compute_ms - timeline.backward_ms, "measured_forward_ms": forward,
+            "predicted_backward_ms": timeline.backward_ms, "measured_backward_ms": backward,
         }));
     }
     let signed: Vec<f64> = rows
@@ -685,18 +467,21 @@ fn main() -> anyhow::Result<()> {
     );
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let cache = cache_effect(&device)?;
+    let loadavg = |s: &str| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let result = json!({
         "machine": machine(),
-        "load_average": load.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+        "load_average_before_measuring": loadavg(&load_before),
+        "load_average": loadavg(&load),
         "date": started.to_rfc3339(),
         "command": "cargo run --release -p tessera-bench --bin qsync_predictor",
         "tokens": TOKENS, "widths": WIDTHS, "threads": threads,
         "cost_table": table, "cast_model": casts,
-        "cast_samples": cast_samples.iter().map(|s| json!({"from": s.0, "to": s.1, "numel": s.2, "ms": s.3})).collect::<Vec<_>>(),
         "plans": rows,
         "median_abs_error": median_error, "p90_abs_error": p90_error,
         "predicted_below_measured": under, "mean_signed_error": mean_signed,
         "allocations": allocations,
+        "cache_effect": cache,
     });
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
     std::fs::write(
@@ -722,19 +507,22 @@ fn markdown(
         result["command"].as_str().unwrap_or("")
     );
     md += &format!(
-        "- Machine: {}; candle on {} thread(s); load average at the end {} (other builds share the cores)\n",
+        "- Machine: {}; GEMMs on {} thread(s); load average (1/5/15 min) before measuring {}, at the end {} (other processes share the cores)\n",
         result["machine"].as_str().unwrap_or(""),
         result["threads"],
+        result["load_average_before_measuring"].as_str().unwrap_or(""),
         result["load_average"].as_str().unwrap_or("")
     );
     md += &format!("- Date: {}\n", result["date"].as_str().unwrap_or(""));
     md += &format!(
-        "- Model: linear + ReLU chain at widths {WIDTHS:?}, {TOKENS} tokens, SGD; one rank, no all-reduce. Each precision is a candle stand-in \
-         (f32 and bf16 candle matmuls; int8 = per-tensor quantised values in f32 through candle's f32 matmul, backward in bf16) until the project's own ops merge.\n"
+        "- Model: linear + ReLU chain at widths {WIDTHS:?}, {TOKENS} tokens, SGD; one rank, no all-reduce. Every linear is the project's \
+         `train::precision::linear` at the plan's precision (f32: candle matmul; bf16: AVX512-BF16 GEMM; int8: per-tensor quantised VNNI GEMM, backward at bf16), \
+         f32 in and out with the casts inside the op; ReLUs at f32.\n"
     );
     md += &format!(
         "- Measured: median of {RUNS} runs (taken round the plans), each the fastest of {ITERATIONS} iterations after a warm-up. Predicted: the replayer over the operators \
-         profiled alone (fastest of 15, the same statistic), the fitted casts, the loss gradient and the optimizer step, each timed alone; it never sees a whole iteration.\n\n"
+         profiled alone by the in-job planner's harness (`train::hybrid::ops::profile`: each traced operator rerun, forward and backward, fastest of {PROFILE_ITERATIONS}), \
+         the loss and the optimizer step, each timed alone; it never sees a whole iteration.\n\n"
     );
     md += &format!(
         "**Median |error| {:.1}%, p90 |error| {:.1}%** over {} plans (goal: median ≤ 5%, p90 ≤ 10%).\n\n",
@@ -743,13 +531,12 @@ fn markdown(
         rows.len()
     );
     md += &format!(
-        "Predicted below measured on {} of {} plans; mean signed error {:+.1}%. What the loop does besides the profiled pieces \
-         (tensor bookkeeping, caches cooled between a layer's forward and its backward) is not in the model.\n\n",
+        "Predicted below measured on {} of {} plans; mean signed error {:+.1}%.\n\n",
         result["predicted_below_measured"],
         rows.len(),
         100.0 * result["mean_signed_error"].as_f64().unwrap_or(f64::NAN)
     );
-    md += "| plan | predicted ms | measured ms | error | of which casts (predicted) | precisions |\n|---|---|---|---|---|---|\n";
+    md += "| plan | predicted ms | measured ms | error | forward predicted / measured | backward predicted / measured | precisions |\n|---|---|---|---|---|---|---|\n";
     for r in rows {
         let precisions: Vec<String> = r["precisions"]
             .as_array()
@@ -760,12 +547,15 @@ fn markdown(
             })
             .unwrap_or_default();
         md += &format!(
-            "| {} | {:.2} | {:.2} | {:+.1}% | {:.2} | {} |\n",
+            "| {} | {:.2} | {:.2} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} | {} |\n",
             r["plan"].as_str().unwrap_or(""),
             r["predicted_ms"].as_f64().unwrap_or(f64::NAN),
             r["measured_ms"].as_f64().unwrap_or(f64::NAN),
             100.0 * r["error"].as_f64().unwrap_or(f64::NAN),
-            r["cast_ms"].as_f64().unwrap_or(f64::NAN),
+            r["predicted_forward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["measured_forward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["predicted_backward_ms"].as_f64().unwrap_or(f64::NAN),
+            r["measured_backward_ms"].as_f64().unwrap_or(f64::NAN),
             precisions.join(" ")
         );
     }
@@ -786,16 +576,32 @@ fn markdown(
             cell(Precision::F32)
         );
     }
-    md += &format!("\nLoss gradient: {:.3} ms; optimizer step: {:.2} ms.\n\n## Cast model `t = a·numel + b`\n\n| cast | a (ms/element) | b (ms) | R² |\n|---|---|---|---|\n", table.overhead_ms, table.optimizer_ms);
+    md += &format!("\nLoss: {:.3} ms; optimizer step: {:.2} ms.\n\n## Cast model `t = a·numel + b`\n\nFitted as a rank does; the replay adds none of it here, since the operators cast inside and their profiled times include it.\n\n| cast | a (ms/element) | b (ms) | R² |\n|---|---|---|---|\n", table.overhead_ms, table.optimizer_ms);
     for f in &casts.fits {
         md += &format!(
             "| {} → {} | {:.3e} | {:.4} | {:.4} |\n",
             f.from, f.to, f.ms_per_element, f.fixed_ms, f.r2
         );
     }
-    md += "\n## Allocator on this rank\n\nFrom the fastest plan above, at budgets between its predicted time and all-f32's. \
-           With these candle stand-ins bf16 and int8 are not faster than f32 on this CPU, so the fastest plan is all f32 \
-           and there is nothing to allocate; the speed-up figure waits for the real ops and unequal ranks.\n\n\
+    md += "\n## Diagnostic: the linears alone, operands hot or evicted from cache\n\n\
+           Not used by the prediction. Each linear shape alone (fastest of the runs, as the profile), operands hot as the harness \
+           runs them, or with a 64 MiB buffer written before each pass, as a layer's tensors are evicted by the rest of an iteration.\n\n\
+           | linear | precision | forward hot / evicted ms | backward hot / evicted ms |\n|---|---|---|---|\n";
+    for c in result["cache_effect"].as_array().into_iter().flatten() {
+        let f = |k: &str, pass: &str| c[k][pass].as_f64().unwrap_or(f64::NAN);
+        md += &format!(
+            "| {} → {} | {} | {:.2} / {:.2} | {:.2} / {:.2} |\n",
+            c["inputs"],
+            c["outputs"],
+            c["precision"].as_str().unwrap_or(""),
+            f("hot", "forward_ms"),
+            f("evicted", "forward_ms"),
+            f("hot", "backward_ms"),
+            f("evicted", "backward_ms")
+        );
+    }
+    md += "\n## Allocator on this rank\n\nFrom the fastest plan above, at budgets between its predicted time and all-f32's (predicted, not measured; \
+           one budget when the fastest plan is all f32).\n\n\
            | budget ms | predicted ms | raises | Σω | precisions |\n|---|---|---|---|---|\n";
     for a in result["allocations"].as_array().into_iter().flatten() {
         let precisions: Vec<String> = a["precisions"]
