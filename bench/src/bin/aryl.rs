@@ -22,7 +22,7 @@
 //! and a demand tick every 5 minutes (the diurnal serving load and the loan decisions).
 //! Every event runs one scheduling round (`plan_round`).
 //!
-//! Run: cargo run --release -p tessera-bench --bin aryl
+//! Run: cargo run --release -p tessera-bench --bin aryl [-- --lose-since-checkpoint]
 
 use std::time::Instant;
 
@@ -84,6 +84,17 @@ const MEASUREMENT_NOISE: f64 = 0.05;
 const CHECKPOINT_EVERY: f64 = 15.0 * MINUTE;
 const RESTART_SECS: f64 = 60.0;
 const RESIZE_SECS: f64 = 30.0;
+
+/// What a preemption costs a job besides its restart.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Preemption {
+    /// It checkpoints at the step it is on and loses nothing: what the platform does
+    /// (`jobs::preempt_job`, issue 16). The default.
+    CheckpointNow,
+    /// It loses the work since its last periodic checkpoint (`--lose-since-checkpoint`: a
+    /// job that cannot checkpoint on demand; the model of the first recorded run).
+    LoseSinceCheckpoint,
+}
 /// Demand tick.
 const TICK: f64 = 5.0 * MINUTE;
 /// Multiplicative noise of each tick's serving rate. GUESS.
@@ -255,7 +266,7 @@ struct Outcome {
     makespan_days: f64,
 }
 
-fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64) -> Outcome {
+fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemption: Preemption) -> Outcome {
     let loan_policy = LoanPolicy::default();
     let mut noise_rng = StdRng::seed_from_u64(seed ^ 0x7e57);
     let mut state: Vec<JobState> = vec![JobState::default(); trace.len()];
@@ -378,8 +389,10 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64) -> Out
             let every = CHECKPOINT_EVERY / spec.step_secs(spec.requested);
             s.checkpoint = s.checkpoint.max((s.done / every).floor() * every);
             if placement.preempted {
-                // The work since the last checkpoint is lost.
-                s.done = s.checkpoint;
+                match preemption {
+                    Preemption::CheckpointNow => s.checkpoint = s.done,
+                    Preemption::LoseSinceCheckpoint => s.done = s.checkpoint,
+                }
                 s.preemptions += 1;
                 s.must_restart = true;
             }
@@ -508,14 +521,14 @@ fn verdict(ok: bool) -> &'static str {
 }
 
 /// Runs the four policies on the same traces; `[policy][seed]`.
-fn run_policies(load: f64, print: bool) -> Vec<Vec<Outcome>> {
+fn run_policies(load: f64, print: bool, preemption: Preemption) -> Vec<Vec<Outcome>> {
     let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); POLICIES.len()];
     for &seed in &SEEDS {
         let trace = generate_trace(seed, load);
         let serving = Serving::new(seed);
         for (p, &policy) in POLICIES.iter().enumerate() {
             let t0 = Instant::now();
-            let o = simulate(&trace, &serving, policy, seed);
+            let o = simulate(&trace, &serving, policy, seed, preemption);
             if print {
                 println!(
                     "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
@@ -604,7 +617,12 @@ fn summary_json(s: &Summary) -> Value {
 
 fn main() {
     let started = Instant::now();
-    let outcomes = run_policies(TRAINING_LOAD, true);
+    let preemption = if std::env::args().any(|a| a == "--lose-since-checkpoint") {
+        Preemption::LoseSinceCheckpoint
+    } else {
+        Preemption::CheckpointNow
+    };
+    let outcomes = run_policies(TRAINING_LOAD, true, preemption);
     let summary = summarise(&outcomes);
     let mut policies = Vec::new();
     for (p, policy) in POLICIES.iter().enumerate() {
@@ -635,7 +653,7 @@ fn main() {
     // Sensitivity to the training load.
     let mut sweep = Vec::new();
     for &load in &LOAD_SWEEP {
-        let s = summarise(&run_policies(load, false));
+        let s = summarise(&run_policies(load, false, preemption));
         for (p, policy) in POLICIES.iter().enumerate() {
             println!(
                 "sweep load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
@@ -713,6 +731,7 @@ fn main() {
         "machine": machine(),
         "date": chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
         "seeds": SEEDS,
+        "preemption": format!("{preemption:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
             "arrival_days": ARRIVAL_DAYS, "training_slices": TRAINING_SLICES,
@@ -740,7 +759,10 @@ fn main() {
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::create_dir_all(dir).unwrap();
-    let path = format!("{dir}/aryl.json");
+    let path = match preemption {
+        Preemption::CheckpointNow => format!("{dir}/aryl.json"),
+        Preemption::LoseSinceCheckpoint => format!("{dir}/aryl-lose-since-checkpoint.json"),
+    };
     std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap() + "\n").unwrap();
     println!("wrote {path}");
 }
