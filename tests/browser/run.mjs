@@ -2,7 +2,7 @@
 // loopback with throwaway data directories, drives the system Chromium through the
 // pages a person uses (sign in, upload the real MiniLM folder, watch the worker come
 // online, prefetch the model onto it, deploy it, watch inference traffic arrive on the
-// deployment page, delete it; upload the digits dataset, train an AutoLRS and a constant-LR
+// deployment page, make it loanable and open the fleet page, delete it; upload the digits dataset, train an AutoLRS and a constant-LR
 // job and read their charts, stages, checkpoints and the compare view; read a data-parallel
 // job's precision plan), and saves a screenshot of each page.
 //
@@ -340,6 +340,25 @@ async function main() {
       const row = await page.locator(`tr[data-deployment="${DEPLOYMENT_NAME}"]`).innerText();
       assert(row.includes("1/1") && row.includes("ready") && row.includes(MODEL_NAME), row);
       await shot(page, "10-deployments");
+    });
+
+    await check("a deployment is made loanable from its page and the fleet page shows the loaning views", async () => {
+      assert(deploymentPage, "no deployment");
+      await page.goto(deploymentPage);
+      await page.check('form.loan-form input[name="loanable"]');
+      await page.fill('form.loan-form input[name="headroom_percent"]', "30");
+      await Promise.all([page.waitForURL(deploymentPage), page.click('form.loan-form button[type="submit"]')]);
+      assert(await page.isChecked('form.loan-form input[name="loanable"]'), "the deployment is not loanable after saving");
+      const headroom = await page.inputValue('form.loan-form input[name="headroom_percent"]');
+      assert(Number(headroom) === 30, `headroom reads ${headroom}`);
+      const api = await (await fetch(`${base}/api/v1/deployments/${DEPLOYMENT_NAME}`, { headers: { authorization: `Bearer ${await apiLogin()}` } })).json();
+      assert(api.loanable === true && Math.abs(api.reclaim_headroom - 0.3) < 1e-9, JSON.stringify(api));
+      await Promise.all([page.waitForURL(`${base}/fleet`), page.click('nav a[href="/fleet"]')]);
+      const headings = await page.locator("main h2").allInnerTexts();
+      for (const h of ["Slices over the last hour", "Loaned capacity", "Reclaim events", "Training queue"]) {
+        assert(headings.some((t) => t.includes(h)), `no "${h}" section: ${headings}`);
+      }
+      await shot(page, "10b-fleet");
     });
 
     await check("deleting the deployment from its page stops it", async () => {
