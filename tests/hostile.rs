@@ -198,6 +198,9 @@ async fn every_rejection_has_the_platform_error_shape() {
         .send()
         .await
         .unwrap();
+    // The rest of the body stays unread: the server says the connection is done, so the
+    // client opens a new one for the next request rather than failing on this one.
+    assert_eq!(response.headers()["connection"], "close");
     assert_eq!(
         error_body(response, 413).await["error"]["code"],
         "payload_too_large"

@@ -168,6 +168,7 @@ pub fn router(state: AppState) -> Router {
         .merge(web::routes())
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(shape_plain_rejections))
+        .layer(axum::middleware::map_response(close_after_a_413))
         .layer(axum::middleware::from_fn(refuse_nul_bytes))
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
@@ -222,6 +223,16 @@ async fn shape_plain_rejections(request: Request, next: Next) -> Response {
     let mut shaped = family_error(&path, error);
     *shaped.status_mut() = status;
     shaped
+}
+
+/// A 413 leaves the rest of its body unread, so the connection cannot carry another
+/// request: saying so keeps a client from reusing it and failing its next request.
+async fn close_after_a_413(mut response: Response) -> Response {
+    if response.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        let close = axum::http::HeaderValue::from_static("close");
+        response.headers_mut().insert(axum::http::header::CONNECTION, close);
+    }
+    response
 }
 
 /// `error` in the shape of the route family `path` belongs to: OpenAI's on `/v1`,
