@@ -537,12 +537,62 @@ async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
             ));
         }
         worlds.sort();
-        let world = worlds.len() as u64;
-        assert!((2..=3).contains(&world), "{worlds:?}");
-        assert_eq!(worlds, (0..world).map(|r| (r, world)).collect::<Vec<_>>());
+        // Nothing measured yet: the step-time prior values a third rank, and with seven
+        // free slices the knapsack grants it (min_ranks alone would be 2).
+        assert_eq!(worlds, (0..3).map(|r| (r, 3)).collect::<Vec<_>>());
         assert!(
             tessera_server::gangs::resize(db, gang, 2).await.is_err(),
             "a claimed gang keeps its size"
         );
+    }
+}
+
+/// The round's step times per rank count come from the newest steps, each labelled with
+/// the rank count that ran it: a step re-run after a resize takes the new count (in both
+/// directions), a step only rank 0 reported yet is not mistaken for a one-rank step, and
+/// the read is bounded to the newest rows.
+#[tokio::test]
+async fn step_times_carry_the_rank_count_that_ran_them() {
+    use tessera_api::parallel::RankStep;
+    use tessera_server::store::gangs as gang_store;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let data = server.toy_dataset(&admin).await;
+        let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 100, "eval_every": 50, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}]},
+            "resources": {"min_ranks": 1, "max_ranks": 3, "preemptible": true}});
+        let job: Value = server.post(&admin, "/jobs", body).await.json().await.unwrap();
+        let gang: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+        let db = &server.state.db;
+        // Rank `rank` ran `steps` at `ms` milliseconds each.
+        let report = |rank: u32, steps: std::ops::RangeInclusive<u64>, ms: f64| -> Vec<RankStep> {
+            steps
+                .map(|step| RankStep { rank, step, iter_ms: ms, wait_ms: 0.0, allreduce_ms: 0.0, predicted_ms: None })
+                .collect()
+        };
+
+        // Three ranks run steps 1..=6, but only rank 0 reported 5 and 6 so far.
+        for rank in 0..3 {
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 1..=4, 300.0)).await.unwrap();
+        }
+        gang_store::upsert_rank_steps(db, gang, &report(0, 5..=6, 300.0)).await.unwrap();
+        // Shrunk to one rank, it resumes from step 4: steps 5 and 6 run again, then 7 and 8.
+        tessera_server::gangs::resize(db, gang, 1).await.unwrap();
+        gang_store::upsert_rank_steps(db, gang, &report(0, 5..=8, 800.0)).await.unwrap();
+        let newest = store::recent_step_secs(db, gang, 100).await.unwrap();
+        let expected: Vec<(u32, f64)> =
+            [(1, 0.8), (1, 0.8), (1, 0.8), (1, 0.8), (3, 0.3), (3, 0.3), (3, 0.3), (3, 0.3)].to_vec();
+        assert_eq!(newest, expected, "{backend:?}");
+        // Grown to two, it resumes from step 6: steps 7 and 8 are the two ranks' now.
+        tessera_server::gangs::resize(db, gang, 2).await.unwrap();
+        for rank in 0..2 {
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 7..=8, 500.0)).await.unwrap();
+        }
+        let newest = store::recent_step_secs(db, gang, 3).await.unwrap();
+        assert_eq!(newest, vec![(2, 0.5), (2, 0.5), (1, 0.8)], "bounded to the newest rows");
     }
 }

@@ -43,8 +43,10 @@ const LEASE: &str = "loaning";
 const RESTART_SECS: f64 = 60.0;
 /// Seconds an elastic job's ranks stop to change their number.
 const RESIZE_PAUSE_SECS: f64 = 30.0;
-/// Steps of a gang's timing averaged per rank count.
+/// Steps of a gang's timing whose median is its step time at a rank count.
 const STEP_WINDOW: usize = 50;
+/// A gang's newest steps the round reads (bounded; older rank counts fall to the prior).
+const STEP_ROWS: usize = 8 * STEP_WINDOW;
 /// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike
 /// reaches the round within seconds.
 const RATE_BUCKETS: u64 = 2;
@@ -318,7 +320,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 (ranks, ranks)
             };
-            let step_secs = StepTimes::new(store::step_secs_by_ranks(db, g.id, STEP_WINDOW).await?);
+            let step_secs = StepTimes::from_recent(store::recent_step_secs(db, g.id, STEP_ROWS).await?, STEP_WINDOW);
             jobs.push(Job {
                 min_ranks: min,
                 max_ranks: max,
