@@ -48,13 +48,18 @@ async fn claim(server: &TestServer, secret: &str, kinds: &[&str]) -> Option<Valu
 
 /// A measured table: 100 req/s per 1g.10gb slice at p99 30 ms.
 async fn profile(server: &TestServer, admin: &str, secret: &str) {
+    profile_at(server, admin, secret, 100.0).await
+}
+
+/// A measured table: `throughput` req/s per 1g.10gb slice at p99 30 ms.
+async fn profile_at(server: &TestServer, admin: &str, secret: &str, throughput: f64) {
     server.post(admin, "/models/tiny/profiles", json!({})).await;
     let leased = claim(server, secret, &["profile"])
         .await
         .expect("the profile job");
     let id = leased["job_id"].as_str().unwrap();
     let reports = json!([{"gpu_model": "H100-80GB", "profile": PROFILE, "simulated": true,
-        "points": [{"batch_size": 16, "throughput": 100.0, "p99_ms": 30.0}]}]);
+        "points": [{"batch_size": 16, "throughput": throughput, "p99_ms": 30.0}]}]);
     let response = server
         .post(secret, &format!("/agent/jobs/{id}/profiles"), reports)
         .await;
@@ -594,5 +599,44 @@ async fn step_times_carry_the_rank_count_that_ran_them() {
         }
         let newest = store::recent_step_secs(db, gang, 3).await.unwrap();
         assert_eq!(newest, vec![(2, 0.5), (2, 0.5), (1, 0.8)], "bounded to the newest rows");
+    }
+}
+
+/// An SLO deployment keeps what its plan needs at the measured rate (the serving floor),
+/// even when the throughput table was measured faster since: planned at 100 req/s a slice,
+/// re-profiled at 200, at 100 req/s measured it keeps two slices (1.2 × 100 over 100 req/s
+/// slices) and lends two, where the table alone would lend three.
+#[tokio::test]
+async fn an_slo_deployment_keeps_the_slices_its_plan_needs_at_the_measured_rate() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
+        assert_eq!(response.status(), 201);
+        let secret = register_mig(&server, "mig-1").await;
+        profile(&server, &admin, &secret).await;
+        let body = json!({"name": "slo", "model": "tiny", "throughput": 400.0, "latency_ms": 50, "loanable": true});
+        let response = server.post(&admin, "/deployments", body).await;
+        assert_eq!(response.status(), 201);
+        let deployment: Value = response.json().await.unwrap();
+        let planned = deployment["slo"]["slices"].as_array().unwrap();
+        assert_eq!(planned.len(), 4, "{deployment}");
+        assert!(planned.iter().all(|s| s["throughput"] == 100.0), "{deployment}");
+        for _ in 0..4 {
+            let replica = claim(&server, &secret, &["serve"]).await.expect("a replica");
+            let id = replica["job_id"].as_str().unwrap();
+            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+        }
+        profile_at(&server, &admin, &secret, 200.0).await;
+        let id: Uuid = deployment["id"].as_str().unwrap().parse().unwrap();
+        store::record_rates(&server.state.db, Uuid::new_v4(), &[(id, 100.0)]).await.unwrap();
+
+        let first = run_round(&server.state).await.unwrap();
+        assert_eq!(first.lent, 0, "a calm round first: {first:?}");
+        let second = run_round(&server.state).await.unwrap();
+        assert_eq!(second.lent, 2, "{second:?}");
+        let d = get(&server, &admin, "/deployments/slo").await;
+        assert_eq!(d["loaned_slices"], 2, "{d}");
     }
 }

@@ -149,6 +149,19 @@ async fn slice_rate(state: &AppState, d: &StoredDeployment, slices: &[&FleetSlic
     Ok(if rate.is_finite() { rate } else { 0.0 })
 }
 
+/// For an SLO deployment, its plan's requests per second on each of `slices` it still has
+/// (its serving floor's figures); `None` when a replica count sized it.
+fn planned_rates(d: &StoredDeployment, slices: &[&FleetSlice]) -> Option<Vec<f64>> {
+    let slo = d.slo.as_ref()?;
+    Some(
+        slo.slices
+            .iter()
+            .filter(|p| slices.iter().any(|s| s.uuid == p.slice))
+            .map(|p| p.throughput)
+            .collect(),
+    )
+}
+
 /// One scheduling round; see the module comment. The caller holds the round's lease
 /// (tests call it directly).
 pub async fn run_round(state: &AppState) -> Result<RoundReport> {
@@ -187,11 +200,18 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             continue;
         }
         let all: Vec<&FleetSlice> = lender.bound.iter().chain(&lender.loaned).copied().collect();
+        let measured_rate = rates.get(&d.id).copied().unwrap_or(0.0);
+        let planned = planned_rates(d, &all);
+        let sizing = planned
+            .as_deref()
+            .map_or(capacity::Sizing::Replicas, |planned| {
+                capacity::Sizing::Slo { planned }
+            });
         let view = capacity::Deployment {
             slices: all.len() as u32,
-            min_serving: 1,
+            min_serving: capacity::serving_floor(&sizing, measured_rate, d.reclaim_headroom),
             slice_rate: slice_rate(state, d, &all).await?,
-            measured_rate: rates.get(&d.id).copied().unwrap_or(0.0),
+            measured_rate,
             loanable: d.loanable,
         };
         let policy = LoanPolicy {
@@ -320,7 +340,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 (ranks, ranks)
             };
-            let step_secs = StepTimes::from_recent(store::recent_step_secs(db, g.id, STEP_ROWS).await?, STEP_WINDOW);
+            let step_secs = StepTimes::from_recent(
+                store::recent_step_secs(db, g.id, STEP_ROWS).await?,
+                STEP_WINDOW,
+            );
             jobs.push(Job {
                 min_ranks: min,
                 max_ranks: max,
