@@ -640,3 +640,51 @@ async fn an_slo_deployment_keeps_the_slices_its_plan_needs_at_the_measured_rate(
         assert_eq!(d["loaned_slices"], 2, "{d}");
     }
 }
+
+/// Shortest-first with the step-time prior: a new job borrows the step time of a measured
+/// job of the same model and batch, so it starts before a job of another model that only
+/// the default figure knows, and before the measured but longer job.
+#[tokio::test]
+async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
+    use tessera_api::parallel::RankStep;
+    use tessera_server::store::gangs as gang_store;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        register_mig(&server, "mig-1").await;
+        let data = server.toy_dataset(&admin).await;
+        // Four ranks each, seven slices: one job starts per round.
+        let submit = |name: &str, hidden: u32, steps: u64| {
+            json!({"name": name, "model": {"kind": "mlp", "hidden": [hidden]}, "dataset": data,
+                "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+                "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": steps, "eval_every": 50, "checkpoint_every": 5,
+                "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+                "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}]},
+                "resources": {"preemptible": true}})
+        };
+        let mut ids = Vec::new();
+        for (name, hidden, steps) in [("measured", 8, 1000), ("other-model", 16, 50), ("same-model", 8, 100)] {
+            let job: Value = server.post(&admin, "/jobs", submit(name, hidden, steps)).await.json().await.unwrap();
+            ids.push(job["id"].as_str().unwrap().parse::<Uuid>().unwrap());
+        }
+        // The first ran 20 steps at 10 ms (at four ranks) before it was preempted.
+        let steps: Vec<RankStep> = (1..=20)
+            .map(|step| RankStep { rank: 0, step, iter_ms: 10.0, wait_ms: 0.0, allreduce_ms: 0.0, predicted_ms: None })
+            .collect();
+        gang_store::upsert_rank_steps(&server.state.db, ids[0], &steps).await.unwrap();
+
+        // Predicted: measured 1000 × 10 ms = 10 s; same-model borrows it, 100 × 10 ms = 1 s;
+        // other-model has the default, 50 × 1 s × (0.1 + 0.9 / 4) = 16 s.
+        let report = run_round(&server.state).await.unwrap();
+        assert_eq!(report.started, 1, "{report:?}");
+        let gangs = store::slice_gangs(&server.state.db).await.unwrap();
+        let placed: Vec<Uuid> =
+            gangs.iter().filter(|g| g.ranks.iter().all(|r| r.slice.is_some())).map(|g| g.id).collect();
+        assert_eq!(placed, vec![ids[2]], "the same-model job starts first");
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        let queue = overview["queue"].as_array().expect("the training queue");
+        let predicted = |id: Uuid| queue.iter().find(|q| q["job_id"] == id.to_string().as_str()).unwrap()["predicted_secs"].clone();
+        assert!((predicted(ids[0]).as_f64().unwrap() - 10.0).abs() < 1e-6, "{overview}");
+        assert_eq!(predicted(ids[2]), Value::Null, "only measured figures are shown: {overview}");
+    }
+}

@@ -24,6 +24,7 @@ use tessera_api::loaning::{LoanRound, LoanState as SliceLoan};
 use uuid::Uuid;
 
 use crate::error::Result;
+use crate::scheduler::loaning::step_times::share_priors;
 use crate::scheduler::loaning::{
     capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
 };
@@ -356,6 +357,13 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 holdings: holdings.into_iter().collect(),
             });
         }
+        // A job nothing was measured of takes a step as long as measured jobs of the same
+        // model and global batch on this profile do.
+        let kinds: Vec<_> = mine
+            .iter()
+            .map(|g| (&g.train.model, g.train.batch_size))
+            .collect();
+        share_priors(&kinds, jobs.iter_mut().map(|j| &mut j.step_secs));
         let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
         let plan = plan_round(&Round {
             capacity: &capacity,
@@ -509,7 +517,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     min_ranks: jobs[j].min_ranks,
                     max_ranks: jobs[j].max_ranks,
                     preemptible: jobs[j].preemptible,
-                    predicted_secs: secs.is_finite().then_some(secs),
+                    // The API's figure is measured: none while only the prior knows.
+                    predicted_secs: (!jobs[j].step_secs.is_empty()).then_some(secs),
                     note,
                 },
             ));

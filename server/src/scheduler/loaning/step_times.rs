@@ -16,9 +16,10 @@
 //! - below the smallest or above the largest, Amdahl anchored on that nearest count,
 //!   with `s` fitted by least squares over every measured count (two or more; clamped to
 //!   `[0, 1]`) or [`DEFAULT_SERIAL_SHARE`] with one;
-//! - with nothing measured, [`DEFAULT_STEP_SECS`] (or the caller's
-//!   [`StepTimes::assuming`]) at one rank and the default share, so a new job's predicted
-//!   time is finite and the queue is shortest-first by its declared steps, not its arrival.
+//! - with nothing measured, what a measured job of the same kind takes a step at one rank
+//!   ([`share_priors`]; the caller says what "same kind" is), else [`DEFAULT_STEP_SECS`],
+//!   with the default share, so a new job's predicted time is finite and the queue is
+//!   shortest-first by its declared steps, not its arrival.
 
 /// Share of a step assumed not to shrink with more ranks while fewer than two rank counts
 /// were measured. A guess, not a measurement: data-parallel steps of the encoders this
@@ -134,6 +135,36 @@ impl StepTimes {
     /// Predicted seconds to run `steps` more steps at `ranks`: finite.
     pub fn remaining_secs(&self, steps: f64, ranks: u32) -> f64 {
         steps.max(0.0) * self.at(ranks)
+    }
+}
+
+/// Jobs nothing was measured of assume, at one rank, the median one-rank step time
+/// predicted for the measured jobs of the same kind (`kinds[i]` is job `i`'s, e.g. its
+/// model and batch size on one slice profile); jobs of a kind nobody measured keep theirs.
+pub fn share_priors<'a, K: PartialEq>(kinds: &[K], times: impl IntoIterator<Item = &'a mut StepTimes>) {
+    let mut times: Vec<&mut StepTimes> = times.into_iter().collect();
+    let borrowed: Vec<Option<f64>> = (0..times.len().min(kinds.len()))
+        .map(|i| {
+            if !times[i].is_empty() {
+                return None;
+            }
+            let mut peers: Vec<f64> = (0..times.len().min(kinds.len()))
+                .filter(|&j| kinds[j] == kinds[i] && !times[j].is_empty())
+                .map(|j| times[j].at(1))
+                .collect();
+            peers.sort_by(f64::total_cmp);
+            let mid = peers.len() / 2;
+            match peers.len() {
+                0 => None,
+                n if n % 2 == 1 => Some(peers[mid]),
+                _ => Some((peers[mid - 1] + peers[mid]) / 2.0),
+            }
+        })
+        .collect();
+    for (t, secs) in times.iter_mut().zip(borrowed) {
+        if let Some(secs) = secs {
+            **t = std::mem::take(*t).assuming(secs);
+        }
     }
 }
 
@@ -273,6 +304,26 @@ mod tests {
         assert!(StepTimes::from_recent([], 3).is_empty());
         let even = StepTimes::from_recent([(1, 1.0), (1, 2.0)], 10);
         assert_eq!(even.points(), &[(1, 1.5)]);
+    }
+
+    #[test]
+    fn a_new_job_borrows_the_step_time_of_measured_jobs_of_its_kind() {
+        let mut times = vec![
+            StepTimes::new([(1, 0.4)]),
+            StepTimes::new([]),
+            StepTimes::new([(2, 0.3)]),
+            StepTimes::new([]),
+            StepTimes::new([(1, 0.2)]),
+        ];
+        let kinds = ["bert", "bert", "bert", "mlp", "bert"];
+        share_priors(&kinds, times.iter_mut());
+        // The median of 0.4, 0.2 and 0.3 / 0.55 (the 2-rank job's prediction at one rank).
+        assert!(close(times[1].at(1), 0.4));
+        assert!(close(times[1].at(2), times[1].at(1) * 0.55));
+        // No measured job of its kind: the default; measured jobs keep their own.
+        assert_eq!(times[3].at(1), DEFAULT_STEP_SECS);
+        assert_eq!(times[0].at(1), 0.4);
+        assert_eq!(times[4].at(1), 0.2);
     }
 
     #[test]
