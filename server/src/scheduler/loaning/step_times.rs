@@ -3,9 +3,9 @@
 //! (the knapsack's "JCT reduction", §3 of the research note) and orders its queue by.
 //!
 //! Departure: the paper profiles each job's throughput curve before scheduling it; here
-//! the curve starts as a prior and the measurements replace it where they exist, as
-//! Determined's and Pollux's schedulers do until a job has reported (Pollux fits its
-//! throughput model online from the same kind of prior). The prior is Amdahl's law: at
+//! the curve starts as a prior and the measurements replace it where they exist, the way
+//! schedulers that model throughput online work (Pollux, OSDI '21, fits its model's
+//! parameters from the job's own measurements as it runs). The prior is Amdahl's law: at
 //! `r` ranks a step takes `t(r0) · (s + (1 − s) / r) / (s + (1 − s) / r0)`, anchored on a
 //! measured count `r0`, where `s` is the share of a one-rank step that more ranks do not
 //! shorten (the all-reduce, the optimiser, the input pipeline); read at `r0` instead
@@ -21,11 +21,12 @@
 //!   with the default share, so a new job's predicted time is finite and the queue is
 //!   shortest-first by its declared steps, not its arrival.
 
-/// Share of a step assumed not to shrink with more ranks while fewer than two rank counts
-/// were measured. A guess, not a measurement: data-parallel steps of the encoders this
-/// platform trains spend roughly a tenth of their time in the all-reduce and optimiser at a
-/// handful of ranks; 0.1 makes a second rank worth 45% of a step and the eighth about 1.6%,
-/// so a new job is grown while ranks still pay and a measurement soon replaces the guess.
+/// Share of a one-rank step assumed not to shrink with more ranks while fewer than two
+/// rank counts were measured. A guess, not a measurement (no job's curve is known before
+/// it runs): with 0.1 a second rank saves 45% of a one-rank step and the eighth about
+/// 1.6%, so a new job is offered spare ranks while they plausibly pay, a job measured to
+/// scale well still wins them over it, and its own measurements replace the guess once it
+/// ran at two rank counts.
 pub const DEFAULT_SERIAL_SHARE: f64 = 0.1;
 
 /// Seconds per step at one rank assumed for a job nothing was measured of: its spec
@@ -75,12 +76,7 @@ impl StepTimes {
                 seen.push(secs);
             }
         }
-        StepTimes::new(by_count.into_iter().filter(|(_, v)| !v.is_empty()).map(|(r, mut v)| {
-            v.sort_by(f64::total_cmp);
-            let mid = v.len() / 2;
-            let median = if v.len() % 2 == 1 { v[mid] } else { (v[mid - 1] + v[mid]) / 2.0 };
-            (r, median)
-        }))
+        StepTimes::new(by_count.into_iter().filter(|(_, v)| !v.is_empty()).map(|(r, mut v)| (r, median(&mut v))))
     }
 
     /// The same curve with `secs` per step at one rank assumed while nothing is measured
@@ -143,28 +139,35 @@ impl StepTimes {
 /// model and batch size on one slice profile); jobs of a kind nobody measured keep theirs.
 pub fn share_priors<'a, K: PartialEq>(kinds: &[K], times: impl IntoIterator<Item = &'a mut StepTimes>) {
     let mut times: Vec<&mut StepTimes> = times.into_iter().collect();
-    let borrowed: Vec<Option<f64>> = (0..times.len().min(kinds.len()))
-        .map(|i| {
-            if !times[i].is_empty() {
-                return None;
-            }
-            let mut peers: Vec<f64> = (0..times.len().min(kinds.len()))
-                .filter(|&j| kinds[j] == kinds[i] && !times[j].is_empty())
-                .map(|j| times[j].at(1))
-                .collect();
-            peers.sort_by(f64::total_cmp);
-            let mid = peers.len() / 2;
-            match peers.len() {
-                0 => None,
-                n if n % 2 == 1 => Some(peers[mid]),
-                _ => Some((peers[mid - 1] + peers[mid]) / 2.0),
-            }
-        })
-        .collect();
-    for (t, secs) in times.iter_mut().zip(borrowed) {
-        if let Some(secs) = secs {
-            **t = std::mem::take(*t).assuming(secs);
+    let n = times.len().min(kinds.len());
+    // Each kind's measured jobs' one-rank step times.
+    let mut measured: Vec<(&K, Vec<f64>)> = Vec::new();
+    for i in (0..n).filter(|&i| !times[i].is_empty()) {
+        let secs = times[i].at(1);
+        match measured.iter_mut().find(|(k, _)| *k == &kinds[i]) {
+            Some((_, seen)) => seen.push(secs),
+            None => measured.push((&kinds[i], vec![secs])),
         }
+    }
+    for (kind, t) in kinds.iter().zip(times.iter_mut()) {
+        if !t.is_empty() {
+            continue;
+        }
+        if let Some((_, seen)) = measured.iter_mut().find(|(k, _)| *k == kind) {
+            let secs = median(seen);
+            **t = std::mem::take(&mut **t).assuming(secs);
+        }
+    }
+}
+
+/// The median of a non-empty list (reordered).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
     }
 }
 
