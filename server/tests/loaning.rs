@@ -48,13 +48,18 @@ async fn claim(server: &TestServer, secret: &str, kinds: &[&str]) -> Option<Valu
 
 /// A measured table: 100 req/s per 1g.10gb slice at p99 30 ms.
 async fn profile(server: &TestServer, admin: &str, secret: &str) {
+    profile_at(server, admin, secret, 100.0).await
+}
+
+/// A measured table: `throughput` req/s per 1g.10gb slice at p99 30 ms.
+async fn profile_at(server: &TestServer, admin: &str, secret: &str, throughput: f64) {
     server.post(admin, "/models/tiny/profiles", json!({})).await;
     let leased = claim(server, secret, &["profile"])
         .await
         .expect("the profile job");
     let id = leased["job_id"].as_str().unwrap();
     let reports = json!([{"gpu_model": "H100-80GB", "profile": PROFILE, "simulated": true,
-        "points": [{"batch_size": 16, "throughput": 100.0, "p99_ms": 30.0}]}]);
+        "points": [{"batch_size": 16, "throughput": throughput, "p99_ms": 30.0}]}]);
     let response = server
         .post(secret, &format!("/agent/jobs/{id}/profiles"), reports)
         .await;
@@ -537,12 +542,149 @@ async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
             ));
         }
         worlds.sort();
-        let world = worlds.len() as u64;
-        assert!((2..=3).contains(&world), "{worlds:?}");
-        assert_eq!(worlds, (0..world).map(|r| (r, world)).collect::<Vec<_>>());
+        // Nothing measured yet: the step-time prior values a third rank, and with seven
+        // free slices the knapsack grants it (min_ranks alone would be 2).
+        assert_eq!(worlds, (0..3).map(|r| (r, 3)).collect::<Vec<_>>());
         assert!(
             tessera_server::gangs::resize(db, gang, 2).await.is_err(),
             "a claimed gang keeps its size"
         );
+    }
+}
+
+/// The round's step times per rank count come from the newest steps, each labelled with
+/// the rank count that ran it: a step re-run after a resize takes the new count (in both
+/// directions), a step only rank 0 reported yet is not mistaken for a one-rank step, and
+/// the read is bounded to the newest rows.
+#[tokio::test]
+async fn step_times_carry_the_rank_count_that_ran_them() {
+    use tessera_api::parallel::RankStep;
+    use tessera_server::store::gangs as gang_store;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let data = server.toy_dataset(&admin).await;
+        let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 100, "eval_every": 50, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}]},
+            "resources": {"min_ranks": 1, "max_ranks": 3, "preemptible": true}});
+        let job: Value = server.post(&admin, "/jobs", body).await.json().await.unwrap();
+        let gang: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+        let db = &server.state.db;
+        // Rank `rank` ran `steps` at `ms` milliseconds each.
+        let report = |rank: u32, steps: std::ops::RangeInclusive<u64>, ms: f64| -> Vec<RankStep> {
+            steps
+                .map(|step| RankStep { rank, step, iter_ms: ms, wait_ms: 0.0, allreduce_ms: 0.0, predicted_ms: None })
+                .collect()
+        };
+
+        // Three ranks run steps 1..=6, but only rank 0 reported 5 and 6 so far.
+        for rank in 0..3 {
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 1..=4, 300.0)).await.unwrap();
+        }
+        gang_store::upsert_rank_steps(db, gang, &report(0, 5..=6, 300.0)).await.unwrap();
+        // Shrunk to one rank, it resumes from step 4: steps 5 and 6 run again, then 7 and 8.
+        tessera_server::gangs::resize(db, gang, 1).await.unwrap();
+        gang_store::upsert_rank_steps(db, gang, &report(0, 5..=8, 800.0)).await.unwrap();
+        let newest = store::recent_step_secs(db, gang, 100).await.unwrap();
+        let expected: Vec<(u32, f64)> =
+            [(1, 0.8), (1, 0.8), (1, 0.8), (1, 0.8), (3, 0.3), (3, 0.3), (3, 0.3), (3, 0.3)].to_vec();
+        assert_eq!(newest, expected, "{backend:?}");
+        // Grown to two, it resumes from step 6: steps 7 and 8 are the two ranks' now.
+        tessera_server::gangs::resize(db, gang, 2).await.unwrap();
+        for rank in 0..2 {
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 7..=8, 500.0)).await.unwrap();
+        }
+        let newest = store::recent_step_secs(db, gang, 3).await.unwrap();
+        assert_eq!(newest, vec![(2, 0.5), (2, 0.5), (1, 0.8)], "bounded to the newest rows");
+    }
+}
+
+/// An SLO deployment keeps what its plan needs at the measured rate (the serving floor),
+/// even when the throughput table was measured faster since: planned at 100 req/s a slice,
+/// re-profiled at 200, at 100 req/s measured it keeps two slices (1.2 × 100 over 100 req/s
+/// slices) and lends two, where the table alone would lend three.
+#[tokio::test]
+async fn an_slo_deployment_keeps_the_slices_its_plan_needs_at_the_measured_rate() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
+        assert_eq!(response.status(), 201);
+        let secret = register_mig(&server, "mig-1").await;
+        profile(&server, &admin, &secret).await;
+        let body = json!({"name": "slo", "model": "tiny", "throughput": 400.0, "latency_ms": 50, "loanable": true});
+        let response = server.post(&admin, "/deployments", body).await;
+        assert_eq!(response.status(), 201);
+        let deployment: Value = response.json().await.unwrap();
+        let planned = deployment["slo"]["slices"].as_array().unwrap();
+        assert_eq!(planned.len(), 4, "{deployment}");
+        assert!(planned.iter().all(|s| s["throughput"] == 100.0), "{deployment}");
+        for _ in 0..4 {
+            let replica = claim(&server, &secret, &["serve"]).await.expect("a replica");
+            let id = replica["job_id"].as_str().unwrap();
+            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+        }
+        profile_at(&server, &admin, &secret, 200.0).await;
+        let id: Uuid = deployment["id"].as_str().unwrap().parse().unwrap();
+        store::record_rates(&server.state.db, Uuid::new_v4(), &[(id, 100.0)]).await.unwrap();
+
+        let first = run_round(&server.state).await.unwrap();
+        assert_eq!(first.lent, 0, "a calm round first: {first:?}");
+        let second = run_round(&server.state).await.unwrap();
+        assert_eq!(second.lent, 2, "{second:?}");
+        let d = get(&server, &admin, "/deployments/slo").await;
+        assert_eq!(d["loaned_slices"], 2, "{d}");
+    }
+}
+
+/// Shortest-first with the step-time prior: a new job borrows the step time of a measured
+/// job of the same model and batch, so it starts before a job of another model that only
+/// the default figure knows, and before the measured but longer job.
+#[tokio::test]
+async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
+    use tessera_api::parallel::RankStep;
+    use tessera_server::store::gangs as gang_store;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        register_mig(&server, "mig-1").await;
+        let data = server.toy_dataset(&admin).await;
+        // Four ranks each, seven slices: one job starts per round.
+        let submit = |name: &str, hidden: u32, steps: u64| {
+            json!({"name": name, "model": {"kind": "mlp", "hidden": [hidden]}, "dataset": data,
+                "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+                "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": steps, "eval_every": 50, "checkpoint_every": 5,
+                "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+                "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}]},
+                "resources": {"preemptible": true}})
+        };
+        let mut ids = Vec::new();
+        for (name, hidden, steps) in [("measured", 8, 1000), ("other-model", 16, 50), ("same-model", 8, 100)] {
+            let job: Value = server.post(&admin, "/jobs", submit(name, hidden, steps)).await.json().await.unwrap();
+            ids.push(job["id"].as_str().unwrap().parse::<Uuid>().unwrap());
+        }
+        // The first ran 20 steps at 10 ms (at four ranks) before it was preempted.
+        let steps: Vec<RankStep> = (1..=20)
+            .map(|step| RankStep { rank: 0, step, iter_ms: 10.0, wait_ms: 0.0, allreduce_ms: 0.0, predicted_ms: None })
+            .collect();
+        gang_store::upsert_rank_steps(&server.state.db, ids[0], &steps).await.unwrap();
+
+        // Predicted: measured 1000 × 10 ms = 10 s; same-model borrows it, 100 × 10 ms = 1 s;
+        // other-model has the default, 50 × 1 s × (0.1 + 0.9 / 4) = 16 s.
+        let report = run_round(&server.state).await.unwrap();
+        assert_eq!(report.started, 1, "{report:?}");
+        let gangs = store::slice_gangs(&server.state.db).await.unwrap();
+        let placed: Vec<Uuid> =
+            gangs.iter().filter(|g| g.ranks.iter().all(|r| r.slice.is_some())).map(|g| g.id).collect();
+        assert_eq!(placed, vec![ids[2]], "the same-model job starts first");
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        let queue = overview["queue"].as_array().expect("the training queue");
+        let predicted = |id: Uuid| queue.iter().find(|q| q["job_id"] == id.to_string().as_str()).unwrap()["predicted_secs"].clone();
+        assert!((predicted(ids[0]).as_f64().unwrap() - 10.0).abs() < 1e-6, "{overview}");
+        assert_eq!(predicted(ids[2]), Value::Null, "only measured figures are shown: {overview}");
     }
 }

@@ -24,6 +24,7 @@ use tessera_api::loaning::{LoanRound, LoanState as SliceLoan};
 use uuid::Uuid;
 
 use crate::error::Result;
+use crate::scheduler::loaning::step_times::share_priors;
 use crate::scheduler::loaning::{
     capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
 };
@@ -43,8 +44,10 @@ const LEASE: &str = "loaning";
 const RESTART_SECS: f64 = 60.0;
 /// Seconds an elastic job's ranks stop to change their number.
 const RESIZE_PAUSE_SECS: f64 = 30.0;
-/// Steps of a gang's timing averaged per rank count.
+/// Steps of a gang's timing whose median is its step time at a rank count.
 const STEP_WINDOW: usize = 50;
+/// A gang's newest steps the round reads (bounded; older rank counts fall to the prior).
+const STEP_ROWS: usize = 8 * STEP_WINDOW;
 /// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike
 /// reaches the round within seconds.
 const RATE_BUCKETS: u64 = 2;
@@ -147,6 +150,19 @@ async fn slice_rate(state: &AppState, d: &StoredDeployment, slices: &[&FleetSlic
     Ok(if rate.is_finite() { rate } else { 0.0 })
 }
 
+/// For an SLO deployment, its plan's requests per second on each of `slices` it still has
+/// (its serving floor's figures); `None` when a replica count sized it.
+fn planned_rates(d: &StoredDeployment, slices: &[&FleetSlice]) -> Option<Vec<f64>> {
+    let slo = d.slo.as_ref()?;
+    Some(
+        slo.slices
+            .iter()
+            .filter(|p| slices.iter().any(|s| s.uuid == p.slice))
+            .map(|p| p.throughput)
+            .collect(),
+    )
+}
+
 /// One scheduling round; see the module comment. The caller holds the round's lease
 /// (tests call it directly).
 pub async fn run_round(state: &AppState) -> Result<RoundReport> {
@@ -185,11 +201,18 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             continue;
         }
         let all: Vec<&FleetSlice> = lender.bound.iter().chain(&lender.loaned).copied().collect();
+        let measured_rate = rates.get(&d.id).copied().unwrap_or(0.0);
+        let planned = planned_rates(d, &all);
+        let sizing = planned
+            .as_deref()
+            .map_or(capacity::Sizing::Replicas, |planned| {
+                capacity::Sizing::Slo { planned }
+            });
         let view = capacity::Deployment {
             slices: all.len() as u32,
-            min_serving: 1,
+            min_serving: capacity::serving_floor(&sizing, measured_rate, d.reclaim_headroom),
             slice_rate: slice_rate(state, d, &all).await?,
-            measured_rate: rates.get(&d.id).copied().unwrap_or(0.0),
+            measured_rate,
             loanable: d.loanable,
         };
         let policy = LoanPolicy {
@@ -318,7 +341,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 (ranks, ranks)
             };
-            let step_secs = StepTimes::new(store::step_secs_by_ranks(db, g.id, STEP_WINDOW).await?);
+            let step_secs = StepTimes::from_recent(
+                store::recent_step_secs(db, g.id, STEP_ROWS).await?,
+                STEP_WINDOW,
+            );
             jobs.push(Job {
                 min_ranks: min,
                 max_ranks: max,
@@ -331,6 +357,13 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 holdings: holdings.into_iter().collect(),
             });
         }
+        // A job nothing was measured of takes a step as long as measured jobs of the same
+        // model and global batch on this profile do.
+        let kinds: Vec<_> = mine
+            .iter()
+            .map(|g| (&g.train.model, g.train.batch_size))
+            .collect();
+        share_priors(&kinds, jobs.iter_mut().map(|j| &mut j.step_secs));
         let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
         let plan = plan_round(&Round {
             capacity: &capacity,
@@ -484,7 +517,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     min_ranks: jobs[j].min_ranks,
                     max_ranks: jobs[j].max_ranks,
                     preemptible: jobs[j].preemptible,
-                    predicted_secs: secs.is_finite().then_some(secs),
+                    // The API's figure is measured: none while only the prior knows.
+                    predicted_secs: (!jobs[j].step_secs.is_empty()).then_some(secs),
                     note,
                 },
             ));

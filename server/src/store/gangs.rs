@@ -497,15 +497,22 @@ async fn end(conn: &mut AnyConnection, gang: &str, state: JobState, message: &st
     Ok(())
 }
 
-/// Stores ranks' step timings under the gang's job (a step reported again replaces it).
+/// Stores ranks' step timings under the gang's job (a step reported again replaces it),
+/// each with the gang's rank count now: a rank reports only while its gang runs, and a
+/// gang changes its rank count only while none of its ranks is held.
 pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Result<()> {
     let mut tx = db.begin().await?;
+    let world: i64 = sqlx::query("SELECT COUNT(*) AS world FROM jobs WHERE gang_id = $1")
+        .bind(gang.to_string())
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get("world")?;
     for step in steps {
         sqlx::query(
-            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms, world) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
-             allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms",
+             allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms, world = excluded.world",
         )
         .bind(gang.to_string())
         .bind(step.rank as i64)
@@ -514,6 +521,7 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
         .bind(step.wait_ms)
         .bind(step.allreduce_ms)
         .bind(step.predicted_ms)
+        .bind(world)
         .execute(&mut *tx)
         .await?;
     }

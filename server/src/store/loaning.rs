@@ -229,34 +229,28 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     Ok(out)
 }
 
-/// A gang's mean seconds per step at each rank count it ran at: rank 0's step time over
-/// the last `last` steps measured at that count (a step's rank count is how many ranks
-/// reported it).
-pub async fn step_secs_by_ranks(db: &Db, gang: Uuid, last: usize) -> Result<Vec<(u32, f64)>> {
-    let rows = sqlx::query(
-        "SELECT step, COUNT(*) AS world, MAX(CASE WHEN rank = 0 THEN iter_ms END) AS iter_ms FROM rank_steps \
-         WHERE job_id = $1 GROUP BY step ORDER BY step DESC",
+/// A gang's latest `rows` steps, newest first: the number of ranks that ran each and rank
+/// 0's seconds for it (in a synchronous step every rank waits for the slowest, so rank 0's
+/// step is the gang's). Bounded: the newest rows of rank 0 on the primary key. Steps stored
+/// before the rank count was recorded with them are left out.
+pub async fn recent_step_secs(db: &Db, gang: Uuid, rows: usize) -> Result<Vec<(u32, f64)>> {
+    let found = sqlx::query(
+        "SELECT world, iter_ms FROM rank_steps WHERE job_id = $1 AND rank = 0 ORDER BY step DESC LIMIT $2",
     )
     .bind(gang.to_string())
+    .bind(rows as i64)
     .fetch_all(db.pool())
     .await?;
-    let mut by_world: HashMap<u32, Vec<f64>> = HashMap::new();
-    for row in &rows {
-        let world = row.try_get::<i64, _>("world")? as u32;
-        let Some(ms) = row.try_get::<Option<f64>, _>("iter_ms")? else {
+    let mut out = Vec::with_capacity(found.len());
+    for row in &found {
+        let Some(world) = row.try_get::<Option<i64>, _>("world")? else {
             continue;
         };
-        let seen = by_world.entry(world).or_default();
-        if seen.len() < last && ms.is_finite() && ms > 0.0 {
-            seen.push(ms);
+        let ms: f64 = row.try_get("iter_ms")?;
+        if world > 0 {
+            out.push((world as u32, ms / 1000.0));
         }
     }
-    let mut out: Vec<(u32, f64)> = by_world
-        .into_iter()
-        .filter(|(_, v)| !v.is_empty())
-        .map(|(world, v)| (world, v.iter().sum::<f64>() / v.len() as f64 / 1000.0))
-        .collect();
-    out.sort_by_key(|&(w, _)| w);
     Ok(out)
 }
 

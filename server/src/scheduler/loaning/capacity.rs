@@ -10,7 +10,8 @@
 //!
 //! Departures and choices of our own:
 //! - What a deployment needs is `ceil(rate × (1 + headroom) / per-slice rate)`, never below
-//!   its floor of serving slices (its replica count floor or SLO minimum).
+//!   its floor of serving slices ([`serving_floor`]: what its SLO plan needs at that rate,
+//!   at least one replica).
 //! - Two thresholds: the loan shrinks at once when it would leave less than that need
 //!   (inference keeps priority), but grows only when even a wider margin
 //!   (`headroom + lend_band`) leaves slices idle, and only after the rate stayed there for
@@ -56,6 +57,45 @@ pub struct LoanState {
     pub loaned: u32,
     /// Consecutive rounds in which a larger loan was allowed.
     pub calm: u32,
+}
+
+/// What sized a deployment, for its serving floor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sizing<'a> {
+    /// A throughput SLO: requests per second each slice of its plan serves under the
+    /// latency SLO (the plan's own figures, measured or estimated when it was planned).
+    Slo { planned: &'a [f64] },
+    /// A replica count its owner chose.
+    Replicas,
+}
+
+/// Slices that keep serving whatever the per-slice rate of the throughput table says: for
+/// an SLO deployment, the slices its plan needs to carry `rate` with `margin` above it at
+/// the plan's per-slice figures, counted weakest first since any slice may be the one
+/// lent (all of them when the plan cannot carry it); at least one replica in every case.
+///
+/// Choice: a replica-count deployment's floor is one replica, not its replica count: the
+/// owner made it loanable, and a floor of every replica would lend nothing. An SLO plan's
+/// figures are kept as a floor because the table may have been measured again since the
+/// plan (the deployment was sized by the plan's, lower or not).
+pub fn serving_floor(sizing: &Sizing, rate: f64, margin: f64) -> u32 {
+    let Sizing::Slo { planned } = sizing else {
+        return 1;
+    };
+    let want = rate.max(0.0) * (1.0 + margin.max(0.0));
+    if !want.is_finite() {
+        return (planned.len() as u32).max(1);
+    }
+    let mut rates: Vec<f64> = planned.iter().map(|r| if r.is_finite() { r.max(0.0) } else { 0.0 }).collect();
+    rates.sort_by(f64::total_cmp);
+    let mut carried = 0.0;
+    for (i, r) in rates.iter().enumerate() {
+        if carried >= want && i > 0 {
+            return i as u32;
+        }
+        carried += r;
+    }
+    (rates.len() as u32).max(1)
 }
 
 /// Slices the deployment must keep serving at `rate` with `margin` above it.
@@ -145,6 +185,35 @@ mod tests {
             s = next_loan(&deployment(rate), &p, s);
             assert_eq!(s.loaned, 6, "rate {rate}");
         }
+    }
+
+    #[test]
+    fn an_slo_deployment_keeps_what_its_plan_needs_at_the_measured_rate() {
+        // Planned on four slices at 50 req/s each; the table now says 100 per slice.
+        let planned = [50.0, 50.0, 50.0, 50.0];
+        let sizing = Sizing::Slo { planned: &planned };
+        let p = LoanPolicy { headroom: 0.2, lend_band: 0.0, calm_rounds: 1 };
+        let floor = serving_floor(&sizing, 80.0, p.headroom);
+        assert_eq!(floor, 2, "96 req/s needs two of the plan's 50 req/s slices");
+        let d = Deployment { slices: 4, min_serving: floor, slice_rate: 100.0, measured_rate: 80.0, loanable: true };
+        assert_eq!(next_loan(&d, &p, LoanState::default()).loaned, 2);
+        // With a floor of one, the table alone would have lent three.
+        let one = Deployment { min_serving: 1, ..d };
+        assert_eq!(next_loan(&one, &p, LoanState::default()).loaned, 3);
+    }
+
+    #[test]
+    fn the_floor_counts_the_weakest_planned_slices_first_and_keeps_one_replica() {
+        let mixed = [300.0, 100.0, 100.0];
+        let slo = Sizing::Slo { planned: &mixed };
+        // 180 req/s: the two 100 req/s slices carry it, wherever the 300 one is.
+        assert_eq!(serving_floor(&slo, 150.0, 0.2), 2);
+        assert_eq!(serving_floor(&slo, 200.0, 0.0), 2);
+        assert_eq!(serving_floor(&slo, 201.0, 0.0), 3);
+        assert_eq!(serving_floor(&slo, 1e6, 0.2), 3, "more than the plan carries: all of it");
+        assert_eq!(serving_floor(&slo, 0.0, 0.2), 1, "idle: one replica");
+        assert_eq!(serving_floor(&Sizing::Slo { planned: &[] }, 50.0, 0.2), 1);
+        assert_eq!(serving_floor(&Sizing::Replicas, 1e6, 0.2), 1);
     }
 
     /// Random walks of the rate: the serving side always keeps its need, and a reclaim that

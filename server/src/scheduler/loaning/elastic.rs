@@ -5,7 +5,9 @@
 //! Departures:
 //! - DeepBoot's reimplementation values k extra workers as `T · k / (k + min + 1)` (linear
 //!   scaling assumed); here the value is `T(base) − T(base + k)` from the job's own step
-//!   times ([`StepTimes`]), so a job that scales badly is worth less.
+//!   times ([`StepTimes`]), so a job that scales badly is worth less. Rank counts it never
+//!   ran at (all of them for a new job) are valued by [`StepTimes`]' Amdahl prior, so a job
+//!   grows before anyone measured it there, and its measurements correct the prior.
 //! - A job already running at a rank count other than `base + k` pays the resize pause in
 //!   that option's value (the ranks stop, checkpoint and re-form), which keeps the answer
 //!   from moving extra ranks between jobs for a negligible gain every round.
@@ -39,14 +41,14 @@ pub fn value(c: &Candidate, extra: u32, resize_pause_secs: f64) -> f64 {
 }
 
 /// Extra ranks per candidate (same order) within `spare` slices, maximising the total
-/// expected JCT reduction. Jobs without measurements or without room above `base` get none.
+/// expected JCT reduction. Jobs without room above `base` get none.
 pub fn grant(candidates: &[Candidate], spare: u32, resize_pause_secs: f64) -> Vec<u32> {
     let mut extras = vec![0u32; candidates.len()];
     let mut who = Vec::new();
     let mut classes = Vec::new();
     for (i, c) in candidates.iter().enumerate() {
         let room = c.max.saturating_sub(c.base).min(spare);
-        if room == 0 || !c.step_secs.remaining_secs(c.remaining_steps, c.base).is_finite() {
+        if room == 0 {
             continue;
         }
         who.push(i);
@@ -109,6 +111,30 @@ mod tests {
                 assert!(c.base + e <= c.max.max(c.base));
             }
         }
+    }
+
+    #[test]
+    fn jobs_never_measured_at_more_ranks_are_grown_by_the_prior() {
+        // A new job (nothing measured) and one measured only at its base of 2 ranks: the
+        // prior values their extra ranks, so the spare slices go to them, up to their max.
+        let new = StepTimes::new([]);
+        let measured_at_base = StepTimes::new([(2, 0.5)]);
+        let cands = [
+            Candidate { base: 2, max: 3, current: None, remaining_steps: 10.0, step_secs: &new },
+            Candidate { base: 2, max: 6, current: None, remaining_steps: 1000.0, step_secs: &measured_at_base },
+        ];
+        assert!(value(&cands[0], 1, 0.0) > 0.0);
+        assert_eq!(grant(&cands, 5, 0.0), vec![1, 4]);
+        // With too few spare slices for both, the longer job gains more from each.
+        assert_eq!(grant(&cands, 2, 0.0), vec![0, 2]);
+    }
+
+    #[test]
+    fn a_job_measured_to_scale_badly_is_not_grown_past_its_measurements() {
+        // Slower at 4 than at 2: the fitted share is 1 and ranks above 4 are worth nothing.
+        let s = StepTimes::new([(2, 0.5), (4, 0.6)]);
+        let c = Candidate { base: 2, max: 8, current: None, remaining_steps: 1000.0, step_secs: &s };
+        assert_eq!(grant(&[c], 6, 0.0), vec![0]);
     }
 
     #[test]

@@ -2,6 +2,9 @@
 //! the base demand of elastic ones before the knapsack hands out the rest (Li et al., arXiv
 //! 2202.07896; third-party notes in the research note §3).
 //!
+//! A job's predicted time is finite even before it ran: `StepTimes`' prior gives one from
+//! its declared steps, so new jobs are ordered by length too, not by arrival.
+//!
 //! Departures: a job that does not fit is skipped and later, shorter-or-not, jobs may still
 //! start (backfilling; the paper's notes do not say). Slices are interchangeable within a
 //! pool and a job may span pools (no server topology). A job that is not preemptible only
@@ -102,6 +105,32 @@ mod tests {
         let mut free = [Free { slices: 2, loaned: false }, Free { slices: 8, loaned: true }];
         let started = shortest_first(&[job(4, 10.0, false), job(4, 20.0, true), job(2, 30.0, false)], &mut free);
         assert_eq!(started, vec![(1, vec![(1, 4)]), (2, vec![(0, 2)])]);
+    }
+
+    /// Through the whole round: jobs nothing was measured of start shortest-first by their
+    /// declared steps, and the knapsack grows the elastic one onto what is left.
+    #[test]
+    fn unmeasured_jobs_start_shortest_first_and_the_elastic_one_grows() {
+        use super::super::round::{plan_round, Job, Pool, Round};
+        use super::super::step_times::StepTimes;
+        let job = |min: u32, max: u32, steps: f64| Job {
+            min_ranks: min,
+            max_ranks: max,
+            requested_ranks: max,
+            preemptible: true,
+            remaining_steps: steps,
+            step_secs: StepTimes::new([]),
+            checkpoint_age_secs: 0.0,
+            restart_secs: 60.0,
+            holdings: Vec::new(),
+        };
+        // Arrival order: a long job first, then two short ones; 5 slices.
+        let jobs = [job(4, 4, 100_000.0), job(2, 4, 50.0), job(1, 1, 10.0)];
+        let capacity = [(Pool::Training, 5)];
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: 30.0 });
+        let ranks: Vec<u32> = plan.placements.iter().map(|p| p.holdings.iter().map(|&(_, n)| n).sum()).collect();
+        // The long job waits; the short elastic one starts at 2 and takes the other 2 spare.
+        assert_eq!(ranks, vec![0, 4, 1]);
     }
 
     #[test]
