@@ -374,11 +374,13 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                     checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
                     restart_secs: RESTART_SECS,
                     holdings: s.holdings.clone(),
+                    resizable: true,
+                    resuming: false,
                 }
             })
             .collect();
         let plan =
-            plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: RESIZE_SECS });
+            plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: RESIZE_SECS, resize_margin: 0.0 });
         out.rounds += 1;
         for (i, placement) in plan.placements.into_iter().enumerate() {
             let j = live[i];
@@ -471,6 +473,8 @@ fn round_at_scale(seed: u64) -> (Vec<(Pool, u32)>, Vec<Job>) {
             checkpoint_age_secs: rng.gen_range(0.0..CHECKPOINT_EVERY),
             restart_secs: RESTART_SECS,
             holdings,
+            resizable: true,
+            resuming: false,
         });
     }
     capacity[1].1 = 5;
@@ -678,7 +682,7 @@ fn main() {
     // One scheduling round at 1,000 jobs and 500 slices, and the knapsack's worst case.
     let (capacity, jobs) = round_at_scale(16);
     let running = jobs.iter().filter(|j| !j.holdings.is_empty()).count();
-    let round = Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_SECS };
+    let round = Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_SECS, resize_margin: 0.0 };
     let plan = plan_round(&round);
     let started_now = jobs.iter().zip(&plan.placements).filter(|(j, p)| j.holdings.is_empty() && !p.holdings.is_empty()).count();
     let (round_ms, round_runs) = timed_ms(5, || {

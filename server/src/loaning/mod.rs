@@ -8,11 +8,21 @@
 //! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL); every
 //! server records its own gateway's request rates, which the round sums.
 //!
-//! Departures from the pure planner's model, forced by the platform: a running gang is
-//! not resized in place (its ranks would stop and re-form anyway), so the round treats a
-//! running job as inelastic at its current ranks and sizes elastic jobs when they start,
-//! or restart after a preemption; a job's ranks all ask for one MIG profile, so each
-//! profile is its own round.
+//! Resizing a running elastic gang is a stop and a restart, the way many elastic trainers
+//! do it: the round records the size it wants (`resize_ranks`), preempts the gang (it
+//! checkpoints at the step it is on and stops, `jobs::preempt_job`), and when the gang
+//! waits again places it first at up to that size (`gangs::resize`, then rank pins).
+//! Training state is independent of the world size (a fixed global batch split in
+//! shares, one loader position), so the restart continues the same run. Against churn:
+//! a grow or shrink by choice must predict a JCT gain above twice the pause
+//! (`RESIZE_MARGIN`), and a gang keeps its size for `RESIZE_COOLDOWN_ROUNDS` rounds after
+//! it formed; a reclaim shrinks it (to at least `min_ranks`) before preempting anyone,
+//! whenever it comes. Each resize goes in the job's log; a shrink for a reclaim is also a
+//! reclaim event (not preempted).
+//!
+//! Departures from the pure planner's model, forced by the platform: a running elastic
+//! job that is not `preemptible` is treated as inelastic (a resize is a preemption); a
+//! job's ranks all ask for one MIG profile, so each profile is its own round.
 
 pub mod preempt;
 pub mod routes;
@@ -30,7 +40,7 @@ use crate::scheduler::loaning::{
 use crate::state::AppState;
 use crate::store::db::now_ms;
 use crate::store::deployments::{self as deployments_store, StoredDeployment};
-use crate::store::jobs::NewJob;
+use crate::store::jobs::{self as jobs_store, NewJob};
 use crate::store::loaning::{
     self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan,
 };
@@ -38,11 +48,13 @@ use crate::store::{models, Scope};
 
 /// The `scheduler_leases` row of the round.
 const LEASE: &str = "loaning";
-/// Seconds a preempted job takes to start again (load its checkpoint, re-form its ranks):
-/// part of the reclaim greedy's preemption cost.
-const RESTART_SECS: f64 = 60.0;
-/// Seconds an elastic job's ranks stop to change their number.
-const RESIZE_PAUSE_SECS: f64 = 30.0;
+/// Rounds a running gang keeps its size after it formed before the round may resize it
+/// by choice (a reclaim may shrink it sooner): at the default 5 s rounds, 50 s plus the
+/// restart, time for its step time at the new size to be measured.
+const RESIZE_COOLDOWN_ROUNDS: u32 = 10;
+/// A resize by choice must predict a JCT gain above the pause by this fraction of it:
+/// twice the pause, so a step-time estimate off by a pause's worth does not flap it.
+const RESIZE_MARGIN: f64 = 1.0;
 /// Steps of a gang's timing averaged per rank count.
 const STEP_WINDOW: usize = 50;
 /// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike
@@ -61,6 +73,8 @@ pub struct RoundReport {
     pub returned: u32,
     pub started: u32,
     pub preempted: u32,
+    /// Running gangs stopped to restart at another size.
+    pub resized: u32,
 }
 
 /// Runs the round every `loan_round_secs` and records this server's request rates, until
@@ -83,6 +97,7 @@ pub fn spawn(state: AppState) {
                         + report.returned
                         + report.started
                         + report.preempted
+                        + report.resized
                         > 0 =>
                 {
                     tracing::info!(?report, "loaning round")
@@ -152,6 +167,7 @@ async fn slice_rate(state: &AppState, d: &StoredDeployment, slices: &[&FleetSlic
 pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     let db = &state.db;
     let now = now_ms();
+    let restart_secs = state.config.gang_restart_secs as f64;
     let mut report = RoundReport::default();
     store::release_orphans(db).await?;
     let online_since = crate::workers::online_since(state);
@@ -301,6 +317,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let ranks = g.ranks.len() as u32;
             let wanted = g.train.resources();
             let waiting = g.waiting();
+            // Running, it may change size only through a preemption, and not while one is
+            // already under way.
+            let elastic = wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
                 for r in &g.ranks {
@@ -314,9 +333,19 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 }
             }
             let (min, max) = if waiting {
-                (wanted.min_ranks, wanted.max_ranks.max(wanted.min_ranks))
+                // Restarting from a resize: at most the size the round stopped it for.
+                let max = wanted.max_ranks.max(wanted.min_ranks);
+                (wanted.min_ranks, g.resize_ranks.map_or(max, |n| n.clamp(wanted.min_ranks, max)))
+            } else if elastic {
+                (wanted.min_ranks.min(ranks), wanted.max_ranks.max(ranks))
             } else {
                 (ranks, ranks)
+            };
+            let resizable = match g.formed_at {
+                Some(formed) if elastic && !waiting => {
+                    store::rounds_since(db, formed).await? >= RESIZE_COOLDOWN_ROUNDS
+                }
+                _ => false,
             };
             let step_secs = StepTimes::new(store::step_secs_by_ranks(db, g.id, STEP_WINDOW).await?);
             jobs.push(Job {
@@ -327,8 +356,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 remaining_steps: g.train.max_steps.saturating_sub(g.progress_step) as f64,
                 step_secs,
                 checkpoint_age_secs: (now - g.last_safe_at).max(0) as f64 / 1000.0,
-                restart_secs: RESTART_SECS,
+                restart_secs,
                 holdings: holdings.into_iter().collect(),
+                resizable,
+                resuming: waiting && g.resize_ranks.is_some(),
             });
         }
         let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
@@ -336,7 +367,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             capacity: &capacity,
             jobs: &jobs,
             elastic: true,
-            resize_pause_secs: RESIZE_PAUSE_SECS,
+            resize_pause_secs: restart_secs,
+            resize_margin: RESIZE_MARGIN,
         });
 
         // Reclaims: the jobs the greedy chose give their slices back.
@@ -347,7 +379,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 Pool::Loaned(i) => (Some(deployments[i].id), deployments[i].name.as_str()),
                 Pool::Training => (None, "training pool"),
             };
-            let reason = format!("{name} needs its {profile} slices back");
+            let mut reason = format!("{name} needs its {profile} slices back");
+            if !event.preempted {
+                let after: u32 = plan.placements[event.job].holdings.iter().map(|&(_, n)| n).sum();
+                reason += &format!("; shrunk from {} to {after} ranks", g.ranks.len());
+            }
             if event.preempted && !preempted.contains(&g.id) {
                 if preempt::preempt_job(state, g.id, &reason).await? {
                     report.preempted += 1;
@@ -366,15 +402,56 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             };
             store::record_reclaim(db, now, &record).await?;
         }
-        // Which loaned slices the take-back marks: those the preempted jobs held first.
+        // Running gangs the plan gives another size stop at a checkpoint and restart at it.
+        let mut resized: HashSet<Uuid> = HashSet::new();
+        for (j, g) in mine.iter().enumerate() {
+            if g.waiting() || g.stopping || preempted.contains(&g.id) {
+                continue;
+            }
+            let (from, to) = (g.ranks.len() as u32, plan.placements[j].holdings.iter().map(|&(_, n)| n).sum::<u32>());
+            // A reclaimed gang stops even at the same size: its slices move.
+            let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
+            if to == 0 || (to == from && reclaimed.is_none()) {
+                continue;
+            }
+            let why = match reclaimed {
+                Some(e) => match e.pool {
+                    Pool::Loaned(i) => format!("{} needs its {profile} slices back", deployments[i].name),
+                    Pool::Training => format!("the training pool needs its {profile} slices back"),
+                },
+                None if to > from => {
+                    let (left, steps) = (jobs[j].remaining_steps, &jobs[j].step_secs);
+                    let gain = steps.remaining_secs(left, from) - steps.remaining_secs(left, to);
+                    format!("{} spare {profile} slices, predicted to finish {gain:.0} s sooner", to - from)
+                }
+                None => "waiting jobs take its extra slices".to_string(),
+            };
+            let reason = if to == from {
+                format!("Moved to other slices by the loaning round: {why}. It checkpoints now and restarts at {to} ranks.")
+            } else {
+                format!("Resized from {from} to {to} ranks by the loaning round: {why}. It checkpoints now and restarts at {to}.")
+            };
+            if !store::set_resize(db, g.id, to).await? {
+                continue;
+            }
+            if preempt::preempt_job(state, g.id, &reason).await? {
+                jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                resized.insert(g.id);
+                report.resized += 1;
+            } else {
+                store::clear_resize(db, g.id).await?;
+            }
+        }
+
+        // Which loaned slices the take-back marks: those the stopping jobs held first.
         for (&d, need) in cuts.iter_mut() {
             let mut held: Vec<&&FleetSlice> = slices
                 .iter()
                 .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
                 .collect();
-            held.sort_by_key(
-                |s| !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang)),
-            );
+            held.sort_by_key(|s| {
+                !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang) || resized.contains(&gang))
+            });
             for s in held {
                 if *need == 0 {
                     break;
@@ -451,6 +528,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 store::pin_ranks(db, g.id, &pins).await?;
                 report.started += 1;
             }
+            if g.resize_ranks.is_some() {
+                store::clear_resize(db, g.id).await?;
+            }
         }
 
         // The queue as planned: running jobs first, then waiting ones shortest-first.
@@ -467,6 +547,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .remaining_secs(jobs[j].remaining_steps, at);
             let note = if preempted.contains(&g.id) {
                 "preempted this round".to_string()
+            } else if resized.contains(&g.id) {
+                format!("resizing from {} to {ranks} {profile} slices", g.ranks.len())
             } else if g.waiting() && ranks == 0 {
                 format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
             } else if g.waiting() {

@@ -5,8 +5,11 @@
 //! Departure: the paper profiles each job's throughput curve; here the curve is whatever
 //! the workers measured so far. Between two measured rank counts the step time is
 //! interpolated linearly; below the smallest it is scaled as if ranks shared the work
-//! perfectly (which predicts a slower job, never a faster one); above the largest it is
-//! taken as flat, so a job is never granted ranks nobody has seen it use well.
+//! perfectly (which predicts a slower job, never a faster one). Above the largest it
+//! follows Amdahl's law fitted through the two largest measured counts (never faster than
+//! that fit, never slower than the largest's time); with one count measured, as if half of
+//! a step did not shrink with more ranks (GUESS: a cautious prior, so a running elastic
+//! job may try a larger size once, and its measurement there replaces the guess).
 
 /// Seconds per optimiser step at each measured rank count.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -40,7 +43,7 @@ impl StepTimes {
             return Some(first.1 * first.0 as f64 / ranks as f64);
         }
         if ranks >= last.0 {
-            return Some(last.1);
+            return Some(self.beyond(ranks));
         }
         let i = self.points.partition_point(|&(r, _)| r < ranks);
         let (hi_r, hi_t) = self.points[i];
@@ -50,6 +53,21 @@ impl StepTimes {
         let (lo_r, lo_t) = self.points[i - 1];
         let f = (ranks - lo_r) as f64 / (hi_r - lo_r) as f64;
         Some(lo_t + f * (hi_t - lo_t))
+    }
+
+    /// Step time above the largest measured count: `serial + parallel / ranks` through the
+    /// two largest points (one point: half serial), clamped to non-negative parts.
+    fn beyond(&self, ranks: u32) -> f64 {
+        let (r2, t2) = self.points[self.points.len() - 1];
+        let parallel = match self.points.len() {
+            1 => t2 * 0.5 * r2 as f64,
+            n => {
+                let (r1, t1) = self.points[n - 2];
+                ((t1 - t2) / (1.0 / r1 as f64 - 1.0 / r2 as f64)).clamp(0.0, t2 * r2 as f64)
+            }
+        };
+        let serial = t2 - parallel / r2 as f64;
+        serial + parallel / ranks as f64
     }
 
     /// Predicted seconds to run `steps` more steps at `ranks`; infinite when unmeasured.
@@ -71,10 +89,17 @@ mod tests {
     }
 
     #[test]
-    fn between_points_interpolates_and_beyond_the_last_is_flat() {
+    fn between_points_interpolates_and_beyond_the_last_follows_amdahl() {
         let s = StepTimes::new([(2, 0.6), (6, 0.2)]);
         assert!((s.at(4).unwrap() - 0.4).abs() < 1e-12);
-        assert_eq!(s.at(32), Some(0.2));
+        // 0.6 at 2 and 0.2 at 6 fit 0 + 1.2 / r: perfect scaling continues.
+        assert!((s.at(12).unwrap() - 0.1).abs() < 1e-12);
+        // A job that got slower with more ranks is not predicted faster beyond them.
+        let worse = StepTimes::new([(1, 1.0), (2, 1.1)]);
+        assert_eq!(worse.at(8), Some(1.1));
+        // Amdahl through (1, 1.0) and (2, 0.6): 0.2 + 0.8 / r.
+        let amdahl = StepTimes::new([(1, 1.0), (2, 0.6)]);
+        assert!((amdahl.at(4).unwrap() - 0.4).abs() < 1e-12);
         // Below the smallest: perfect scaling backwards, so one rank is twice as slow as two.
         assert!((s.at(1).unwrap() - 1.2).abs() < 1e-12);
     }
@@ -83,7 +108,8 @@ mod tests {
     fn repeated_rank_keeps_the_last_measurement_and_bad_points_are_dropped() {
         let s = StepTimes::new([(2, 0.9), (2, 0.5), (0, 1.0), (3, f64::NAN), (4, -1.0)]);
         assert_eq!(s.at(2), Some(0.5));
-        assert_eq!(s.at(8), Some(0.5));
+        // One count measured: half of the step shrinks with ranks, 0.25 + 0.25 × 2 / 8.
+        assert!((s.at(8).unwrap() - 0.3125).abs() < 1e-12);
         assert!(StepTimes::new([]).at(1).is_none());
         assert_eq!(StepTimes::new([]).remaining_secs(10.0, 1), f64::INFINITY);
     }
