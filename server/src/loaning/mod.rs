@@ -139,6 +139,8 @@ struct Lender<'a> {
     /// takes them from the end.
     bound: Vec<&'a FleetSlice>,
     loaned: Vec<&'a FleetSlice>,
+    /// Slices on their way back: still the deployment's, neither serving nor lent.
+    reclaiming: usize,
 }
 
 /// Requests per second one of `slices` serves for `model`: the throughput table's best
@@ -190,6 +192,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .filter(|s| matches!(s.holder, Holder::Replica { deployment, .. } if deployment == d.id))
                 .collect(),
             loaned: fleet.iter().filter(|s| s.lender == Some(d.id) && s.loan_state == SliceLoan::Loaned).collect(),
+            reclaiming: fleet
+                .iter()
+                .filter(|s| s.lender == Some(d.id) && s.loan_state == SliceLoan::Reclaiming)
+                .count(),
         })
         .collect();
     // Slices to take back per lender, chosen after the plan picks whom it preempts.
@@ -202,7 +208,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
         let all: Vec<&FleetSlice> = lender.bound.iter().chain(&lender.loaned).copied().collect();
         let view = capacity::Deployment {
-            slices: all.len() as u32,
+            // A slice still being taken back counts, or the loan would shrink once more
+            // while the deployment waits for it.
+            slices: (all.len() + lender.reclaiming) as u32,
             min_serving: 1,
             slice_rate: slice_rate(state, d, &all).await?,
             measured_rate: rates.get(&d.id).copied().unwrap_or(0.0),

@@ -738,21 +738,29 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
         .execute(&mut *tx)
         .await?;
     for p in plans {
-        sqlx::query(
-            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, predicted_secs, note, \
-             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(p.job.to_string())
-        .bind(p.position as i64)
-        .bind(p.ranks as i64)
-        .bind(p.min_ranks as i64)
-        .bind(p.max_ranks as i64)
-        .bind(p.preemptible as i64)
-        .bind(p.predicted_secs.filter(|s| s.is_finite()))
-        .bind(&p.note)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+        // Two statements, not one binding a NULL: on PostgreSQL a statement first prepared
+        // with a NULL there keeps that parameter's type, and a later float is refused.
+        let predicted = p.predicted_secs.filter(|s| s.is_finite());
+        let sql = if predicted.is_some() {
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
+             predicted_secs) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        } else {
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+        };
+        let mut query = sqlx::query(sql)
+            .bind(p.job.to_string())
+            .bind(p.position as i64)
+            .bind(p.ranks as i64)
+            .bind(p.min_ranks as i64)
+            .bind(p.max_ranks as i64)
+            .bind(p.preemptible as i64)
+            .bind(&p.note)
+            .bind(now);
+        if let Some(secs) = predicted {
+            query = query.bind(secs);
+        }
+        query.execute(&mut *tx).await?;
     }
     tx.commit().await?;
     Ok(())
