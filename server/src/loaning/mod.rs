@@ -51,10 +51,10 @@ const LEASE: &str = "loaning";
 /// Rounds a running gang keeps its size after it formed before the round may resize it
 /// by choice (a reclaim may shrink it sooner): at the default 5 s rounds, 50 s plus the
 /// restart, time for its step time at the new size to be measured.
-const RESIZE_COOLDOWN_ROUNDS: u32 = 10;
+pub const RESIZE_COOLDOWN_ROUNDS: u32 = 10;
 /// A resize by choice must predict a JCT gain above the pause by this fraction of it:
 /// twice the pause, so a step-time estimate off by a pause's worth does not flap it.
-const RESIZE_MARGIN: f64 = 1.0;
+pub const RESIZE_MARGIN: f64 = 1.0;
 /// Steps of a gang's timing averaged per rank count.
 const STEP_WINDOW: usize = 50;
 /// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike

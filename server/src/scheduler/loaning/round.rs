@@ -2,7 +2,7 @@
 //! research note §3): take back what serving reclaims (least preemption cost), start
 //! waiting jobs shortest-first on their base demand, then hand what is left to elastic jobs
 //! by the multiple-choice knapsack. Plain data in, placements out: the simulator in
-//! `bench/src/bin/aryl.rs` calls this function, and the server's scheduler is to call it too.
+//! `bench/src/bin/aryl.rs` calls this function, and so does the server's round (`loaning`).
 //!
 //! Departures: each round re-decides the extra ranks of running elastic jobs (their base
 //! stays put), so waiting jobs may take extra ranks back before the knapsack runs. Two
