@@ -403,7 +403,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                     checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
                     restart_secs: RESTART_SECS,
                     holdings: s.holdings.clone(),
-                    resizable: now >= s.sized_at + cooldown,
+                    resizable: resize == Resize::Free || now >= s.sized_at + cooldown,
                     resuming: false,
                 }
             })

@@ -327,7 +327,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let waiting = g.waiting();
             // Running, it may change size only through a preemption, and not while one is
             // already under way.
-            let elastic = wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
+            let elastic =
+                wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
                 for r in &g.ranks {
@@ -343,7 +344,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let (min, max) = if waiting {
                 // Restarting from a resize: at most the size the round stopped it for.
                 let max = wanted.max_ranks.max(wanted.min_ranks);
-                (wanted.min_ranks, g.resize_ranks.map_or(max, |n| n.clamp(wanted.min_ranks, max)))
+                let max = g.resize_ranks.map_or(max, |n| n.clamp(wanted.min_ranks, max));
+                (wanted.min_ranks, max)
             } else if elastic {
                 (wanted.min_ranks.min(ranks), wanted.max_ranks.max(ranks))
             } else {
@@ -390,7 +392,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let mut reason = format!("{name} needs its {profile} slices back");
             if !event.preempted {
                 let after: u32 = plan.placements[event.job].holdings.iter().map(|&(_, n)| n).sum();
-                reason += &format!("; shrunk from {} to {after} ranks", g.ranks.len());
+                reason += &match after < g.ranks.len() as u32 {
+                    true => format!("; shrunk from {} to {after} ranks", g.ranks.len()),
+                    false => format!("; its {after} ranks move to other slices"),
+                };
             }
             if event.preempted && !preempted.contains(&g.id) {
                 if preempt::preempt_job(state, g.id, &reason).await? {
@@ -416,7 +421,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             if g.waiting() || g.stopping || preempted.contains(&g.id) {
                 continue;
             }
-            let (from, to) = (g.ranks.len() as u32, plan.placements[j].holdings.iter().map(|&(_, n)| n).sum::<u32>());
+            let from = g.ranks.len() as u32;
+            let to: u32 = plan.placements[j].holdings.iter().map(|&(_, n)| n).sum();
             // A reclaimed gang stops even at the same size: its slices move.
             let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
             if to == 0 || (to == from && reclaimed.is_none()) {
@@ -430,14 +436,21 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 None if to > from => {
                     let (left, steps) = (jobs[j].remaining_steps, &jobs[j].step_secs);
                     let gain = steps.remaining_secs(left, from) - steps.remaining_secs(left, to);
-                    format!("{} spare {profile} slices, predicted to finish {gain:.0} s sooner", to - from)
+                    let extra = to - from;
+                    format!("{extra} spare {profile} slices, predicted to finish {gain:.0} s sooner")
                 }
                 None => "waiting jobs take its extra slices".to_string(),
             };
             let reason = if to == from {
-                format!("Moved to other slices by the loaning round: {why}. It checkpoints now and restarts at {to} ranks.")
+                format!(
+                    "Moved to other slices by the loaning round: {why}. It checkpoints now and \
+                     restarts at {to} ranks."
+                )
             } else {
-                format!("Resized from {from} to {to} ranks by the loaning round: {why}. It checkpoints now and restarts at {to}.")
+                format!(
+                    "Resized from {from} to {to} ranks by the loaning round: {why}. It checkpoints \
+                     now and restarts at {to}."
+                )
             };
             if !store::set_resize(db, g.id, to).await? {
                 continue;
@@ -457,9 +470,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .iter()
                 .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
                 .collect();
-            held.sort_by_key(|s| {
-                !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang) || resized.contains(&gang))
-            });
+            let stopping = |gang: &Uuid| preempted.contains(gang) || resized.contains(gang);
+            held.sort_by_key(|s| !matches!(s.holder, Holder::Rank { gang, .. } if stopping(&gang)));
             for s in held {
                 if *need == 0 {
                     break;

@@ -42,7 +42,10 @@ impl StepTimes {
         if ranks <= first.0 {
             return Some(first.1 * first.0 as f64 / ranks as f64);
         }
-        if ranks >= last.0 {
+        if ranks == last.0 {
+            return Some(last.1);
+        }
+        if ranks > last.0 {
             return Some(self.beyond(ranks));
         }
         let i = self.points.partition_point(|&(r, _)| r < ranks);
