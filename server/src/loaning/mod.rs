@@ -439,7 +439,15 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     let extra = to - from;
                     format!("{extra} spare {profile} slices, predicted to finish {gain:.0} s sooner")
                 }
-                None => "waiting jobs take its extra slices".to_string(),
+                None => {
+                    let (left, steps) = (jobs[j].remaining_steps, &jobs[j].step_secs);
+                    let gain = steps.remaining_secs(left, from) - steps.remaining_secs(left, to);
+                    if gain > 0.0 {
+                        format!("predicted to finish {gain:.0} s sooner at fewer ranks")
+                    } else {
+                        "waiting jobs take its extra slices".to_string()
+                    }
+                }
             };
             let reason = if to == from {
                 format!(
