@@ -234,7 +234,10 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
             last_safe_at: checkpointed.map_or(formed, |c| c.max(formed)),
             formed_at: running.then_some(updated),
             stopping: g.try_get::<Option<String>, _>("preempt_reason")?.is_some(),
-            resize_ranks: g.try_get::<Option<i64>, _>("resize_ranks")?.filter(|&n| n > 0).map(|n| n as u32),
+            resize_ranks: g
+                .try_get::<Option<i64>, _>("resize_ranks")?
+                .filter(|&n| n > 0)
+                .map(|n| n as u32),
             ranks,
         });
     }
@@ -531,12 +534,14 @@ pub(super) async fn free_preempted_slices(conn: &mut AnyConnection, gang: &str, 
 /// Records that the round stops running gang `gang` to restart it at `ranks` (a resize);
 /// false when the gang is no longer running.
 pub async fn set_resize(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
-    let changed = sqlx::query("UPDATE jobs SET resize_ranks = $1 WHERE id = $2 AND kind = 'train_gang' AND state = 'running'")
-        .bind(ranks as i64)
-        .bind(gang.to_string())
-        .execute(db.pool())
-        .await?
-        .rows_affected();
+    let changed = sqlx::query(
+        "UPDATE jobs SET resize_ranks = $1 WHERE id = $2 AND kind = 'train_gang' AND state = 'running'",
+    )
+    .bind(ranks as i64)
+    .bind(gang.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
     Ok(changed > 0)
 }
 
