@@ -125,6 +125,12 @@ pub struct Config {
     #[arg(long, env = "TESSERA_LOAN_ROUND_SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub loan_round_secs: u64,
 
+    /// Seconds a data-parallel job takes to stop at a checkpoint and start again on its
+    /// slices (fetch the checkpoint, re-form its ranks): what the loaning round charges a
+    /// preemption and a resize of a running elastic job, which is the same stop and restart.
+    #[arg(long, env = "TESSERA_GANG_RESTART_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86400))]
+    pub gang_restart_secs: u64,
+
     /// Most jobs one user may have queued or running at once (serving replicas count
     /// against the replica quota instead). Admins are not bound by quotas.
     #[arg(long, env = "TESSERA_QUOTA_JOBS", default_value_t = 32)]
@@ -170,6 +176,7 @@ impl Config {
             quota_replicas: 16,
             quota_storage_bytes: 64 << 30,
             loan_round_secs: 5,
+            gang_restart_secs: 60,
         }
     }
 

@@ -688,3 +688,175 @@ async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
         assert_eq!(predicted(ids[2]), Value::Null, "only measured figures are shown: {overview}");
     }
 }
+
+/// Claims every rank the round pinned, forms the gang (each posts its ring address
+/// twice: once to join, once to learn it formed) and returns the rank job ids by rank
+/// with each one's world and slice.
+async fn form_gang(server: &TestServer, secret: &str) -> Vec<(String, u64, String)> {
+    let mut ranks = Vec::new();
+    while let Some(rank) = claim(server, secret, &["train_rank"]).await {
+        ranks.push((
+            rank["spec"]["rank"].as_u64().unwrap(),
+            rank["job_id"].as_str().unwrap().to_string(),
+            rank["spec"]["world"].as_u64().unwrap(),
+            rank["slice"]["uuid"].as_str().expect("bound to a slice").to_string(),
+        ));
+    }
+    ranks.sort();
+    for _ in 0..2 {
+        for (i, (_, id, _, _)) in ranks.iter().enumerate() {
+            let body = json!({"address": format!("127.0.0.1:{}", 7100 + i)});
+            let response = server.post(secret, &format!("/agent/jobs/{id}/rendezvous"), body).await;
+            assert_eq!(response.status(), 200);
+        }
+    }
+    ranks.into_iter().map(|(_, id, world, slice)| (id, world, slice)).collect()
+}
+
+/// Every rank reports `steps` step timings of `iter_ms` each (a rank reports its own).
+async fn report_steps(server: &TestServer, secret: &str, ranks: &[(String, u64, String)], steps: std::ops::Range<u64>, iter_ms: f64) {
+    for (rank, (id, _, _)) in ranks.iter().enumerate() {
+        let timings: Vec<Value> = steps
+            .clone()
+            .map(|step| json!({"rank": rank, "step": step, "iter_ms": iter_ms, "wait_ms": 0.0, "allreduce_ms": 1.0}))
+            .collect();
+        let response =
+            server.post(secret, &format!("/agent/jobs/{id}/training-metrics"), json!({"ranks": timings})).await;
+        assert_eq!(response.status(), 204, "{}", response.text().await.unwrap());
+    }
+}
+
+/// The worker hears at its heartbeat that the gang is to stop, and every rank reports
+/// itself preempted (after rank 0's checkpoint, in a real worker).
+async fn stop_gang(server: &TestServer, secret: &str, ranks: &[(String, u64, String)]) {
+    let ids: Vec<&str> = ranks.iter().map(|(id, _, _)| id.as_str()).collect();
+    let beat: Value = server.post(secret, "/agent/heartbeat", json!({"jobs": ids})).await.json().await.unwrap();
+    assert_eq!(beat["preempt"].as_array().map(Vec::len), Some(ids.len()), "{beat}");
+    for id in ids {
+        let body = json!({"state": "preempted", "message": "Preempted at the step it was on."});
+        assert_eq!(server.post(secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+    }
+}
+
+/// A running elastic gang (1 to 3 ranks) on a deployment's loaned slices is resized by
+/// the round: it keeps its size for the hysteresis' rounds after it formed, then grows
+/// onto the spare loaned slices through a stop at a checkpoint and a restart at three
+/// ranks; when the lender's demand returns it shrinks by the rank the lender still needs
+/// instead of being preempted. The job's log and the reclaim events show both.
+#[tokio::test]
+async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
+        assert_eq!(response.status(), 201);
+        let secret = register_mig(&server, "mig-1").await;
+        profile(&server, &admin, &secret).await;
+        let response = server
+            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 7, "loanable": true, "reclaim_headroom": 0.2}))
+            .await;
+        let deployment: Value = response.json().await.unwrap();
+        for _ in 0..7 {
+            let replica = claim(&server, &secret, &["serve"]).await.expect("a replica");
+            let id = replica["job_id"].as_str().unwrap();
+            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+        }
+        let data = server.toy_dataset(&admin).await;
+        let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 100000, "eval_every": 1000, "checkpoint_every": 1000,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}, {"slice": PROFILE}]},
+            "resources": {"min_ranks": 1, "max_ranks": 3, "preemptible": true}});
+        let job: Value = server.post(&admin, "/jobs", body).await.json().await.unwrap();
+        let job = job["id"].as_str().unwrap().to_string();
+
+        // At 400 req/s one slice is lent at the second round (the first counts a calm one:
+        // 400 × 1.35 needs 6 of 7); the gang starts on it at its minimum and reports 0.1 s
+        // steps. Then demand falls away and the loan grows to six slices.
+        let deployment_id: Uuid = deployment["id"].as_str().unwrap().parse().unwrap();
+        let meter = Uuid::new_v4();
+        store::record_rates(&server.state.db, meter, &[(deployment_id, 400.0)]).await.unwrap();
+        let first = run_round(&server.state).await.unwrap();
+        assert_eq!((first.lent, first.started), (0, 0), "{first:?}");
+        let second = run_round(&server.state).await.unwrap();
+        assert_eq!((second.lent, second.started), (1, 1), "{second:?}");
+        let one = form_gang(&server, &secret).await;
+        assert_eq!(one.len(), 1);
+        assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "running");
+        report_steps(&server, &secret, &one, 1..21, 100.0).await;
+        store::record_rates(&server.state.db, meter, &[(deployment_id, 0.0)]).await.unwrap();
+
+        // It keeps its size for the hysteresis' rounds, then grows (100,000 steps left: a third of 10,000 s saved
+        // at the one-count prior, far above the pause).
+        let mut rounds = 0;
+        let grow = loop {
+            let report = run_round(&server.state).await.unwrap();
+            rounds += 1;
+            if report.resized > 0 {
+                break report;
+            }
+            assert!(rounds < 40, "the gang never grew: {report:?}");
+            // Rounds recorded in one millisecond count once; keep them apart.
+            tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+        };
+        assert!(rounds >= 10, "resized after {rounds} rounds, inside the hysteresis");
+        assert_eq!((grow.resized, grow.preempted), (1, 0), "{grow:?}");
+        assert_eq!(count(&slices(&server, &admin).await, "loaned"), 6);
+        stop_gang(&server, &secret, &one).await;
+        let stopped = get(&server, &admin, &format!("/jobs/{job}")).await;
+        assert_eq!(stopped["state"], "preempted", "{stopped}");
+
+        // The next round restarts it at three ranks, first in line.
+        let restart = run_round(&server.state).await.unwrap();
+        assert_eq!(restart.started, 1, "{restart:?}");
+        let three = form_gang(&server, &secret).await;
+        assert_eq!(three.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), [3, 3, 3]);
+        assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "running");
+        report_steps(&server, &secret, &three, 21..41, 40.0).await;
+        // Measured at 3 and held by the hysteresis, it does not move.
+        for _ in 0..3 {
+            let calm = run_round(&server.state).await.unwrap();
+            assert_eq!((calm.resized, calm.preempted), (0, 0), "{calm:?}");
+        }
+
+        // Demand returns: 350 req/s × 1.2 needs 5 slices, so 4 of the 6 lent come back:
+        // the 3 free ones, and one the gang gives up by shrinking, preempted by no one.
+        store::record_rates(&server.state.db, meter, &[(deployment_id, 350.0)]).await.unwrap();
+        let spike = run_round(&server.state).await.unwrap();
+        assert_eq!((spike.resized, spike.preempted), (1, 0), "{spike:?}");
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        let reclaims = overview["reclaims"].as_array().unwrap();
+        assert_eq!(reclaims.len(), 1, "{overview}");
+        assert_eq!((reclaims[0]["job_id"].as_str(), reclaims[0]["preempted"].as_bool()), (Some(job.as_str()), Some(false)));
+        assert_eq!(reclaims[0]["ranks"].as_u64(), Some(1), "{overview}");
+        stop_gang(&server, &secret, &three).await;
+        let after = run_round(&server.state).await.unwrap();
+        assert_eq!(after.started, 1, "{after:?}");
+        let smaller = form_gang(&server, &secret).await;
+        let world = 2;
+        assert_eq!(smaller.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), vec![world; world as usize]);
+        let placed = slices(&server, &admin).await;
+        for (_, _, slice) in &smaller {
+            let s = placed.iter().find(|s| s["uuid"] == slice.as_str()).unwrap();
+            assert_eq!(s["loan_state"], "loaned", "restarted on the slices still lent: {s}");
+        }
+        assert_eq!((count(&placed, "loaned"), count(&placed, "reclaiming")), (2, 0), "{placed:?}");
+
+        // The job's history: both resizes in its log, and no attempt spent.
+        let lines: Vec<String> = get(&server, &admin, &format!("/jobs/{job}/logs")).await
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["line"].as_str().unwrap().to_string())
+            .collect();
+        assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 3 ranks") && l.contains("spare")), "{lines:?}");
+        assert!(
+            lines.iter().any(|l| l.starts_with(&format!("Resized from 3 to {world} ranks")) && l.contains("embed needs")),
+            "{lines:?}"
+        );
+        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
+        assert_eq!(finished["preemptions"].as_u64(), Some(2), "{finished}");
+    }
+}

@@ -2,7 +2,9 @@
 //! is on (not at the next multiple of `checkpoint_every`) and stops; resumed from that
 //! checkpoint it ends bit-identical to the run nobody interrupted, under fixed schedules,
 //! AdamW and inside AutoLRS stages. A two-rank gang stops at one step when either rank is
-//! asked, resumes bit-identically, and an elastic gang resumes at one rank and finishes.
+//! asked, resumes bit-identically, and an elastic gang resumes at one rank, or at three
+//! (the loaning round's resize: stop at a checkpoint, restart at another world size), and
+//! finishes with the weights the uninterrupted run reaches, to f32 rounding.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -218,4 +220,51 @@ fn an_elastic_gang_resumes_at_one_rank_from_its_two_rank_checkpoint() {
         .fold(0.0, f64::max);
     eprintln!("largest relative weight difference, one rank after two vs two throughout: {worst:.2e}");
     assert!(worst < 1e-4, "{worst}");
+}
+
+/// Three ranks over loopback resuming from `files`.
+fn three_ranks(schedule: &LrSchedule, files: &Files) -> Vec<Run> {
+    let rings = ring::loopback(3, Uuid::new_v4(), Duration::from_secs(30)).unwrap();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = rings
+            .into_iter()
+            .map(|ring| scope.spawn(move || run(resumed(session(SGD, schedule, Some(RingSync::new(ring))), files), None)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Growing: the global batch stays 32 rows, now split 10/11/11, so three ranks compute the
+/// same update two did. Every rank ends with the same weights, and they agree with the
+/// uninterrupted two-rank run's to f32 rounding.
+#[test]
+fn an_elastic_gang_resumes_at_three_ranks_from_its_two_rank_checkpoint() {
+    let schedule = LrSchedule::Cosine { lr: 0.1, warmup_steps: 10, min_lr: 0.0 };
+    let full = two_ranks(&schedule, None, [None, None]);
+    let stopped = two_ranks(&schedule, None, [None, Some(40)]);
+    let (step, checkpoint) = stopped[0].checkpoints.last().unwrap();
+    assert_eq!(*step, 41);
+
+    let grown = three_ranks(&schedule, checkpoint);
+    for (rank, run) in grown.iter().enumerate() {
+        assert!(run.outcome.is_ok(), "rank {rank}: {:?}", run.outcome.as_ref().err());
+        assert_eq!(run.losses.first().map(|(s, _)| *s), Some(42), "rank {rank}");
+        assert_eq!(run.weights, grown[0].weights, "rank {rank} holds rank 0's weights");
+    }
+    assert_eq!(grown[0].checkpoints.last().unwrap().0, LIMITS.max_steps);
+    let worst = grown[0]
+        .weights
+        .iter()
+        .flatten()
+        .zip(full[0].weights.iter().flatten())
+        .map(|(a, b)| ((a - b).abs() / a.abs().max(b.abs()).max(1.0)) as f64)
+        .fold(0.0, f64::max);
+    eprintln!("largest relative weight difference, three ranks after two vs two throughout: {worst:.2e}");
+    assert!(worst < 1e-4, "{worst}");
+    // The losses of the global batch agree step by step.
+    for ((s, a), (t, b)) in grown[0].losses.iter().zip(full[0].losses.iter().filter(|(s, _)| *s > 41)) {
+        assert_eq!(s, t);
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "step {s}: {a} vs {b}");
+    }
 }

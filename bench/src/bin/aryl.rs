@@ -32,7 +32,14 @@
 //! and a demand tick every 5 minutes (the diurnal serving load and the loan decisions).
 //! Every event runs one scheduling round (`plan_round`).
 //!
-//! Run: cargo run --release -p tessera-bench --bin aryl [-- --lose-since-checkpoint]
+//! A resize is what the platform does (`server::loaning`): a stop at a checkpoint and a
+//! restart at the new size, charged as a restart, decided with the platform's margin, and
+//! never by choice within the platform's cooldown after a job starts or resizes.
+//! `--free-resize` is the earlier model (a 30 s pause, any gain, any time), and
+//! `--lose-since-checkpoint` the first run's (free resizes, and a preempted job loses the
+//! work since its last periodic checkpoint).
+//!
+//! Run: cargo run --release -p tessera-bench --bin aryl [-- --free-resize | --lose-since-checkpoint]
 
 use std::time::Instant;
 
@@ -40,6 +47,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tessera_bench::machine;
+use tessera_server::loaning::{RESIZE_COOLDOWN_ROUNDS, RESIZE_MARGIN};
 use tessera_server::scheduler::loaning::elastic::{grant, Candidate};
 use tessera_server::scheduler::loaning::{
     capacity::needed, next_loan, plan_round, Deployment, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
@@ -106,6 +114,21 @@ const MEASUREMENT_NOISE: f64 = 0.05;
 const CHECKPOINT_EVERY: f64 = 15.0 * MINUTE;
 const RESTART_SECS: f64 = 60.0;
 const RESIZE_SECS: f64 = 30.0;
+
+/// The server's default `--loan-round-secs`: the platform's resize cooldown in seconds is
+/// `RESIZE_COOLDOWN_ROUNDS` of these.
+const PLATFORM_ROUND_SECS: f64 = 5.0;
+
+/// How a running elastic job changes size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Resize {
+    /// As the platform does: a stop and a restart (`RESTART_SECS`), only for a predicted
+    /// gain above the pause by `RESIZE_MARGIN`, and not by choice within the cooldown after
+    /// the job started running at its size. The default.
+    Platform,
+    /// The earlier model (`--free-resize`): a `RESIZE_SECS` pause, any gain, any time.
+    Free,
+}
 
 /// What a preemption costs a job besides its restart.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -256,7 +279,7 @@ fn generator_stats(seed: u64, samples: usize) -> GeneratorStats {
 fn baseline_queue_share(load: f64, preemption: Preemption) -> f64 {
     let (mut queue, mut jct) = (0.0, 0.0);
     for &seed in &MANY_SEEDS {
-        let o = simulate(&generate_trace(seed, load), &Serving::new(seed), POLICIES[0], seed, preemption);
+        let o = simulate(&generate_trace(seed, load), &Serving::new(seed), POLICIES[0], seed, preemption, Resize::Platform);
         queue += o.mean_queue_secs * o.jobs as f64;
         jct += o.mean_jct_secs * o.jobs as f64;
     }
@@ -334,6 +357,8 @@ struct JobState {
     must_restart: bool,
     preemptions: u32,
     resizes: u32,
+    /// When it started running at its current size (after the restart or resize pause).
+    sized_at: f64,
 }
 
 impl JobState {
@@ -364,7 +389,11 @@ struct Outcome {
     makespan_days: f64,
 }
 
-fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemption: Preemption) -> Outcome {
+fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemption: Preemption, resize: Resize) -> Outcome {
+    let (pause, margin, cooldown) = match resize {
+        Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
+        Resize::Free => (RESIZE_SECS, 0.0, 0.0),
+    };
     let loan_policy = LoanPolicy::default();
     let mut noise_rng = StdRng::seed_from_u64(seed ^ 0x7e57);
     let mut state: Vec<JobState> = vec![JobState::default(); trace.len()];
@@ -472,11 +501,13 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                     checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
                     restart_secs: RESTART_SECS,
                     holdings: s.holdings.clone(),
+                    resizable: resize == Resize::Free || now >= s.sized_at + cooldown,
+                    resuming: false,
                 }
             })
             .collect();
         let plan =
-            plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: RESIZE_SECS });
+            plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: pause, resize_margin: margin });
         out.rounds += 1;
         for (i, placement) in plan.placements.into_iter().enumerate() {
             let j = live[i];
@@ -502,10 +533,12 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                     s.paused_until = now + RESTART_SECS;
                     s.must_restart = false;
                 }
+                s.sized_at = s.paused_until.max(now);
             } else if after > 0 && after != before {
                 // A resize checkpoints, stops the ranks and re-forms them.
                 s.checkpoint = s.done;
-                s.paused_until = now.max(s.paused_until) + RESIZE_SECS;
+                s.paused_until = now.max(s.paused_until) + pause;
+                s.sized_at = s.paused_until;
                 s.resizes += 1;
             }
             s.holdings = placement.holdings;
@@ -569,6 +602,8 @@ fn round_at_scale(seed: u64) -> (Vec<(Pool, u32)>, Vec<Job>) {
             checkpoint_age_secs: rng.gen_range(0.0..CHECKPOINT_EVERY),
             restart_secs: RESTART_SECS,
             holdings,
+            resizable: true,
+            resuming: false,
         });
     }
     capacity[1].1 = 5;
@@ -619,14 +654,14 @@ fn verdict(ok: bool) -> &'static str {
 }
 
 /// Runs the four policies on the same traces; `[policy][seed]`.
-fn run_policies(load: f64, print: bool, preemption: Preemption, seeds: &[u64]) -> Vec<Vec<Outcome>> {
+fn run_policies(load: f64, print: bool, preemption: Preemption, resize: Resize, seeds: &[u64]) -> Vec<Vec<Outcome>> {
     let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); POLICIES.len()];
     for &seed in seeds {
         let trace = generate_trace(seed, load);
         let serving = Serving::new(seed);
         for (p, &policy) in POLICIES.iter().enumerate() {
             let t0 = Instant::now();
-            let o = simulate(&trace, &serving, policy, seed, preemption);
+            let o = simulate(&trace, &serving, policy, seed, preemption, resize);
             if print {
                 println!(
                     "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
@@ -719,10 +754,13 @@ fn summary_json(s: &Summary) -> Value {
 
 fn main() {
     let started = Instant::now();
-    let preemption = if std::env::args().any(|a| a == "--lose-since-checkpoint") {
-        Preemption::LoseSinceCheckpoint
+    let flag = |name: &str| std::env::args().any(|a| a == name);
+    let (preemption, resize) = if flag("--lose-since-checkpoint") {
+        (Preemption::LoseSinceCheckpoint, Resize::Free)
+    } else if flag("--free-resize") {
+        (Preemption::CheckpointNow, Resize::Free)
     } else {
-        Preemption::CheckpointNow
+        (Preemption::CheckpointNow, Resize::Platform)
     };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
@@ -736,7 +774,7 @@ fn main() {
     );
     let (load, calibration) = calibrate_load(preemption);
     println!("calibrated load={load} (baseline queue share {:.1}% of JCT, Helios)", 100.0 * TARGET_QUEUE_SHARE);
-    let outcomes = run_policies(load, true, preemption, &SEEDS);
+    let outcomes = run_policies(load, true, preemption, resize, &SEEDS);
     let summary = summarise(&outcomes);
     let mut policies = Vec::new();
     for (p, policy) in POLICIES.iter().enumerate() {
@@ -766,7 +804,7 @@ fn main() {
 
     // The same load over 15 seeds: how far three seeds' medians can be trusted. Per seed, the
     // spread of "both"'s ratios is printed too.
-    let many = run_policies(load, false, preemption, &MANY_SEEDS);
+    let many = run_policies(load, false, preemption, resize, &MANY_SEEDS);
     let many_summary = summarise(&many);
     for (p, policy) in POLICIES.iter().enumerate() {
         let s = many_summary[p];
@@ -804,7 +842,7 @@ fn main() {
     // Sensitivity to the training load.
     let mut sweep = Vec::new();
     for &load in &LOAD_SWEEP {
-        let s = summarise(&run_policies(load, false, preemption, &SEEDS));
+        let s = summarise(&run_policies(load, false, preemption, resize, &SEEDS));
         for (p, policy) in POLICIES.iter().enumerate() {
             println!(
                 "sweep load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h queue_share={:.1}% util={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
@@ -829,7 +867,7 @@ fn main() {
     // One scheduling round at 1,000 jobs and 500 slices, and the knapsack's worst case.
     let (capacity, jobs) = round_at_scale(16);
     let running = jobs.iter().filter(|j| !j.holdings.is_empty()).count();
-    let round = Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_SECS };
+    let round = Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_SECS, resize_margin: 0.0 };
     let plan = plan_round(&round);
     let started_now = jobs.iter().zip(&plan.placements).filter(|(j, p)| j.holdings.is_empty() && !p.holdings.is_empty()).count();
     let (round_ms, round_runs) = timed_ms(5, || {
@@ -876,6 +914,10 @@ fn main() {
         verdict(round_ms <= 100.0)
     );
 
+    let (pause_secs, margin, cooldown_secs) = match resize {
+        Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
+        Resize::Free => (RESIZE_SECS, 0.0, 0.0),
+    };
     let out = json!({
         "benchmark": "aryl",
         "command": "cargo run --release -p tessera-bench --bin aryl",
@@ -883,13 +925,15 @@ fn main() {
         "date": chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
         "seeds": SEEDS,
         "preemption": format!("{preemption:?}"),
+        "resize": format!("{resize:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
             "arrival_days": ARRIVAL_DAYS, "training_slices": TRAINING_SLICES,
             "deployments": DEPLOYMENTS, "slices_per_deployment": SLICES_PER_DEPLOYMENT,
             "serving_trough": SERVING_TROUGH, "training_load": load,
             "elastic_share": ELASTIC_SHARE, "checkpoint_every_secs": CHECKPOINT_EVERY,
-            "restart_secs": RESTART_SECS, "resize_secs": RESIZE_SECS, "tick_secs": TICK,
+            "restart_secs": RESTART_SECS, "resize_pause_secs": pause_secs, "resize_margin": margin,
+            "resize_cooldown_secs": cooldown_secs, "tick_secs": TICK,
             "loan_policy": {"headroom": LoanPolicy::default().headroom, "lend_band": LoanPolicy::default().lend_band,
                             "calm_rounds": LoanPolicy::default().calm_rounds},
             "duration": {"median_secs": DURATION_MEDIAN, "sigma": DURATION_SIGMA, "clip_secs": [DURATION_RANGE.0, DURATION_RANGE.1]},
@@ -924,9 +968,10 @@ fn main() {
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::create_dir_all(dir).unwrap();
-    let path = match preemption {
-        Preemption::CheckpointNow => format!("{dir}/aryl.json"),
-        Preemption::LoseSinceCheckpoint => format!("{dir}/aryl-lose-since-checkpoint.json"),
+    let path = match (preemption, resize) {
+        (Preemption::LoseSinceCheckpoint, _) => format!("{dir}/aryl-lose-since-checkpoint.json"),
+        (Preemption::CheckpointNow, Resize::Free) => format!("{dir}/aryl-free-resize.json"),
+        (Preemption::CheckpointNow, Resize::Platform) => format!("{dir}/aryl.json"),
     };
     std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap() + "\n").unwrap();
     println!("wrote {path}");

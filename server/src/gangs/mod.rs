@@ -6,8 +6,8 @@
 //! Elastic gangs (issue 16): a gang is queued at its `max_ranks` (every device its spec
 //! lists). While it waits (queued, or preempted) [`resize`] sets the rank count its next
 //! formation runs at, `min_ranks..=max_ranks`: the first n devices of `parallel.ranks`.
-//! Nothing picks that count by itself yet; the scheduling round of the loaning policy is
-//! to call [`resize`] (a pull-based claim cannot see what the whole fleet has free).
+//! The loaning round picks that count (a pull-based claim cannot see what the whole fleet
+//! has free), for a running gang too: it preempts it first (`loaning` module doc).
 
 use axum::extract::State;
 use sqlx::AnyConnection;

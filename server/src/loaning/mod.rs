@@ -8,11 +8,21 @@
 //! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL); every
 //! server records its own gateway's request rates, which the round sums.
 //!
-//! Departures from the pure planner's model, forced by the platform: a running gang is
-//! not resized in place (its ranks would stop and re-form anyway), so the round treats a
-//! running job as inelastic at its current ranks and sizes elastic jobs when they start,
-//! or restart after a preemption; a job's ranks all ask for one MIG profile, so each
-//! profile is its own round.
+//! Resizing a running elastic gang is a stop and a restart, the way many elastic trainers
+//! do it: the round records the size it wants (`resize_ranks`), preempts the gang (it
+//! checkpoints at the step it is on and stops, `jobs::preempt_job`), and when the gang
+//! waits again places it first at up to that size (`gangs::resize`, then rank pins).
+//! Training state is independent of the world size (a fixed global batch split in
+//! shares, one loader position), so the restart continues the same run. Against churn:
+//! a grow or shrink by choice must predict a JCT gain above twice the pause
+//! (`RESIZE_MARGIN`), and a gang keeps its size for `RESIZE_COOLDOWN_ROUNDS` rounds after
+//! it formed; a reclaim shrinks it (to at least `min_ranks`) before preempting anyone,
+//! whenever it comes. Each resize goes in the job's log; a shrink for a reclaim is also a
+//! reclaim event (not preempted).
+//!
+//! Departures from the pure planner's model, forced by the platform: a running elastic
+//! job that is not `preemptible` is treated as inelastic (a resize is a preemption); a
+//! job's ranks all ask for one MIG profile, so each profile is its own round.
 
 pub mod preempt;
 pub mod routes;
@@ -31,7 +41,7 @@ use crate::scheduler::loaning::{
 use crate::state::AppState;
 use crate::store::db::now_ms;
 use crate::store::deployments::{self as deployments_store, StoredDeployment};
-use crate::store::jobs::NewJob;
+use crate::store::jobs::{self as jobs_store, NewJob};
 use crate::store::loaning::{
     self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan,
 };
@@ -39,11 +49,13 @@ use crate::store::{models, Scope};
 
 /// The `scheduler_leases` row of the round.
 const LEASE: &str = "loaning";
-/// Seconds a preempted job takes to start again (load its checkpoint, re-form its ranks):
-/// part of the reclaim greedy's preemption cost.
-const RESTART_SECS: f64 = 60.0;
-/// Seconds an elastic job's ranks stop to change their number.
-const RESIZE_PAUSE_SECS: f64 = 30.0;
+/// Rounds a running gang keeps its size after it formed before the round may resize it
+/// by choice (a reclaim may shrink it sooner): at the default 5 s rounds, 50 s plus the
+/// restart, time for its step time at the new size to be measured.
+pub const RESIZE_COOLDOWN_ROUNDS: u32 = 10;
+/// A resize by choice must predict a JCT gain above the pause by this fraction of it:
+/// twice the pause, so a step-time estimate off by a pause's worth does not flap it.
+pub const RESIZE_MARGIN: f64 = 1.0;
 /// Steps of a gang's timing whose median is its step time at a rank count.
 const STEP_WINDOW: usize = 50;
 /// A gang's newest steps the round reads (bounded; older rank counts fall to the prior).
@@ -64,6 +76,8 @@ pub struct RoundReport {
     pub returned: u32,
     pub started: u32,
     pub preempted: u32,
+    /// Running gangs stopped to restart at another size.
+    pub resized: u32,
 }
 
 /// Runs the round every `loan_round_secs` and records this server's request rates, until
@@ -86,6 +100,7 @@ pub fn spawn(state: AppState) {
                         + report.returned
                         + report.started
                         + report.preempted
+                        + report.resized
                         > 0 =>
                 {
                     tracing::info!(?report, "loaning round")
@@ -127,6 +142,8 @@ struct Lender<'a> {
     /// takes them from the end.
     bound: Vec<&'a FleetSlice>,
     loaned: Vec<&'a FleetSlice>,
+    /// Slices on their way back: still the deployment's, neither serving nor lent.
+    reclaiming: usize,
 }
 
 /// Requests per second one of `slices` serves for `model`: the throughput table's best
@@ -168,6 +185,7 @@ fn planned_rates(d: &StoredDeployment, slices: &[&FleetSlice]) -> Option<Vec<f64
 pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     let db = &state.db;
     let now = now_ms();
+    let restart_secs = state.config.gang_restart_secs as f64;
     let mut report = RoundReport::default();
     store::release_orphans(db).await?;
     let online_since = crate::workers::online_since(state);
@@ -190,6 +208,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .filter(|s| matches!(s.holder, Holder::Replica { deployment, .. } if deployment == d.id))
                 .collect(),
             loaned: fleet.iter().filter(|s| s.lender == Some(d.id) && s.loan_state == SliceLoan::Loaned).collect(),
+            reclaiming: fleet
+                .iter()
+                .filter(|s| s.lender == Some(d.id) && s.loan_state == SliceLoan::Reclaiming)
+                .count(),
         })
         .collect();
     // Slices to take back per lender, chosen after the plan picks whom it preempts.
@@ -209,7 +231,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 capacity::Sizing::Slo { planned }
             });
         let view = capacity::Deployment {
-            slices: all.len() as u32,
+            // A slice still being taken back counts, or the loan would shrink once more
+            // while the deployment waits for it.
+            slices: (all.len() + lender.reclaiming) as u32,
             min_serving: capacity::serving_floor(&sizing, measured_rate, d.reclaim_headroom),
             slice_rate: slice_rate(state, d, &all).await?,
             measured_rate,
@@ -324,6 +348,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let ranks = g.ranks.len() as u32;
             let wanted = g.train.resources();
             let waiting = g.waiting();
+            // Running, it may change size only through a preemption, and not while one is
+            // already under way.
+            let elastic =
+                wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
                 for r in &g.ranks {
@@ -337,9 +365,20 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 }
             }
             let (min, max) = if waiting {
-                (wanted.min_ranks, wanted.max_ranks.max(wanted.min_ranks))
+                // Restarting from a resize: at most the size the round stopped it for.
+                let max = wanted.max_ranks.max(wanted.min_ranks);
+                let max = g.resize_ranks.map_or(max, |n| n.clamp(wanted.min_ranks, max));
+                (wanted.min_ranks, max)
+            } else if elastic {
+                (wanted.min_ranks.min(ranks), wanted.max_ranks.max(ranks))
             } else {
                 (ranks, ranks)
+            };
+            let resizable = match g.formed_at {
+                Some(formed) if elastic && !waiting => {
+                    store::rounds_since(db, formed).await? >= RESIZE_COOLDOWN_ROUNDS
+                }
+                _ => false,
             };
             let step_secs = StepTimes::from_recent(
                 store::recent_step_secs(db, g.id, STEP_ROWS).await?,
@@ -353,8 +392,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 remaining_steps: g.train.max_steps.saturating_sub(g.progress_step) as f64,
                 step_secs,
                 checkpoint_age_secs: (now - g.last_safe_at).max(0) as f64 / 1000.0,
-                restart_secs: RESTART_SECS,
+                restart_secs,
                 holdings: holdings.into_iter().collect(),
+                resizable,
+                resuming: waiting && g.resize_ranks.is_some(),
             });
         }
         // A job nothing was measured of takes a step as long as measured jobs of the same
@@ -369,7 +410,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             capacity: &capacity,
             jobs: &jobs,
             elastic: true,
-            resize_pause_secs: RESIZE_PAUSE_SECS,
+            resize_pause_secs: restart_secs,
+            resize_margin: RESIZE_MARGIN,
         });
 
         // Reclaims: the jobs the greedy chose give their slices back.
@@ -380,7 +422,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 Pool::Loaned(i) => (Some(deployments[i].id), deployments[i].name.as_str()),
                 Pool::Training => (None, "training pool"),
             };
-            let reason = format!("{name} needs its {profile} slices back");
+            let mut reason = format!("{name} needs its {profile} slices back");
+            if !event.preempted {
+                let after: u32 = plan.placements[event.job].holdings.iter().map(|&(_, n)| n).sum();
+                reason += &match after < g.ranks.len() as u32 {
+                    true => format!("; shrunk from {} to {after} ranks", g.ranks.len()),
+                    false => format!("; its {after} ranks move to other slices"),
+                };
+            }
             if event.preempted && !preempted.contains(&g.id) {
                 if preempt::preempt_job(state, g.id, &reason).await? {
                     report.preempted += 1;
@@ -399,15 +448,71 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             };
             store::record_reclaim(db, now, &record).await?;
         }
-        // Which loaned slices the take-back marks: those the preempted jobs held first.
+        // Running gangs the plan gives another size stop at a checkpoint and restart at it.
+        let mut resized: HashSet<Uuid> = HashSet::new();
+        for (j, g) in mine.iter().enumerate() {
+            if g.waiting() || g.stopping || preempted.contains(&g.id) {
+                continue;
+            }
+            let from = g.ranks.len() as u32;
+            let to: u32 = plan.placements[j].holdings.iter().map(|&(_, n)| n).sum();
+            // A reclaimed gang stops even at the same size: its slices move.
+            let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
+            if to == 0 || (to == from && reclaimed.is_none()) {
+                continue;
+            }
+            let why = match reclaimed {
+                Some(e) => match e.pool {
+                    Pool::Loaned(i) => format!("{} needs its {profile} slices back", deployments[i].name),
+                    Pool::Training => format!("the training pool needs its {profile} slices back"),
+                },
+                None if to > from => {
+                    let (left, steps) = (jobs[j].remaining_steps, &jobs[j].step_secs);
+                    let gain = steps.remaining_secs(left, from) - steps.remaining_secs(left, to);
+                    let extra = to - from;
+                    format!("{extra} spare {profile} slices, predicted to finish {gain:.0} s sooner")
+                }
+                None => {
+                    let (left, steps) = (jobs[j].remaining_steps, &jobs[j].step_secs);
+                    let gain = steps.remaining_secs(left, from) - steps.remaining_secs(left, to);
+                    if gain > 0.0 {
+                        format!("predicted to finish {gain:.0} s sooner at fewer ranks")
+                    } else {
+                        "waiting jobs take its extra slices".to_string()
+                    }
+                }
+            };
+            let reason = if to == from {
+                format!(
+                    "Moved to other slices by the loaning round: {why}. It checkpoints now and \
+                     restarts at {to} ranks."
+                )
+            } else {
+                format!(
+                    "Resized from {from} to {to} ranks by the loaning round: {why}. It checkpoints \
+                     now and restarts at {to}."
+                )
+            };
+            if !store::set_resize(db, g.id, to).await? {
+                continue;
+            }
+            if preempt::preempt_job(state, g.id, &reason).await? {
+                jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                resized.insert(g.id);
+                report.resized += 1;
+            } else {
+                store::clear_resize(db, g.id).await?;
+            }
+        }
+
+        // Which loaned slices the take-back marks: those the stopping jobs held first.
         for (&d, need) in cuts.iter_mut() {
             let mut held: Vec<&&FleetSlice> = slices
                 .iter()
                 .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
                 .collect();
-            held.sort_by_key(
-                |s| !matches!(s.holder, Holder::Rank { gang, .. } if preempted.contains(&gang)),
-            );
+            let stopping = |gang: &Uuid| preempted.contains(gang) || resized.contains(gang);
+            held.sort_by_key(|s| !matches!(s.holder, Holder::Rank { gang, .. } if stopping(&gang)));
             for s in held {
                 if *need == 0 {
                     break;
@@ -484,6 +589,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 store::pin_ranks(db, g.id, &pins).await?;
                 report.started += 1;
             }
+            if g.resize_ranks.is_some() {
+                store::clear_resize(db, g.id).await?;
+            }
         }
 
         // The queue as planned: running jobs first, then waiting ones shortest-first.
@@ -500,6 +608,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .remaining_secs(jobs[j].remaining_steps, at);
             let note = if preempted.contains(&g.id) {
                 "preempted this round".to_string()
+            } else if resized.contains(&g.id) {
+                format!("resizing from {} to {ranks} {profile} slices", g.ranks.len())
             } else if g.waiting() && ranks == 0 {
                 format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
             } else if g.waiting() {

@@ -1,7 +1,8 @@
 //! The seam to preemption (issue 16's reclaim step): how the loaning round asks a training
 //! job to give its slices back. `jobs::preempt_job` does it: the job checkpoints at the
 //! step it is on (a heartbeat signal), stops and waits as `preempted`, its rank pins
-//! cleared, so the reclaim finishes once the slices are free.
+//! cleared, so the reclaim finishes once the slices are free. A resize of a running
+//! elastic gang is the same stop, with the size to restart at recorded first.
 
 use uuid::Uuid;
 

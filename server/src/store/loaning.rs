@@ -147,6 +147,13 @@ pub struct SliceGang {
     /// When the gang's current attempt formed (`updated_at` of a running gang) or its last
     /// checkpoint was stored, whichever is later: the work a preemption loses starts there.
     pub last_safe_at: i64,
+    /// When a running gang last formed or was asked to stop (`updated_at`); `None` while
+    /// it waits. The round's resize hysteresis counts from it.
+    pub formed_at: Option<i64>,
+    /// A preemption (or a resize) was asked of the running gang and it has not stopped yet.
+    pub stopping: bool,
+    /// The rank count the round stopped it to restart at (a resize), until placed again.
+    pub resize_ranks: Option<u32>,
     pub ranks: Vec<GangRank>,
 }
 
@@ -170,6 +177,7 @@ impl SliceGang {
 pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     let gangs = sqlx::query(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
+           g.preempt_reason, g.resize_ranks, \
            (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at \
          FROM jobs g WHERE g.kind = 'train_gang' AND g.state IN ('queued', 'preempted', 'running') \
          AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.gang_placement NOT LIKE 'slice:%') \
@@ -210,7 +218,8 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
         let updated: i64 = g.try_get("updated_at")?;
         let created: i64 = g.try_get("created_at")?;
         let checkpointed: Option<i64> = g.try_get("checkpointed_at")?;
-        let formed = if state == "running" { updated } else { created };
+        let running = state == "running";
+        let formed = if running { updated } else { created };
         out.push(SliceGang {
             id: parse_uuid("jobs", "id", &id)?,
             name: g.try_get("name")?,
@@ -223,6 +232,12 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
                 .max(0) as u64,
             created_at: created,
             last_safe_at: checkpointed.map_or(formed, |c| c.max(formed)),
+            formed_at: running.then_some(updated),
+            stopping: g.try_get::<Option<String>, _>("preempt_reason")?.is_some(),
+            resize_ranks: g
+                .try_get::<Option<i64>, _>("resize_ranks")?
+                .filter(|&n| n > 0)
+                .map(|n| n as u32),
             ranks,
         });
     }
@@ -510,6 +525,29 @@ pub(super) async fn free_preempted_slices(conn: &mut AnyConnection, gang: &str, 
     unpin(conn, parse_uuid("jobs", "id", gang)?, now, "its rank was preempted").await
 }
 
+/// Records that the round stops running gang `gang` to restart it at `ranks` (a resize);
+/// false when the gang is no longer running.
+pub async fn set_resize(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
+    let changed = sqlx::query(
+        "UPDATE jobs SET resize_ranks = $1 WHERE id = $2 AND kind = 'train_gang' AND state = 'running'",
+    )
+    .bind(ranks as i64)
+    .bind(gang.to_string())
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(changed > 0)
+}
+
+/// Forgets a gang's resize target (it was placed again, or its stop was not asked).
+pub async fn clear_resize(db: &Db, gang: Uuid) -> Result<()> {
+    sqlx::query("UPDATE jobs SET resize_ranks = NULL WHERE id = $1")
+        .bind(gang.to_string())
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
 /// A reclaim decision to record.
 pub struct NewReclaim<'a> {
     pub deployment: Option<Uuid>,
@@ -633,6 +671,16 @@ pub async fn record_round(db: &Db, round: &LoanRound) -> Result<()> {
     Ok(())
 }
 
+/// How many rounds were recorded at or after `at` (the resize hysteresis counts rounds
+/// since a gang formed).
+pub async fn rounds_since(db: &Db, at: i64) -> Result<u32> {
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM loan_rounds WHERE at >= $1")
+        .bind(at)
+        .fetch_one(db.pool())
+        .await?;
+    Ok(n.max(0) as u32)
+}
+
 /// Rounds since `since`, oldest first.
 pub async fn rounds(db: &Db, since: i64) -> Result<Vec<LoanRound>> {
     let rows = sqlx::query(
@@ -689,21 +737,29 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
         .execute(&mut *tx)
         .await?;
     for p in plans {
-        sqlx::query(
-            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, predicted_secs, note, \
-             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(p.job.to_string())
-        .bind(p.position as i64)
-        .bind(p.ranks as i64)
-        .bind(p.min_ranks as i64)
-        .bind(p.max_ranks as i64)
-        .bind(p.preemptible as i64)
-        .bind(p.predicted_secs.filter(|s| s.is_finite()))
-        .bind(&p.note)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+        // Two statements, not one binding a NULL: on PostgreSQL a statement first prepared
+        // with a NULL there keeps that parameter's type, and a later float is refused.
+        let predicted = p.predicted_secs.filter(|s| s.is_finite());
+        let sql = if predicted.is_some() {
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
+             predicted_secs) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        } else {
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+        };
+        let mut query = sqlx::query(sql)
+            .bind(p.job.to_string())
+            .bind(p.position as i64)
+            .bind(p.ranks as i64)
+            .bind(p.min_ranks as i64)
+            .bind(p.max_ranks as i64)
+            .bind(p.preemptible as i64)
+            .bind(&p.note)
+            .bind(now);
+        if let Some(secs) = predicted {
+            query = query.bind(secs);
+        }
+        query.execute(&mut *tx).await?;
     }
     tx.commit().await?;
     Ok(())

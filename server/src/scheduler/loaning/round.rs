@@ -2,12 +2,16 @@
 //! research note §3): take back what serving reclaims (least preemption cost), start
 //! waiting jobs shortest-first on their base demand, then hand what is left to elastic jobs
 //! by the multiple-choice knapsack. Plain data in, placements out: the simulator in
-//! `bench/src/bin/aryl.rs` calls this function, and the server's scheduler is to call it too.
+//! `bench/src/bin/aryl.rs` calls this function, and so does the server's round (`loaning`).
 //!
 //! Departures: each round re-decides the extra ranks of running elastic jobs (their base
-//! stays put), so waiting jobs may take extra ranks back before the knapsack runs; the
-//! resize pause in the knapsack's values keeps that from churning. With `elastic` off every
-//! job runs at its requested ranks and is never resized, only preempted.
+//! stays put), so waiting jobs may take extra ranks back before the knapsack runs. Two
+//! brakes keep that from churning: the knapsack charges a running job that changes size
+//! the resize pause times `1 + resize_margin` (a hurdle, not a cost: the gain must beat the
+//! pause by that margin), and a running job the caller marks not `resizable` (the
+//! platform's hysteresis after each start or resize) keeps its ranks unless a reclaim
+//! shrinks it. With `elastic` off every job runs at its requested ranks and is never
+//! resized, only preempted.
 
 use super::elastic::{grant, Candidate};
 use super::reclaim::{reclaim, Action, Tenant};
@@ -35,6 +39,11 @@ pub struct Job {
     pub restart_secs: f64,
     /// Slices it holds per pool now; empty when waiting.
     pub holdings: Vec<(Pool, u32)>,
+    /// Running: the knapsack may grow or shrink it this round. A reclaim may shrink an
+    /// elastic job either way. Ignored while it waits.
+    pub resizable: bool,
+    /// Waiting to restart from a resize a round made: it starts before other waiting jobs.
+    pub resuming: bool,
 }
 
 impl Job {
@@ -52,6 +61,9 @@ pub struct Round<'a> {
     pub jobs: &'a [Job],
     pub elastic: bool,
     pub resize_pause_secs: f64,
+    /// A running job changes size by choice only when the predicted JCT gain exceeds the
+    /// pause by this fraction of it (0: any gain above the pause).
+    pub resize_margin: f64,
 }
 
 /// Where a job runs after the round.
@@ -151,7 +163,9 @@ pub fn plan_round(round: &Round) -> Plan {
     let mut stripped: Vec<Vec<u32>> = vec![Vec::new(); jobs.len()];
     for j in 0..jobs.len() {
         let ranks: u32 = held[j].iter().sum();
-        if !elastic[j] || ranks <= jobs[j].min_ranks {
+        // A job held at its size (hysteresis) keeps its extra ranks, unless a reclaim
+        // already stops it for a resize.
+        if !elastic[j] || ranks <= jobs[j].min_ranks || !(jobs[j].resizable || resized[j]) {
             continue;
         }
         let mut extra = ranks - jobs[j].min_ranks;
@@ -176,6 +190,7 @@ pub fn plan_round(round: &Round) -> Plan {
             ranks: start_ranks(j),
             predicted_secs: jobs[j].step_secs.remaining_secs(jobs[j].remaining_steps, start_ranks(j)),
             preemptible: jobs[j].preemptible,
+            resuming: jobs[j].resuming,
         })
         .collect();
     let mut starts = vec![false; jobs.len()];
@@ -189,7 +204,10 @@ pub fn plan_round(round: &Round) -> Plan {
 
     // 4. The knapsack hands what is left to elastic jobs.
     if round.elastic {
-        let growing: Vec<usize> = (0..jobs.len()).filter(|&j| elastic[j] && held[j].iter().any(|&n| n > 0)).collect();
+        let growing: Vec<usize> = (0..jobs.len())
+            .filter(|&j| elastic[j] && held[j].iter().any(|&n| n > 0))
+            .filter(|&j| starts[j] || resized[j] || jobs[j].resizable)
+            .collect();
         let candidates: Vec<Candidate> = growing
             .iter()
             .map(|&j| Candidate {
@@ -201,7 +219,8 @@ pub fn plan_round(round: &Round) -> Plan {
             })
             .collect();
         let spare: u32 = free.iter().map(|f| f.slices).sum();
-        let extras = grant(&candidates, spare, round.resize_pause_secs);
+        // The hurdle only weighs on running jobs changing size (see `elastic::value`).
+        let extras = grant(&candidates, spare, round.resize_pause_secs * (1.0 + round.resize_margin.max(0.0)));
         for (&j, mut extra) in growing.iter().zip(extras) {
             // Back where its extra ranks ran before, then the fullest pools.
             if let Some(before) = stripped.get(j).filter(|s| !s.is_empty()) {
@@ -249,7 +268,88 @@ mod tests {
             checkpoint_age_secs: 0.0,
             restart_secs: 60.0,
             holdings: Vec::new(),
+            resizable: true,
+            resuming: false,
         }
+    }
+
+    fn round<'a>(capacity: &'a [(Pool, u32)], jobs: &'a [Job]) -> Round<'a> {
+        Round { capacity, jobs, elastic: true, resize_pause_secs: 30.0, resize_margin: 0.0 }
+    }
+
+    #[test]
+    fn a_running_elastic_job_grows_onto_spare_slices() {
+        let mut j = job(1, 4, 1, 10_000.0);
+        j.holdings = vec![(Pool::Training, 1)];
+        let capacity = [(Pool::Training, 2), (Pool::Loaned(0), 2)];
+        let plan = plan_round(&round(&capacity, &[j.clone()]));
+        assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 2), (Pool::Loaned(0), 2)]);
+        assert!(plan.reclaims.is_empty() && !plan.placements[0].preempted);
+
+        // Held at its size by the hysteresis: it keeps its one rank.
+        j.resizable = false;
+        let plan = plan_round(&round(&capacity, &[j]));
+        assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 1)]);
+    }
+
+    #[test]
+    fn a_reclaim_shrinks_a_running_elastic_job_before_preempting_anyone() {
+        // The elastic job holds 3 loaned slices and 1 of training; an inelastic job holds 2
+        // loaned. The lender wants 3 back: the elastic job gives all 3, even held at its
+        // size, and nobody is preempted.
+        let mut elastic = job(1, 4, 4, 10_000.0);
+        elastic.holdings = vec![(Pool::Training, 1), (Pool::Loaned(0), 3)];
+        elastic.resizable = false;
+        let mut fixed = job(2, 2, 2, 10_000.0);
+        fixed.holdings = vec![(Pool::Loaned(0), 2)];
+        let capacity = [(Pool::Training, 1), (Pool::Loaned(0), 2)];
+        let plan = plan_round(&round(&capacity, &[elastic.clone(), fixed.clone()]));
+        assert_eq!(plan.reclaims, vec![ReclaimEvent { pool: Pool::Loaned(0), job: 0, ranks: 3, preempted: false }]);
+        assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 1)]);
+        assert_eq!(plan.placements[1].holdings, vec![(Pool::Loaned(0), 2)]);
+        assert!(plan.placements.iter().all(|p| !p.preempted));
+
+        // Below its minimum it cannot go: a job at its floor is preempted instead.
+        let mut at_floor = elastic;
+        at_floor.holdings = vec![(Pool::Loaned(0), 1)];
+        let capacity = [(Pool::Training, 0), (Pool::Loaned(0), 2)];
+        let plan = plan_round(&round(&capacity, &[at_floor, fixed]));
+        assert_eq!(plan.reclaims, vec![ReclaimEvent { pool: Pool::Loaned(0), job: 0, ranks: 1, preempted: true }]);
+    }
+
+    #[test]
+    fn hysteresis_a_small_gain_or_a_recent_resize_keeps_the_size() {
+        // At 1 rank a step takes 1 s, at 2 ranks 0.525 s: 95 steps left gain 45 s.
+        let mut j = job(1, 2, 1, 95.0);
+        j.holdings = vec![(Pool::Training, 1)];
+        let capacity = [(Pool::Training, 2)];
+        let ranks = |plan: &Plan| plan.placements[0].holdings.iter().map(|&(_, n)| n).sum::<u32>();
+        assert_eq!(ranks(&plan_round(&round(&capacity, &[j.clone()]))), 2, "45 s beats a 30 s pause");
+        let margin = Round { resize_margin: 1.0, ..round(&capacity, std::slice::from_ref(&j)) };
+        assert_eq!(ranks(&plan_round(&margin)), 1, "45 s does not beat twice the pause");
+
+        // A running job held at its size keeps its extra ranks from a waiting job.
+        let mut running = job(1, 8, 2, 10_000.0);
+        running.holdings = vec![(Pool::Training, 8)];
+        running.resizable = false;
+        let capacity = [(Pool::Training, 8)];
+        let plan = plan_round(&round(&capacity, &[running.clone(), job(4, 4, 4, 100.0)]));
+        assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 8)]);
+        assert!(plan.placements[1].holdings.is_empty());
+        // Once resizable it gives them up (the existing Aryl order: waiting jobs first).
+        running.resizable = true;
+        let plan = plan_round(&round(&capacity, &[running, job(4, 4, 4, 100.0)]));
+        assert_eq!(plan.placements[1].holdings, vec![(Pool::Training, 4)]);
+    }
+
+    #[test]
+    fn a_job_resuming_from_a_resize_restarts_before_shorter_waiting_jobs() {
+        let mut resumed = job(2, 3, 3, 1e6);
+        resumed.resuming = true;
+        let capacity = [(Pool::Training, 3)];
+        let plan = plan_round(&round(&capacity, &[job(2, 2, 2, 10.0), resumed]));
+        assert!(plan.placements[0].holdings.is_empty());
+        assert_eq!(plan.placements[1].holdings, vec![(Pool::Training, 3)]);
     }
 
     #[test]
@@ -257,7 +357,7 @@ mod tests {
         let mut j = job(2, 8, 4, 1000.0);
         j.holdings = vec![(Pool::Training, 2), (Pool::Loaned(0), 6)];
         let capacity = [(Pool::Training, 2), (Pool::Loaned(0), 1)];
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &[j], elastic: true, resize_pause_secs: 30.0 });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &[j], elastic: true, resize_pause_secs: 30.0, resize_margin: 0.0 });
         assert!(!plan.placements[0].preempted);
         assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 2), (Pool::Loaned(0), 1)]);
         assert_eq!(plan.reclaims, vec![ReclaimEvent { pool: Pool::Loaned(0), job: 0, ranks: 5, preempted: false }]);
@@ -268,7 +368,7 @@ mod tests {
         let mut j = job(2, 8, 4, 1000.0);
         j.holdings = vec![(Pool::Loaned(0), 4)];
         let capacity = [(Pool::Training, 4), (Pool::Loaned(0), 0)];
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &[j], elastic: false, resize_pause_secs: 30.0 });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &[j], elastic: false, resize_pause_secs: 30.0, resize_margin: 0.0 });
         assert!(plan.placements[0].preempted);
         assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 4)]);
     }
@@ -277,13 +377,13 @@ mod tests {
     fn spare_slices_grow_the_elastic_job_and_a_new_job_takes_them_back() {
         let capacity = [(Pool::Training, 8)];
         let alone = [job(1, 8, 2, 10_000.0)];
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &alone, elastic: true, resize_pause_secs: 30.0 });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &alone, elastic: true, resize_pause_secs: 30.0, resize_margin: 0.0 });
         assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 8)]);
 
         let mut running = alone[0].clone();
         running.holdings = plan.placements[0].holdings.clone();
         let newcomer = job(4, 4, 4, 100.0);
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &[running, newcomer], elastic: true, resize_pause_secs: 30.0 });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &[running, newcomer], elastic: true, resize_pause_secs: 30.0, resize_margin: 0.0 });
         assert_eq!(plan.placements[1].holdings, vec![(Pool::Training, 4)]);
         assert_eq!(plan.placements[0].holdings, vec![(Pool::Training, 4)]);
     }
@@ -307,6 +407,7 @@ mod tests {
                 let mut j = job(min, max, rng.gen_range(min..=max), rng.gen_range(1.0..1e5));
                 j.preemptible = rng.gen_bool(0.7);
                 j.checkpoint_age_secs = rng.gen_range(0.0..1800.0);
+                j.resizable = rng.gen_bool(0.6);
                 // Some already run somewhere (possibly more than the pools now allow).
                 if rng.gen_bool(0.5) {
                     let ranks = if elastic_round { rng.gen_range(min..=max) } else { j.requested_ranks };
@@ -321,7 +422,20 @@ mod tests {
                 }
                 jobs.push(j);
             }
-            let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: elastic_round, resize_pause_secs: 20.0 });
+            let margin = if rng.gen_bool(0.5) { 0.0 } else { 1.0 };
+            let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: elastic_round, resize_pause_secs: 20.0, resize_margin: margin });
+            // A running job held at its size that no reclaim touched keeps exactly what it held.
+            for (i, (j, pl)) in jobs.iter().zip(&plan.placements).enumerate() {
+                if j.holdings.is_empty() || j.resizable || plan.reclaims.iter().any(|r| r.job == i) {
+                    continue;
+                }
+                let mut before = std::collections::BTreeMap::new();
+                for &(p, n) in &j.holdings {
+                    *before.entry(p).or_insert(0u32) += n;
+                }
+                let after: std::collections::BTreeMap<Pool, u32> = pl.holdings.iter().copied().collect();
+                assert_eq!(after, before, "case {case}: job {i} held at its size moved");
+            }
             let mut used = std::collections::BTreeMap::new();
             for (j, pl) in jobs.iter().zip(&plan.placements) {
                 let ranks: u32 = pl.holdings.iter().map(|&(_, n)| n).sum();

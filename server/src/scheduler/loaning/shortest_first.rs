@@ -10,6 +10,8 @@
 //! pool and a job may span pools (no server topology). A job that is not preemptible only
 //! takes slices of the training pool; a preemptible one takes loaned slices first (largest
 //! pool first, so it spans few lenders) and keeps the training pool for jobs that need it.
+//! A job restarting from a resize goes before the order: it was running a round ago, and
+//! a resize that left it waiting behind shorter jobs would be a preemption in disguise.
 
 /// A job waiting to start.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -19,6 +21,8 @@ pub struct Waiting {
     /// Predicted running time at those ranks; the queue's order.
     pub predicted_secs: f64,
     pub preemptible: bool,
+    /// Restarting from a resize the round made: starts before every other waiting job.
+    pub resuming: bool,
 }
 
 /// A pool's free slices and whether they are loaned from serving.
@@ -32,7 +36,7 @@ pub struct Free {
 /// (index into `free`, count), in start order. `free` is updated.
 pub fn shortest_first(waiting: &[Waiting], free: &mut [Free]) -> Vec<(usize, Vec<(usize, u32)>)> {
     let mut order: Vec<usize> = (0..waiting.len()).collect();
-    // NaN or unknown predictions go last.
+    // Resumed resizes first; NaN or unknown predictions go last.
     order.sort_by(|&a, &b| {
         let key = |i: usize| {
             let t = waiting[i].predicted_secs;
@@ -42,7 +46,7 @@ pub fn shortest_first(waiting: &[Waiting], free: &mut [Free]) -> Vec<(usize, Vec
                 t
             }
         };
-        key(a).total_cmp(&key(b)).then(a.cmp(&b))
+        waiting[b].resuming.cmp(&waiting[a].resuming).then(key(a).total_cmp(&key(b))).then(a.cmp(&b))
     });
     let mut started = Vec::new();
     let mut pools: Vec<usize> = Vec::with_capacity(free.len());
@@ -82,7 +86,15 @@ mod tests {
     use super::*;
 
     fn job(ranks: u32, secs: f64, preemptible: bool) -> Waiting {
-        Waiting { ranks, predicted_secs: secs, preemptible }
+        Waiting { ranks, predicted_secs: secs, preemptible, resuming: false }
+    }
+
+    #[test]
+    fn a_job_resuming_from_a_resize_starts_before_shorter_ones() {
+        let mut free = [Free { slices: 4, loaned: false }];
+        let resumed = Waiting { resuming: true, ..job(3, 7200.0, true) };
+        let started = shortest_first(&[job(2, 60.0, true), resumed, job(1, 30.0, true)], &mut free);
+        assert_eq!(started, vec![(1, vec![(0, 3)]), (2, vec![(0, 1)])]);
     }
 
     #[test]
@@ -123,11 +135,13 @@ mod tests {
             checkpoint_age_secs: 0.0,
             restart_secs: 60.0,
             holdings: Vec::new(),
+            resizable: false,
+            resuming: false,
         };
         // Arrival order: a long job first, then two short ones; 5 slices.
         let jobs = [job(4, 4, 100_000.0), job(2, 4, 50.0), job(1, 1, 10.0)];
         let capacity = [(Pool::Training, 5)];
-        let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: 30.0 });
+        let plan = plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: 30.0, resize_margin: 0.0 });
         let ranks: Vec<u32> = plan.placements.iter().map(|p| p.holdings.iter().map(|&(_, n)| n).sum()).collect();
         // The long job waits; the short elastic one starts at 2 and takes the other 2 spare.
         assert_eq!(ranks, vec![0, 4, 1]);
