@@ -499,23 +499,32 @@ async fn end(conn: &mut AnyConnection, gang: &str, state: JobState, message: &st
 
 /// Stores ranks' step timings under the gang's job (a step reported again replaces it).
 pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Result<()> {
+    // A missing prediction is a literal NULL, never a bound one: sqlx's Any driver binds a
+    // NULL f64 as a PostgreSQL float4 (sqlx-core 0.9 `AnyArguments`, Real and Double
+    // swapped), and the statement so prepared on that connection then refuses the f64 of
+    // a later step ("incorrect binary data format in bind parameter").
+    const WITH_PREDICTION: &str = "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
+         allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms";
+    const WITHOUT_PREDICTION: &str = "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, NULL) \
+         ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
+         allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms";
     let mut tx = db.begin().await?;
     for step in steps {
-        sqlx::query(
-            "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
-             allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms",
-        )
-        .bind(gang.to_string())
-        .bind(step.rank as i64)
-        .bind(step.step as i64)
-        .bind(step.iter_ms)
-        .bind(step.wait_ms)
-        .bind(step.allreduce_ms)
-        .bind(step.predicted_ms)
-        .execute(&mut *tx)
-        .await?;
+        let query = sqlx::query(if step.predicted_ms.is_some() { WITH_PREDICTION } else { WITHOUT_PREDICTION })
+            .bind(gang.to_string())
+            .bind(step.rank as i64)
+            .bind(step.step as i64)
+            .bind(step.iter_ms)
+            .bind(step.wait_ms)
+            .bind(step.allreduce_ms);
+        let query = match step.predicted_ms {
+            Some(ms) => query.bind(ms),
+            None => query,
+        };
+        query.execute(&mut *tx).await?;
     }
     tx.commit().await?;
     Ok(())
