@@ -114,11 +114,19 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint_on(csv: Vec<u8>, 
 
     let max_steps = 3000;
     let job = user.submit(two_rank_job(&dataset, max_steps)).await;
-    let checkpoint = eventually("a checkpoint is uploaded", Duration::from_secs(120), || async {
-        let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
-        list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
-    })
+    let first_checkpoint = tokio::time::timeout(
+        Duration::from_secs(120),
+        eventually("a checkpoint is uploaded", Duration::from_secs(3600), || async {
+            let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
+            list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
+        }),
+    )
     .await;
+    let Ok(checkpoint) = first_checkpoint else {
+        let job = user.get(&format!("/jobs/{job}")).await;
+        let logs = [&server, &first, &second].map(|p| p.output()).join("\n----\n");
+        panic!("no checkpoint in 120 s: {job}\n{logs}");
+    };
     first.kill();
     assert!(checkpoint < max_steps, "the job must still be running when a rank dies");
 

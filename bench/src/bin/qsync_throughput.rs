@@ -278,6 +278,9 @@ struct RunResult {
     steps_per_s: f64,
     /// Per rank, the median of the timed steps less their waiting for the other rank, ms.
     busy_ms: Vec<f64>,
+    /// The same over the steps before the plan (all f32, the planner's profiling): a host
+    /// whose load changed within the run shows here.
+    busy_before_ms: Vec<f64>,
     report: Option<PrecisionPlanReport>,
 }
 
@@ -332,28 +335,43 @@ fn run_once(cli: &Cli, workload: &Workload, arm: Arm) -> anyhow::Result<RunResul
         runs[0].stamps.iter().find(|(s, _)| *s == step).map(|(_, t)| *t).context("rank 0 reported every step")
     };
     let seconds = at(max_steps)?.duration_since(at(first_timed)?).as_secs_f64();
-    let busy_ms = runs
-        .iter()
-        .map(|run| {
-            let busy: Vec<f64> =
-                run.timings.iter().filter(|t| t.step > first_timed).map(|t| t.iter_ms - t.wait_ms).collect();
-            median(&busy)
-        })
-        .collect();
-    Ok(RunResult { steps_per_s: cli.steps as f64 / seconds, busy_ms, report: runs[0].report.clone() })
+    let busy = |steps: &dyn Fn(u64) -> bool| -> Vec<f64> {
+        runs.iter()
+            .map(|run| {
+                median(&run.timings.iter().filter(|t| steps(t.step)).map(|t| t.iter_ms - t.wait_ms).collect::<Vec<_>>())
+            })
+            .collect()
+    };
+    Ok(RunResult {
+        steps_per_s: cli.steps as f64 / seconds,
+        busy_ms: busy(&|step| step > first_timed),
+        busy_before_ms: busy(&|step| step <= cli.profile_steps as u64),
+        report: runs[0].report.clone(),
+    })
 }
 
-/// The slow rank's plan in words: how many operators at each precision.
-fn plan_counts(report: &PrecisionPlanReport, rank: usize) -> String {
-    let Some(plan) = report.ranks.get(rank) else { return "–".into() };
-    let mut parts = Vec::new();
-    for p in [Precision::Int8, Precision::Bf16, Precision::F16, Precision::F32] {
-        let n = plan.ops.iter().filter(|op| op.precision == p).count();
-        if n > 0 {
-            parts.push(format!("{p} ×{n}"));
+/// The plan in words: per rank that lowers any operator, how many it runs at each
+/// precision (the planner, not this benchmark, decides which rank is the slow one).
+fn plan_counts(report: &PrecisionPlanReport) -> String {
+    let mut ranks = Vec::new();
+    for plan in &report.ranks {
+        if plan.ops.iter().all(|op| op.precision == Precision::F32) {
+            continue;
         }
+        let mut parts = Vec::new();
+        for p in [Precision::Int8, Precision::Bf16, Precision::F16, Precision::F32] {
+            let n = plan.ops.iter().filter(|op| op.precision == p).count();
+            if n > 0 {
+                parts.push(format!("{p} ×{n}"));
+            }
+        }
+        ranks.push(format!("rank {}: {} (of {})", plan.rank, parts.join(", "), plan.ops.len()));
     }
-    format!("{} (of {})", parts.join(", "), plan.ops.len())
+    if ranks.is_empty() {
+        "all f32 (the planner lowered nothing)".into()
+    } else {
+        ranks.join("; ")
+    }
 }
 
 /// Why this run's figures are not recorded (they are printed all the same), if they are not.
@@ -369,7 +387,7 @@ fn not_recorded(cli: &Cli) -> Vec<String> {
         ));
     }
     if cli.device == RankDevice::Cpu && cli.threads[0] == cli.threads[1] {
-        why.push(format!("both ranks are the CPU with {} threads: the devices are not unequal", cli.threads[0]));
+        why.push(format!("both ranks are {}: the devices are not unequal", device_label(cli, 0)));
     }
     if cli.runs < 3 {
         why.push(format!("{} runs per plan: a recorded figure is the median of 3 at least", cli.runs));
@@ -408,14 +426,15 @@ fn main() -> anyhow::Result<()> {
             let begun = Instant::now();
             let result = run_once(&cli, &workload, *arm)?;
             println!(
-                "run {run} {}: {:.3} steps/s, rank busy ms {} ({:.0} s){}",
+                "run {run} {}: {:.3} steps/s, rank busy ms {} (before the plan {}) ({:.0} s){}",
                 arm.label(),
                 result.steps_per_s,
                 result.busy_ms.iter().map(|b| format!("{b:.1}")).collect::<Vec<_>>().join(" / "),
+                result.busy_before_ms.iter().map(|b| format!("{b:.1}")).collect::<Vec<_>>().join(" / "),
                 begun.elapsed().as_secs_f64(),
                 result.report.as_ref().map_or(String::new(), |r| format!(
-                    ", rank 1 plan {}, predicted step {:.1} ms, budget {:.1} ms",
-                    plan_counts(r, 1),
+                    ", plan {}, predicted step {:.1} ms, budget {:.1} ms",
+                    plan_counts(r),
                     r.predicted_step_ms,
                     r.budget_ms
                 )),
@@ -455,7 +474,8 @@ fn summarise(
         median(&runs.iter().map(|r| r.steps_per_s).collect::<Vec<_>>())
     };
     let f32_runs = &results[0].1;
-    let busy_f32: Vec<f64> = (0..2).map(|rank| median(&f32_runs.iter().map(|r| r.busy_ms[rank]).collect::<Vec<_>>())).collect();
+    let busy_f32: Vec<f64> =
+        (0..2).map(|rank| median(&f32_runs.iter().map(|r| r.busy_ms[rank]).collect::<Vec<_>>())).collect();
     let slow = if busy_f32[1] >= busy_f32[0] { 1 } else { 0 };
     let speed_ratio = busy_f32[slow] / busy_f32[1 - slow].max(1e-9);
     let command = std::env::args().collect::<Vec<_>>().join(" ");
@@ -476,7 +496,7 @@ fn summarise(
          the plan, {} timed steps; {} runs per plan, the plans alternating within each round.\n\n\
          Measured speed ratio of the ranks at all f32 (median step less waiting, slow ÷ fast): **{speed_ratio:.2} : 1** \
          (rank {slow} is the slow one: {:.1} ms against {:.1} ms).\n\n\
-         | rank {slow} plan | steps/s per run | median steps/s | vs slow rank at f32 | step ms (median) | predicted step ms | budget ms | rank busy ms (r0 / r1) | rank {slow}'s plan (run 1) |\n\
+         | plan | steps/s per run | median steps/s | vs slow rank at f32 | step ms (median) | predicted step ms | budget ms | rank busy ms (r0 / r1) | operators lowered (run 1) |\n\
          |---|---|---|---|---|---|---|---|---|\n",
         machine(),
         cpu_flags(),
@@ -510,7 +530,7 @@ fn summarise(
             cell(&budgets),
             busy[0],
             busy[1],
-            runs[0].report.as_ref().map_or("all f32".into(), |r| plan_counts(r, slow)),
+            runs[0].report.as_ref().map_or("all f32 (no planner)".into(), plan_counts),
         );
         arms_json.push(json!({
             "plan": arm.label(),
@@ -518,11 +538,13 @@ fn summarise(
             "median_steps_per_s": med,
             "vs_slow_rank_f32": med / baseline,
             "busy_ms_median": busy,
+            "busy_before_plan_ms": runs.iter().map(|r| &r.busy_before_ms).collect::<Vec<_>>(),
             "predicted_step_ms": predicted,
             "budget_ms": budgets,
-            "slow_rank_plans": runs.iter().map(|r| r.report.as_ref().and_then(|rep| rep.ranks.get(slow)).map(|p| {
+            // Per run, per rank: each operator's precision (none without a planner).
+            "plans": runs.iter().map(|r| r.report.as_ref().map(|rep| rep.ranks.iter().map(|p| {
                 p.ops.iter().map(|op| (op.op.clone(), op.precision)).collect::<std::collections::BTreeMap<_, _>>()
-            })).collect::<Vec<_>>(),
+            }).collect::<Vec<_>>())).collect::<Vec<_>>(),
         }));
     }
     let qsync = figure(Arm::Qsync);

@@ -503,11 +503,13 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
     // NULL f64 as a PostgreSQL float4 (sqlx-core 0.9 `AnyArguments`, Real and Double
     // swapped), and the statement so prepared on that connection then refuses the f64 of
     // a later step ("incorrect binary data format in bind parameter").
-    const WITH_PREDICTION: &str = "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
+    const WITH_PREDICTION: &str =
+        "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) \
          ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
          allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms";
-    const WITHOUT_PREDICTION: &str = "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
+    const WITHOUT_PREDICTION: &str =
+        "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms) \
          VALUES ($1, $2, $3, $4, $5, $6, NULL) \
          ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
          allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms";
