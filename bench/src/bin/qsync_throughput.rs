@@ -406,13 +406,15 @@ fn main() -> anyhow::Result<()> {
         "--threads takes two thread counts, rank 0's and rank 1's (e.g. 12,4)"
     );
     anyhow::ensure!(cli.steps >= 2 && cli.runs >= 1, "--steps must be 2 or more and --runs 1 or more");
+    let split = gemm_split(&cli.threads);
     let assets = assets_dir(cli.assets.clone());
     let workload = workload(&cli, &assets)?;
     let date = chrono::Utc::now();
     let started = Instant::now();
     let refused = not_recorded(&cli);
     println!(
-        "qsync_throughput: {} on rank 0 = {}, rank 1 = {}; {} runs of {} timed steps per plan",
+        "qsync_throughput: {} on rank 0 = {}, rank 1 = {}; {} runs of {} timed steps per plan; candle splits an f32 GEMM \
+         into {split} tasks",
         workload.title,
         device_label(&cli, 0),
         device_label(&cli, 1),
@@ -454,6 +456,28 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How many tasks candle's f32 GEMM is split into (`RAYON_NUM_THREADS`, which it reads at
+/// every matmul; by default the host's physical cores, whatever pool it runs in). Unless
+/// given, set to the least common multiple of the ranks' thread counts, so that every rank's
+/// pool runs whole rounds of tasks (12 tasks: 1 round on 12 threads, 3 on 4); a split of 8
+/// (an 8-core default) would leave a 12-thread rank's f32 GEMMs 8-way.
+fn gemm_split(threads: &[usize]) -> usize {
+    if let Some(given) = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)
+    {
+        return given;
+    }
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let lcm = threads.iter().fold(1, |l, &t| l / gcd(l, t) * t);
+    // Edition 2021, and no other thread has started yet.
+    std::env::set_var("RAYON_NUM_THREADS", lcm.to_string());
+    lcm
+}
+
 fn configuration_key(cli: &Cli, workload: &Workload) -> String {
     let rank0 = match cli.device {
         RankDevice::Cuda => "cuda".into(),
@@ -492,7 +516,8 @@ fn summarise(
 
     let mut md = format!(
         "## {title}\n\nMachine: {}; CPU flags of note: {}. Date: {}. Command: `{command}` ({profile}){}; wall time {wall:.0} s; \
-         load average at the end {load}.\n\nSetup: {}. Each run: {} profiled f32 steps (the planner's), {} warm-up steps under \
+         load average at the end {load}. Each rank's pool: {} threads; candle splits an f32 GEMM into {} tasks \
+         (`RAYON_NUM_THREADS`).\n\nSetup: {}. Each run: {} profiled f32 steps (the planner's), {} warm-up steps under \
          the plan, {} timed steps; {} runs per plan, the plans alternating within each round.\n\n\
          Measured speed ratio of the ranks at all f32 (median step less waiting, slow ÷ fast): **{speed_ratio:.2} : 1** \
          (rank {slow} is the slow one: {:.1} ms against {:.1} ms).\n\n\
@@ -502,6 +527,8 @@ fn summarise(
         cpu_flags(),
         date.to_rfc3339(),
         build_info.get("git_commit").and_then(Value::as_str).map_or(String::new(), |c| format!(", build of {c}")),
+        cli.threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" and "),
+        candle_core::utils::get_num_threads(),
         workload.setup,
         cli.profile_steps,
         cli.warmup,
@@ -573,6 +600,7 @@ fn summarise(
         "date": date.to_rfc3339(), "command": command, "profile": profile, "build_info": build_info,
         "wall_seconds": wall, "load_average": load,
         "threads": cli.threads, "devices": [device_label(cli, 0), device_label(cli, 1)],
+        "candle_gemm_split": candle_core::utils::get_num_threads(),
         "workload": workload.key, "setup": workload.setup, "batch": workload.batch,
         "profile_steps": cli.profile_steps, "warmup_steps": cli.warmup, "timed_steps": cli.steps, "runs": cli.runs,
         "slow_rank": slow, "busy_ms_at_f32": busy_f32, "speed_ratio": speed_ratio,
