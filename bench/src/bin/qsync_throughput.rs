@@ -642,3 +642,121 @@ fn write_results(out: &Path, markdown: &str, value: &Value) -> anyhow::Result<()
     std::fs::write(&json_path, serde_json::to_string_pretty(&document)? + "\n")?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use tessera_api::precision::{IndicatorKind, OpKind, PlannedOp, RankPlan};
+
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::parse_from(std::iter::once("qsync_throughput").chain(args.iter().copied()))
+    }
+
+    fn tiny_workload() -> Workload {
+        let table = Table::parse(b"f0,label\n1,a\n2,b\n3,a\n4,b\n5,a\n6,b\n7,a\n8,b\n").unwrap();
+        let columns = TaskColumns {
+            kind: TaskKind::Classification,
+            label: "label".into(),
+            features: None,
+            text: None,
+            validation_split: 0.25,
+        };
+        Workload {
+            key: "mlp",
+            title: "MLP on digits",
+            data: Arc::new(prepare(&table, &columns, SEED).unwrap()),
+            model: None,
+            hidden: vec![4],
+            optimizer: OptimizerKind::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
+            lr: 0.1,
+            batch: 4,
+            setup: "tiny".into(),
+        }
+    }
+
+    /// Rank 1 runs `lowered` of two operators at int8.
+    fn report(lowered: usize) -> PrecisionPlanReport {
+        let plan = |rank: u32, low: usize| RankPlan {
+            rank,
+            device: "cpu".into(),
+            ops: (0..2)
+                .map(|i| PlannedOp {
+                    op: format!("layers.{i}"),
+                    kind: OpKind::Linear,
+                    precision: if i < low { Precision::Int8 } else { Precision::F32 },
+                    indicator: 0.0,
+                })
+                .collect(),
+            predicted_ms: 10.0,
+            indicator_sum: 0.0,
+        };
+        PrecisionPlanReport {
+            indicator: IndicatorKind::GradientVariance,
+            cost_tables: Vec::new(),
+            cast_models: Vec::new(),
+            ranks: vec![plan(0, 0), plan(1, lowered)],
+            budget_ms: 10.0,
+            predicted_step_ms: 11.0,
+            measured_step_ms: None,
+            trace: Vec::new(),
+        }
+    }
+
+    fn runs(steps_per_s: [f64; 3], lowered: Option<usize>) -> Vec<RunResult> {
+        steps_per_s
+            .iter()
+            .map(|&s| RunResult {
+                steps_per_s: s,
+                busy_ms: vec![10.0, 30.0],
+                busy_before_ms: vec![10.0, 30.0],
+                report: lowered.map(report),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn medians_and_ratios_go_side_by_side_and_each_configuration_keeps_its_own_section() {
+        let workload = tiny_workload();
+        let results = vec![
+            (Arm::F32, runs([1.0, 1.2, 0.8], None)),
+            (Arm::Uniform(Precision::Bf16), runs([1.5, 1.6, 1.4], Some(1))),
+            (Arm::Uniform(Precision::Int8), runs([2.0, 2.1, 1.9], Some(2))),
+            (Arm::Qsync, runs([1.8, 1.9, 1.7], Some(1))),
+        ];
+        let date = chrono::Utc::now();
+        let (md, value) = summarise(&cli(&["--threads", "12,4"]), &workload, &results, &date, 1.0);
+        assert!(md.starts_with("## MLP on digits: rank 0 cpu, 12 threads, rank 1 cpu, 4 threads\n"), "{md}");
+        assert!(md.contains("**3.00 : 1**"), "the ranks' measured ratio: {md}");
+        assert!(md.contains("QSync ÷ slow rank at f32: **1.80×** (goal ≥ 1.5× at 3:1: **met**"), "{md}");
+        assert!(md.contains("QSync ÷ uniform int8: **0.90×** (goal ≥ 0.95×: **not met**)"), "{md}");
+        assert!(md.contains("rank 1: int8 ×1, f32 ×1 (of 2)"), "{md}");
+        assert_eq!(value["key"], "cpu12-cpu4-mlp");
+        assert_eq!(value["result"]["ratios"]["qsync_vs_uniform_bf16"], json!(1.8 / 1.5));
+
+        let out = tempfile::tempdir().unwrap();
+        write_results(out.path(), &md, &value).unwrap();
+        let (other_md, other_value) =
+            summarise(&cli(&["--threads", "4,12", "--device", "cuda"]), &workload, &results, &date, 1.0);
+        write_results(out.path(), &other_md, &other_value).unwrap();
+        write_results(out.path(), &md, &value).unwrap();
+        let written = std::fs::read_to_string(out.path().join("qsync_throughput.md")).unwrap();
+        assert_eq!(written.matches("\n## ").count(), 2, "one section per configuration, rewritten in place: {written}");
+        let json: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("qsync_throughput.json")).unwrap()).unwrap();
+        assert_eq!(json.as_object().unwrap().keys().collect::<Vec<_>>(), ["cpu12-cpu4-mlp", "cuda-cpu12-mlp"]);
+    }
+
+    #[test]
+    fn a_host_short_of_cores_or_equal_ranks_records_nothing() {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let too_many = format!("{cores},1");
+        assert!(not_recorded(&cli(&["--threads", &too_many]))[0].contains("fewer than the"));
+        let equal = not_recorded(&cli(&["--threads", "1,1"]));
+        assert!(equal.iter().any(|w| w.contains("not unequal")), "{equal:?}");
+        assert!(not_recorded(&cli(&["--threads", "1,1", "--device", "cuda"]))
+            .iter()
+            .all(|w| !w.contains("not unequal")));
+        assert!(not_recorded(&cli(&["--runs", "2"])).iter().any(|w| w.contains("median of 3")));
+    }
+}
