@@ -81,7 +81,7 @@ struct Cli {
     #[arg(long, value_enum, default_value_t = WorkloadKind::Minilm)]
     workload: WorkloadKind,
     /// Timed steps per run (after the profiling and the warm-up).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = 8)]
     steps: u64,
     /// Untimed steps under the plan before the timed ones.
     #[arg(long, default_value_t = 2)]
@@ -92,7 +92,7 @@ struct Cli {
     /// The planner's profiled f32 steps (the job spec's `precision.profile_steps`).
     #[arg(long, default_value_t = 3)]
     profile_steps: u32,
-    /// The global batch (each rank takes half); default 64 for minilm, 512 for mlp.
+    /// The global batch (each rank takes half); default 32 for minilm, 512 for mlp.
     #[arg(long)]
     batch: Option<usize>,
     /// Rows of the dataset used (every k-th row, so both classes stay); default 4096 for
@@ -185,7 +185,7 @@ fn workload(cli: &Cli, assets: &Path) -> anyhow::Result<Workload> {
         WorkloadKind::Minilm => {
             let table = subset(dataset(assets, "rotten_tomatoes.csv")?, cli.rows.or(Some(4096)));
             let rows = table.rows.len();
-            let batch = cli.batch.unwrap_or(64);
+            let batch = cli.batch.unwrap_or(32);
             let model = assets.join("all-MiniLM-L6-v2");
             anyhow::ensure!(
                 model.join("model.safetensors").exists(),
