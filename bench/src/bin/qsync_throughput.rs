@@ -278,8 +278,9 @@ struct RunResult {
     steps_per_s: f64,
     /// Per rank, the median of the timed steps less their waiting for the other rank, ms.
     busy_ms: Vec<f64>,
-    /// The same over the steps before the plan (all f32, the planner's profiling): a host
-    /// whose load changed within the run shows here.
+    /// The same over the steps before the plan (all f32, the planner's profiling). Those are
+    /// other batches: the MiniLM's are padded to their longest review, so their cost differs
+    /// from the timed steps' even at f32 (every plan times the same batches, a seed's order).
     busy_before_ms: Vec<f64>,
     report: Option<PrecisionPlanReport>,
 }
@@ -428,7 +429,7 @@ fn main() -> anyhow::Result<()> {
             let begun = Instant::now();
             let result = run_once(&cli, &workload, *arm)?;
             println!(
-                "run {run} {}: {:.3} steps/s, rank busy ms {} (before the plan {}) ({:.0} s){}",
+                "run {run} {}: {:.3} steps/s, rank busy ms {} (profiled steps, other batches: {}) ({:.0} s){}",
                 arm.label(),
                 result.steps_per_s,
                 result.busy_ms.iter().map(|b| format!("{b:.1}")).collect::<Vec<_>>().join(" / "),
