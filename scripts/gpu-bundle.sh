@@ -3,9 +3,11 @@
 # PyTorch and transformers, but no Rust toolchain and no network) into .gpu-bundle/ (ignored
 # by git): release builds of the worker (with NCCL), the kernel tests
 # (worker/tests/cuda_kernels.rs), the training tests (cuda_training.rs: precision ops, NCCL),
-# the end-to-end test (cuda_embeddings.rs) and the GPU benchmark (bench gpu_serving), each
-# stripped and xz-compressed; all-MiniLM-L6-v2 with its weights stored as f16 (both sides of
-# every comparison load the same f16 weights), as one assets.tar.xz; and build-info.json
+# the end-to-end test (cuda_embeddings.rs), the GPU benchmark (bench gpu_serving) and the
+# QSync hybrid throughput benchmark (bench qsync_throughput: CPU ranks of 12 and 4 threads,
+# and a GPU rank with a CPU rank), each stripped and xz-compressed; all-MiniLM-L6-v2 with its
+# weights stored as f16 (both sides of every comparison load the same f16 weights) and the
+# rotten-tomatoes reviews (qsync_throughput's fine-tune), as one assets.tar.xz; and build-info.json
 # (git commit, uncommitted changes, date, toolchain) for the results' provenance.
 # The device tool carries at most 64 MiB, the tree included: the script fails, naming what
 # to leave out, when the bundle passes 60 MiB or bundle and tree together pass 64.
@@ -16,7 +18,7 @@
 # Environment: CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (default
 # $CARGO_TARGET_DIR/cuda or target/cuda, the dir scripts/test.sh's CUDA build uses),
 # TESSERA_ASSETS, TESSERA_GPU_BUNDLE_SKIP (names of binaries to leave out, e.g.
-# "gpu_serving" for a tests-only bundle).
+# "gpu_serving qsync_throughput" for a tests-only bundle).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +35,10 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 wanted() { [[ "$skip" != *" $1 "* ]]; }
 
 [[ -f "$minilm/model.safetensors" ]] || die "no $minilm/model.safetensors: run scripts/fetch-assets.sh"
+reviews="$assets/datasets/rotten_tomatoes.csv"
+if wanted qsync_throughput; then
+    [[ -f "$reviews" ]] || die "no $reviews (qsync_throughput's data): run scripts/fetch-datasets.sh"
+fi
 for tool in xz strip tar; do
     command -v "$tool" >/dev/null || die "$tool is required"
 done
@@ -41,14 +47,17 @@ export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 eval "$(bash scripts/cuda-toolchain.sh)"
 
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/stage/all-MiniLM-L6-v2/1_Pooling"
+mkdir -p "$bundle/bin" "$bundle/stage/all-MiniLM-L6-v2/1_Pooling" "$bundle/stage/datasets"
 
 worker_targets=()
 wanted tessera-worker && worker_targets+=(--bin tessera-worker)
 wanted cuda_kernels && worker_targets+=(--test cuda_kernels)
 wanted cuda_training && worker_targets+=(--test cuda_training)
 wanted cuda_embeddings && worker_targets+=(--test cuda_embeddings)
-log "building ${worker_targets[*]:-no worker targets}$(wanted gpu_serving && echo ' and the GPU benchmark') (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
+bench_targets=()
+wanted gpu_serving && bench_targets+=(--bin gpu_serving)
+wanted qsync_throughput && bench_targets+=(--bin qsync_throughput)
+log "building ${worker_targets[*]:-no worker targets} ${bench_targets[*]:-and no benchmark} (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
 # Test binaries have hashed names: take them from cargo's own report of what it built.
 # Diagnostics are rendered to stderr; stdout carries only the JSON messages.
 built="$bundle/stage/built.txt"
@@ -57,8 +66,8 @@ built="$bundle/stage/built.txt"
         cargo build --release -p tessera-worker --features cuda,nccl "${worker_targets[@]}" \
             --message-format=json-render-diagnostics
     fi
-    if wanted gpu_serving; then
-        cargo build --release -p tessera-bench --features cuda,tessera-worker/nccl --bin gpu_serving \
+    if ((${#bench_targets[@]})); then
+        cargo build --release -p tessera-bench --features cuda,tessera-worker/nccl "${bench_targets[@]}" \
             --message-format=json-render-diagnostics
     fi
 } | python3 -c '
@@ -110,8 +119,13 @@ head += b" " * (-len(head) % 8)
 with open(dst, "wb") as f:
     f.write(struct.pack("<Q", len(head)) + head + b"".join(parts))
 PY
+staged=(all-MiniLM-L6-v2)
+if wanted qsync_throughput; then
+    cp "$reviews" "$bundle/stage/datasets/"
+    staged+=(datasets)
+fi
 # f16 weights shrink only about 10% under xz, but every MiB counts here.
-tar -C "$bundle/stage" -cf - all-MiniLM-L6-v2 | xz -9e -T2 >"$bundle/assets.tar.xz"
+tar -C "$bundle/stage" -cf - "${staged[@]}" | xz -9e -T2 >"$bundle/assets.tar.xz"
 log "assets.tar.xz: $(mib "$(stat -c %s "$bundle/assets.tar.xz")")"
 
 # Provenance for the results (gpu_serving copies this file into gpu_serving.json).
@@ -147,8 +161,9 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
-    log "  TESSERA_GPU_BUNDLE_SKIP=gpu_serving bash scripts/gpu-bundle.sh                 (tests only: gpu-run.sh tests)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings' bash scripts/gpu-bundle.sh   (benchmark only: gpu-run.sh bench)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi

@@ -6,14 +6,19 @@
 # end-to-end GPU-vs-CPU test and the GPU benchmark. Each
 # step's output goes to a file in $OUT (the device tool brings back at most 8 files: this
 # writes 7). Steps run even when an earlier one fails; the exit status is the first failure's.
+# `qsync` is a call of its own: the QSync hybrid throughput benchmark on this host's real
+# unequal devices, CPU ranks of 12 and 4 threads (the machine has 16 cores), then the GPU as
+# rank 0 with a 12-thread CPU rank (4 files: machine.txt, qsync_throughput.{txt,md,json};
+# copy the .md and .json into bench/results/).
 #
-#   bash scripts/gpu-run.sh [all|tests|bench]   (on the GPU machine; it runs from the repo root)
+#   bash scripts/gpu-run.sh [all|tests|bench|qsync]   (on the GPU machine; from the repo root)
 #
 # The device tool allows 10 minutes a command. In `all` the steps' limits add up to 490 s
 # (start-up check 40, kernel and training tests 120, end-to-end 90, benchmark 240) and the
 # set-up's to at most 70 s more, so the call ends inside its 10 minutes even when every step
 # runs to its limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
-# every config, so a cut-short run still brings back what it measured.
+# every config, so a cut-short run still brings back what it measured. `qsync` gives the CPU
+# configuration 290 s and the GPU one 210 s, each writing its own section when it ends.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -173,6 +178,20 @@ if [[ "$what" == all || "$what" == bench ]]; then
             --minilm "$work/assets/all-MiniLM-L6-v2" --python python3 \
             --hf-script bench/scripts/hf_transformers_gpu.py \
             --build-info "$bundle/build-info.json" --out "$out"
+    fi
+fi
+if [[ "$what" == qsync ]]; then
+    # 5. QSync hybrid throughput: steps/s with the slow rank at f32, uniform bf16, uniform
+    # int8 and QSync's plan, 3 runs each; each configuration writes its section when done.
+    if have qsync_throughput; then
+        common=(--assets "$work/assets" --out "$out" --build-info "$bundle/build-info.json")
+        # The defaults: 12 runs of 13 steps (3 profiled, 2 warm-up, 8 timed), 16 reviews a rank:
+        # about 20 s a run on the 4-thread rank (scaled from 2-core runs; not yet timed
+        # there). A step that reaches its limit writes nothing: lower --steps or --batch.
+        run "qsync_throughput CPU 12 + 4 threads" qsync_throughput 290 "$bin/qsync_throughput" \
+            --threads 12,4 "${common[@]}"
+        run "qsync_throughput GPU + CPU 12 threads" qsync_throughput 210 "$bin/qsync_throughput" \
+            --device cuda --threads 4,12 "${common[@]}"
     fi
 fi
 exit "$status"

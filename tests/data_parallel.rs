@@ -2,15 +2,25 @@
 //! two real worker processes, which meet through the server's rendezvous and all-reduce
 //! over TCP; and when one rank's worker is killed, the gang is requeued and resumes from
 //! rank 0's last checkpoint with one continuous metrics series. With `precision` the ranks
-//! plan per-operator precision (QSync) and the plan is served by the job.
+//! plan per-operator precision (QSync) and the plan is served by the job. Each test runs
+//! on SQLite, then on PostgreSQL where `TESSERA_TEST_POSTGRES_URL` is set (`databases()`).
 
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{binary, digits_csv, eventually, start_server, start_worker, Process, User};
+use tessera_tests::{binary, databases, digits_csv, eventually, start_server_with, start_worker, Process, User};
 
 const WORKER_TOKEN: &str = "e2e-data-parallel-token-at-least-32-bytes";
+
+/// A server over SQLite in `dir`, or over `database`, with 3 s leases (a killed rank's lease
+/// runs out quickly).
+fn server(dir: &Path, database: Option<&str>) -> (Process, String) {
+    let mut settings = vec![("TESSERA_WORKER_TOKEN", WORKER_TOKEN), ("TESSERA_LEASE_TTL_SECS", "3")];
+    settings.extend(database.map(|url| ("TESSERA_DATABASE_URL", url)));
+    start_server_with(dir, &settings)
+}
 
 fn two_rank_job(dataset: &str, max_steps: u64) -> Value {
     json!({
@@ -49,8 +59,15 @@ fn assert_one_series_with_rank_timings(metrics: &Value, max_steps: u64, timed_fr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_two_rank_job_trains_on_two_workers() {
     let Some(csv) = digits_csv() else { return };
+    for database in databases() {
+        eprintln!("on {}", if database.is_some() { "PostgreSQL" } else { "SQLite" });
+        a_two_rank_job_trains_on_two_workers_on(csv.clone(), database.as_deref()).await;
+    }
+}
+
+async fn a_two_rank_job_trains_on_two_workers_on(csv: Vec<u8>, database: Option<&str>) {
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let (mut server, url) = server(&data.path().join("server"), database);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
     let first = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
@@ -81,8 +98,15 @@ async fn a_two_rank_job_trains_on_two_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
     let Some(csv) = digits_csv() else { return };
+    for database in databases() {
+        eprintln!("on {}", if database.is_some() { "PostgreSQL" } else { "SQLite" });
+        a_killed_rank_s_gang_resumes_from_the_last_checkpoint_on(csv.clone(), database.as_deref()).await;
+    }
+}
+
+async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint_on(csv: Vec<u8>, database: Option<&str>) {
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let (mut server, url) = server(&data.path().join("server"), database);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
     let mut first = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
@@ -90,11 +114,19 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
 
     let max_steps = 3000;
     let job = user.submit(two_rank_job(&dataset, max_steps)).await;
-    let checkpoint = eventually("a checkpoint is uploaded", Duration::from_secs(120), || async {
-        let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
-        list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
-    })
+    let first_checkpoint = tokio::time::timeout(
+        Duration::from_secs(120),
+        eventually("a checkpoint is uploaded", Duration::from_secs(3600), || async {
+            let list = user.get(&format!("/jobs/{job}/checkpoints")).await;
+            list.as_array().unwrap().last().map(|c| c["step"].as_u64().unwrap())
+        }),
+    )
     .await;
+    let Ok(checkpoint) = first_checkpoint else {
+        let job = user.get(&format!("/jobs/{job}")).await;
+        let logs = [&server, &first, &second].map(|p| p.output()).join("\n----\n");
+        panic!("no checkpoint in 120 s: {job}\n{logs}");
+    };
     first.kill();
     assert!(checkpoint < max_steps, "the job must still be running when a rank dies");
 
@@ -118,8 +150,15 @@ async fn a_killed_rank_s_gang_resumes_from_the_last_checkpoint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qsync_job_serves_its_precision_plan() {
     let Some(csv) = digits_csv() else { return };
+    for database in databases() {
+        eprintln!("on {}", if database.is_some() { "PostgreSQL" } else { "SQLite" });
+        a_qsync_job_serves_its_precision_plan_on(csv.clone(), database.as_deref()).await;
+    }
+}
+
+async fn a_qsync_job_serves_its_precision_plan_on(csv: Vec<u8>, database: Option<&str>) {
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let (mut server, url) = server(&data.path().join("server"), database);
     let user = User::login(&mut server, &url).await;
     let dataset = user.upload_dataset(csv).await;
     let fast = start_worker(&url, WORKER_TOKEN, &data.path().join("worker-1"), "rank-host-1");
@@ -141,7 +180,7 @@ async fn a_qsync_job_serves_its_precision_plan() {
         "precision": {"policy": "qsync", "profile_steps": 3}
     });
     let job = user.submit(spec).await;
-    user.finished(&job, &[&fast, &slow], Duration::from_secs(300)).await;
+    user.finished(&job, &[&fast, &slow, &server], Duration::from_secs(300)).await;
 
     let plan = user.get(&format!("/jobs/{job}/precision-plan")).await;
     assert_eq!(plan["indicator"]["kind"], "gradient_variance", "{plan}");

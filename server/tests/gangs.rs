@@ -131,6 +131,44 @@ async fn a_gang_is_claimed_all_or_none() {
     }
 }
 
+/// Ranks that post at the same moment, round after round as workers poll, form their gang
+/// once. On PostgreSQL two rendezvous that each held their own rank row and both saw the
+/// gang complete deadlocked (a 500, and the job failed), until every rendezvous locked the
+/// gang's row first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ranks_posting_at_once_form_their_gang_once() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        for attempt in 0..5 {
+            let ranks = json!([{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}]);
+            let created: Value = server.post(&token, "/jobs", body(&data, ranks)).await.json().await.unwrap();
+            let names: Vec<String> = (0..4).map(|r| format!("w{attempt}-{r}")).collect();
+            let held = claim_ranks(&server, &names.iter().map(String::as_str).collect::<Vec<_>>()).await;
+            let mut formed = 0;
+            for _round in 0..20 {
+                let answers = futures_util::future::join_all(
+                    held.iter()
+                        .map(|(secret, rank_job, rank)| rendezvous(&server, secret, rank_job, 7300 + *rank as u16)),
+                )
+                .await;
+                for (status, answer) in &answers {
+                    assert_eq!(*status, 200, "{answer} ({backend:?})");
+                }
+                formed = answers.iter().filter(|(_, a)| a["state"] == "formed").count();
+                if formed == 4 {
+                    assert!(answers.iter().all(|(_, a)| a["generation"] == 1), "{answers:?}");
+                    break;
+                }
+            }
+            assert_eq!(formed, 4, "every rank learns its gang formed ({backend:?})");
+            let running = job(&server, &token, created["id"].as_str().unwrap()).await;
+            assert_eq!((running["state"].as_str(), running["attempts"].as_u64()), (Some("running"), Some(1)));
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
     for backend in backends() {

@@ -467,10 +467,11 @@ async function main() {
     }
   }
 
-  // The worker side of precision planning lands separately, so this check seeds the plan as
-  // rank 0's worker would: two fake GPU workers claim the CUDA ranks of a data-parallel job
-  // (the real worker here offers no GPU), form the gang, and post the plan and step timings
-  // through the agent routes. What it checks is the server's page over them.
+  // The real workers' planning (worker/src/train/hybrid) runs end to end in
+  // tests/data_parallel.rs; this check is about the page, so it seeds a plan of known values
+  // as rank 0's worker would post it: two fake GPU workers claim the CUDA ranks of a
+  // data-parallel job (the real worker here offers no GPU), form the gang, and post the plan
+  // and step timings through the agent routes. What it checks is the server's page over them.
   await check("a data-parallel job's precision plan shows rank cards, the layer × rank table and its baseline", async () => {
     const token = await apiLogin();
     const api = async (method, route, body, secret = token) => {

@@ -260,6 +260,17 @@ async fn ranks_in(conn: &mut AnyConnection, gang: &str) -> Result<Vec<RankRow>> 
 pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Result<Rendezvous> {
     let now = now_ms();
     let mut tx = db.begin().await?;
+    // The ranks of a gang post at once. On PostgreSQL each would lock its own row, and the
+    // one forming the gang then the gang's and every rank's row: two ranks both seeing the
+    // gang complete deadlocked (each holding its row, one waiting on the gang's). So every
+    // rendezvous of a gang first locks the gang's row, and they run one after another
+    // (SQLite's writers do anyway); each then reads the addresses the earlier ones posted.
+    if db.backend() == Backend::Postgres {
+        sqlx::query("SELECT g.id FROM jobs g WHERE g.id = (SELECT r.gang_id FROM jobs r WHERE r.id = $1) FOR UPDATE")
+            .bind(job.to_string())
+            .fetch_optional(&mut *tx)
+            .await?;
+    }
     let posted = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET gang_address = $1, updated_at = $2 WHERE id = $3 AND worker_id = $4 AND state IN {LIVE} \
          AND gang_id IS NOT NULL RETURNING gang_id"
@@ -508,12 +519,17 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
         .await?
         .try_get("world")?;
     for step in steps {
+        // Prepared afresh each time: sqlx's Any driver binds a NULL f64 as a PostgreSQL float4
+        // (sqlx-core 0.9 `AnyArguments`, Real and Double swapped), and a statement kept from a
+        // step without a prediction then refuses the f64 of a later one ("incorrect binary
+        // data format in bind parameter").
         sqlx::query(
             "INSERT INTO rank_steps (job_id, rank, step, iter_ms, wait_ms, allreduce_ms, predicted_ms, world) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (job_id, rank, step) DO UPDATE SET iter_ms = excluded.iter_ms, wait_ms = excluded.wait_ms, \
              allreduce_ms = excluded.allreduce_ms, predicted_ms = excluded.predicted_ms, world = excluded.world",
         )
+        .persistent(false)
         .bind(gang.to_string())
         .bind(step.rank as i64)
         .bind(step.step as i64)
