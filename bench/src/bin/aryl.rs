@@ -191,8 +191,8 @@ enum Knowledge {
 /// to the prior. Copied, not imported: the constant is private to the server.
 const SERVER_STEP_ROWS: f64 = 400.0;
 
-/// How a run models the platform: `--free-resize`, `--lose-since-checkpoint` and
-/// `--full-curves` each change one part.
+/// How a run models the platform: `--free-resize` or `--lose-since-checkpoint`, and
+/// `--no-step-window` or `--full-curves`, each put back an earlier model of one part.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Model {
     preemption: Preemption,
@@ -271,8 +271,7 @@ impl Spec {
 
     /// What the server's round knows of the job after it ran `segments` (rank count, steps
     /// run at it; oldest first): the counts with at least one step among its newest
-    /// `window` steps, each at its measurement; nothing (the prior) before its
-    /// first step.
+    /// `window` steps, each at its measurement; nothing (the prior) before its first step.
     fn measured(&self, segments: &[(u32, f64)], window: f64) -> StepTimes {
         let mut window = window;
         let mut points: Vec<(u32, f64)> = Vec::new();
