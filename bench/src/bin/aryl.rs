@@ -29,17 +29,47 @@
 //! read their figures' values), elasticity, scaling and the serving side.
 //!
 //! Events: job arrivals, job completions (predicted from each job's current rank count),
-//! and a demand tick every 5 minutes (the diurnal serving load and the loan decisions).
-//! Every event runs one scheduling round (`plan_round`).
+//! a demand tick every 5 minutes (the diurnal serving load and the loan decisions), and the
+//! end of a job's resize cooldown. Every event runs one scheduling round (`plan_round`).
 //!
-//! A resize is what the platform does (`server::loaning`): a stop at a checkpoint and a
-//! restart at the new size, charged as a restart, decided with the platform's margin, and
-//! never by choice within the platform's cooldown after a job starts or resizes.
-//! `--free-resize` is the earlier model (a 30 s pause, any gain, any time), and
-//! `--lose-since-checkpoint` the first run's (free resizes, and a preempted job loses the
-//! work since its last periodic checkpoint).
+//! The round is the platform's (`server::loaning::run_round`) in what it knows and how it
+//! resizes:
+//! - Step times: a job starts with nothing measured, so the round values and orders it by
+//!   `StepTimes`' prior (1 s per step at one rank, Amdahl with serial share 0.1); once it
+//!   took a step at r ranks, r is known at the step time the platform would measure there
+//!   (the true one with ±5% noise, drawn once per count), for as long as r is among its
+//!   newest 400 steps, the rows the server reads. `--no-step-window` keeps every count it
+//!   ever ran at; `--full-curves` gives every count from submission (all runs before).
+//! - A resize is a stop at a checkpoint and a restart at the new size, charged as a restart
+//!   (`--gang-restart-secs`, 60 s), by choice only for a predicted gain above twice that
+//!   (`RESIZE_MARGIN`) and not within `RESIZE_COOLDOWN_ROUNDS` × 5 s of a job starting at a
+//!   size; a round also runs when such a cooldown ends. `--free-resize` is the earlier
+//!   model (a 30 s pause, any gain, any time), and `--lose-since-checkpoint` the first
+//!   run's (free resizes, and a preempted job loses the work since its last periodic
+//!   checkpoint).
+//! - A deployment keeps at least one slice serving: they are replica-count deployments,
+//!   whose floor on the platform is one replica (`capacity::serving_floor`).
 //!
-//! Run: cargo run --release -p tessera-bench --bin aryl [-- --free-resize | --lose-since-checkpoint]
+//! Where it still departs from the platform:
+//! - Rounds run at events (arrivals, completions, 5-minute serving ticks, cooldown ends),
+//!   not every 5 s; between events only progress changes what a round would see.
+//! - A resize is one step: the job keeps its new slices through the pause. The platform
+//!   preempts it, frees its slices and restarts it first in line the next round at up to
+//!   that size. The pause itself (60 s) is the platform's planning figure, not measured.
+//! - A reclaimed slice serves again at once; on the platform it is `reclaiming` until its
+//!   ranks stop and a replica starts on it.
+//! - Serving demand moves, and loans are decided, at the 5-minute ticks: `next_loan`'s 2
+//!   calm rounds span 10 minutes here, 10 s on the platform, and a tick's rate is the
+//!   curve's (with noise), not a gateway's count over its last 10 s.
+//! - Every job takes 1 s per step at one rank, so the prior's 1 s default is exact at one
+//!   rank and shortest-first by declared steps is shortest-first by time; the platform's
+//!   jobs differ in step cost, which `share_priors` narrows by model and batch (the trace
+//!   has no models, so it is not called here). A count's measurement has no warm-up steps.
+//! - One MIG profile (the platform plans each profile on its own); every elastic job is
+//!   preemptible (the platform treats one that is not as inelastic).
+//!
+//! Run: cargo run --release -p tessera-bench --bin aryl [-- --free-resize |
+//! --lose-since-checkpoint] [--no-step-window | --full-curves]
 
 use std::time::Instant;
 
@@ -140,6 +170,47 @@ enum Preemption {
     /// job that cannot checkpoint on demand; the model of the first recorded run).
     LoseSinceCheckpoint,
 }
+/// What the scheduler knows of a job's step time per rank count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Knowledge {
+    /// What the server's round knows (`server::loaning`): nothing before the job's first
+    /// step, so `StepTimes`' prior (1 s per step at one rank, Amdahl with serial share
+    /// 0.1), then each rank count it took a step at within its newest `SERVER_STEP_ROWS`
+    /// steps, at that count's measurement. The default.
+    Measured,
+    /// The same without the window (`--no-step-window`): every count it ever ran at stays
+    /// known.
+    EverMeasured,
+    /// Every count's noisy step time from submission (`--full-curves`): the model of every
+    /// run before this one, which the server never has.
+    FullCurves,
+}
+
+/// The server's round reads a gang's newest 400 steps (`server::loaning`'s `STEP_ROWS`, 8 ×
+/// its 50-step median window): a count the job last ran at longer ago than that falls back
+/// to the prior. Copied, not imported: the constant is private to the server.
+const SERVER_STEP_ROWS: f64 = 400.0;
+
+/// How a run models the platform: `--free-resize` or `--lose-since-checkpoint`, and
+/// `--no-step-window` or `--full-curves`, each put back an earlier model of one part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Model {
+    preemption: Preemption,
+    resize: Resize,
+    knowledge: Knowledge,
+}
+
+impl Model {
+    /// The resize pause, the margin a resize by choice must beat it by, and the cooldown
+    /// after a job starts running at a size, in seconds.
+    fn resize_terms(&self) -> (f64, f64, f64) {
+        match self.resize {
+            Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
+            Resize::Free => (RESIZE_SECS, 0.0, 0.0),
+        }
+    }
+}
+
 /// Demand tick.
 const TICK: f64 = 5.0 * MINUTE;
 /// Multiplicative noise of each tick's serving rate. GUESS.
@@ -181,12 +252,39 @@ struct Spec {
     preemptible: bool,
     steps: f64,
     serial: f64,
-    measured: StepTimes,
+    /// What the platform would measure at each rank count `min..=max` (index `r - min`):
+    /// the true step time with `MEASUREMENT_NOISE`, drawn once per count, as a median of
+    /// many steps leaves a count's systematic error and not its step-to-step jitter.
+    observed: Vec<f64>,
 }
 
 impl Spec {
     fn step_secs(&self, ranks: u32) -> f64 {
         self.serial + (1.0 - self.serial) / ranks.max(1) as f64
+    }
+
+    /// The full noisy curve, every count measured: what the scheduler saw before it was
+    /// given only what the platform measures (`--full-curves`).
+    fn full_curve(&self) -> StepTimes {
+        StepTimes::new(self.observed.iter().enumerate().map(|(i, &t)| (self.min + i as u32, t)))
+    }
+
+    /// What the server's round knows of the job after it ran `segments` (rank count, steps
+    /// run at it; oldest first): the counts with at least one step among its newest
+    /// `window` steps, each at its measurement; nothing (the prior) before its first step.
+    fn measured(&self, segments: &[(u32, f64)], window: f64) -> StepTimes {
+        let mut window = window;
+        let mut points: Vec<(u32, f64)> = Vec::new();
+        for &(ranks, steps) in segments.iter().rev() {
+            if window <= 0.0 {
+                break;
+            }
+            if steps.min(window) >= 1.0 && !points.iter().any(|&(r, _)| r == ranks) {
+                points.push((ranks, self.observed[(ranks - self.min) as usize]));
+            }
+            window -= steps;
+        }
+        StepTimes::new(points)
     }
 }
 
@@ -205,11 +303,10 @@ fn draw_job(rng: &mut StdRng, submit: f64) -> Spec {
     let (min, max) = if elastic { ((requested / 2).max(1), (requested * 4).min(32)) } else { (requested, requested) };
     let preemptible = elastic || rng.gen_bool(PREEMPTIBLE_INELASTIC);
     let serial = rng.gen_range(SERIAL_SHARE.0..SERIAL_SHARE.1);
-    let mut spec = Spec { submit, requested, min, max, preemptible, steps: 0.0, serial, measured: StepTimes::default() };
+    let mut spec = Spec { submit, requested, min, max, preemptible, steps: 0.0, serial, observed: Vec::new() };
     spec.steps = duration / spec.step_secs(requested);
-    let measured: Vec<(u32, f64)> =
-        (min..=max).map(|r| (r, spec.step_secs(r) * (1.0 + rng.gen_range(-MEASUREMENT_NOISE..MEASUREMENT_NOISE)))).collect();
-    spec.measured = StepTimes::new(measured);
+    spec.observed =
+        (min..=max).map(|r| spec.step_secs(r) * (1.0 + rng.gen_range(-MEASUREMENT_NOISE..MEASUREMENT_NOISE))).collect();
     spec
 }
 
@@ -276,10 +373,10 @@ fn generator_stats(seed: u64, samples: usize) -> GeneratorStats {
 
 /// The baseline's queuing share of JCT at a load, pooled over `MANY_SEEDS` as Helios' `total`
 /// row pools its clusters: all jobs' queuing time over all jobs' JCT.
-fn baseline_queue_share(load: f64, preemption: Preemption) -> f64 {
+fn baseline_queue_share(load: f64, model: Model) -> f64 {
     let (mut queue, mut jct) = (0.0, 0.0);
     for &seed in &MANY_SEEDS {
-        let o = simulate(&generate_trace(seed, load), &Serving::new(seed), POLICIES[0], seed, preemption, Resize::Platform);
+        let o = simulate(&generate_trace(seed, load), &Serving::new(seed), POLICIES[0], seed, model);
         queue += o.mean_queue_secs * o.jobs as f64;
         jct += o.mean_jct_secs * o.jobs as f64;
     }
@@ -292,12 +389,12 @@ fn baseline_queue_share(load: f64, preemption: Preemption) -> f64 {
 /// share is not continuous in the load (a small change of arrival times reorders the
 /// shortest-first queue behind a long job), so bisection homes in on a jump, not a crossing.
 /// Returns the load and the grid, (load, share), for the record.
-fn calibrate_load(preemption: Preemption) -> (f64, Vec<(f64, f64)>) {
+fn calibrate_load(model: Model) -> (f64, Vec<(f64, f64)>) {
     let steps = ((LOAD_SEARCH.1 - LOAD_SEARCH.0) / LOAD_STEP).round() as usize;
     let mut grid: Vec<(f64, f64)> = Vec::new();
     for i in 0..=steps {
         let load = LOAD_SEARCH.0 + i as f64 * LOAD_STEP;
-        let share = baseline_queue_share(load, preemption);
+        let share = baseline_queue_share(load, model);
         println!(
             "calibrate load={load:.3} baseline queue share={:.2}% (target {:.2}%)",
             100.0 * share,
@@ -359,6 +456,9 @@ struct JobState {
     resizes: u32,
     /// When it started running at its current size (after the restart or resize pause).
     sized_at: f64,
+    /// Steps run per rank count, oldest first (consecutive runs at one count merged): what
+    /// the platform's step timings hold.
+    segments: Vec<(u32, f64)>,
 }
 
 impl JobState {
@@ -380,6 +480,9 @@ struct Outcome {
     serving_utilisation: f64,
     /// The serving slices alone: (serving work + slices lent and used by training) / serving slices.
     serving_fleet_utilisation: f64,
+    /// The part of `training_utilisation` held by jobs in a restart or resize pause: ranks
+    /// that hold their slices and do no work.
+    paused_utilisation: f64,
     mean_loaned_slices: f64,
     mean_loaned_used: f64,
     preemptions: u32,
@@ -389,11 +492,8 @@ struct Outcome {
     makespan_days: f64,
 }
 
-fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemption: Preemption, resize: Resize) -> Outcome {
-    let (pause, margin, cooldown) = match resize {
-        Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
-        Resize::Free => (RESIZE_SECS, 0.0, 0.0),
-    };
+fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model: Model) -> Outcome {
+    let (pause, margin, cooldown) = model.resize_terms();
     let loan_policy = LoanPolicy::default();
     let mut noise_rng = StdRng::seed_from_u64(seed ^ 0x7e57);
     let mut state: Vec<JobState> = vec![JobState::default(); trace.len()];
@@ -406,6 +506,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
     let horizon = ARRIVAL_DAYS * DAY;
     let total_slices = (TRAINING_SLICES + DEPLOYMENTS as u32 * SLICES_PER_DEPLOYMENT) as f64;
     let (mut training_area, mut serving_area, mut loaned_area, mut loaned_used_area) = (0.0, 0.0, 0.0, 0.0);
+    let mut paused_area = 0.0;
     let mut out = Outcome { jobs: trace.len(), ..Outcome::default() };
 
     loop {
@@ -419,10 +520,19 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                 s.paused_until.max(now) + (trace[j].steps - s.done).max(0.0) * trace[j].step_secs(s.ranks())
             })
             .fold(f64::INFINITY, f64::min);
+        // The server's round runs every few seconds, so it may resize a job as soon as its
+        // cooldown ends; here a round then runs too, not only at the next arrival, completion
+        // or tick.
+        let cooldown_ends = live
+            .iter()
+            .filter(|&&j| cooldown > 0.0 && policy.elastic && trace[j].max > trace[j].min && state[j].ranks() > 0)
+            .map(|&j| state[j].sized_at + cooldown)
+            .filter(|&at| at > now)
+            .fold(f64::INFINITY, f64::min);
         if arrival.is_infinite() && live.is_empty() {
             break;
         }
-        let t = arrival.min(completion).min(next_tick);
+        let t = arrival.min(completion).min(next_tick).min(cooldown_ends);
 
         // Progress and the areas under the curves up to t.
         let window = (t.min(horizon) - now.min(horizon)).max(0.0);
@@ -435,9 +545,15 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
             }
             let from = s.paused_until.max(now);
             if t > from {
+                let before = s.done;
                 s.done = (s.done + (t - from) / trace[j].step_secs(ranks)).min(trace[j].steps);
+                match s.segments.last_mut() {
+                    Some((r, steps)) if *r == ranks => *steps += s.done - before,
+                    _ => s.segments.push((ranks, s.done - before)),
+                }
             }
             training_area += ranks as f64 * window;
+            paused_area += ranks as f64 * (s.paused_until.min(t).min(horizon) - now.min(horizon)).max(0.0);
             loaned_used_area +=
                 s.holdings.iter().filter(|(p, _)| *p != Pool::Training).map(|&(_, n)| n as f64).sum::<f64>() * window;
         }
@@ -497,11 +613,15 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
                     requested_ranks: spec.requested,
                     preemptible: spec.preemptible,
                     remaining_steps: spec.steps - s.done,
-                    step_secs: spec.measured.clone(),
+                    step_secs: match model.knowledge {
+                        Knowledge::Measured => spec.measured(&s.segments, SERVER_STEP_ROWS),
+                        Knowledge::EverMeasured => spec.measured(&s.segments, f64::INFINITY),
+                        Knowledge::FullCurves => spec.full_curve(),
+                    },
                     checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
                     restart_secs: RESTART_SECS,
                     holdings: s.holdings.clone(),
-                    resizable: resize == Resize::Free || now >= s.sized_at + cooldown,
+                    resizable: model.resize == Resize::Free || now >= s.sized_at + cooldown,
                     resuming: false,
                 }
             })
@@ -518,7 +638,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
             let every = CHECKPOINT_EVERY / spec.step_secs(spec.requested);
             s.checkpoint = s.checkpoint.max((s.done / every).floor() * every);
             if placement.preempted {
-                match preemption {
+                match model.preemption {
                     Preemption::CheckpointNow => s.checkpoint = s.done,
                     Preemption::LoseSinceCheckpoint => s.done = s.checkpoint,
                 }
@@ -550,6 +670,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, preemp
     out.mean_wait_secs = state.iter().map(|s| s.waited).sum::<f64>() / n;
     out.mean_jct_secs = trace.iter().zip(&state).map(|(j, s)| s.finish.unwrap() - j.submit).sum::<f64>() / n;
     out.training_utilisation = training_area / (horizon * total_slices);
+    out.paused_utilisation = paused_area / (horizon * total_slices);
     out.serving_utilisation = serving_area / (horizon * total_slices);
     out.utilisation = out.training_utilisation + out.serving_utilisation;
     out.serving_fleet_utilisation =
@@ -598,7 +719,12 @@ fn round_at_scale(seed: u64) -> (Vec<(Pool, u32)>, Vec<Job>) {
             requested_ranks: spec.requested,
             preemptible: spec.preemptible,
             remaining_steps: spec.steps * rng.gen_range(0.1..1.0),
-            step_secs: spec.measured,
+            // What the server knows: a running job its current count, a waiting one nothing.
+            step_secs: if holdings.is_empty() {
+                StepTimes::default()
+            } else {
+                spec.measured(&[(spec.requested, SERVER_STEP_ROWS)], SERVER_STEP_ROWS)
+            },
             checkpoint_age_secs: rng.gen_range(0.0..CHECKPOINT_EVERY),
             restart_secs: RESTART_SECS,
             holdings,
@@ -619,7 +745,7 @@ fn knapsack_at_scale(seed: u64) -> Vec<(u32, u32, f64, StepTimes)> {
         .map(|_| loop {
             let spec = draw_job(&mut rng, 0.0);
             if spec.max > spec.min {
-                break (spec.min, spec.max, spec.steps, spec.measured);
+                break (spec.min, spec.max, spec.steps, spec.measured(&[(spec.min, SERVER_STEP_ROWS)], SERVER_STEP_ROWS));
             }
         })
         .collect()
@@ -654,17 +780,17 @@ fn verdict(ok: bool) -> &'static str {
 }
 
 /// Runs the four policies on the same traces; `[policy][seed]`.
-fn run_policies(load: f64, print: bool, preemption: Preemption, resize: Resize, seeds: &[u64]) -> Vec<Vec<Outcome>> {
+fn run_policies(load: f64, print: bool, model: Model, seeds: &[u64]) -> Vec<Vec<Outcome>> {
     let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); POLICIES.len()];
     for &seed in seeds {
         let trace = generate_trace(seed, load);
         let serving = Serving::new(seed);
         for (p, &policy) in POLICIES.iter().enumerate() {
             let t0 = Instant::now();
-            let o = simulate(&trace, &serving, policy, seed, preemption, resize);
+            let o = simulate(&trace, &serving, policy, seed, model);
             if print {
                 println!(
-                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
+                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, paused {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
                     policy.name,
                     o.jobs,
                     o.mean_queue_secs / HOUR,
@@ -672,6 +798,7 @@ fn run_policies(load: f64, print: bool, preemption: Preemption, resize: Resize, 
                     o.mean_jct_secs / HOUR,
                     100.0 * o.utilisation,
                     100.0 * o.training_utilisation,
+                    100.0 * o.paused_utilisation,
                     100.0 * o.serving_utilisation,
                     100.0 * o.serving_fleet_utilisation,
                     o.mean_loaned_slices,
@@ -706,6 +833,8 @@ struct Summary {
     /// Relative gain in percent, and in percentage points.
     util_gain: f64,
     util_points: f64,
+    /// Utilisation held in restart and resize pauses, in percent of the fleet.
+    paused: f64,
 }
 
 fn summarise(outcomes: &[Vec<Outcome>]) -> Vec<Summary> {
@@ -726,6 +855,7 @@ fn summarise(outcomes: &[Vec<Outcome>]) -> Vec<Summary> {
                 jct_ratio: vs(&|b, o| b.mean_jct_secs / o.mean_jct_secs),
                 util_gain: vs(&|b, o| 100.0 * (o.utilisation / b.utilisation - 1.0)),
                 util_points: vs(&|b, o| 100.0 * (o.utilisation - b.utilisation)),
+                paused: med(&|o| 100.0 * o.paused_utilisation),
             }
         })
         .collect()
@@ -746,6 +876,7 @@ fn summary_json(s: &Summary) -> Value {
         "mean_queue_hours": round3(s.queue_h), "mean_wait_hours": round3(s.wait_h), "mean_jct_hours": round3(s.jct_h),
         "serving_slices_utilisation_percent": round3(s.serving_slices_utilisation),
         "utilisation_percent": round3(s.utilisation),
+        "paused_utilisation_percent": round3(s.paused),
         "queue_share_of_jct_percent": round3(s.queue_share),
         "queue_ratio_vs_baseline": round3(s.queue_ratio), "jct_ratio_vs_baseline": round3(s.jct_ratio),
         "utilisation_gain_percent": round3(s.util_gain), "utilisation_gain_points": round3(s.util_points),
@@ -762,6 +893,14 @@ fn main() {
     } else {
         (Preemption::CheckpointNow, Resize::Platform)
     };
+    let knowledge = if flag("--full-curves") {
+        Knowledge::FullCurves
+    } else if flag("--no-step-window") {
+        Knowledge::EverMeasured
+    } else {
+        Knowledge::Measured
+    };
+    let model = Model { preemption, resize, knowledge };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
     println!(
@@ -772,16 +911,16 @@ fn main() {
         stats.mean_gpus,
         100.0 * stats.single_gpu_share
     );
-    let (load, calibration) = calibrate_load(preemption);
+    let (load, calibration) = calibrate_load(model);
     println!("calibrated load={load} (baseline queue share {:.1}% of JCT, Helios)", 100.0 * TARGET_QUEUE_SHARE);
-    let outcomes = run_policies(load, true, preemption, resize, &SEEDS);
+    let outcomes = run_policies(load, true, model, &SEEDS);
     let summary = summarise(&outcomes);
     let mut policies = Vec::new();
     for (p, policy) in POLICIES.iter().enumerate() {
         let s = summary[p];
         println!(
-            "median load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h queue_share={:.1}% util={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
-            policy.name, s.queue_h, s.wait_h, s.jct_h, s.queue_share, s.utilisation, s.serving_slices_utilisation, s.queue_ratio, s.jct_ratio, s.util_gain, s.util_points
+            "median load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h queue_share={:.1}% util={:.1}% paused={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
+            policy.name, s.queue_h, s.wait_h, s.jct_h, s.queue_share, s.utilisation, s.paused, s.serving_slices_utilisation, s.queue_ratio, s.jct_ratio, s.util_gain, s.util_points
         );
         let runs = &outcomes[p];
         policies.push(json!({
@@ -792,6 +931,7 @@ fn main() {
                 "mean_queue_hours": round3(o.mean_queue_secs / HOUR), "mean_jct_hours": round3(o.mean_jct_secs / HOUR),
                 "utilisation_percent": round3(100.0 * o.utilisation),
                 "training_utilisation_percent": round3(100.0 * o.training_utilisation),
+                "paused_utilisation_percent": round3(100.0 * o.paused_utilisation),
                 "serving_utilisation_percent": round3(100.0 * o.serving_utilisation),
                 "serving_slices_utilisation_percent": round3(100.0 * o.serving_fleet_utilisation),
                 "mean_wait_hours": round3(o.mean_wait_secs / HOUR),
@@ -804,7 +944,7 @@ fn main() {
 
     // The same load over 15 seeds: how far three seeds' medians can be trusted. Per seed, the
     // spread of "both"'s ratios is printed too.
-    let many = run_policies(load, false, preemption, resize, &MANY_SEEDS);
+    let many = run_policies(load, false, model, &MANY_SEEDS);
     let many_summary = summarise(&many);
     for (p, policy) in POLICIES.iter().enumerate() {
         let s = many_summary[p];
@@ -842,11 +982,11 @@ fn main() {
     // Sensitivity to the training load.
     let mut sweep = Vec::new();
     for &load in &LOAD_SWEEP {
-        let s = summarise(&run_policies(load, false, preemption, resize, &SEEDS));
+        let s = summarise(&run_policies(load, false, model, &SEEDS));
         for (p, policy) in POLICIES.iter().enumerate() {
             println!(
-                "sweep load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h queue_share={:.1}% util={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
-                policy.name, s[p].queue_h, s[p].wait_h, s[p].jct_h, s[p].queue_share, s[p].utilisation, s[p].serving_slices_utilisation, s[p].queue_ratio, s[p].jct_ratio, s[p].util_gain, s[p].util_points
+                "sweep load={load} policy={:<8} queue={:.3} h wait={:.3} h jct={:.3} h queue_share={:.1}% util={:.1}% paused={:.1}% serving_slices={:.1}% queue_ratio={:.2}x jct_ratio={:.2}x util_gain={:+.1}% ({:+.1} points)",
+                policy.name, s[p].queue_h, s[p].wait_h, s[p].jct_h, s[p].queue_share, s[p].utilisation, s[p].paused, s[p].serving_slices_utilisation, s[p].queue_ratio, s[p].jct_ratio, s[p].util_gain, s[p].util_points
             );
         }
         let (q, j, u, a) = goals(&s);
@@ -867,7 +1007,8 @@ fn main() {
     // One scheduling round at 1,000 jobs and 500 slices, and the knapsack's worst case.
     let (capacity, jobs) = round_at_scale(16);
     let running = jobs.iter().filter(|j| !j.holdings.is_empty()).count();
-    let round = Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESIZE_SECS, resize_margin: 0.0 };
+    let round =
+        Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESTART_SECS, resize_margin: RESIZE_MARGIN };
     let plan = plan_round(&round);
     let started_now = jobs.iter().zip(&plan.placements).filter(|(j, p)| j.holdings.is_empty() && !p.holdings.is_empty()).count();
     let (round_ms, round_runs) = timed_ms(5, || {
@@ -889,9 +1030,10 @@ fn main() {
             step_secs: times,
         })
         .collect();
-    let granted: u32 = grant(&candidates, 500, RESIZE_SECS).iter().sum();
+    let hurdle = RESTART_SECS * (1.0 + RESIZE_MARGIN);
+    let granted: u32 = grant(&candidates, 500, hurdle).iter().sum();
     let (knapsack_ms, knapsack_runs) = timed_ms(5, || {
-        std::hint::black_box(grant(std::hint::black_box(&candidates), 500, RESIZE_SECS));
+        std::hint::black_box(grant(std::hint::black_box(&candidates), 500, hurdle));
     });
     println!(
         "knapsack candidates=1000 spare=500 granted={granted} time={knapsack_ms:.3} ms (median of 5: {:?})",
@@ -914,10 +1056,7 @@ fn main() {
         verdict(round_ms <= 100.0)
     );
 
-    let (pause_secs, margin, cooldown_secs) = match resize {
-        Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
-        Resize::Free => (RESIZE_SECS, 0.0, 0.0),
-    };
+    let (pause_secs, margin, cooldown_secs) = model.resize_terms();
     let out = json!({
         "benchmark": "aryl",
         "command": "cargo run --release -p tessera-bench --bin aryl",
@@ -926,6 +1065,7 @@ fn main() {
         "seeds": SEEDS,
         "preemption": format!("{preemption:?}"),
         "resize": format!("{resize:?}"),
+        "step_time_knowledge": format!("{knowledge:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
             "arrival_days": ARRIVAL_DAYS, "training_slices": TRAINING_SLICES,
@@ -968,11 +1108,17 @@ fn main() {
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::create_dir_all(dir).unwrap();
-    let path = match (preemption, resize) {
-        (Preemption::LoseSinceCheckpoint, _) => format!("{dir}/aryl-lose-since-checkpoint.json"),
-        (Preemption::CheckpointNow, Resize::Free) => format!("{dir}/aryl-free-resize.json"),
-        (Preemption::CheckpointNow, Resize::Platform) => format!("{dir}/aryl.json"),
+    let variant = match (preemption, resize) {
+        (Preemption::LoseSinceCheckpoint, _) => "-lose-since-checkpoint",
+        (Preemption::CheckpointNow, Resize::Free) => "-free-resize",
+        (Preemption::CheckpointNow, Resize::Platform) => "",
     };
+    let curves = match knowledge {
+        Knowledge::Measured => "",
+        Knowledge::EverMeasured => "-no-step-window",
+        Knowledge::FullCurves => "-full-curves",
+    };
+    let path = format!("{dir}/aryl{variant}{curves}.json");
     std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap() + "\n").unwrap();
     println!("wrote {path}");
 }
@@ -993,6 +1139,32 @@ mod tests {
     fn request_mix_has_helios_median_of_one_gpu() {
         let stats = generator_stats(8, 100_000);
         assert!(stats.single_gpu_share > 0.5, "single-GPU share {}", stats.single_gpu_share);
+    }
+
+    #[test]
+    fn the_scheduler_knows_only_the_counts_a_job_ran_at_recently() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let spec = loop {
+            let spec = draw_job(&mut rng, 0.0);
+            if spec.max >= spec.min + 2 {
+                break spec;
+            }
+        };
+        let (a, b) = (spec.min, spec.min + 2);
+        let observed = |r: u32| spec.observed[(r - spec.min) as usize];
+        // Before its first step: nothing measured, the prior's one-rank default.
+        assert!(spec.measured(&[], SERVER_STEP_ROWS).is_empty());
+        assert!(spec.measured(&[(a, 0.5)], SERVER_STEP_ROWS).is_empty());
+        // Both counts within the newest 400 steps, each at its own measurement.
+        let recent = spec.measured(&[(a, 1000.0), (b, 300.0)], SERVER_STEP_ROWS);
+        assert_eq!(recent.points(), &[(a, observed(a)), (b, observed(b))]);
+        // 400 steps since the resize: the older count falls back to the prior, unless the
+        // window is off.
+        let forgotten = spec.measured(&[(a, 1000.0), (b, 400.0)], SERVER_STEP_ROWS);
+        assert_eq!(forgotten.points(), &[(b, observed(b))]);
+        assert_eq!(spec.measured(&[(a, 1000.0), (b, 400.0)], f64::INFINITY).points().len(), 2);
+        // The measurement is the noisy curve's, not the truth.
+        assert!((observed(a) / spec.step_secs(a) - 1.0).abs() <= MEASUREMENT_NOISE);
     }
 
     #[test]
