@@ -482,6 +482,19 @@ async fn loaning_settings_are_validated() {
             (Some(2), Some(true)),
             "{scaled}"
         );
+        // A change that leaves the headroom as it is, then one that sets it, again and
+        // again: on PostgreSQL a statement first prepared with the NULL headroom must
+        // still take a headroom on that connection (sqlx binds a NULL f64 as float4).
+        for i in 1..=6 {
+            let response = patch(&server, &admin, "/deployments/plain", json!({"loanable": i % 2 == 0})).await;
+            assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+            let headroom = 0.1 * i as f64;
+            let body = json!({"loanable": true, "reclaim_headroom": headroom});
+            let response = patch(&server, &admin, "/deployments/plain", body).await;
+            assert_eq!(response.status(), 200, "{backend:?}: {}", response.text().await.unwrap());
+            let changed: Value = response.json().await.unwrap();
+            assert_eq!(changed["reclaim_headroom"].as_f64(), Some(headroom), "{changed}");
+        }
 
         // Another user sees no other user's deployment to change.
         let user = server.user(&admin, "someone").await;

@@ -448,10 +448,15 @@ pub async fn set_loanable(
     loanable: Option<bool>,
     headroom: Option<f64>,
 ) -> Result<()> {
+    // Prepared afresh each time: sqlx's Any driver binds a NULL f64 as a PostgreSQL float4
+    // (sqlx-core 0.9 `AnyArguments`, Real and Double swapped), and a statement kept from a
+    // change without a headroom then refuses the f64 of a later one ("incorrect binary data
+    // format in bind parameter": a 500; see `gangs::upsert_rank_steps`).
     sqlx::query(
         "UPDATE deployments SET loanable = COALESCE($1, loanable), reclaim_headroom = COALESCE($2, reclaim_headroom), \
          loan_calm = 0, updated_at = $3 WHERE id = $4",
     )
+    .persistent(false)
     .bind(loanable.map(i64::from))
     .bind(headroom)
     .bind(now_ms())
