@@ -87,9 +87,10 @@ pub struct QueuedTraining {
     pub name: String,
     /// `queued`, `running`, …
     pub state: String,
-    /// Place in the shortest-first order (0 runs or starts first).
+    /// Place in the queue: running jobs first, then waiting ones by predicted start (0
+    /// runs or starts first).
     pub position: u32,
-    /// Ranks it runs or will start with.
+    /// Ranks it runs or will start with (an elastic job waiting: its minimum).
     pub ranks: u32,
     pub min_ranks: u32,
     pub max_ranks: u32,

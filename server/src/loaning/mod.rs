@@ -604,7 +604,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let at = if ranks > 0 {
                 ranks
             } else {
-                jobs[j].requested_ranks
+                forecasts[j].ranks
             };
             let secs = jobs[j]
                 .step_secs
@@ -623,7 +623,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let f = &forecasts[j];
             let in_ms = |secs: f64| now.saturating_add((secs * 1000.0).round() as i64);
             let start = f.start_secs().map(in_ms);
-            let order = (g.waiting(), start.filter(|_| g.waiting()).unwrap_or(i64::MAX), plans.len());
+            let order = (
+                g.waiting(),
+                start.filter(|_| g.waiting()).unwrap_or(i64::MAX),
+                plans.len(),
+            );
             plans.push((
                 order,
                 TrainingPlan {

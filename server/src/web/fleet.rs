@@ -9,8 +9,8 @@ use askama::Template;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
-use tessera_api::loaning::PredictedFrom;
 use serde::Deserialize;
+use tessera_api::loaning::PredictedFrom;
 
 use super::chart::{chart, Chart};
 use super::{format, render, Layout, WebUser};
