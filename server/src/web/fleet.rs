@@ -61,7 +61,7 @@ struct QueueRow {
     /// "in 12 min", or "—" when it never starts.
     finish: String,
     jct: String,
-    /// `prior` when the figures rest on the step-time prior.
+    /// `measured` or `prior` (the step-time prior); empty without a forecast.
     basis: &'static str,
     note: String,
 }
@@ -259,10 +259,7 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
             },
             finish: q.predicted_finish_at.map_or_else(|| "—".into(), from_now),
             jct: q.predicted_jct_secs.map_or_else(|| "—".into(), duration),
-            basis: match q.predicted_from {
-                Some(PredictedFrom::Prior) => "prior",
-                _ => "",
-            },
+            basis: q.predicted_from.map_or("", PredictedFrom::as_str),
             note: q.note.clone(),
         })
         .collect();

@@ -5,9 +5,10 @@
 //! what fits), each at the ranks it starts with. Times are seconds from the round.
 //!
 //! What it leaves out, so the figure is the plan's if nothing else happens: jobs that
-//! arrive later, loans that grow or are taken back later (a loaned slice counts as the
-//! training side's until its job ends), and the knapsack growing a job after it started
-//! (an elastic job runs at its minimum, so its own figure is pessimistic).
+//! arrive later, loans that grow or are taken back after this round (the loaned slices
+//! the round leaves training stay training's for the whole walk), and the knapsack growing
+//! a job after it started (an elastic job that starts later runs at its minimum, so its
+//! own figure is pessimistic).
 
 use super::round::{Plan, Pool, Round};
 use super::shortest_first::{shortest_first, Free, Waiting};
