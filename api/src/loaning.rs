@@ -87,17 +87,60 @@ pub struct QueuedTraining {
     pub name: String,
     /// `queued`, `running`, …
     pub state: String,
-    /// Place in the shortest-first order (0 runs or starts first).
+    /// Place in the queue: running jobs first, then waiting ones by predicted start (0
+    /// runs or starts first).
     pub position: u32,
-    /// Ranks it runs or will start with.
+    /// Ranks it runs or will start with (an elastic job waiting: its minimum).
     pub ranks: u32,
     pub min_ranks: u32,
     pub max_ranks: u32,
     pub preemptible: bool,
-    /// Predicted seconds to finish from now at `ranks`, from its measured step times;
-    /// `None` before any step was measured.
+    /// Predicted seconds of running left at `ranks` (waiting time not included), from its
+    /// measured step times; `None` before any step was measured.
     pub predicted_secs: Option<f64>,
+    /// When the round predicts it starts: its slices free as the jobs ahead end (ahead:
+    /// running, or shorter); now when the round places it; after the restart pause when the
+    /// round stops it to resize or move it. `None` while it runs on, or never fits.
+    pub predicted_start_at: Option<DateTime<Utc>>,
+    /// When it is predicted to finish at the ranks it runs or starts with; `None` when it
+    /// asks for more slices than its pools hold (it starts only if the fleet grows).
+    pub predicted_finish_at: Option<DateTime<Utc>>,
+    /// Predicted job completion time: the predicted finish less its submission, seconds.
+    /// The forecast assumes no job arrives, no loan changes and no elastic job grows after
+    /// this round. `None` with `predicted_finish_at`.
+    pub predicted_jct_secs: Option<f64>,
+    /// What the prediction rests on; `None` for a plan stored before forecasts existed.
+    pub predicted_from: Option<PredictedFrom>,
     pub note: String,
+}
+
+/// What a queue entry's predicted start and JCT rest on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PredictedFrom {
+    /// Its step times were measured, and so were those of every job whose end its start
+    /// waits for.
+    Measured,
+    /// Some of those step times are the prior's (a job nothing was measured of borrows a
+    /// measured peer's, else one second a step at one rank).
+    Prior,
+}
+
+impl PredictedFrom {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PredictedFrom::Measured => "measured",
+            PredictedFrom::Prior => "prior",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "measured" => Some(PredictedFrom::Measured),
+            "prior" => Some(PredictedFrom::Prior),
+            _ => None,
+        }
+    }
 }
 
 /// `GET /api/v1/fleet/loaning`.

@@ -482,6 +482,19 @@ async fn loaning_settings_are_validated() {
             (Some(2), Some(true)),
             "{scaled}"
         );
+        // A change that leaves the headroom as it is, then one that sets it, again and
+        // again: on PostgreSQL a statement first prepared with the NULL headroom must
+        // still take a headroom on that connection (sqlx binds a NULL f64 as float4).
+        for i in 1..=6 {
+            let response = patch(&server, &admin, "/deployments/plain", json!({"loanable": i % 2 == 0})).await;
+            assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+            let headroom = 0.1 * i as f64;
+            let body = json!({"loanable": true, "reclaim_headroom": headroom});
+            let response = patch(&server, &admin, "/deployments/plain", body).await;
+            assert_eq!(response.status(), 200, "{backend:?}: {}", response.text().await.unwrap());
+            let changed: Value = response.json().await.unwrap();
+            assert_eq!(changed["reclaim_headroom"].as_f64(), Some(headroom), "{changed}");
+        }
 
         // Another user sees no other user's deployment to change.
         let user = server.user(&admin, "someone").await;
@@ -686,6 +699,50 @@ async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
         let predicted = |id: Uuid| queue.iter().find(|q| q["job_id"] == id.to_string().as_str()).unwrap()["predicted_secs"].clone();
         assert!((predicted(ids[0]).as_f64().unwrap() - 10.0).abs() < 1e-6, "{overview}");
         assert_eq!(predicted(ids[2]), Value::Null, "only measured figures are shown: {overview}");
+
+        // The forecast: same-model runs now for 1 s; then measured starts (10 s, shorter
+        // than other-model's 16.25 s), and other-model when measured ends and frees its
+        // slices (it needs 4, 3 are free before). All rest on same-model's borrowed prior.
+        let entry = |overview: &Value, id: Uuid| {
+            overview["queue"].as_array().unwrap().iter().find(|q| q["job_id"] == id.to_string().as_str()).unwrap().clone()
+        };
+        let at = |q: &Value, field: &str| {
+            let text = q[field].as_str().unwrap_or_else(|| panic!("{field} in {q}"));
+            chrono::DateTime::parse_from_rfc3339(text).unwrap().timestamp_millis() as f64 / 1000.0
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 0.005;
+        let check = |overview: &Value, same_secs: f64, from: [&str; 3]| {
+            let (same, measured, other) = (entry(overview, ids[2]), entry(overview, ids[0]), entry(overview, ids[1]));
+            let now = at(&same, "predicted_start_at");
+            assert!(close(at(&same, "predicted_finish_at") - now, same_secs), "{overview}");
+            assert!(close(at(&measured, "predicted_start_at") - now, same_secs), "{overview}");
+            assert!(close(at(&measured, "predicted_finish_at") - now, same_secs + 10.0), "{overview}");
+            assert!(close(at(&other, "predicted_start_at") - now, same_secs + 10.0), "{overview}");
+            assert!(close(at(&other, "predicted_finish_at") - now, same_secs + 10.0 + 16.25), "{overview}");
+            let positions: Vec<u64> = [&same, &measured, &other].iter().map(|q| q["position"].as_u64().unwrap()).collect();
+            assert_eq!(positions, vec![0, 1, 2], "the queue is in predicted start order: {overview}");
+            let froms: Vec<&str> = [&same, &measured, &other].iter().map(|q| q["predicted_from"].as_str().unwrap()).collect();
+            assert_eq!(froms, from, "{overview}");
+            (same, measured, other)
+        };
+        let (_, measured, _) = check(&overview, 1.0, ["prior", "prior", "prior"]);
+        // The JCT counts from submission.
+        let job = get(&server, &admin, &format!("/jobs/{}", ids[0])).await;
+        let submitted = at(&job, "created_at");
+        let jct = measured["predicted_jct_secs"].as_f64().expect("a predicted JCT");
+        assert!(close(jct, at(&measured, "predicted_finish_at") - submitted), "{jct} from {job}");
+
+        // Once same-model was measured (20 ms a step at four ranks: 2 s), the figures of the
+        // jobs that wait for it rest on measurements too; other-model's stay the prior's.
+        let steps: Vec<RankStep> = (1..=20)
+            .map(|step| RankStep { rank: 0, step, iter_ms: 20.0, wait_ms: 0.0, allreduce_ms: 0.0, predicted_ms: None })
+            .collect();
+        gang_store::upsert_rank_steps(&server.state.db, ids[2], &steps).await.unwrap();
+        run_round(&server.state).await.unwrap();
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        check(&overview, 2.0, ["measured", "measured", "prior"]);
+        let page = fleet_page(&server).await;
+        assert!(page.contains("Predicted JCT") && page.contains("data-basis=\"prior\""), "{page}");
     }
 }
 

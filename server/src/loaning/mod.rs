@@ -30,13 +30,13 @@ pub mod routes;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
-use tessera_api::loaning::{LoanRound, LoanState as SliceLoan};
+use tessera_api::loaning::{LoanRound, LoanState as SliceLoan, PredictedFrom};
 use uuid::Uuid;
 
 use crate::error::Result;
 use crate::scheduler::loaning::step_times::share_priors;
 use crate::scheduler::loaning::{
-    capacity, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
+    capacity, forecast, plan_round, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
 };
 use crate::state::AppState;
 use crate::store::db::now_ms;
@@ -306,7 +306,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         (_, None) => None,
     };
     let profiles: BTreeSet<&str> = fleet.iter().filter_map(|s| s.profile.as_deref()).collect();
-    let mut plans: Vec<(u32, TrainingPlan)> = Vec::new();
+    // Running first, then waiting jobs by predicted start (never last), then as read.
+    let mut plans: Vec<((bool, i64, usize), TrainingPlan)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for profile in profiles {
         let slices: Vec<&FleetSlice> = fleet
@@ -406,13 +407,15 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             .collect();
         share_priors(&kinds, jobs.iter_mut().map(|j| &mut j.step_secs));
         let capacity: Vec<(Pool, u32)> = capacity.into_iter().collect();
-        let plan = plan_round(&Round {
+        let round = Round {
             capacity: &capacity,
             jobs: &jobs,
             elastic: true,
             resize_pause_secs: restart_secs,
             resize_margin: RESIZE_MARGIN,
-        });
+        };
+        let plan = plan_round(&round);
+        let forecasts = forecast(&round, &plan);
 
         // Reclaims: the jobs the greedy chose give their slices back.
         let mut preempted: HashSet<Uuid> = HashSet::new();
@@ -594,14 +597,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             }
         }
 
-        // The queue as planned: running jobs first, then waiting ones shortest-first.
+        // The queue as planned: running jobs first, then waiting ones by forecast start.
         for (j, g) in mine.iter().enumerate() {
             let placement = &plan.placements[j];
             let ranks: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
             let at = if ranks > 0 {
                 ranks
             } else {
-                jobs[j].requested_ranks
+                forecasts[j].ranks
             };
             let secs = jobs[j]
                 .step_secs
@@ -617,7 +620,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 format!("running on {ranks} {profile} slices")
             };
-            let order = u32::from(g.waiting()) * 1_000_000 + plans.len() as u32;
+            let f = &forecasts[j];
+            let in_ms = |secs: f64| now.saturating_add((secs * 1000.0).round() as i64);
+            let start = f.start_secs().map(in_ms);
+            let order = (
+                g.waiting(),
+                start.filter(|_| g.waiting()).unwrap_or(i64::MAX),
+                plans.len(),
+            );
             plans.push((
                 order,
                 TrainingPlan {
@@ -629,6 +639,12 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     preemptible: jobs[j].preemptible,
                     // The API's figure is measured: none while only the prior knows.
                     predicted_secs: (!jobs[j].step_secs.is_empty()).then_some(secs),
+                    predicted_start_at: start,
+                    predicted_finish_at: f.finish_secs().map(in_ms),
+                    predicted_from: Some(match f.measured {
+                        true => PredictedFrom::Measured,
+                        false => PredictedFrom::Prior,
+                    }),
                     note,
                 },
             ));

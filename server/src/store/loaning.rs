@@ -11,7 +11,9 @@ use std::collections::HashMap;
 
 use sqlx::{AnyConnection, Row};
 use tessera_api::jobs::JobSpec;
-use tessera_api::loaning::{LoanRound, LoanState, QueuedTraining, ReclaimEvent, SliceEvent};
+use tessera_api::loaning::{
+    LoanRound, LoanState, PredictedFrom, QueuedTraining, ReclaimEvent, SliceEvent,
+};
 use tessera_api::train::TrainJob;
 use uuid::Uuid;
 
@@ -446,10 +448,15 @@ pub async fn set_loanable(
     loanable: Option<bool>,
     headroom: Option<f64>,
 ) -> Result<()> {
+    // Prepared afresh each time: sqlx's Any driver binds a NULL f64 as a PostgreSQL float4
+    // (sqlx-core 0.9 `AnyArguments`, Real and Double swapped), and a statement kept from a
+    // change without a headroom then refuses the f64 of a later one ("incorrect binary data
+    // format in bind parameter": a 500; see `gangs::upsert_rank_steps`).
     sqlx::query(
         "UPDATE deployments SET loanable = COALESCE($1, loanable), reclaim_headroom = COALESCE($2, reclaim_headroom), \
          loan_calm = 0, updated_at = $3 WHERE id = $4",
     )
+    .persistent(false)
     .bind(loanable.map(i64::from))
     .bind(headroom)
     .bind(now_ms())
@@ -726,6 +733,11 @@ pub struct TrainingPlan {
     pub max_ranks: u32,
     pub preemptible: bool,
     pub predicted_secs: Option<f64>,
+    /// The forecast (epoch ms): `None` start while it runs on, `None` finish when it never
+    /// fits; and what it rests on.
+    pub predicted_start_at: Option<i64>,
+    pub predicted_finish_at: Option<i64>,
+    pub predicted_from: Option<PredictedFrom>,
     pub note: String,
 }
 
@@ -742,10 +754,11 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
         let predicted = p.predicted_secs.filter(|s| s.is_finite());
         let sql = if predicted.is_some() {
             "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
-             predicted_secs) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+             predicted_start_at, predicted_finish_at, predicted_from, predicted_secs) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
         } else {
-            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
+             predicted_start_at, predicted_finish_at, predicted_from) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
         };
         let mut query = sqlx::query(sql)
             .bind(p.job.to_string())
@@ -755,7 +768,11 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
             .bind(p.max_ranks as i64)
             .bind(p.preemptible as i64)
             .bind(&p.note)
-            .bind(now);
+            .bind(now)
+            // NULL integers and texts are bound with their own types; only a NULL f64 is not.
+            .bind(p.predicted_start_at)
+            .bind(p.predicted_finish_at)
+            .bind(p.predicted_from.map(PredictedFrom::as_str));
         if let Some(secs) = predicted {
             query = query.bind(secs);
         }
@@ -769,7 +786,8 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
 pub async fn queue(db: &Db, scope: &Scope) -> Result<Vec<QueuedTraining>> {
     let rows = sqlx::query(
         "SELECT p.job_id, j.name, j.state, p.position, p.ranks, p.min_ranks, p.max_ranks, p.preemptible, \
-           p.predicted_secs, p.note FROM training_plans p JOIN jobs j ON j.id = p.job_id \
+           p.predicted_secs, p.predicted_start_at, p.predicted_finish_at, p.predicted_from, p.note, \
+           j.created_at FROM training_plans p JOIN jobs j ON j.id = p.job_id \
          WHERE ($1 IS NULL OR j.owner_id = $1) ORDER BY p.position",
     )
     .bind(scope.owner_filter())
@@ -778,6 +796,20 @@ pub async fn queue(db: &Db, scope: &Scope) -> Result<Vec<QueuedTraining>> {
     rows.iter()
         .map(|r| {
             let n = |c: &str| r.try_get::<i64, _>(c).map(|v| v.max(0) as u32);
+            let submitted: i64 = r.try_get("created_at")?;
+            let start: Option<i64> = r.try_get("predicted_start_at")?;
+            let finish: Option<i64> = r.try_get("predicted_finish_at")?;
+            let from: Option<String> = r.try_get("predicted_from")?;
+            let from = from
+                .map(|f| {
+                    PredictedFrom::parse(&f).ok_or_else(|| StoreError::Corrupt {
+                        table: "training_plans",
+                        column: "predicted_from",
+                        value: f.clone(),
+                        reason: "not 'measured' or 'prior'".into(),
+                    })
+                })
+                .transpose()?;
             Ok(QueuedTraining {
                 job_id: parse_uuid(
                     "training_plans",
@@ -792,6 +824,10 @@ pub async fn queue(db: &Db, scope: &Scope) -> Result<Vec<QueuedTraining>> {
                 max_ranks: n("max_ranks")?,
                 preemptible: r.try_get::<i64, _>("preemptible")? != 0,
                 predicted_secs: r.try_get("predicted_secs")?,
+                predicted_start_at: start.map(db::time),
+                predicted_finish_at: finish.map(db::time),
+                predicted_jct_secs: finish.map(|f| (f - submitted) as f64 / 1000.0),
+                predicted_from: from,
                 note: r.try_get("note")?,
             })
         })

@@ -1,7 +1,7 @@
 //! The fleet page (issue 16): a timeline per slice of the last hour (serving, loaned,
 //! training, reclaiming), loaned capacity over the scheduling rounds, the reclaim events
-//! with the jobs they hit, and the training queue with each job's predicted time to
-//! finish. It reads what `GET /api/v1/fleet/loaning` returns.
+//! with the jobs they hit, and the training queue with each job's predicted start and JCT
+//! (the round's forecast). It reads what `GET /api/v1/fleet/loaning` returns.
 
 use std::collections::HashMap;
 
@@ -10,6 +10,7 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use serde::Deserialize;
+use tessera_api::loaning::PredictedFrom;
 
 use super::chart::{chart, Chart};
 use super::{format, render, Layout, WebUser};
@@ -54,7 +55,14 @@ struct QueueRow {
     state: String,
     ranks: String,
     preemptible: bool,
-    predicted: String,
+    /// "running", "now", "in 3 min" or "never".
+    start: String,
+    start_title: String,
+    /// "in 12 min", or "—" when it never starts.
+    finish: String,
+    jct: String,
+    /// `measured` or `prior` (the step-time prior); empty without a forecast.
+    basis: &'static str,
     note: String,
 }
 
@@ -214,6 +222,14 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
             reason: r.reason.clone(),
         })
         .collect();
+    let from_now = |at: chrono::DateTime<Utc>| {
+        let secs = (at - now_time).num_milliseconds() as f64 / 1000.0;
+        if secs < 1.0 {
+            "now".to_string()
+        } else {
+            format!("in {}", duration(secs))
+        }
+    };
     let queue = data
         .queue
         .iter()
@@ -228,9 +244,22 @@ async fn view(state: &AppState, user: &WebUser) -> Result<FleetView> {
                 format!("{} ({}–{})", q.ranks, q.min_ranks, q.max_ranks)
             },
             preemptible: q.preemptible,
-            predicted: q
-                .predicted_secs
-                .map_or_else(|| "not measured yet".into(), duration),
+            start: match (q.predicted_start_at, q.predicted_finish_at) {
+                (Some(at), _) => from_now(at),
+                (None, Some(_)) => "running".into(),
+                (None, None) if q.predicted_from.is_none() => "—".into(),
+                (None, None) => "never".into(),
+            },
+            start_title: match (q.predicted_start_at, q.predicted_finish_at) {
+                (Some(at), _) => format::instant(at),
+                (None, None) if q.predicted_from.is_some() => {
+                    "It asks for more slices than its pools hold".into()
+                }
+                _ => String::new(),
+            },
+            finish: q.predicted_finish_at.map_or_else(|| "—".into(), from_now),
+            jct: q.predicted_jct_secs.map_or_else(|| "—".into(), duration),
+            basis: q.predicted_from.map_or("", PredictedFrom::as_str),
             note: q.note.clone(),
         })
         .collect();

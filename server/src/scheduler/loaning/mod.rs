@@ -7,10 +7,11 @@
 //!
 //! Map: `capacity` (what a deployment may lend, with hysteresis) → `round` (one scheduling
 //! round: `reclaim`, then `shortest_first`, then `elastic` over `knapsack`, valued from
-//! `step_times`).
+//! `step_times`), and `forecast` (when each job of the plan starts and ends).
 
 pub mod capacity;
 pub mod elastic;
+pub mod forecast;
 pub mod knapsack;
 pub mod reclaim;
 pub mod round;
@@ -18,5 +19,6 @@ pub mod shortest_first;
 pub mod step_times;
 
 pub use capacity::{next_loan, Deployment, LoanPolicy, LoanState};
+pub use forecast::{forecast, Forecast, Outlook};
 pub use round::{plan_round, Job, Placement, Plan, Pool, ReclaimEvent, Round};
 pub use step_times::StepTimes;
