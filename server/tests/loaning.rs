@@ -565,10 +565,11 @@ async fn a_waiting_gang_is_resized_and_a_claimed_one_is_not() {
     }
 }
 
-/// The round's step times per rank count come from the newest steps, each labelled with
-/// the rank count that ran it: a step re-run after a resize takes the new count (in both
-/// directions), a step only rank 0 reported yet is not mistaken for a one-rank step, and
-/// the read is bounded to the newest rows.
+/// The round's step times per rank count come from each count's newest steps, each labelled
+/// with the rank count that ran it: a step re-run after a resize takes the new count (in
+/// both directions), a step only rank 0 reported yet is not mistaken for a one-rank step,
+/// a count run long ago is remembered after hundreds of newer steps at another, and each
+/// count gives only its newest steps.
 #[tokio::test]
 async fn step_times_carry_the_rank_count_that_ran_them() {
     use tessera_api::parallel::RankStep;
@@ -601,17 +602,29 @@ async fn step_times_carry_the_rank_count_that_ran_them() {
         // Shrunk to one rank, it resumes from step 4: steps 5 and 6 run again, then 7 and 8.
         tessera_server::gangs::resize(db, gang, 1).await.unwrap();
         gang_store::upsert_rank_steps(db, gang, &report(0, 5..=8, 800.0)).await.unwrap();
-        let newest = store::recent_step_secs(db, gang, 100).await.unwrap();
+        let by_count = store::step_secs_by_count(db, gang, 100).await.unwrap();
         let expected: Vec<(u32, f64)> =
-            [(1, 0.8), (1, 0.8), (1, 0.8), (1, 0.8), (3, 0.3), (3, 0.3), (3, 0.3), (3, 0.3)].to_vec();
-        assert_eq!(newest, expected, "{backend:?}");
+            [(3, 0.3), (3, 0.3), (3, 0.3), (3, 0.3), (1, 0.8), (1, 0.8), (1, 0.8), (1, 0.8)].to_vec();
+        assert_eq!(by_count, expected, "{backend:?}");
         // Grown to two, it resumes from step 6: steps 7 and 8 are the two ranks' now.
         tessera_server::gangs::resize(db, gang, 2).await.unwrap();
         for rank in 0..2 {
             gang_store::upsert_rank_steps(db, gang, &report(rank, 7..=8, 500.0)).await.unwrap();
         }
-        let newest = store::recent_step_secs(db, gang, 3).await.unwrap();
-        assert_eq!(newest, vec![(2, 0.5), (2, 0.5), (1, 0.8)], "bounded to the newest rows");
+        let by_count = store::step_secs_by_count(db, gang, 3).await.unwrap();
+        let expected: Vec<(u32, f64)> = [(3, 0.3), (3, 0.3), (3, 0.3), (2, 0.5), (2, 0.5), (1, 0.8), (1, 0.8)].to_vec();
+        assert_eq!(by_count, expected, "each count's newest steps, counts from the largest");
+        // 450 more steps at two ranks, the newest 50 of them slower: one and three ranks,
+        // last run 450 steps ago, are still known, and two ranks is its newest 50 alone.
+        for rank in 0..2 {
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 9..=408, 500.0)).await.unwrap();
+            gang_store::upsert_rank_steps(db, gang, &report(rank, 409..=458, 600.0)).await.unwrap();
+        }
+        let by_count = store::step_secs_by_count(db, gang, 50).await.unwrap();
+        let mut expected: Vec<(u32, f64)> = vec![(3, 0.3); 4];
+        expected.extend(vec![(2, 0.6); 50]);
+        expected.extend(vec![(1, 0.8); 2]);
+        assert_eq!(by_count, expected, "remembered after 450 newer steps");
     }
 }
 

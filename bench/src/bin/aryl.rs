@@ -37,9 +37,11 @@
 //! - Step times: a job starts with nothing measured, so the round values and orders it by
 //!   `StepTimes`' prior (1 s per step at one rank, Amdahl with serial share 0.1); once it
 //!   took a step at r ranks, r is known at the step time the platform would measure there
-//!   (the true one with ±5% noise, drawn once per count), for as long as r is among its
-//!   newest 400 steps, the rows the server reads. `--no-step-window` keeps every count it
-//!   ever ran at; `--full-curves` gives every count from submission (all runs before).
+//!   (the true one with ±5% noise, drawn once per count), however long ago: the server
+//!   keeps each count's median over its newest 50 steps whatever their age.
+//!   `--step-window` is the server before that fix, which read a gang's newest 400 steps
+//!   only and forgot older counts; `--full-curves` gives every count from submission (all
+//!   runs before).
 //! - A resize is a stop at a checkpoint and a restart at the new size, charged as a restart
 //!   (`--gang-restart-secs`, 60 s), by choice only for a predicted gain above twice that
 //!   (`RESIZE_MARGIN`) and not within `RESIZE_COOLDOWN_ROUNDS` × 5 s of a job starting at a
@@ -69,7 +71,7 @@
 //!   preemptible (the platform treats one that is not as inelastic).
 //!
 //! Run: cargo run --release -p tessera-bench --bin aryl [-- --free-resize |
-//! --lose-since-checkpoint] [--no-step-window | --full-curves]
+//! --lose-since-checkpoint] [--step-window | --full-curves]
 
 use std::time::Instant;
 
@@ -175,24 +177,24 @@ enum Preemption {
 enum Knowledge {
     /// What the server's round knows (`server::loaning`): nothing before the job's first
     /// step, so `StepTimes`' prior (1 s per step at one rank, Amdahl with serial share
-    /// 0.1), then each rank count it took a step at within its newest `SERVER_STEP_ROWS`
-    /// steps, at that count's measurement. The default.
+    /// 0.1), then every rank count it took a step at, however long ago, at that count's
+    /// measurement (the server's median of the count's newest 50 steps). The default.
     Measured,
-    /// The same without the window (`--no-step-window`): every count it ever ran at stays
-    /// known.
-    EverMeasured,
+    /// The server before it kept old counts (`--step-window`): only the counts it took a
+    /// step at within its newest `OLD_STEP_ROWS` steps.
+    Windowed,
     /// Every count's noisy step time from submission (`--full-curves`): the model of every
     /// run before this one, which the server never has.
     FullCurves,
 }
 
-/// The server's round reads a gang's newest 400 steps (`server::loaning`'s `STEP_ROWS`, 8 ×
-/// its 50-step median window): a count the job last ran at longer ago than that falls back
-/// to the prior. Copied, not imported: the constant is private to the server.
-const SERVER_STEP_ROWS: f64 = 400.0;
+/// The server's round once read a gang's newest 400 steps (`STEP_ROWS`, 8 × its 50-step
+/// median window, until issue 16's fix): a count the job last ran at longer ago than that
+/// fell back to the prior. Kept for `--step-window`, to compare with.
+const OLD_STEP_ROWS: f64 = 400.0;
 
 /// How a run models the platform: `--free-resize` or `--lose-since-checkpoint`, and
-/// `--no-step-window` or `--full-curves`, each put back an earlier model of one part.
+/// `--step-window` or `--full-curves`, each put back an earlier model of one part.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Model {
     preemption: Preemption,
@@ -614,8 +616,8 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                     preemptible: spec.preemptible,
                     remaining_steps: spec.steps - s.done,
                     step_secs: match model.knowledge {
-                        Knowledge::Measured => spec.measured(&s.segments, SERVER_STEP_ROWS),
-                        Knowledge::EverMeasured => spec.measured(&s.segments, f64::INFINITY),
+                        Knowledge::Measured => spec.measured(&s.segments, f64::INFINITY),
+                        Knowledge::Windowed => spec.measured(&s.segments, OLD_STEP_ROWS),
                         Knowledge::FullCurves => spec.full_curve(),
                     },
                     checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
@@ -723,7 +725,7 @@ fn round_at_scale(seed: u64) -> (Vec<(Pool, u32)>, Vec<Job>) {
             step_secs: if holdings.is_empty() {
                 StepTimes::default()
             } else {
-                spec.measured(&[(spec.requested, SERVER_STEP_ROWS)], SERVER_STEP_ROWS)
+                spec.measured(&[(spec.requested, 1.0)], f64::INFINITY)
             },
             checkpoint_age_secs: rng.gen_range(0.0..CHECKPOINT_EVERY),
             restart_secs: RESTART_SECS,
@@ -745,7 +747,7 @@ fn knapsack_at_scale(seed: u64) -> Vec<(u32, u32, f64, StepTimes)> {
         .map(|_| loop {
             let spec = draw_job(&mut rng, 0.0);
             if spec.max > spec.min {
-                break (spec.min, spec.max, spec.steps, spec.measured(&[(spec.min, SERVER_STEP_ROWS)], SERVER_STEP_ROWS));
+                break (spec.min, spec.max, spec.steps, spec.measured(&[(spec.min, 1.0)], f64::INFINITY));
             }
         })
         .collect()
@@ -895,8 +897,8 @@ fn main() {
     };
     let knowledge = if flag("--full-curves") {
         Knowledge::FullCurves
-    } else if flag("--no-step-window") {
-        Knowledge::EverMeasured
+    } else if flag("--step-window") {
+        Knowledge::Windowed
     } else {
         Knowledge::Measured
     };
@@ -1115,7 +1117,7 @@ fn main() {
     };
     let curves = match knowledge {
         Knowledge::Measured => "",
-        Knowledge::EverMeasured => "-no-step-window",
+        Knowledge::Windowed => "-step-window",
         Knowledge::FullCurves => "-full-curves",
     };
     let path = format!("{dir}/aryl{variant}{curves}.json");
@@ -1142,7 +1144,7 @@ mod tests {
     }
 
     #[test]
-    fn the_scheduler_knows_only_the_counts_a_job_ran_at_recently() {
+    fn the_scheduler_knows_only_the_counts_a_job_ran_at() {
         let mut rng = StdRng::seed_from_u64(5);
         let spec = loop {
             let spec = draw_job(&mut rng, 0.0);
@@ -1153,16 +1155,17 @@ mod tests {
         let (a, b) = (spec.min, spec.min + 2);
         let observed = |r: u32| spec.observed[(r - spec.min) as usize];
         // Before its first step: nothing measured, the prior's one-rank default.
-        assert!(spec.measured(&[], SERVER_STEP_ROWS).is_empty());
-        assert!(spec.measured(&[(a, 0.5)], SERVER_STEP_ROWS).is_empty());
+        assert!(spec.measured(&[], f64::INFINITY).is_empty());
+        assert!(spec.measured(&[(a, 0.5)], f64::INFINITY).is_empty());
         // Both counts within the newest 400 steps, each at its own measurement.
-        let recent = spec.measured(&[(a, 1000.0), (b, 300.0)], SERVER_STEP_ROWS);
+        let recent = spec.measured(&[(a, 1000.0), (b, 300.0)], OLD_STEP_ROWS);
         assert_eq!(recent.points(), &[(a, observed(a)), (b, observed(b))]);
-        // 400 steps since the resize: the older count falls back to the prior, unless the
-        // window is off.
-        let forgotten = spec.measured(&[(a, 1000.0), (b, 400.0)], SERVER_STEP_ROWS);
+        // 10,000 steps since the resize: the server still knows the older count; the old
+        // 400-step window (`--step-window`) forgot it at 400.
+        let remembered = spec.measured(&[(a, 1000.0), (b, 10_000.0)], f64::INFINITY);
+        assert_eq!(remembered.points(), &[(a, observed(a)), (b, observed(b))]);
+        let forgotten = spec.measured(&[(a, 1000.0), (b, 400.0)], OLD_STEP_ROWS);
         assert_eq!(forgotten.points(), &[(b, observed(b))]);
-        assert_eq!(spec.measured(&[(a, 1000.0), (b, 400.0)], f64::INFINITY).points().len(), 2);
         // The measurement is the noisy curve's, not the truth.
         assert!((observed(a) / spec.step_secs(a) - 1.0).abs() <= MEASUREMENT_NOISE);
     }

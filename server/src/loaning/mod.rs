@@ -56,10 +56,10 @@ pub const RESIZE_COOLDOWN_ROUNDS: u32 = 10;
 /// A resize by choice must predict a JCT gain above the pause by this fraction of it:
 /// twice the pause, so a step-time estimate off by a pause's worth does not flap it.
 pub const RESIZE_MARGIN: f64 = 1.0;
-/// Steps of a gang's timing whose median is its step time at a rank count.
+/// Steps of a gang's timing whose median is its step time at a rank count: each count's
+/// newest, however old (a count forgotten would re-anchor the prior on one noisy point and
+/// invite resizing back to it, issue 16's simulator).
 const STEP_WINDOW: usize = 50;
-/// A gang's newest steps the round reads (bounded; older rank counts fall to the prior).
-const STEP_ROWS: usize = 8 * STEP_WINDOW;
 /// Gateway buckets (5 s each) a measured request rate spans: short, so a demand spike
 /// reaches the round within seconds.
 const RATE_BUCKETS: u64 = 2;
@@ -382,7 +382,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 _ => false,
             };
             let step_secs = StepTimes::from_recent(
-                store::recent_step_secs(db, g.id, STEP_ROWS).await?,
+                store::step_secs_by_count(db, g.id, STEP_WINDOW).await?,
                 STEP_WINDOW,
             );
             jobs.push(Job {

@@ -246,29 +246,41 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     Ok(out)
 }
 
-/// A gang's latest `rows` steps, newest first: the number of ranks that ran each and rank
-/// 0's seconds for it (in a synchronous step every rank waits for the slowest, so rank 0's
-/// step is the gang's). Bounded: the newest rows of rank 0 on the primary key. Steps stored
-/// before the rank count was recorded with them are left out.
-pub async fn recent_step_secs(db: &Db, gang: Uuid, rows: usize) -> Result<Vec<(u32, f64)>> {
-    let found = sqlx::query(
-        "SELECT world, iter_ms FROM rank_steps WHERE job_id = $1 AND rank = 0 ORDER BY step DESC LIMIT $2",
-    )
-    .bind(gang.to_string())
-    .bind(rows as i64)
-    .fetch_all(db.pool())
-    .await?;
-    let mut out = Vec::with_capacity(found.len());
-    for row in &found {
-        let Some(world) = row.try_get::<Option<i64>, _>("world")? else {
-            continue;
+/// A gang's step timings by rank count, each count's `per_count` newest steps whatever
+/// their age (a count the gang ran at long ago keeps its measurement instead of falling back
+/// to the prior): `(ranks, seconds)`, counts from the largest down, newest step first within
+/// a count. Rank 0's seconds (in a synchronous step every rank waits for the slowest, so
+/// rank 0's step is the gang's); steps stored before the rank count was recorded with them
+/// are left out. Bounded: one read per count the gang ran at, plus one finding none left,
+/// each a descending range of the `rank_steps_world` index that stops after `per_count`
+/// rows, never a scan of a long job's steps.
+pub async fn step_secs_by_count(db: &Db, gang: Uuid, per_count: usize) -> Result<Vec<(u32, f64)>> {
+    let mut out = Vec::new();
+    let mut below = i64::MAX;
+    loop {
+        let found = sqlx::query(
+            "SELECT world, iter_ms FROM rank_steps WHERE job_id = $1 AND rank = 0 AND world > 0 AND world < $2 \
+             ORDER BY world DESC, step DESC LIMIT $3",
+        )
+        .bind(gang.to_string())
+        .bind(below)
+        .bind(per_count.max(1) as i64)
+        .fetch_all(db.pool())
+        .await?;
+        let Some(first) = found.first() else {
+            return Ok(out);
         };
-        let ms: f64 = row.try_get("iter_ms")?;
-        if world > 0 {
+        // The largest count below the last one; rows of smaller counts wait for their read.
+        let world: i64 = first.try_get("world")?;
+        for row in &found {
+            if row.try_get::<i64, _>("world")? != world {
+                break;
+            }
+            let ms: f64 = row.try_get("iter_ms")?;
             out.push((world as u32, ms / 1000.0));
         }
+        below = world;
     }
-    Ok(out)
 }
 
 pub(super) async fn event(
