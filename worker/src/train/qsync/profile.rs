@@ -73,16 +73,16 @@ impl Default for ProfileConfig {
 /// order of `ops` (give them in the model's forward order). Overhead and optimizer time are
 /// left at 0 for the caller, who measures them on the real loop.
 ///
-/// Each operator is timed inside a pass over the whole model, as a training iteration runs
-/// it, not rerun alone: an operator rerun back to back finds its input and weights hot in
-/// cache, while in an iteration they were last touched a whole forward earlier, and the
-/// low-precision GEMMs, which pack (cast, transpose) their operands, slow down by up to a
-/// third when those come from further out (`bench/results/qsync_predictor.md`). Flushing
-/// the caches before each run overshoots instead: an iteration's working set stays partly
-/// in the last-level cache. So for each precision `p` one round runs every operator's
-/// forward in model order, each at the precision nearest `p` it supports (a uniform-`p`
-/// plan), then every backward in reverse order; an operator's times at `p` are taken from
-/// the rounds of `p`'s sweep. The statistic is per operator over the timed rounds.
+/// Each operator is timed inside a pass over all of them, as a training iteration runs it,
+/// not rerun alone. Rerun back to back, an operator finds its input and weights hot in
+/// cache, while in an iteration they were last touched a whole forward earlier: the bf16
+/// and int8 linears, whose GEMMs cast and repack their f32 operands, ran their backward a
+/// quarter slower in an iteration than alone (f32 within 2%), and flushing the caches
+/// before each run overshoots f32 instead (`bench/results/qsync_predictor.md`). So for
+/// each precision `p`, one round runs every operator's forward in model order, each at the
+/// lowest precision at or above `p` it supports (a uniform-`p` plan), then every backward
+/// in reverse order, keeping what each forward produced until its backward; an operator's
+/// times at `p` come from the rounds of `p`. The statistic is per operator over the rounds.
 pub fn profile_ops(
     device: &str,
     ops: &mut [&mut dyn ProfiledOp],
