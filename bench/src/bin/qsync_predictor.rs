@@ -8,9 +8,10 @@
 //! VNNI GEMM, backward at bf16), which takes f32, casts or quantises inside and returns f32;
 //! ReLUs stay f32. The predictor sees only what a rank of a hybrid job profiles, through the
 //! worker's own pieces (`train::hybrid::ops`): one traced f32 forward, each traced operator
-//! rerun alone at each precision it runs at, the casts fitted to `t = a·numel + b`, plus the
-//! optimizer step and the loss timed alone; it never sees a whole iteration. Single rank:
-//! no all-reduce is measured here.
+//! rerun at each precision it runs at inside rounds of the traced operators in iteration
+//! order (`qsync::profile_ops`), the casts fitted to `t = a·numel + b`, plus the optimizer
+//! step and the loss timed alone; it never times a whole iteration. Single rank: no
+//! all-reduce is measured here.
 //!
 //! Run: cargo run --release -p tessera-bench --bin qsync_predictor
 //! Writes bench/results/qsync_predictor.{json,md}. The GEMMs run on one thread unless
@@ -38,7 +39,8 @@ const LR: f64 = 1e-4;
 /// Timed iterations per run, runs per plan (the figure is the median of the runs).
 const ITERATIONS: usize = 7;
 const RUNS: usize = 3;
-/// Timed runs of each operator alone (the fastest kept, as the in-job planner does).
+/// Timed rounds of the profile per precision (each operator's fastest kept, as the in-job
+/// planner does).
 const PROFILE_ITERATIONS: usize = 15;
 /// Random mixed plans besides the three uniform ones.
 const RANDOM_PLANS: usize = 7;
@@ -234,8 +236,9 @@ fn evict(buffer: &mut [u8], round: usize) {
 
 /// A diagnostic, not used by the prediction: each linear shape of the model alone at each
 /// precision, forward and backward (fastest of `PROFILE_ITERATIONS`, as the profile), with
-/// its operands hot in cache, as the harness runs it, and with the caches evicted before
-/// each pass, as a layer's tensors are by the rest of the iteration.
+/// its operands hot in cache, as a harness rerunning it back to back finds them, and with
+/// the caches evicted before each pass: the two bounds the iteration-ordered profile sits
+/// between.
 fn cache_effect(device: &Device) -> Result<Vec<serde_json::Value>> {
     let mut buffer = vec![0u8; 64 << 20];
     let mut rows = Vec::new();
@@ -317,7 +320,7 @@ fn main() -> anyhow::Result<()> {
     let f32_plan = vec![Precision::F32; model.layers.len()];
 
     // 1. What a rank profiles: one traced f32 forward (whose tensors and gradients give the
-    //    indicator), each traced operator alone at every precision it runs at, the casts, the
+    //    indicator), each traced operator at every precision it runs at, the casts, the
     //    optimizer step and the loss.
     let mut traces = Vec::with_capacity(model.layers.len());
     let grads = model.forward(&f32_plan, Some(&mut traces))?.backward()?;
@@ -521,8 +524,9 @@ fn markdown(
     );
     md += &format!(
         "- Measured: median of {RUNS} runs (taken round the plans), each the fastest of {ITERATIONS} iterations after a warm-up. Predicted: the replayer over the operators \
-         profiled alone by the in-job planner's harness (`train::hybrid::ops::profile`: each traced operator rerun, forward and backward, fastest of {PROFILE_ITERATIONS}), \
-         the loss and the optimizer step, each timed alone; it never sees a whole iteration.\n\n"
+         profiled by the in-job planner's harness (`train::hybrid::ops::profile`: per precision, rounds of every traced operator's forward in model order \
+         then every backward in reverse, each operator timed inside the round, fastest of {PROFILE_ITERATIONS} rounds), the loss and the optimizer step, each timed alone; \
+         it never times a whole iteration.\n\n"
     );
     md += &format!(
         "**Median |error| {:.1}%, p90 |error| {:.1}%** over {} plans (goal: median ≤ 5%, p90 ≤ 10%).\n\n",
@@ -559,7 +563,7 @@ fn markdown(
             precisions.join(" ")
         );
     }
-    md += "\n## Operators profiled alone (forward / backward ms)\n\n| op | int8 | bf16 | f32 |\n|---|---|---|---|\n";
+    md += "\n## Operators as profiled (forward / backward ms)\n\n| op | int8 | bf16 | f32 |\n|---|---|---|---|\n";
     for op in &table.ops {
         let cell = |p: Precision| {
             op.timings
@@ -584,8 +588,8 @@ fn markdown(
         );
     }
     md += "\n## Diagnostic: the linears alone, operands hot or evicted from cache\n\n\
-           Not used by the prediction. Each linear shape alone (fastest of the runs, as the profile), operands hot as the harness \
-           runs them, or with a 64 MiB buffer written before each pass, as a layer's tensors are evicted by the rest of an iteration.\n\n\
+           Not used by the prediction. Each linear shape alone (fastest of the runs), operands hot as a harness rerunning \
+           it back to back finds them (the profile before it ran in iteration order), or with a 64 MiB buffer written before each pass, as a layer's tensors are evicted by the rest of an iteration.\n\n\
            | linear | precision | forward hot / evicted ms | backward hot / evicted ms |\n|---|---|---|---|\n";
     for c in result["cache_effect"].as_array().into_iter().flatten() {
         let f = |k: &str, pass: &str| c[k][pass].as_f64().unwrap_or(f64::NAN);

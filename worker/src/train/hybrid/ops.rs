@@ -71,8 +71,10 @@ impl ProfiledOp for TracedOp<'_> {
     }
 }
 
-/// Times every traced operator at each of its candidate precisions down to `low`
-/// (`iterations` timed runs after one warm-up, the fastest kept: the host is shared). A
+/// Times every traced operator at each of its candidate precisions down to `low`, inside
+/// rounds of all of them in iteration order (see `profile_ops`: an operator's operands are
+/// as far out of cache as in a training step; `iterations` timed rounds per precision after
+/// one warm-up, each operator's fastest kept: the host is shared). A
 /// precision the device refuses (int8 off the CPU) is left out of that operator's row;
 /// f32 must run. The table's overhead and optimizer times are the caller's to fill.
 pub fn profile(

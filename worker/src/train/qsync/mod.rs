@@ -5,7 +5,8 @@
 //! - [`indicator`]: the gradient-variance indicator ω per operator and precision, from the
 //!   job's real tensors, with depth weighting; and the seeded random ablation.
 //! - [`profile`]: the harness that times each operator at each precision through a trait
-//!   object, and the least-squares cast model `t = a·numel + b`.
+//!   object, inside iteration-ordered rounds of all of them, and the least-squares cast
+//!   model `t = a·numel + b`.
 //! - [`replay`]: a rank's iteration timeline for any plan (forward, backward, casts) and the
 //!   synchronous step across ranks with the bucketed all-reduce overlapping the backward.
 //! - [`allocate`]: the greedy search that raises precision by indicator gain per unit of

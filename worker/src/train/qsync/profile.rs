@@ -18,8 +18,9 @@ pub enum Pass {
 }
 
 /// One operator of the job's model, on the job's real shapes, runnable at each precision it
-/// supports. The harness runs a forward before every backward, so the backward may use what
-/// the forward saved.
+/// supports. The harness runs each forward before the matching backward (other operators'
+/// passes may come in between, as in an iteration), so the backward may use what the
+/// forward saved.
 pub trait ProfiledOp {
     fn name(&self) -> &str;
     fn kind(&self) -> OpKind;
@@ -71,56 +72,106 @@ impl Default for ProfileConfig {
 /// Times every operator at every precision it supports: the rank's [`CostTable`], in the
 /// order of `ops` (give them in the model's forward order). Overhead and optimizer time are
 /// left at 0 for the caller, who measures them on the real loop.
+///
+/// Each operator is timed inside a pass over all of them, as a training iteration runs it,
+/// not rerun alone. Rerun back to back, an operator finds its input and weights hot in
+/// cache, while in an iteration they were last touched a whole forward earlier: the bf16
+/// and int8 linears, whose GEMMs cast and repack their f32 operands, ran their backward a
+/// quarter slower in an iteration than alone (f32 within 2%), and flushing the caches
+/// before each run overshoots f32 instead (`bench/results/qsync_predictor.md`). So for
+/// each precision `p`, one round runs every operator's forward in model order, each at the
+/// lowest precision at or above `p` it supports (a uniform-`p` plan), then every backward
+/// in reverse order, keeping what each forward produced until its backward; an operator's
+/// times at `p` come from the rounds of `p`. The statistic is per operator over the rounds.
 pub fn profile_ops(
     device: &str,
     ops: &mut [&mut dyn ProfiledOp],
     config: &ProfileConfig,
 ) -> Result<CostTable, QsyncError> {
-    let mut table = CostTable {
-        device: device.to_string(),
-        ops: Vec::with_capacity(ops.len()),
-        overhead_ms: 0.0,
-        optimizer_ms: 0.0,
-        casts_in_op_time: false,
-    };
-    for op in ops.iter_mut() {
-        let name = op.name().to_string();
+    let mut supported = Vec::with_capacity(ops.len());
+    for op in ops.iter() {
         let mut precisions = op.precisions();
         precisions.sort();
         precisions.dedup();
         if !precisions.contains(&Precision::F32) {
-            return Err(QsyncError::NoF32(name));
+            return Err(QsyncError::NoF32(op.name().to_string()));
         }
-        let mut timings = Vec::with_capacity(precisions.len());
-        for precision in precisions {
-            let fail = |source| QsyncError::Op {
-                op: name.clone(),
-                precision,
-                source,
-            };
-            for _ in 0..config.warmup {
-                op.run(precision, Pass::Forward).map_err(fail)?;
-                op.run(precision, Pass::Backward).map_err(fail)?;
-            }
-            let mut forward = Vec::with_capacity(config.iterations);
-            let mut backward = Vec::with_capacity(config.iterations);
-            for _ in 0..config.iterations.max(1) {
-                forward.push(timed(|| op.run(precision, Pass::Forward)).map_err(fail)?);
-                backward.push(timed(|| op.run(precision, Pass::Backward)).map_err(fail)?);
-            }
-            timings.push(OpTiming {
-                precision,
-                forward_ms: config.statistic.of(&mut forward),
-                backward_ms: config.statistic.of(&mut backward),
-            });
-        }
-        table.ops.push(OpCost {
-            op: name,
-            kind: op.kind(),
-            timings,
-        });
+        supported.push(precisions);
     }
-    Ok(table)
+    let mut sweeps: Vec<Precision> = supported.iter().flatten().copied().collect();
+    sweeps.sort();
+    sweeps.dedup();
+    // Per operator, per precision it supports: the timed forwards and backwards.
+    let mut samples: Vec<Vec<(Vec<f64>, Vec<f64>)>> = supported
+        .iter()
+        .map(|p| vec![Default::default(); p.len()])
+        .collect();
+    let iterations = config.iterations.max(1);
+    for sweep in sweeps {
+        // Each operator at the lowest precision it supports at or above the sweep's; f32 is
+        // always there. Only the operators running at the sweep's own precision are recorded,
+        // so every (operator, precision) gets exactly `iterations` samples.
+        let ran_at: Vec<usize> = supported
+            .iter()
+            .map(|p| {
+                p.iter()
+                    .position(|&q| q >= sweep)
+                    .expect("f32 is supported")
+            })
+            .collect();
+        for round in 0..config.warmup + iterations {
+            let timed_round = round >= config.warmup;
+            for (i, op) in ops.iter_mut().enumerate() {
+                let precision = supported[i][ran_at[i]];
+                let ms = timed(|| op.run(precision, Pass::Forward))
+                    .map_err(|source| op_error(&**op, precision, source))?;
+                if timed_round && precision == sweep {
+                    samples[i][ran_at[i]].0.push(ms);
+                }
+            }
+            for (i, op) in ops.iter_mut().enumerate().rev() {
+                let precision = supported[i][ran_at[i]];
+                let ms = timed(|| op.run(precision, Pass::Backward))
+                    .map_err(|source| op_error(&**op, precision, source))?;
+                if timed_round && precision == sweep {
+                    samples[i][ran_at[i]].1.push(ms);
+                }
+            }
+        }
+    }
+    let ops = ops
+        .iter()
+        .zip(supported)
+        .zip(samples)
+        .map(|((op, precisions), samples)| OpCost {
+            op: op.name().to_string(),
+            kind: op.kind(),
+            timings: precisions
+                .into_iter()
+                .zip(samples)
+                .map(|(precision, (mut forward, mut backward))| OpTiming {
+                    precision,
+                    forward_ms: config.statistic.of(&mut forward),
+                    backward_ms: config.statistic.of(&mut backward),
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(CostTable {
+        device: device.to_string(),
+        ops,
+        overhead_ms: 0.0,
+        optimizer_ms: 0.0,
+        casts_in_op_time: false,
+    })
+}
+
+fn op_error(op: &dyn ProfiledOp, precision: Precision, source: candle_core::Error) -> QsyncError {
+    QsyncError::Op {
+        op: op.name().to_string(),
+        precision,
+        source,
+    }
 }
 
 /// Casting a tensor between precisions on one device, for [`profile_casts`].
@@ -422,6 +473,121 @@ mod tests {
             naive.backward_ms > naive.forward_ms,
             "two products take longer than one: {naive:?}"
         );
+    }
+
+    /// An operator that records every run in a log the model's operators share, and
+    /// takes a time set per precision and pass, so the table shows which runs were kept.
+    struct LoggedOp {
+        name: &'static str,
+        precisions: Vec<Precision>,
+        log: std::rc::Rc<std::cell::RefCell<Vec<(&'static str, Precision, Pass)>>>,
+    }
+
+    impl ProfiledOp for LoggedOp {
+        fn name(&self) -> &str {
+            self.name
+        }
+        fn kind(&self) -> OpKind {
+            OpKind::Linear
+        }
+        fn precisions(&self) -> Vec<Precision> {
+            self.precisions.clone()
+        }
+        fn run(&mut self, precision: Precision, pass: Pass) -> candle_core::Result<()> {
+            self.log.borrow_mut().push((self.name, precision, pass));
+            // 2 ms at int8, 4 at bf16, 8 at f32; a backward twice its forward.
+            let ms = match precision {
+                Precision::Int8 => 2,
+                Precision::Bf16 | Precision::F16 => 4,
+                Precision::F32 => 8,
+            } * if pass == Pass::Backward { 2 } else { 1 };
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            Ok(())
+        }
+    }
+
+    /// Operators are timed inside iteration-like rounds, not rerun alone: per precision,
+    /// every forward in model order at the precision nearest it, then every backward in
+    /// reverse; each (operator, precision) keeps the runs of its own precision's rounds.
+    #[test]
+    fn harness_times_operators_inside_iteration_ordered_rounds() {
+        use Precision::*;
+        let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let op = |name, precisions: &[Precision]| LoggedOp {
+            name,
+            precisions: precisions.to_vec(),
+            log: log.clone(),
+        };
+        let (mut a, mut b, mut c) = (
+            op("a", &[F32, Int8, Bf16]),
+            op("b", &[F32]),
+            op("c", &[Bf16, F32]),
+        );
+        let config = ProfileConfig {
+            warmup: 1,
+            iterations: 3,
+            statistic: Statistic::Min,
+        };
+        let table = profile_ops("cpu", &mut [&mut a, &mut b, &mut c], &config).unwrap();
+
+        // Three sweeps (int8, bf16, f32) of four rounds each; a round is six runs.
+        let log = log.borrow();
+        assert_eq!(log.len(), 3 * 4 * 6);
+        for (sweep, (pa, pc)) in [(Int8, Bf16), (Bf16, Bf16), (F32, F32)]
+            .into_iter()
+            .enumerate()
+        {
+            let round = [
+                ("a", pa, Pass::Forward),
+                ("b", F32, Pass::Forward),
+                ("c", pc, Pass::Forward),
+                ("c", pc, Pass::Backward),
+                ("b", F32, Pass::Backward),
+                ("a", pa, Pass::Backward),
+            ];
+            for r in 0..4 {
+                let start = (sweep * 4 + r) * 6;
+                assert_eq!(
+                    &log[start..start + 6],
+                    &round[..],
+                    "sweep {sweep}, round {r}"
+                );
+            }
+        }
+
+        let timing = |op: usize, p: Precision| {
+            *table.ops[op]
+                .timings
+                .iter()
+                .find(|t| t.precision == p)
+                .unwrap()
+        };
+        assert_eq!(
+            table.ops.iter().map(|o| o.op.as_str()).collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert_eq!(table.ops[0].timings.len(), 3);
+        assert_eq!(table.ops[2].timings.len(), 2);
+        // Each figure comes from its own precision's runs: the sleeps set its floor, and a
+        // run at another precision kept by mistake would sit far off it.
+        for (op, p, forward) in [
+            (0, Int8, 2.0),
+            (0, Bf16, 4.0),
+            (0, F32, 8.0),
+            (1, F32, 8.0),
+            (2, Bf16, 4.0),
+            (2, F32, 8.0),
+        ] {
+            let t = timing(op, p);
+            assert!(
+                t.forward_ms >= forward && t.forward_ms < forward + 1.9,
+                "{op} {p}: {t:?}"
+            );
+            assert!(
+                t.backward_ms >= 2.0 * forward && t.backward_ms < 2.0 * forward + 3.8,
+                "{op} {p}: {t:?}"
+            );
+        }
     }
 
     #[test]
