@@ -105,15 +105,32 @@ fn count(slices: &[Value], state: &str) -> usize {
     slices.iter().filter(|s| s["loan_state"] == state).count()
 }
 
+/// The tiny model, a registered MIG worker and the model's throughput table on it: the
+/// worker's secret.
+async fn mig_worker_with_tiny(server: &TestServer, admin: &str) -> String {
+    let response = server.upload_model(admin, "tiny", tiny_model()).await;
+    assert_eq!(response.status(), 201);
+    let secret = register_mig(server, "mig-1").await;
+    profile(server, admin, &secret).await;
+    secret
+}
+
+/// The worker claims `n` replicas and reports each one running.
+async fn run_replicas(server: &TestServer, secret: &str, n: usize) {
+    for _ in 0..n {
+        let replica = claim(server, secret, &["serve"]).await.expect("a replica");
+        let id = replica["job_id"].as_str().unwrap();
+        let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
+        assert_eq!(server.post(secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+    }
+}
+
 #[tokio::test]
 async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
-        assert_eq!(response.status(), 201);
-        let secret = register_mig(&server, "mig-1").await;
-        profile(&server, &admin, &secret).await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
 
         let response = server
             .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 4, "loanable": true, "reclaim_headroom": 0.2}))
@@ -127,20 +144,7 @@ async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
             ),
             (Some(true), Some(0.2))
         );
-        for _ in 0..4 {
-            let replica = claim(&server, &secret, &["serve"])
-                .await
-                .expect("a replica");
-            let id = replica["job_id"].as_str().unwrap();
-            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
-            assert_eq!(
-                server
-                    .post(&secret, &format!("/agent/jobs/{id}/status"), body)
-                    .await
-                    .status(),
-                204
-            );
-        }
+        run_replicas(&server, &secret, 4).await;
         let data = server.toy_dataset(&admin).await;
         let gang = json!({"name": "loan-dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
@@ -637,10 +641,7 @@ async fn an_slo_deployment_keeps_the_slices_its_plan_needs_at_the_measured_rate(
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
-        assert_eq!(response.status(), 201);
-        let secret = register_mig(&server, "mig-1").await;
-        profile(&server, &admin, &secret).await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
         let body = json!({"name": "slo", "model": "tiny", "throughput": 400.0, "latency_ms": 50, "loanable": true});
         let response = server.post(&admin, "/deployments", body).await;
         assert_eq!(response.status(), 201);
@@ -648,12 +649,7 @@ async fn an_slo_deployment_keeps_the_slices_its_plan_needs_at_the_measured_rate(
         let planned = deployment["slo"]["slices"].as_array().unwrap();
         assert_eq!(planned.len(), 4, "{deployment}");
         assert!(planned.iter().all(|s| s["throughput"] == 100.0), "{deployment}");
-        for _ in 0..4 {
-            let replica = claim(&server, &secret, &["serve"]).await.expect("a replica");
-            let id = replica["job_id"].as_str().unwrap();
-            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
-            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
-        }
+        run_replicas(&server, &secret, 4).await;
         profile_at(&server, &admin, &secret, 200.0).await;
         let id: Uuid = deployment["id"].as_str().unwrap().parse().unwrap();
         store::record_rates(&server.state.db, Uuid::new_v4(), &[(id, 100.0)]).await.unwrap();
@@ -818,20 +814,12 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
-        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
-        assert_eq!(response.status(), 201);
-        let secret = register_mig(&server, "mig-1").await;
-        profile(&server, &admin, &secret).await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
         let response = server
             .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 7, "loanable": true, "reclaim_headroom": 0.2}))
             .await;
         let deployment: Value = response.json().await.unwrap();
-        for _ in 0..7 {
-            let replica = claim(&server, &secret, &["serve"]).await.expect("a replica");
-            let id = replica["job_id"].as_str().unwrap();
-            let body = json!({"state": "running", "endpoint": "http://127.0.0.1:9/"});
-            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
-        }
+        run_replicas(&server, &secret, 7).await;
         let data = server.toy_dataset(&admin).await;
         let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},

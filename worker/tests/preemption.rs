@@ -211,15 +211,18 @@ fn an_elastic_gang_resumes_at_one_rank_from_its_two_rank_checkpoint() {
     assert!(alone.outcome.is_ok(), "{:?}", alone.outcome.err());
     assert_eq!(alone.losses.first().map(|(s, _)| *s), Some(32));
     assert_eq!(alone.checkpoints.last().unwrap().0, LIMITS.max_steps);
-    let worst = alone
-        .weights
-        .iter()
-        .flatten()
-        .zip(full[0].weights.iter().flatten())
-        .map(|(a, b)| ((a - b).abs() / a.abs().max(b.abs()).max(1.0)) as f64)
-        .fold(0.0, f64::max);
+    let worst = largest_relative_difference(&alone.weights, &full[0].weights);
     eprintln!("largest relative weight difference, one rank after two vs two throughout: {worst:.2e}");
     assert!(worst < 1e-4, "{worst}");
+}
+
+/// The largest difference between two runs' weights, relative to the larger value (or 1).
+fn largest_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(a, b)| ((a - b).abs() / a.abs().max(b.abs()).max(1.0)) as f64)
+        .fold(0.0, f64::max)
 }
 
 /// Three ranks over loopback resuming from `files`.
@@ -252,13 +255,7 @@ fn an_elastic_gang_resumes_at_three_ranks_from_its_two_rank_checkpoint() {
         assert_eq!(run.weights, grown[0].weights, "rank {rank} holds rank 0's weights");
     }
     assert_eq!(grown[0].checkpoints.last().unwrap().0, LIMITS.max_steps);
-    let worst = grown[0]
-        .weights
-        .iter()
-        .flatten()
-        .zip(full[0].weights.iter().flatten())
-        .map(|(a, b)| ((a - b).abs() / a.abs().max(b.abs()).max(1.0)) as f64)
-        .fold(0.0, f64::max);
+    let worst = largest_relative_difference(&grown[0].weights, &full[0].weights);
     eprintln!("largest relative weight difference, three ranks after two vs two throughout: {worst:.2e}");
     assert!(worst < 1e-4, "{worst}");
     // The losses of the global batch agree step by step.
