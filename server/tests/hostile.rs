@@ -355,5 +355,23 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
             let response = server.http.execute(request).await.unwrap();
             assert!(response.status().is_client_error(), "{what}: {}", response.status());
         }
+
+        // Free-text names and a preemption's reason are stored as given: a 422 says what to fix.
+        let job: Value = server
+            .post(&admin, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}}))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let preempt = format!("/jobs/{}/preempt", job["id"].as_str().unwrap());
+        let refused = [
+            ("/jobs", json!({"name": "w\0rm", "spec": {"kind": "prefetch", "model": "tiny"}})),
+            ("/tokens", json!({"name": "ci\0"})),
+            (preempt.as_str(), json!({"reason": "maintenance\0"})),
+        ];
+        for (path, body) in refused {
+            let response = server.post(&admin, path, body).await;
+            assert_eq!(response.status(), 422, "{backend:?} {path}");
+        }
     }
 }

@@ -319,6 +319,16 @@ async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
             "{page}"
         );
         assert!(page.contains("data-now=\"training\""), "{page}");
+
+        // Another user reads what the fleet did, but no name of the admin's deployment or job.
+        let bob = server.user(&admin, "bob").await;
+        let seen = get(&server, &bob, "/fleet/loaning").await;
+        assert_eq!(seen["reclaims"][0]["deployment"], "another user's deployment", "{seen}");
+        assert_eq!(seen["reclaims"][0]["job_name"], "another user's job", "{seen}");
+        assert_eq!(seen["slice_events"].as_array().map(Vec::len), overview["slice_events"].as_array().map(Vec::len));
+        for text in [seen["reclaims"].to_string(), seen["slice_events"].to_string()] {
+            assert!(!text.contains("embed") && !text.contains("loan-dp"), "{backend:?}: {text}");
+        }
     }
 }
 

@@ -21,8 +21,8 @@ pub async fn create(
     ApiJson(request): ApiJson<CreateToken>,
 ) -> Result<(StatusCode, ApiJson<CreatedToken>)> {
     let name = request.name.trim();
-    if name.is_empty() || name.len() > 100 {
-        return Err(Error::invalid("invalid_name", "A token name has 1 to 100 characters."));
+    if name.is_empty() || name.len() > 100 || name.chars().any(char::is_control) {
+        return Err(Error::invalid("invalid_name", "A token name has 1 to 100 characters, none of them a control character."));
     }
     let secret = secrets::generate(secrets::API_TOKEN_PREFIX);
     let info = ApiToken {

@@ -46,8 +46,11 @@ fn body_error(error: serde_path_to_error::Error<serde_json::Error>) -> Error {
 /// Checks a job and queues it for `principal`; returns its id.
 pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob) -> Result<Uuid> {
     let name = request.name().trim().to_string();
-    if !(1..=200).contains(&name.len()) {
-        return Err(Error::invalid("invalid_spec", "name: give the job a name of 1 to 200 characters"));
+    if !(1..=200).contains(&name.len()) || name.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "invalid_spec",
+            "name: give the job a name of 1 to 200 characters, none of them a control character",
+        ));
     }
     let max_attempts = request.max_attempts().unwrap_or(DEFAULT_MAX_ATTEMPTS);
     if !(1..=100).contains(&max_attempts) {
@@ -183,6 +186,9 @@ pub async fn preempt(
         return Err(Error::Forbidden(
             "Only an admin may force the preemption of a job that is not preemptible.".into(),
         ));
+    }
+    if request.reason.as_deref().is_some_and(|r| r.contains('\0')) {
+        return Err(Error::invalid("invalid_request", "reason: write it without NUL characters."));
     }
     let reason = match request.reason.as_deref().map(str::trim) {
         Some(reason) if !reason.is_empty() => {

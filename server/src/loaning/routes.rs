@@ -15,10 +15,10 @@ use crate::store::Scope;
 pub const WINDOW_MS: i64 = 3600 * 1000;
 
 /// The rounds, reclaims and slice events of the last hour and the training queue, as
-/// `scope` may see them (other users' jobs are not named).
+/// `scope` may see them (other users' jobs and deployments are not named).
 pub async fn overview(state: &AppState, scope: &Scope) -> Result<LoanOverview> {
     let since = now_ms() - WINDOW_MS;
-    let mut slice_events = store::slice_events(&state.db, since, 2000).await?;
+    let mut slice_events = store::slice_events(&state.db, scope, since, 2000).await?;
     slice_events.reverse();
     Ok(LoanOverview {
         rounds: store::rounds(&state.db, since).await?,

@@ -602,8 +602,10 @@ pub async fn record_reclaim(db: &Db, at: i64, r: &NewReclaim<'_>) -> Result<()> 
 /// Reclaim events, newest first; jobs `scope` cannot see are named "another user's job".
 pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<Vec<ReclaimEvent>> {
     let rows = sqlx::query(
-        "SELECT at, deployment, job_id, job_name, owner_id, ranks, preempted, reason FROM reclaim_events \
-         WHERE at >= $1 ORDER BY at DESC, id LIMIT $2",
+        "SELECT r.at, r.deployment, r.job_id, r.job_name, r.owner_id, r.ranks, r.preempted, r.reason, \
+           d.owner_id AS lender_owner_id FROM reclaim_events r \
+           LEFT JOIN deployments d ON d.id = r.deployment_id \
+         WHERE r.at >= $1 ORDER BY r.at DESC, r.id LIMIT $2",
     )
     .bind(since)
     .bind(limit)
@@ -617,9 +619,16 @@ pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<
                 .transpose()?;
             let visible = owner.is_some_and(|o| scope.sees(o));
             let job: Option<String> = r.try_get("job_id")?;
+            let mut deployment: String = r.try_get("deployment")?;
+            let mut reason: String = r.try_get("reason")?;
+            if !sees_lender(scope, r.try_get("lender_owner_id")?)? {
+                // The reason was written as "<deployment> needs its … slices back; …".
+                reason = reason.replacen(&deployment, ANOTHER_USERS_DEPLOYMENT, 1);
+                deployment = ANOTHER_USERS_DEPLOYMENT.into();
+            }
             Ok(ReclaimEvent {
                 at: db::time(r.try_get("at")?),
-                deployment: r.try_get("deployment")?,
+                deployment,
                 job_id: if visible {
                     job.map(|j| parse_uuid("reclaim_events", "job_id", &j))
                         .transpose()?
@@ -633,16 +642,19 @@ pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<
                 },
                 ranks: r.try_get::<i64, _>("ranks")? as u32,
                 preempted: r.try_get::<i64, _>("preempted")? != 0,
-                reason: r.try_get("reason")?,
+                reason,
             })
         })
         .collect()
 }
 
-/// Slice events since `since`, oldest first.
-pub async fn slice_events(db: &Db, since: i64, limit: i64) -> Result<Vec<SliceEvent>> {
+/// Slice events since `since`, oldest first. An event of a deployment `scope` does not
+/// see keeps its state but not its detail, which names the deployment.
+pub async fn slice_events(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<Vec<SliceEvent>> {
     let rows = sqlx::query(
-        "SELECT at, slice_uuid, state, detail FROM loan_events WHERE at >= $1 ORDER BY at, id LIMIT $2",
+        "SELECT e.at, e.slice_uuid, e.state, e.detail, e.deployment_id, d.owner_id AS lender_owner_id \
+         FROM loan_events e LEFT JOIN deployments d ON d.id = e.deployment_id \
+         WHERE e.at >= $1 ORDER BY e.at, e.id LIMIT $2",
     )
     .bind(since)
     .bind(limit)
@@ -650,14 +662,28 @@ pub async fn slice_events(db: &Db, since: i64, limit: i64) -> Result<Vec<SliceEv
     .await?;
     rows.iter()
         .map(|r| {
+            let lender: Option<String> = r.try_get("deployment_id")?;
+            let hidden = lender.is_some() && !sees_lender(scope, r.try_get("lender_owner_id")?)?;
             Ok(SliceEvent {
                 at: db::time(r.try_get("at")?),
                 slice: r.try_get("slice_uuid")?,
                 state: r.try_get("state")?,
-                detail: r.try_get("detail")?,
+                detail: if hidden { ANOTHER_USERS_DEPLOYMENT.into() } else { r.try_get("detail")? },
             })
         })
         .collect()
+}
+
+/// What a user reads in place of the name of another user's deployment.
+const ANOTHER_USERS_DEPLOYMENT: &str = "another user's deployment";
+
+/// Whether `scope` may see the name of a deployment owned by `owner` (none: deleted since,
+/// so only the server's own scope and admins see it).
+fn sees_lender(scope: &Scope, owner: Option<String>) -> Result<bool> {
+    match owner {
+        Some(owner) => Ok(scope.sees(parse_uuid("deployments", "owner_id", &owner)?)),
+        None => Ok(scope.sees_everything()),
+    }
 }
 
 /// The state of each slice just before `at` from its events (the timeline's left edge).

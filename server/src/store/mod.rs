@@ -98,4 +98,9 @@ impl Scope {
     pub fn sees(&self, owner: Uuid) -> bool {
         self.owner.is_none_or(|id| id == owner)
     }
+
+    /// True for `Scope::all()`: rows whose owner is gone are seen only here.
+    pub fn sees_everything(&self) -> bool {
+        self.owner.is_none()
+    }
 }
