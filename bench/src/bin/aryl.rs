@@ -82,7 +82,7 @@ use tessera_bench::machine;
 use tessera_server::loaning::{RESIZE_COOLDOWN_ROUNDS, RESIZE_MARGIN};
 use tessera_server::scheduler::loaning::elastic::{grant, Candidate};
 use tessera_server::scheduler::loaning::{
-    capacity::needed, next_loan, plan_round, Deployment, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
+    capacity::needed, forecast, next_loan, plan_round, Deployment, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
 };
 
 const MINUTE: f64 = 60.0;
@@ -1013,11 +1013,13 @@ fn main() {
         Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESTART_SECS, resize_margin: RESIZE_MARGIN };
     let plan = plan_round(&round);
     let started_now = jobs.iter().zip(&plan.placements).filter(|(j, p)| j.holdings.is_empty() && !p.holdings.is_empty()).count();
+    // What the server computes in a round: the plan, then the queue's forecast from it.
     let (round_ms, round_runs) = timed_ms(5, || {
-        std::hint::black_box(plan_round(std::hint::black_box(&round)));
+        let plan = plan_round(std::hint::black_box(&round));
+        std::hint::black_box(forecast(&round, &plan));
     });
     println!(
-        "round jobs=1000 running={running} slices=500 reclaim_events={} started={started_now} time={round_ms:.3} ms (median of 5: {:?})",
+        "round (plan + forecast) jobs=1000 running={running} slices=500 reclaim_events={} started={started_now} time={round_ms:.3} ms (median of 5: {:?})",
         plan.reclaims.len(),
         round_runs.iter().map(|t| round3(*t)).collect::<Vec<_>>()
     );
