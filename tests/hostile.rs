@@ -3,16 +3,16 @@
 //! the platform's error shape, never a 500, a redirect off the site, or memory kept.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tessera_tests::{
     admin_password, binary, databases, error_body, eventually, minilm_dir, start_server_with,
-    start_worker, Process, User,
+    start_worker, success_json, Process, User,
 };
-use tessera_worker::engine::synthetic::RandomBert;
+use tessera_worker::engine::synthetic::{word_level_tokenizer, RandomBert};
 
 const WORKER_TOKEN: &str = "hostile-worker-token-of-32-bytes-or-more";
 
@@ -29,6 +29,129 @@ fn no_redirects() -> reqwest::Client {
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap()
+}
+
+/// `POST /api/v1{path}` with `body`, as `user`.
+async fn post(user: &User, path: &str, body: Value) -> reqwest::Response {
+    let request = user
+        .http
+        .post(user.api(path))
+        .bearer_auth(&user.token)
+        .json(&body);
+    request.send().await.unwrap()
+}
+
+/// `GET /api/v1{path}`, as `user`.
+async fn fetch(user: &User, path: &str) -> reqwest::Response {
+    let request = user.http.get(user.api(path)).bearer_auth(&user.token);
+    request.send().await.unwrap()
+}
+
+/// The same server, with `token` as the bearer (another session, an API token, a worker).
+fn bearer(of: &User, token: &str) -> User {
+    User {
+        http: of.http.clone(),
+        url: of.url.clone(),
+        token: token.to_string(),
+    }
+}
+
+/// `POST /api/v1/auth/login` as `username` with `password`.
+async fn login(on: &User, username: &str, password: &str) -> reqwest::Response {
+    let body = json!({"username": username, "password": password});
+    on.http
+        .post(on.api("/auth/login"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A new session of `username`.
+async fn sign_in(on: &User, username: &str, password: &str) -> User {
+    let session = success_json(login(on, username, password).await).await;
+    bearer(on, session["token"].as_str().unwrap())
+}
+
+/// The message of a rejection in the platform's error shape.
+fn message(body: &Value) -> &str {
+    body["error"]["message"].as_str().unwrap()
+}
+
+/// The status of `GET /api/v1/auth/me`: whether `user`'s bearer still signs anyone in.
+async fn me(user: &User) -> u16 {
+    fetch(user, "/auth/me").await.status().as_u16()
+}
+
+/// The user `username` (role `user`, password `{username}-secret-pw`), created by `admin`:
+/// its id and a session of it.
+async fn user(admin: &User, username: &str) -> (String, User) {
+    let password = format!("{username}-secret-pw");
+    let body = json!({"username": username, "password": password, "role": "user"});
+    let created = success_json(post(admin, "/users", body).await).await;
+    (
+        created["id"].as_str().unwrap().to_string(),
+        sign_in(admin, username, &password).await,
+    )
+}
+
+/// The files of [`tiny_model`]'s folder.
+const TINY_FILES: &[&str] = &["config.json", "model.safetensors", "tokenizer.json"];
+
+/// A one-layer random BERT with a word-level tokenizer, written under `dir` (needs no
+/// assets): the folder.
+fn tiny_model(dir: &Path) -> PathBuf {
+    let (tokenizer, model) = (dir.join("tokenizer"), dir.join("tiny"));
+    std::fs::create_dir_all(&tokenizer).unwrap();
+    let words = word_level_tokenizer(&["hello", "world"], None).to_string();
+    std::fs::write(tokenizer.join("tokenizer.json"), words).unwrap();
+    let sizes = RandomBert {
+        hidden: 8,
+        layers: 1,
+        heads: 2,
+        intermediate: 16,
+        vocab: 6,
+        max_positions: 16,
+    };
+    sizes.write(&model, 1, &tokenizer).unwrap();
+    model
+}
+
+/// Uploads [`tiny_model`]'s folder `dir` as the model `name`: the response.
+async fn upload_tiny(user: &User, dir: &Path, name: &str) -> reqwest::Response {
+    let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
+    for file in TINY_FILES {
+        let part = reqwest::multipart::Part::bytes(std::fs::read(dir.join(file)).unwrap());
+        form = form.part("files", part.file_name(file.to_string()));
+    }
+    let request = user
+        .http
+        .post(user.api("/models"))
+        .bearer_auth(&user.token)
+        .multipart(form);
+    request.send().await.unwrap()
+}
+
+/// Registers a worker named `name` with the worker token and `slices`, as the worker
+/// binary does: the response.
+async fn register(on: &User, name: &str, slices: Value) -> reqwest::Response {
+    let inventory =
+        json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1 << 30, "slices": slices});
+    let body = json!({"name": name, "version": "hostile", "inventory": inventory});
+    post(&bearer(on, WORKER_TOKEN), "/agent/register", body).await
+}
+
+/// A worker registered as [`register`] does, signed in with its secret.
+async fn worker(on: &User, name: &str, slices: Value) -> User {
+    let registered = success_json(register(on, name, slices).await).await;
+    bearer(on, registered["secret"].as_str().unwrap())
+}
+
+/// The job `worker` claims of the kind `kind` (asserting there is one).
+async fn claim(worker: &User, kind: &str) -> Value {
+    let response = post(worker, "/agent/claim", json!({"kinds": [kind]})).await;
+    assert_eq!(response.status(), 200, "nothing to claim");
+    response.json().await.unwrap()
 }
 
 // --- Secrets ---------------------------------------------------------------------------
@@ -463,4 +586,279 @@ async fn served_models_check_kserve_shapes_and_cannot_be_deleted() {
             .send();
         assert_eq!(response.await.unwrap().status(), 204, "{database:?}");
     }
+}
+
+// --- Sessions ----------------------------------------------------------------------------
+
+/// Sessions end on the server (a JWT used to live until it expired, whatever happened):
+/// logging out ends that session, changing the password ends the user's other sessions
+/// but not the one making the change, and an admin disabling a user ends its sessions and
+/// API tokens and refuses its logins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logout_password_changes_and_disabled_users_end_sessions_on_the_server() {
+    for database in databases() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut server, url) = server(dir.path(), database.as_deref(), &[]);
+        let admin = User::login(&mut server, &url).await;
+        let (id, alice) = user(&admin, "alice").await;
+        let password = "alice-secret-pw";
+        let laptop = sign_in(&admin, "alice", password).await;
+        let phone = sign_in(&admin, "alice", password).await;
+
+        assert_eq!(
+            post(&alice, "/auth/logout", json!({})).await.status(),
+            204,
+            "{database:?}"
+        );
+        assert_eq!(
+            me(&alice).await,
+            401,
+            "{database:?}: the logged-out bearer still works"
+        );
+        assert_eq!(me(&laptop).await, 200, "only that session ended");
+
+        let change = json!({"current_password": password, "new_password": "a-new-password"});
+        assert_eq!(
+            post(&laptop, "/auth/password", change).await.status(),
+            204,
+            "{database:?}"
+        );
+        assert_eq!(me(&laptop).await, 200, "the session that changed it stays");
+        assert_eq!(
+            me(&phone).await,
+            401,
+            "{database:?}: the other session still works"
+        );
+        assert_eq!(login(&admin, "alice", password).await.status(), 401);
+
+        let created = success_json(post(&laptop, "/tokens", json!({"name": "script"})).await).await;
+        let script = bearer(&admin, created["token"].as_str().unwrap());
+        assert_eq!(me(&script).await, 200);
+        let disable = admin.http.patch(admin.api(&format!("/users/{id}")));
+        let disable = disable
+            .bearer_auth(&admin.token)
+            .json(&json!({"disabled": true}));
+        assert_eq!(
+            success_json(disable.send().await.unwrap()).await["disabled"],
+            true
+        );
+        assert_eq!(
+            me(&laptop).await,
+            401,
+            "{database:?}: the session outlived the disable"
+        );
+        assert_eq!(
+            me(&script).await,
+            401,
+            "{database:?}: the API token outlived the disable"
+        );
+        let refused = error_body(login(&admin, "alice", "a-new-password").await, 403).await;
+        assert!(message(&refused).contains("disabled"), "{refused}");
+    }
+}
+
+// --- Fair use ----------------------------------------------------------------------------
+
+/// A 403 `quota_exceeded` whose message names `quota`.
+async fn assert_quota(response: reqwest::Response, quota: &str) {
+    let body = error_body(response, 403).await;
+    assert_eq!(body["error"]["code"], "quota_exceeded", "{body}");
+    assert!(message(&body).contains(quota), "{body}");
+}
+
+/// Quotas from the binary's environment refuse a user past the limit, naming the quota;
+/// and the queue is fair across users: alice's flood of queued jobs (claimed oldest first
+/// on the old code) does not keep bob's job waiting behind all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_refuse_past_the_limit_and_one_users_flood_does_not_starve_another() {
+    for database in databases() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(dir.path());
+        let model_bytes: u64 = TINY_FILES
+            .iter()
+            .map(|f| std::fs::metadata(model.join(f)).unwrap().len())
+            .sum();
+        let storage = (model_bytes + 100).to_string();
+        let quotas = [
+            ("TESSERA_QUOTA_JOBS", "3"),
+            ("TESSERA_QUOTA_REPLICAS", "1"),
+            ("TESSERA_QUOTA_STORAGE_BYTES", storage.as_str()),
+            ("TESSERA_HEARTBEAT_SECS", "30"),
+        ];
+        let (mut server, url) = server(&dir.path().join("server"), database.as_deref(), &quotas);
+        let admin = User::login(&mut server, &url).await;
+        let (_, alice) = user(&admin, "alice").await;
+        let (_, bob) = user(&admin, "bob").await;
+        for user in [&alice, &bob] {
+            user.upload_model(&model, TINY_FILES, "tiny").await;
+        }
+
+        assert_quota(
+            upload_tiny(&alice, &model, "tiny-again").await,
+            "TESSERA_QUOTA_STORAGE_BYTES",
+        )
+        .await;
+        let deployment = json!({"name": "wide", "model": "tiny", "replicas": 2});
+        assert_quota(
+            post(&alice, "/deployments", deployment).await,
+            "TESSERA_QUOTA_REPLICAS",
+        )
+        .await;
+        let prefetch =
+            |name: &str| json!({"name": name, "spec": {"kind": "prefetch", "model": "tiny"}});
+        let mut flood = Vec::new();
+        for i in 0..3 {
+            flood.push(alice.submit(prefetch(&format!("flood {i}"))).await);
+            // Jobs of one owner go oldest first by `created_at`, in milliseconds.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_quota(
+            post(&alice, "/jobs", prefetch("one too many")).await,
+            "TESSERA_QUOTA_JOBS",
+        )
+        .await;
+        let bobs = bob.submit(prefetch("mine")).await;
+
+        // Nobody runs anything: alice's oldest goes first. Then bob, who runs none, comes
+        // ahead of alice's older jobs; then both run one, and alice's queue goes on.
+        let worker = worker(&admin, "w0", json!([])).await;
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            order.push(claim(&worker, "prefetch").await["job_id"].clone());
+        }
+        assert_eq!(
+            Value::from(order),
+            json!([flood[0], bobs, flood[1]]),
+            "{database:?}"
+        );
+    }
+}
+
+// --- Workers -----------------------------------------------------------------------------
+
+/// Workers get least privilege: one downloads a model only while it holds a job that uses
+/// it (any registered worker could fetch any tenant's model), and a second worker cannot
+/// take over the name of a live one (it got the name, and the first worker's secret died).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_fetch_only_what_their_jobs_use_and_keep_their_names() {
+    for database in databases() {
+        let dir = tempfile::tempdir().unwrap();
+        let model_dir = tiny_model(dir.path());
+        let heartbeats = [("TESSERA_HEARTBEAT_SECS", "30")];
+        let (mut server, url) =
+            server(&dir.path().join("server"), database.as_deref(), &heartbeats);
+        let admin = User::login(&mut server, &url).await;
+        let model = admin.upload_model(&model_dir, TINY_FILES, "tiny").await;
+        let model = model["id"].as_str().unwrap();
+        let first = worker(&admin, "w1", json!([])).await;
+
+        let file = format!("/agent/models/{model}/files/config.json");
+        let refused = error_body(fetch(&first, &file).await, 403).await;
+        assert!(
+            message(&refused).contains("holds no job"),
+            "{database:?}: {refused}"
+        );
+        admin
+            .submit(json!({"name": "warm", "spec": {"kind": "prefetch", "model": model}}))
+            .await;
+        claim(&first, "prefetch").await;
+        assert_eq!(
+            fetch(&first, &file).await.status(),
+            200,
+            "{database:?}: the job's own model"
+        );
+
+        let taken = error_body(register(&admin, "w1", json!([])).await, 409).await;
+        assert!(
+            message(&taken).contains("'w1' is online"),
+            "{database:?}: {taken}"
+        );
+        let beat = post(&first, "/agent/heartbeat", json!({"jobs": []})).await;
+        assert_eq!(
+            beat.status(),
+            200,
+            "{database:?}: the live worker keeps its name and secret"
+        );
+    }
+}
+
+// --- Tenant names ------------------------------------------------------------------------
+
+/// `/api/v1/workers` shows a slice serving another tenant's deployment as in use, without
+/// its name (bob read alice's deployment names there); the owner and admins see the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_see_other_tenants_slices_as_in_use_without_names() {
+    for database in databases() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(dir.path());
+        let heartbeats = [("TESSERA_HEARTBEAT_SECS", "30")];
+        let (mut server, url) =
+            server(&dir.path().join("server"), database.as_deref(), &heartbeats);
+        let admin = User::login(&mut server, &url).await;
+        let (_, alice) = user(&admin, "alice").await;
+        let (_, bob) = user(&admin, "bob").await;
+        let slice = json!({"uuid": "MIG-sim-1", "gpu_uuid": "GPU-sim-1", "gpu_index": 0, "gpu_model": "H100-80GB",
+            "profile": "3g.40gb", "start": null, "memory_bytes": 40u64 << 30, "simulated": true});
+        let gpu = worker(&admin, "gpu-1", json!([slice])).await;
+        alice.upload_model(&model, TINY_FILES, "tiny").await;
+        let deployment = json!({"name": "alice-secret-project", "model": "tiny", "replicas": 1});
+        success_json(post(&alice, "/deployments", deployment).await).await;
+        assert_eq!(
+            claim(&gpu, "serve").await["slice"]["uuid"],
+            "MIG-sim-1",
+            "{database:?}"
+        );
+
+        for user in [&alice, &admin] {
+            let workers = user.get("/workers").await;
+            assert_eq!(
+                workers[0]["slices"][0]["deployment"], "alice-secret-project",
+                "{database:?}"
+            );
+        }
+        let workers = bob.get("/workers").await;
+        assert!(
+            !workers.to_string().contains("alice-secret-project"),
+            "{database:?}: bob reads {workers}"
+        );
+        let slice = &workers[0]["slices"][0];
+        assert_eq!(
+            (&slice["in_use"], &slice["deployment"], &slice["replica"]),
+            (&json!(true), &Value::Null, &Value::Null),
+            "{database:?}: {slice}"
+        );
+    }
+}
+
+// --- /metrics ----------------------------------------------------------------------------
+
+/// Unknown HTTP methods share one label value, `other`, in what the scrape token reads
+/// (each method a client made up was a new time series, kept for the server's life).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_http_methods_share_one_metric_label() {
+    let dir = tempfile::tempdir().unwrap();
+    let scrape_token = "hostile-scrape-token-of-32-bytes-or-more";
+    let (_server, url) = server(dir.path(), None, &[("TESSERA_METRICS_TOKEN", scrape_token)]);
+    let http = reqwest::Client::new();
+    let models = format!("{url}/api/v1/models");
+    for method in ["FOOBAR", "XYZZY"] {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        error_body(http.request(method, &models).send().await.unwrap(), 405).await;
+    }
+    let response = http
+        .get(format!("{url}/metrics"))
+        .bearer_auth(scrape_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let metrics = response.text().await.unwrap();
+    assert!(
+        !metrics.contains("FOOBAR") && !metrics.contains("XYZZY"),
+        "a client minted its own label values"
+    );
+    assert!(
+        metrics.contains("method=\"other\",route=\"/api/v1/models\",status=\"405\""),
+        "{metrics}"
+    );
 }
