@@ -117,6 +117,17 @@ fn tiny_model(dir: &Path) -> PathBuf {
     model
 }
 
+/// A server in `dir` on `database` where hand-registered workers stay online through the
+/// test (no heartbeat due for 30 s), signed in as admin: the server, the admin session and
+/// [`tiny_model`]'s folder.
+async fn agents_server(dir: &Path, database: Option<&str>) -> (Process, User, PathBuf) {
+    let model = tiny_model(dir);
+    let heartbeats = [("TESSERA_HEARTBEAT_SECS", "30")];
+    let (mut server, url) = server(&dir.join("server"), database, &heartbeats);
+    let admin = User::login(&mut server, &url).await;
+    (server, admin, model)
+}
+
 /// Uploads [`tiny_model`]'s folder `dir` as the model `name`: the response.
 async fn upload_tiny(user: &User, dir: &Path, name: &str) -> reqwest::Response {
     let mut form = reqwest::multipart::Form::new().text("name", name.to_string());
@@ -743,11 +754,7 @@ async fn quotas_refuse_past_the_limit_and_one_users_flood_does_not_starve_anothe
 async fn workers_fetch_only_what_their_jobs_use_and_keep_their_names() {
     for database in databases() {
         let dir = tempfile::tempdir().unwrap();
-        let model_dir = tiny_model(dir.path());
-        let heartbeats = [("TESSERA_HEARTBEAT_SECS", "30")];
-        let (mut server, url) =
-            server(&dir.path().join("server"), database.as_deref(), &heartbeats);
-        let admin = User::login(&mut server, &url).await;
+        let (_server, admin, model_dir) = agents_server(dir.path(), database.as_deref()).await;
         let model = admin.upload_model(&model_dir, TINY_FILES, "tiny").await;
         let model = model["id"].as_str().unwrap();
         let first = worker(&admin, "w1", json!([])).await;
@@ -790,11 +797,7 @@ async fn workers_fetch_only_what_their_jobs_use_and_keep_their_names() {
 async fn users_see_other_tenants_slices_as_in_use_without_names() {
     for database in databases() {
         let dir = tempfile::tempdir().unwrap();
-        let model = tiny_model(dir.path());
-        let heartbeats = [("TESSERA_HEARTBEAT_SECS", "30")];
-        let (mut server, url) =
-            server(&dir.path().join("server"), database.as_deref(), &heartbeats);
-        let admin = User::login(&mut server, &url).await;
+        let (_server, admin, model) = agents_server(dir.path(), database.as_deref()).await;
         let (_, alice) = user(&admin, "alice").await;
         let (_, bob) = user(&admin, "bob").await;
         let slice = json!({"uuid": "MIG-sim-1", "gpu_uuid": "GPU-sim-1", "gpu_index": 0, "gpu_model": "H100-80GB",
