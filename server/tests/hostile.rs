@@ -373,5 +373,23 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
             let response = server.post(&admin, path, body).await;
             assert_eq!(response.status(), 422, "{backend:?} {path}");
         }
+
+        // What a worker reports comes from processes' output: a NUL is kept as U+FFFD, not
+        // a failed report.
+        let (_, secret) = server.register_worker("w-nul").await;
+        let claimed = server.post(&secret, "/agent/claim", json!({"kinds": ["prefetch"]})).await;
+        let id = claimed.json::<Value>().await.unwrap()["job_id"].as_str().unwrap().to_string();
+        let reports = [
+            ("logs", json!({"lines": ["bin\0ary"]})),
+            ("status", json!({"state": "failed", "message": "crashed\0"})),
+        ];
+        for (report, body) in reports {
+            let response = server.post(&secret, &format!("/agent/jobs/{id}/{report}"), body).await;
+            assert_eq!(response.status(), 204, "{backend:?} {report}");
+        }
+        let logs: Value = server.get(&admin, &format!("/jobs/{id}/logs")).await.json().await.unwrap();
+        assert_eq!(logs[0]["line"], "bin\u{FFFD}ary", "{backend:?}");
+        let job: Value = server.get(&admin, &format!("/jobs/{id}")).await.json().await.unwrap();
+        assert_eq!(job["message"], "crashed\u{FFFD}", "{backend:?}");
     }
 }

@@ -243,19 +243,20 @@ pub async fn report_status(
     ApiPath(job): ApiPath<Uuid>,
     ApiJson(report): ApiJson<StatusReport>,
 ) -> Result<StatusCode> {
+    let message = report.message.as_deref().map(storable_text);
     let held = match report.state {
         JobState::Running => {
             let endpoint = report.endpoint.as_deref();
             if let Some(endpoint) = endpoint {
                 check_endpoint(&state, peer.ip(), endpoint).await?;
             }
-            jobs::mark_running(&state.db, agent.worker_id, job, report.message.as_deref(), endpoint).await?
+            jobs::mark_running(&state.db, agent.worker_id, job, message.as_deref(), endpoint).await?
         }
         JobState::Succeeded | JobState::Failed => {
-            jobs::mark_finished(&state.db, agent.worker_id, job, report.state, report.message.as_deref()).await?
+            jobs::mark_finished(&state.db, agent.worker_id, job, report.state, message.as_deref()).await?
         }
         JobState::Preempted => {
-            let message = report.message.as_deref().unwrap_or("Preempted: checkpointed and stopped.");
+            let message = message.as_deref().unwrap_or("Preempted: checkpointed and stopped.");
             let preempted = jobs::mark_preempted(&state.db, agent.worker_id, job, message).await?;
             if !preempted && jobs::holds_lease(&state.db, agent.worker_id, job).await? {
                 return Err(Error::Conflict(
@@ -278,6 +279,13 @@ pub async fn report_status(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Text a worker reports (a process's output, a failure message) as a column can hold it:
+/// PostgreSQL refuses a NUL byte in text, so each becomes U+FFFD rather than failing the
+/// whole report.
+fn storable_text(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
+}
+
 /// Append log lines to a leased job.
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/logs", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = LogBatch, responses((status = 204)))]
@@ -293,8 +301,11 @@ pub async fn append_logs(
     }
     // A gang's ranks write to its job's one log, each line saying whose it is.
     let prefix = rank.map(|r| format!("rank {}: ", r.rank)).unwrap_or_default();
-    let lines: Vec<String> =
-        batch.lines.iter().map(|line| format!("{prefix}{}", line.chars().take(8192).collect::<String>())).collect();
+    let lines: Vec<String> = batch
+        .lines
+        .iter()
+        .map(|line| format!("{prefix}{}", storable_text(&line.chars().take(8192).collect::<String>())))
+        .collect();
     jobs::append_logs(&state.db, job, &lines, now_ms()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
