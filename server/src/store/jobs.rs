@@ -234,9 +234,10 @@ pub struct Claimed {
 /// The order claims take queued jobs in: first those of the owner who holds the fewest
 /// live leases now (serving replicas included), then the oldest. A user who floods the
 /// queue thus waits behind every other user's next job instead of starving them; among
-/// owners who hold as many, and within one owner, the queue stays oldest-first.
+/// owners who hold as many, and within one owner, the queue stays oldest-first, in the
+/// order jobs were queued where they share a millisecond (`queue_seq`, migration 0017).
 const FAIR_ORDER: &str = "(SELECT COUNT(*) FROM jobs live WHERE live.owner_id = jobs.owner_id \
-     AND live.state IN ('leased', 'running')), created_at, id";
+     AND live.state IN ('leased', 'running')), created_at, queue_seq";
 
 /// Leases a queued job of one of `kinds` to `worker`, in [`FAIR_ORDER`], taking only the
 /// serve jobs the worker's free slices allow (see [`Free::condition`]).
