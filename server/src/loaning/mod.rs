@@ -299,6 +299,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
 
     // 3. Plan training per MIG profile.
     let gangs = store::slice_gangs(db).await?;
+    // The oldest of the newest `RESIZE_COOLDOWN_ROUNDS` rounds, once there are as many.
+    let newest = store::newest_rounds(db, RESIZE_COOLDOWN_ROUNDS).await?;
+    let cooldown_from = newest.get(RESIZE_COOLDOWN_ROUNDS as usize - 1).copied();
     let lender_ids: Vec<Uuid> = deployments.iter().map(|d| d.id).collect();
     let pool_of = |s: &FleetSlice| match (s.loan_state, s.lender) {
         (SliceLoan::Serving, _) => Some(Pool::Training),
@@ -375,16 +378,16 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 (ranks, ranks)
             };
-            let resizable = match g.formed_at {
-                Some(formed) if elastic && !waiting => {
-                    store::rounds_since(db, formed).await? >= RESIZE_COOLDOWN_ROUNDS
-                }
+            // Cooled down: at least `RESIZE_COOLDOWN_ROUNDS` rounds recorded since it formed.
+            let resizable = match (g.formed_at, cooldown_from) {
+                (Some(formed), Some(oldest)) => elastic && !waiting && formed <= oldest,
                 _ => false,
             };
-            let step_secs = StepTimes::from_recent(
-                store::step_secs_by_count(db, g.id, STEP_WINDOW).await?,
-                STEP_WINDOW,
-            );
+            let measured = match g.measured {
+                true => store::step_secs_by_count(db, g.id, STEP_WINDOW).await?,
+                false => Vec::new(),
+            };
+            let step_secs = StepTimes::from_recent(measured, STEP_WINDOW);
             jobs.push(Job {
                 min_ranks: min,
                 max_ranks: max,
@@ -577,12 +580,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             if total as usize != g.ranks.len() && crate::gangs::resize(db, g.id, total).await.is_err() {
                 continue;
             }
-            let ranks = store::slice_gangs(db)
-                .await?
-                .into_iter()
-                .find(|x| x.id == g.id)
-                .map(|x| x.ranks)
-                .unwrap_or_default();
+            let ranks = store::gang_ranks(db, g.id).await?;
             let pins: Vec<(Uuid, String)> = ranks.iter().map(|r| r.job).zip(chosen).collect();
             if pins
                 .iter()
@@ -661,9 +659,10 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
     }
     let fleet = store::fleet(db, online_since).await?;
+    // Those a rank still holds wait for it to stop (`finish_reclaim` checks again).
     for s in fleet
         .iter()
-        .filter(|s| s.loan_state == SliceLoan::Reclaiming)
+        .filter(|s| s.loan_state == SliceLoan::Reclaiming && s.holder == Holder::Free)
     {
         let Some(d) = s
             .lender

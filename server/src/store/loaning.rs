@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 use tessera_api::jobs::JobSpec;
 use tessera_api::loaning::{
@@ -156,6 +157,8 @@ pub struct SliceGang {
     pub stopping: bool,
     /// The rank count the round stopped it to restart at (a resize), until placed again.
     pub resize_ranks: Option<u32>,
+    /// Rank 0 has reported step timings (of any attempt): `step_secs_by_count` finds some.
+    pub measured: bool,
     pub ranks: Vec<GangRank>,
 }
 
@@ -175,18 +178,38 @@ impl SliceGang {
     }
 }
 
-/// Unfinished gangs whose every rank asks for a MIG slice, oldest first.
+/// The live gangs' states, by which the round reads them (`slice_gangs`).
+const LIVE_GANGS: &str = "g.kind = 'train_gang' AND g.state IN ('queued', 'preempted', 'running')";
+/// The rank rows of a live gang: the current attempt's.
+const LIVE_RANKS: &str = "r.state IN ('queued', 'leased', 'running')";
+
+/// Unfinished gangs whose every rank asks for a MIG slice, oldest first. Three reads
+/// however many gangs there are: the gangs, all their ranks, and which gangs have step
+/// timings (the round reads those gangs' timings, `step_secs_by_count`).
 pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
-    let gangs = sqlx::query(
+    let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
            g.preempt_reason, g.resize_ranks, \
-           (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at \
-         FROM jobs g WHERE g.kind = 'train_gang' AND g.state IN ('queued', 'preempted', 'running') \
+           (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at, \
+           CAST(CASE WHEN EXISTS (SELECT 1 FROM rank_steps s WHERE s.job_id = g.id AND s.rank = 0 AND s.world > 0) \
+             THEN 1 ELSE 0 END AS BIGINT) AS measured \
+         FROM jobs g WHERE {LIVE_GANGS} \
          AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.gang_placement NOT LIKE 'slice:%') \
-         ORDER BY g.created_at, g.id",
-    )
+         ORDER BY g.created_at, g.id"
+    )))
     .fetch_all(db.pool())
     .await?;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT r.gang_id, r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid FROM jobs r \
+         JOIN jobs g ON g.id = r.gang_id WHERE {LIVE_RANKS} AND {LIVE_GANGS} \
+         ORDER BY r.gang_id, r.gang_rank"
+    )))
+    .fetch_all(db.pool())
+    .await?;
+    let mut ranks_of: HashMap<String, Vec<GangRank>> = HashMap::new();
+    for r in &rows {
+        ranks_of.entry(r.try_get("gang_id")?).or_default().push(gang_rank(r)?);
+    }
     let mut out = Vec::new();
     for g in &gangs {
         let id: String = g.try_get("id")?;
@@ -194,28 +217,9 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
         let JobSpec::Train(train) = spec else {
             continue;
         };
-        let ranks = sqlx::query(
-            "SELECT id, gang_rank, state, gang_placement, slice_uuid FROM jobs WHERE gang_id = $1 \
-             AND state IN ('queued', 'leased', 'running') ORDER BY gang_rank",
-        )
-        .bind(&id)
-        .fetch_all(db.pool())
-        .await?;
-        let ranks = ranks
-            .iter()
-            .map(|r| {
-                Ok(GangRank {
-                    job: parse_uuid("jobs", "id", &r.try_get::<String, _>("id")?)?,
-                    rank: r.try_get::<i64, _>("gang_rank")? as u32,
-                    state: r.try_get("state")?,
-                    placement: r.try_get("gang_placement")?,
-                    slice: r.try_get("slice_uuid")?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if ranks.is_empty() {
+        let Some(ranks) = ranks_of.remove(&id) else {
             continue;
-        }
+        };
         let state: String = g.try_get("state")?;
         let updated: i64 = g.try_get("updated_at")?;
         let created: i64 = g.try_get("created_at")?;
@@ -240,10 +244,34 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
                 .try_get::<Option<i64>, _>("resize_ranks")?
                 .filter(|&n| n > 0)
                 .map(|n| n as u32),
+            // An integer on both databases (EXISTS is a boolean on PostgreSQL only).
+            measured: g.try_get::<i64, _>("measured")? != 0,
             ranks,
         });
     }
     Ok(out)
+}
+
+/// The current attempt's ranks of `gang`, by rank.
+pub async fn gang_ranks(db: &Db, gang: Uuid) -> Result<Vec<GangRank>> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid FROM jobs r \
+         WHERE r.gang_id = $1 AND {LIVE_RANKS} ORDER BY r.gang_rank"
+    )))
+    .bind(gang.to_string())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter().map(gang_rank).collect()
+}
+
+fn gang_rank(r: &AnyRow) -> Result<GangRank> {
+    Ok(GangRank {
+        job: parse_uuid("jobs", "id", &r.try_get::<String, _>("id")?)?,
+        rank: r.try_get::<i64, _>("gang_rank")? as u32,
+        state: r.try_get("state")?,
+        placement: r.try_get("gang_placement")?,
+        slice: r.try_get("slice_uuid")?,
+    })
 }
 
 /// A gang's step timings by rank count, each count's `per_count` newest steps whatever
@@ -716,14 +744,13 @@ pub async fn record_round(db: &Db, round: &LoanRound) -> Result<()> {
     Ok(())
 }
 
-/// How many rounds were recorded at or after `at` (the resize hysteresis counts rounds
-/// since a gang formed).
-pub async fn rounds_since(db: &Db, at: i64) -> Result<u32> {
-    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM loan_rounds WHERE at >= $1")
-        .bind(at)
-        .fetch_one(db.pool())
-        .await?;
-    Ok(n.max(0) as u32)
+/// When the newest `n` rounds were recorded, newest first (the resize hysteresis counts
+/// the rounds since a gang formed).
+pub async fn newest_rounds(db: &Db, n: u32) -> Result<Vec<i64>> {
+    Ok(sqlx::query_scalar("SELECT at FROM loan_rounds ORDER BY at DESC LIMIT $1")
+        .bind(n as i64)
+        .fetch_all(db.pool())
+        .await?)
 }
 
 /// Rounds since `since`, oldest first.
@@ -779,6 +806,11 @@ pub struct TrainingPlan {
     pub note: String,
 }
 
+/// Rows per INSERT of `replace_plans` (12 parameters each, far below either database's
+/// limit): a round writes a plan for every queued job, one statement per row was most of
+/// a round's time at 1,000 jobs (bench `loaning_round`).
+const PLAN_ROWS_PER_INSERT: usize = 100;
+
 /// Replaces the stored plans with `plans` (jobs no longer scheduled drop out).
 pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
     let now = now_ms();
@@ -786,35 +818,47 @@ pub async fn replace_plans(db: &Db, plans: &[TrainingPlan]) -> Result<()> {
     sqlx::query("DELETE FROM training_plans")
         .execute(&mut *tx)
         .await?;
-    for p in plans {
-        // Two statements, not one binding a NULL: on PostgreSQL a statement first prepared
-        // with a NULL there keeps that parameter's type, and a later float is refused.
-        let predicted = p.predicted_secs.filter(|s| s.is_finite());
-        let sql = if predicted.is_some() {
-            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
-             predicted_start_at, predicted_finish_at, predicted_from, predicted_secs) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-        } else {
-            "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
-             predicted_start_at, predicted_finish_at, predicted_from) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-        };
-        let mut query = sqlx::query(sql)
-            .bind(p.job.to_string())
-            .bind(p.position as i64)
-            .bind(p.ranks as i64)
-            .bind(p.min_ranks as i64)
-            .bind(p.max_ranks as i64)
-            .bind(p.preemptible as i64)
-            .bind(&p.note)
-            .bind(now)
-            // NULL integers and texts are bound with their own types; only a NULL f64 is not.
-            .bind(p.predicted_start_at)
-            .bind(p.predicted_finish_at)
-            .bind(p.predicted_from.map(PredictedFrom::as_str));
-        if let Some(secs) = predicted {
-            query = query.bind(secs);
+    // Rows with a predicted time and rows without go in separate statements, not one
+    // binding a NULL: on PostgreSQL a statement first prepared with a NULL there keeps
+    // that parameter's type, and a later float is refused.
+    let (timed, untimed): (Vec<&TrainingPlan>, Vec<&TrainingPlan>) =
+        plans.iter().partition(|p| p.predicted_secs.is_some_and(f64::is_finite));
+    for (rows, with_secs) in [(timed, true), (untimed, false)] {
+        for chunk in rows.chunks(PLAN_ROWS_PER_INSERT) {
+            let columns = if with_secs { 12 } else { 11 };
+            let values: Vec<String> = (0..chunk.len())
+                .map(|r| {
+                    let params: Vec<String> = (1..=columns).map(|c| format!("${}", r * columns + c)).collect();
+                    format!("({})", params.join(", "))
+                })
+                .collect();
+            let sql = format!(
+                "INSERT INTO training_plans (job_id, position, ranks, min_ranks, max_ranks, preemptible, note, updated_at, \
+                 predicted_start_at, predicted_finish_at, predicted_from{}) VALUES {}",
+                if with_secs { ", predicted_secs" } else { "" },
+                values.join(", ")
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+            for p in chunk {
+                query = query
+                    .bind(p.job.to_string())
+                    .bind(p.position as i64)
+                    .bind(p.ranks as i64)
+                    .bind(p.min_ranks as i64)
+                    .bind(p.max_ranks as i64)
+                    .bind(p.preemptible as i64)
+                    .bind(p.note.clone())
+                    .bind(now)
+                    // NULL integers and texts are bound with their own types; only a NULL f64 is not.
+                    .bind(p.predicted_start_at)
+                    .bind(p.predicted_finish_at)
+                    .bind(p.predicted_from.map(PredictedFrom::as_str));
+                if with_secs {
+                    query = query.bind(p.predicted_secs);
+                }
+            }
+            query.execute(&mut *tx).await?;
         }
-        query.execute(&mut *tx).await?;
     }
     tx.commit().await?;
     Ok(())

@@ -32,22 +32,19 @@ pub struct Free {
     pub loaned: bool,
 }
 
+/// The order jobs start in: resumed resizes first, then by predicted time, NaN or unknown
+/// predictions last.
+pub fn queue_order(a: &Waiting, b: &Waiting) -> std::cmp::Ordering {
+    let key = |w: &Waiting| if w.predicted_secs.is_nan() { f64::INFINITY } else { w.predicted_secs };
+    b.resuming.cmp(&a.resuming).then(key(a).total_cmp(&key(b)))
+}
+
 /// The jobs that start (index into `waiting`) with the slices they take from each pool
 /// (index into `free`, count), in start order. `free` is updated.
 pub fn shortest_first(waiting: &[Waiting], free: &mut [Free]) -> Vec<(usize, Vec<(usize, u32)>)> {
     let mut order: Vec<usize> = (0..waiting.len()).collect();
-    // Resumed resizes first; NaN or unknown predictions go last.
-    order.sort_by(|&a, &b| {
-        let key = |i: usize| {
-            let t = waiting[i].predicted_secs;
-            if t.is_nan() {
-                f64::INFINITY
-            } else {
-                t
-            }
-        };
-        waiting[b].resuming.cmp(&waiting[a].resuming).then(key(a).total_cmp(&key(b))).then(a.cmp(&b))
-    });
+    // Stable: equals keep the order given (a caller that passes them sorted pays a pass).
+    order.sort_by(|&a, &b| queue_order(&waiting[a], &waiting[b]));
     let mut started = Vec::new();
     let mut pools: Vec<usize> = Vec::with_capacity(free.len());
     for i in order {
