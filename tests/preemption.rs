@@ -3,7 +3,8 @@
 //! the freed worker (the queue's fair order), resumes from the checkpoint it took at the
 //! step it was on, then loses its worker to a kill (at most `checkpoint_every` steps
 //! redone), and still ends bit-identical to the same spec run without interruption:
-//! the same final weights, the same loss at every step, the same evaluations.
+//! the same final weights, the same loss at every step, the same evaluations. A two-rank
+//! gang preempted the same way (the loaning round's reclaim path) ends bit-identical too.
 
 use std::time::Duration;
 
@@ -59,8 +60,8 @@ async fn wait_for_step(user: &User, job: &str, step: u64) {
     .await;
 }
 
-async fn final_weights(user: &User, job: &str) -> Vec<u8> {
-    let path = format!("{}/api/v1/jobs/{job}/checkpoints/{MAX_STEPS}/files/model.safetensors", user.url);
+async fn final_weights(user: &User, job: &str, step: u64) -> Vec<u8> {
+    let path = format!("{}/api/v1/jobs/{job}/checkpoints/{step}/files/model.safetensors", user.url);
     let response = user.http.get(path).bearer_auth(&user.token).send().await.unwrap();
     assert_eq!(response.status(), 200);
     response.bytes().await.unwrap().to_vec()
@@ -165,13 +166,73 @@ async fn a_preempted_job_resumes_and_ends_bit_identical_to_an_uninterrupted_run(
     assert_eq!((finished["attempts"].as_u64(), finished["preemptions"].as_u64()), (Some(2), Some(1)), "{finished}");
 
     bob.finished(&reference, &[&survivor, &w3], Duration::from_secs(300)).await;
-    assert_eq!(final_weights(&admin, &job).await, final_weights(&bob, &reference).await, "bit-identical weights");
-    let ours = trajectory(&admin.get(&format!("/jobs/{job}/metrics")).await);
-    let theirs = trajectory(&bob.get(&format!("/jobs/{reference}/metrics")).await);
-    assert_eq!(ours.0.len(), MAX_STEPS as usize);
+    assert_bit_identical((&admin, &job), (&bob, &reference), MAX_STEPS).await;
+}
+
+/// `ours` and `theirs` (each a user and a job) end with the same weights after `steps`
+/// steps, the same loss and learning rate at every step and the same evaluations.
+async fn assert_bit_identical(ours: (&User, &str), theirs: (&User, &str), steps: u64) {
+    let weights = final_weights(ours.0, ours.1, steps).await;
+    assert_eq!(weights, final_weights(theirs.0, theirs.1, steps).await, "bit-identical weights");
+    let ours = trajectory(&ours.0.get(&format!("/jobs/{}/metrics", ours.1)).await);
+    let theirs = trajectory(&theirs.0.get(&format!("/jobs/{}/metrics", theirs.1)).await);
+    assert_eq!(ours.0.len(), steps as usize);
     let first_step = ours.0.iter().zip(&theirs.0).find(|(a, b)| a != b);
     assert_eq!(first_step, None, "the same loss and learning rate at every step");
     let first_eval = ours.1.iter().zip(&theirs.1).find(|(a, b)| a != b);
     assert_eq!(first_eval, None, "the same evaluations");
     assert_eq!(ours.1.len(), theirs.1.len());
+}
+
+/// The same for a gang, as the loaning round stops one (`jobs::preempt_job`, the path of a
+/// reclaim): a two-rank job preempted mid-run through the API waits as `preempted`, both
+/// its ranks resume at two ranks from the checkpoint rank 0 took at the step the ranks
+/// agreed to stop after, and it ends bit-identical to the same spec run without a stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_gang_resumes_and_ends_bit_identical_to_an_uninterrupted_run() {
+    const STEPS: u64 = 1000;
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    let admin = User::login(&mut server, &url).await;
+    let dataset = admin.upload_dataset(csv).await;
+    let w1 = start_worker(&url, WORKER_TOKEN, &data.path().join("w1"), "w1");
+    let w2 = start_worker(&url, WORKER_TOKEN, &data.path().join("w2"), "w2");
+    let mut gang = spec(&dataset, STEPS, true);
+    gang["parallel"] = json!({"ranks": [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]});
+
+    let reference = admin.submit(gang.clone()).await;
+    admin.finished(&reference, &[&w1, &w2], Duration::from_secs(300)).await;
+    let job = admin.submit(gang).await;
+    wait_for_step(&admin, &job, 200).await;
+    let response = admin
+        .http
+        .post(format!("{url}/api/v1/jobs/{job}/preempt"))
+        .bearer_auth(&admin.token)
+        .json(&json!({"reason": "the serving deployment takes its slices back"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    let preempted = eventually("the gang is preempted", Duration::from_secs(60), || async {
+        let job = admin.get(&format!("/jobs/{job}")).await;
+        (job["state"] == "preempted").then_some(job)
+    })
+    .await;
+    assert_eq!(preempted["preemptions"].as_u64(), Some(1), "{preempted}");
+    let checkpoints = admin.get(&format!("/jobs/{job}/checkpoints")).await;
+    let stopped_at = checkpoints.as_array().unwrap().last().unwrap()["step"].as_u64().unwrap();
+    assert!((200..STEPS).contains(&stopped_at), "checkpointed at the stop: {stopped_at}");
+
+    let finished = admin.finished(&job, &[&w1, &w2], Duration::from_secs(300)).await;
+    assert_eq!(finished["preemptions"].as_u64(), Some(1), "{finished}");
+    let resumed: Vec<u64> = admin
+        .log_lines(&job)
+        .await
+        .iter()
+        .filter_map(|l| l.split("resuming from the checkpoint at step ").nth(1)?.parse().ok())
+        .collect();
+    eprintln!("the gang was preempted at step {stopped_at} and resumed from {resumed:?}");
+    assert_eq!(resumed, [stopped_at, stopped_at], "both ranks resumed where the gang stopped");
+    assert_bit_identical((&admin, &job), (&admin, &reference), STEPS).await;
 }
