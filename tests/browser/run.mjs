@@ -4,7 +4,9 @@
 // online, prefetch the model onto it, deploy it, watch inference traffic arrive on the
 // deployment page, make it loanable and open the fleet page, delete it; upload the digits dataset, train an AutoLRS and a constant-LR
 // job and read their charts, stages, checkpoints and the compare view; read a data-parallel
-// job's precision plan), and saves a screenshot of each page.
+// job's precision plan; then, with a worker simulating an H100's MIG slices in place of
+// the CPU one, watch an idle loanable deployment lend a slice to a two-rank job on the fleet
+// page), and saves a screenshot of each page.
 //
 //   node tests/browser/run.mjs
 //
@@ -151,6 +153,28 @@ async function apiLogin() {
   return (await login.json()).token;
 }
 
+/** Calls the REST API with `secret`; resolves to the status and the parsed body. */
+async function callApi(secret, method, route, body) {
+  const response = await fetch(`${base}/api/v1${route}`, {
+    method,
+    headers: { "content-type": "application/json", authorization: `Bearer ${secret}` },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await response.text();
+  return { status: response.status, body: text ? JSON.parse(text) : null };
+}
+
+/** Polls `probe` every half second until it returns a truthy value, which it resolves to. */
+async function until(what, timeoutMs, probe) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await probe();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${timeoutMs / 1000} s`);
+    await new Promise((resolve) => setTimeout(resolve, 500));
+  }
+}
+
 async function main() {
   fs.mkdirSync(shotsDir, { recursive: true });
   const shot = (page, name) => page.screenshot({ path: path.join(shotsDir, `${name}.png`), fullPage: true });
@@ -165,6 +189,7 @@ async function main() {
         TESSERA_ADMIN_PASSWORD: ADMIN_PASSWORD,
         TESSERA_WORKER_TOKEN: WORKER_TOKEN,
         TESSERA_HEARTBEAT_SECS: "1",
+        TESSERA_LOAN_ROUND_SECS: "1",
         RUST_LOG: "info,sqlx=warn",
       },
       /listening on (http:\/\/\S+)/,
@@ -474,15 +499,7 @@ async function main() {
   // and step timings through the agent routes. What it checks is the server's page over them.
   await check("a data-parallel job's precision plan shows rank cards, the layer × rank table and its baseline", async () => {
     const token = await apiLogin();
-    const api = async (method, route, body, secret = token) => {
-      const response = await fetch(`${base}/api/v1${route}`, {
-        method,
-        headers: { "content-type": "application/json", authorization: `Bearer ${secret}` },
-        body: body === undefined ? undefined : JSON.stringify(body),
-      });
-      const text = await response.text();
-      return { status: response.status, body: text ? JSON.parse(text) : null };
-    };
+    const api = (method, route, body, secret = token) => callApi(secret, method, route, body);
     let csv = "f0,f1,label\n";
     for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
     const form = new FormData();
@@ -562,6 +579,85 @@ async function main() {
     assert(step && step.startsWith("M"), "the step time is drawn against the budget");
     assert((await panel.locator(`#precision-baselines a[href="/jobs/${baseline}"]`).count()) === 1, "the f32 baseline is linked");
     await shot(page, "13b-precision-plan");
+  });
+
+  // Capacity loaning on real slices of a simulated H100 (issue 16). The CPU worker stops
+  // first (it would take the replicas), and the jobs left running are cancelled. A worker
+  // simulating an H100 cut into three 2g.20gb slices profiles MiniLM and serves a loanable
+  // deployment of two replicas; with no traffic the round (every second here) lends one
+  // slice, and a two-rank job runs on it and on the free one. The page shows all of it.
+  await check("the fleet page shows a lent slice training, the loaned capacity and the training queue", async () => {
+    const token = await apiLogin();
+    const cpuWorker = children.find((c) => c.name === "worker");
+    if (cpuWorker && cpuWorker.child.exitCode === null) {
+      const exited = new Promise((resolve) => cpuWorker.child.once("exit", resolve));
+      cpuWorker.child.kill("SIGTERM");
+      await exited;
+    }
+    for (const state of ["queued", "running"]) {
+      for (const job of (await callApi(token, "GET", `/jobs?state=${state}`)).body) {
+        await callApi(token, "POST", `/jobs/${job.id}/cancel`, {});
+      }
+    }
+    await start("sim-worker", workerBin,
+      ["--server", base, "--name", "sim-h100", "--data-dir", path.join(scratch, "sim-worker"),
+        "--simulate-gpus", "H100-80GB:mig=2g.20gb+2g.20gb+2g.20gb", "--cpu-precision", "f32", "--slots", "2"],
+      { TESSERA_WORKER_TOKEN: WORKER_TOKEN, RUST_LOG: "info" }, null);
+    const profile = await callApi(token, "POST", `/models/${MODEL_NAME}/profiles`, { batch_sizes: [1] });
+    assert(profile.status < 300, `the profile answered ${profile.status}: ${JSON.stringify(profile.body)}`);
+    await until("the profile job succeeds", 120_000, async () => {
+      const job = (await callApi(token, "GET", `/jobs/${profile.body.id}`)).body;
+      assert(job.state !== "failed", `the profile job failed: ${job.message}`);
+      return job.state === "succeeded";
+    });
+    const deployment = await callApi(token, "POST", "/deployments",
+      { name: "fleet-embed", model: MODEL_NAME, replicas: 2, loanable: true, reclaim_headroom: 0.2, max_batch_tokens: 2048 });
+    assert(deployment.status === 201, `the deployment answered ${deployment.status}: ${JSON.stringify(deployment.body)}`);
+    await until("the idle deployment lends a slice", 120_000, async () =>
+      (await callApi(token, "GET", "/deployments/fleet-embed")).body.loaned_slices === 1);
+    let csv = "f0,f1,label\n";
+    for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
+    const form = new FormData();
+    form.append("name", "fleet-data");
+    form.append("file", new Blob([csv]), "fleet.csv");
+    const uploaded = await fetch(`${base}/api/v1/datasets`, { method: "POST", headers: { authorization: `Bearer ${token}` }, body: form });
+    assert(uploaded.status === 201, `dataset upload answered ${uploaded.status}`);
+    const job = await callApi(token, "POST", "/jobs", {
+      name: "fleet-gang", model: { kind: "mlp", hidden: [8] }, dataset: (await uploaded.json()).id,
+      task: { type: "classification", label_column: "label", validation_split: 0.25 },
+      optimizer: { type: "sgd" }, batch_size: 8, max_steps: 1_000_000, eval_every: 100_000, checkpoint_every: 100_000,
+      lr_schedule: { type: "constant", lr: 0.1 }, seed: 1,
+      parallel: { ranks: [{ slice: "2g.20gb" }, { slice: "2g.20gb" }] }, resources: { preemptible: true },
+    });
+    assert(job.status === 201, `the job answered ${job.status}: ${JSON.stringify(job.body)}`);
+    await until("the gang runs and reports steps", 120_000, async () => {
+      const j = (await callApi(token, "GET", `/jobs/${job.body.id}`)).body;
+      assert(!["failed", "succeeded"].includes(j.state), `the gang ended ${j.state}: ${j.message}`);
+      return j.state === "running" && j.progress && j.progress.step > 0;
+    });
+
+    await page.goto(`${base}/fleet`);
+    await until("the page shows the gang's ranks on the lent slice", 30_000, async () => {
+      await page.reload();
+      const rows = page.locator(".fleet-row");
+      const lent = rows.filter({ hasText: "lent by fleet-embed" });
+      return (await rows.count()) === 3 && (await lent.count()) === 1 && (await lent.getAttribute("data-now")) === "training";
+    });
+    const nows = await page.locator(".fleet-row").evaluateAll((rows) => rows.map((r) => r.dataset.now).sort());
+    assert(JSON.stringify(nows) === JSON.stringify(["serving", "training", "training"]), `the slices now: ${nows}`);
+    const lentRow = page.locator(".fleet-row").filter({ hasText: "lent by fleet-embed" });
+    assert((await lentRow.locator("rect.fleet-loaned").count()) > 0, "the lent slice's timeline shows its loan");
+    const training = page.locator('.fleet-row[data-now="training"]');
+    for (let i = 0; i < 2; i += 1) {
+      assert((await training.nth(i).locator("rect.fleet-training").count()) > 0, `training slice ${i}'s timeline shows its ranks`);
+    }
+    const loaned = await page.locator('[data-chart="Loaned capacity"] svg path').first().getAttribute("d");
+    assert(loaned && loaned.startsWith("M"), `the loaned capacity is drawn: ${loaned}`);
+    const queued = await page.locator("#training-queue tbody tr").filter({ hasText: "fleet-gang" }).innerText();
+    assert(queued.includes("running") && /running on 2 2g\.20gb slices/.test(queued), `the queue's row: ${queued}`);
+    const jct = await page.locator("#training-queue tbody tr").filter({ hasText: "fleet-gang" }).locator("td[data-basis]").innerText();
+    assert(/\d/.test(jct), `a predicted JCT: ${jct}`);
+    await shot(page, "13c-fleet-loaning");
   });
 
   await check("the jobs page lists jobs with state tabs", async () => {
