@@ -6,7 +6,9 @@
 //! none is. The ranks all-reduce their gradients every step over a fixed global batch of
 //! `batch_size` rows, each rank taking its own contiguous share of it. With
 //! `"precision"` the ranks plan per-operator precision (QSync) after profiling: ranks slower
-//! than the fastest run some operators at a lower precision so they keep pace.
+//! than the fastest run some operators at a lower precision so they keep pace. A list of
+//! one rank is how a single-device job asks for a device or a MIG slice (issue 16: the
+//! loaning round then places it like any gang).
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -149,10 +151,12 @@ impl RankSpec {
 impl ParallelSpec {
     /// Checks the ranks against the job's global batch (every rank needs rows of it).
     pub fn validate(&self, batch_size: u32) -> Result<(), SpecError> {
-        if !(2..=MAX_RANKS).contains(&self.ranks.len()) {
+        // One rank is a single-device job that names its device or MIG slice: as a gang of
+        // one it is placed like any other (on slices, by the loaning round).
+        if !(1..=MAX_RANKS).contains(&self.ranks.len()) {
             return Err(SpecError::new(
                 "parallel.ranks",
-                format!("give 2 to {MAX_RANKS} ranks (a one-rank job leaves `parallel` out)"),
+                format!("give 1 to {MAX_RANKS} ranks (one names the device or MIG slice a single-device job runs on)"),
             ));
         }
         for (i, rank) in self.ranks.iter().enumerate() {
@@ -247,8 +251,9 @@ mod tests {
         assert_eq!(both.validate(8).unwrap_err().field, "parallel.ranks[1]");
         let threads = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cuda", "threads": 2}]}));
         assert_eq!(threads.validate(8).unwrap_err().field, "parallel.ranks[1].threads");
-        let one = spec(serde_json::json!({"ranks": [{"device": "cpu"}]}));
-        assert_eq!(one.validate(8).unwrap_err().field, "parallel.ranks");
+        let none = spec(serde_json::json!({"ranks": []}));
+        assert_eq!(none.validate(8).unwrap_err().field, "parallel.ranks");
+        spec(serde_json::json!({"ranks": [{"slice": "1g.10gb"}]})).validate(8).unwrap();
         let many = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}]}));
         assert_eq!(many.validate(2).unwrap_err().field, "batch_size");
         let error = serde_json::from_value::<ParallelSpec>(serde_json::json!({"ranks": [{"gpu": 1}]})).unwrap_err();

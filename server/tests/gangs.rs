@@ -276,7 +276,7 @@ async fn parallel_specs_get_a_422_naming_the_field() {
     let token = server.admin().await;
     let data = server.toy_dataset(&token).await;
     let cases = [
-        (json!([{"device": "cpu"}]), "parallel.ranks"),
+        (json!([]), "parallel.ranks"),
         (json!([{"device": "cpu"}, {"device": "cuda", "threads": 2}]), "parallel.ranks[1].threads"),
         (json!([{"device": "cpu"}, {"device": "cpu", "slice": "1g.10gb"}]), "parallel.ranks[1]"),
         (json!([{"device": "cpu"}, {"slice": ""}]), "parallel.ranks[1].slice"),

@@ -765,6 +765,50 @@ async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
     }
 }
 
+/// A single-device job that names a slice (`parallel` of one rank) is a gang of one: the
+/// round places it on a lent slice like any gang (a preemptible job takes loaned capacity
+/// first), it forms at a world of one, and returning demand preempts it.
+#[tokio::test]
+async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_returns() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 2, "loanable": true, "reclaim_headroom": 0.2});
+        let response = server.post(&admin, "/deployments", body).await;
+        assert_eq!(response.status(), 201);
+        let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+        run_replicas(&server, &secret, 2).await;
+        let data = server.toy_dataset(&admin).await;
+        let job = json!({"name": "one-slice", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let response = server.post(&admin, "/jobs", job).await;
+        assert_eq!(response.status(), 201);
+        let job = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+
+        run_round(&server.state).await.unwrap();
+        let second = run_round(&server.state).await.unwrap();
+        assert_eq!((second.lent, second.started), (1, 1), "{second:?}");
+        let ranks = form_gang(&server, &secret).await;
+        assert_eq!(ranks.len(), 1, "{ranks:?}");
+        assert_eq!(ranks[0].1, 1, "a world of one");
+        let now = slices(&server, &admin).await;
+        let slice = now.iter().find(|s| s["uuid"] == ranks[0].2.as_str()).unwrap();
+        assert_eq!((slice["loan_state"].as_str(), slice["lender"].as_str()), (Some("loaned"), Some("embed")), "{slice}");
+        assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "running");
+
+        // 150 req/s × 1.2 needs both slices of 100 req/s: the lent one comes back.
+        store::record_rates(&server.state.db, Uuid::new_v4(), &[(deployment, 150.0)]).await.unwrap();
+        let spike = run_round(&server.state).await.unwrap();
+        assert_eq!(spike.preempted, 1, "{spike:?}");
+        stop_gang(&server, &secret, &ranks).await;
+        assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "preempted");
+    }
+}
+
 /// Claims every rank the round pinned, forms the gang (each posts its ring address
 /// twice: once to join, once to learn it formed) and returns the rank job ids by rank
 /// with each one's world and slice.

@@ -16,8 +16,7 @@
 //!
 //! The job mix follows the simulator's trace (GPUs per job 1/2/4/8/16 at 62/10/13/12/3 %,
 //! half elastic with min = request/2 and max = 4 × request up to 32, every elastic job
-//! and 60 % of the others preemptible). A one-GPU inelastic job is not a gang on the
-//! platform (`parallel` needs two ranks), so it asks for two here.
+//! and 60 % of the others preemptible); a one-GPU job is a gang of one rank.
 //!
 //!   loaning_round [--runs 3] [--postgres URL] [--assets DIR]
 //!
@@ -241,8 +240,7 @@ fn job_spec(rng: &mut StdRng, j: usize, dataset: &str) -> Value {
     let (min, max, preemptible) = if elastic {
         ((request / 2).max(1), (4 * request).min(32), true)
     } else {
-        let ranks = request.max(2);
-        (ranks, ranks, rng.gen_bool(0.6))
+        (request, request, rng.gen_bool(0.6))
     };
     // Log-uniform from 100 to 100,000 steps: the order the queue is sorted in.
     let max_steps = 10f64.powf(rng.gen_range(2.0..5.0)).round() as u64;
