@@ -78,6 +78,25 @@ fn trajectory(metrics: &Value) -> (Vec<(u64, f64, f64)>, Vec<Value>) {
     (steps, metrics["evals"].as_array().unwrap().clone())
 }
 
+/// Preempts `job` through the API as its owner and waits until it waits as `preempted`;
+/// the job as it then reads.
+async fn preempt(user: &User, job: &str) -> Value {
+    let response = user
+        .http
+        .post(user.api(&format!("/jobs/{job}/preempt")))
+        .bearer_auth(&user.token)
+        .json(&json!({"reason": "the serving deployment takes its slices back"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    eventually("the job is preempted", Duration::from_secs(60), || async {
+        let job = user.get(&format!("/jobs/{job}")).await;
+        (job["state"] == "preempted").then_some(job)
+    })
+    .await
+}
+
 fn resumed_from(lines: &[String]) -> Vec<u64> {
     lines.iter().filter_map(|l| l.strip_prefix("resuming from the checkpoint at step ")?.parse().ok()).collect()
 }
@@ -106,20 +125,7 @@ async fn a_preempted_job_resumes_and_ends_bit_identical_to_an_uninterrupted_run(
     let reference = bob.submit(spec(&bob_dataset, MAX_STEPS, true)).await;
     wait_for_step(&admin, &job, 250).await;
 
-    let response = admin
-        .http
-        .post(format!("{url}/api/v1/jobs/{job}/preempt"))
-        .bearer_auth(&admin.token)
-        .json(&json!({"reason": "the serving deployment takes its slice back"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let preempted = eventually("the job is preempted", Duration::from_secs(60), || async {
-        let job = admin.get(&format!("/jobs/{job}")).await;
-        (job["state"] == "preempted").then_some(job)
-    })
-    .await;
+    let preempted = preempt(&admin, &job).await;
     assert_eq!((preempted["attempts"].as_u64(), preempted["preemptions"].as_u64()), (Some(0), Some(1)), "{preempted}");
     let step: u64 = preempted["message"]
         .as_str()
@@ -205,20 +211,7 @@ async fn a_preempted_gang_resumes_and_ends_bit_identical_to_an_uninterrupted_run
     admin.finished(&reference, &[&w1, &w2], Duration::from_secs(300)).await;
     let job = admin.submit(gang).await;
     wait_for_step(&admin, &job, 200).await;
-    let response = admin
-        .http
-        .post(format!("{url}/api/v1/jobs/{job}/preempt"))
-        .bearer_auth(&admin.token)
-        .json(&json!({"reason": "the serving deployment takes its slices back"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let preempted = eventually("the gang is preempted", Duration::from_secs(60), || async {
-        let job = admin.get(&format!("/jobs/{job}")).await;
-        (job["state"] == "preempted").then_some(job)
-    })
-    .await;
+    let preempted = preempt(&admin, &job).await;
     assert_eq!(preempted["preemptions"].as_u64(), Some(1), "{preempted}");
     let checkpoints = admin.get(&format!("/jobs/{job}/checkpoints")).await;
     let stopped_at = checkpoints.as_array().unwrap().last().unwrap()["step"].as_u64().unwrap();

@@ -164,6 +164,18 @@ async function callApi(secret, method, route, body) {
   return { status: response.status, body: text ? JSON.parse(text) : null };
 }
 
+/** Uploads a 40-row classification CSV (`f0`, `f1`, `label`) as dataset `name`; its id. */
+async function uploadToyDataset(secret, name) {
+  let csv = "f0,f1,label\n";
+  for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
+  const form = new FormData();
+  form.append("name", name);
+  form.append("file", new Blob([csv]), `${name}.csv`);
+  const uploaded = await fetch(`${base}/api/v1/datasets`, { method: "POST", headers: { authorization: `Bearer ${secret}` }, body: form });
+  assert(uploaded.status === 201, `dataset upload answered ${uploaded.status}`);
+  return (await uploaded.json()).id;
+}
+
 /** Polls `probe` every half second until it returns a truthy value, which it resolves to. */
 async function until(what, timeoutMs, probe) {
   const deadline = Date.now() + timeoutMs;
@@ -500,14 +512,7 @@ async function main() {
   await check("a data-parallel job's precision plan shows rank cards, the layer × rank table and its baseline", async () => {
     const token = await apiLogin();
     const api = (method, route, body, secret = token) => callApi(secret, method, route, body);
-    let csv = "f0,f1,label\n";
-    for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
-    const form = new FormData();
-    form.append("name", "plan-data");
-    form.append("file", new Blob([csv]), "plan.csv");
-    const uploaded = await fetch(`${base}/api/v1/datasets`, { method: "POST", headers: { authorization: `Bearer ${token}` }, body: form });
-    assert(uploaded.status === 201, `dataset upload answered ${uploaded.status}`);
-    const dataset = (await uploaded.json()).id;
+    const dataset = await uploadToyDataset(token, "plan-data");
     const gang = async (name) => {
       const created = await api("POST", "/jobs", {
         name, model: { kind: "mlp", hidden: [8] }, dataset,
@@ -615,15 +620,8 @@ async function main() {
     assert(deployment.status === 201, `the deployment answered ${deployment.status}: ${JSON.stringify(deployment.body)}`);
     await until("the idle deployment lends a slice", 120_000, async () =>
       (await callApi(token, "GET", "/deployments/fleet-embed")).body.loaned_slices === 1);
-    let csv = "f0,f1,label\n";
-    for (let i = 0; i < 40; i += 1) csv += `${i % 7},${i % 5},${i % 2}\n`;
-    const form = new FormData();
-    form.append("name", "fleet-data");
-    form.append("file", new Blob([csv]), "fleet.csv");
-    const uploaded = await fetch(`${base}/api/v1/datasets`, { method: "POST", headers: { authorization: `Bearer ${token}` }, body: form });
-    assert(uploaded.status === 201, `dataset upload answered ${uploaded.status}`);
     const job = await callApi(token, "POST", "/jobs", {
-      name: "fleet-gang", model: { kind: "mlp", hidden: [8] }, dataset: (await uploaded.json()).id,
+      name: "fleet-gang", model: { kind: "mlp", hidden: [8] }, dataset: await uploadToyDataset(token, "fleet-data"),
       task: { type: "classification", label_column: "label", validation_split: 0.25 },
       optimizer: { type: "sgd" }, batch_size: 8, max_steps: 1_000_000, eval_every: 100_000, checkpoint_every: 100_000,
       lr_schedule: { type: "constant", lr: 0.1 }, seed: 1,
