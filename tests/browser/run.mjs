@@ -635,11 +635,14 @@ async function main() {
     });
 
     await page.goto(`${base}/fleet`);
-    await until("the page shows the gang's ranks on the lent slice", 30_000, async () => {
+    // The queue is the last round's: it says "running" from the first round after the gang formed.
+    const queueRow = page.locator("#training-queue tbody tr").filter({ hasText: "fleet-gang" });
+    await until("the page shows the gang's ranks on the lent slice and the round saw it run", 30_000, async () => {
       await page.reload();
       const rows = page.locator(".fleet-row");
       const lent = rows.filter({ hasText: "lent by fleet-embed" });
-      return (await rows.count()) === 3 && (await lent.count()) === 1 && (await lent.getAttribute("data-now")) === "training";
+      return (await rows.count()) === 3 && (await lent.count()) === 1 && (await lent.getAttribute("data-now")) === "training"
+        && (await queueRow.count()) === 1 && (await queueRow.innerText()).includes("running on");
     });
     const nows = await page.locator(".fleet-row").evaluateAll((rows) => rows.map((r) => r.dataset.now).sort());
     assert(JSON.stringify(nows) === JSON.stringify(["serving", "training", "training"]), `the slices now: ${nows}`);
@@ -651,9 +654,9 @@ async function main() {
     }
     const loaned = await page.locator('[data-chart="Loaned capacity"] svg path').first().getAttribute("d");
     assert(loaned && loaned.startsWith("M"), `the loaned capacity is drawn: ${loaned}`);
-    const queued = await page.locator("#training-queue tbody tr").filter({ hasText: "fleet-gang" }).innerText();
-    assert(queued.includes("running") && /running on 2 2g\.20gb slices/.test(queued), `the queue's row: ${queued}`);
-    const jct = await page.locator("#training-queue tbody tr").filter({ hasText: "fleet-gang" }).locator("td[data-basis]").innerText();
+    const queued = await queueRow.innerText();
+    assert(/running on 2 2g\.20gb slices/.test(queued), `the queue's row: ${queued}`);
+    const jct = await queueRow.locator("td[data-basis]").innerText();
     assert(/\d/.test(jct), `a predicted JCT: ${jct}`);
     await shot(page, "13c-fleet-loaning");
   });

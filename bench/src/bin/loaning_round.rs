@@ -87,7 +87,7 @@ impl Server {
         config.database_url = database_url;
         config.admin_password = Some(ADMIN_PASSWORD.into());
         config.worker_token = Some(WORKER_TOKEN.into());
-        // Building the fleet takes minutes; nothing may go offline or expire meanwhile.
+        // Nothing may go offline or expire while the fleet is built (about half a minute).
         config.heartbeat_secs = 3600;
         config.lease_ttl_secs = 3600;
         config.gang_rendezvous_secs = 3600;
