@@ -270,6 +270,21 @@ async fn a_lost_rank_requeues_the_gang_and_rank_reports_land_on_its_job() {
     }
 }
 
+/// `slice_rank` asks only for a rank pinned to one of the worker's slices (it holds the
+/// slice, not a batch slot): a rank on a device placement waits for a `train_rank` claim.
+#[tokio::test]
+async fn a_slice_rank_claim_gets_no_device_rank() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let token = server.admin().await;
+    let data = server.toy_dataset(&token).await;
+    let (_, secret) = server.register_worker("w").await;
+    let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]))).await;
+    assert_eq!(response.status(), 201);
+    let response = server.post(&secret, "/agent/claim", json!({"kinds": ["slice_rank"]})).await;
+    assert_eq!(response.status(), 204);
+    assert!(claim(&server, &secret).await.is_some(), "a train_rank claim gets it");
+}
+
 #[tokio::test]
 async fn parallel_specs_get_a_422_naming_the_field() {
     let server = TestServer::start(Backend::Sqlite).await;

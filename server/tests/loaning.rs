@@ -767,7 +767,8 @@ async fn a_new_job_is_ordered_by_the_step_time_of_its_measured_peers() {
 
 /// A single-device job that names a slice (`parallel` of one rank) is a gang of one: the
 /// round places it on a lent slice like any gang (a preemptible job takes loaned capacity
-/// first), it forms at a world of one, and returning demand preempts it.
+/// first), the worker claims it as a `slice_rank`, it forms at a world of one, and
+/// returning demand preempts it.
 #[tokio::test]
 async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_returns() {
     for backend in backends() {
@@ -792,9 +793,15 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         run_round(&server.state).await.unwrap();
         let second = run_round(&server.state).await.unwrap();
         assert_eq!((second.lent, second.started), (1, 1), "{second:?}");
-        let ranks = form_gang(&server, &secret).await;
-        assert_eq!(ranks.len(), 1, "{ranks:?}");
-        assert_eq!(ranks[0].1, 1, "a world of one");
+        // Claimed as a `slice_rank`: what a worker with no free batch slot asks for.
+        let rank = claim(&server, &secret, &["slice_rank"]).await.expect("the rank pinned to the lent slice");
+        let id = rank["job_id"].as_str().unwrap().to_string();
+        assert_eq!(rank["spec"]["world"], 1, "a world of one");
+        for _ in 0..2 {
+            let body = json!({"address": "127.0.0.1:7300"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/rendezvous"), body).await.status(), 200);
+        }
+        let ranks = vec![(id, 1, rank["slice"]["uuid"].as_str().expect("bound to a slice").to_string())];
         let now = slices(&server, &admin).await;
         let slice = now.iter().find(|s| s["uuid"] == ranks[0].2.as_str()).unwrap();
         assert_eq!((slice["loan_state"].as_str(), slice["lender"].as_str()), (Some("loaned"), Some("embed")), "{slice}");

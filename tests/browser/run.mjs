@@ -606,7 +606,7 @@ async function main() {
     }
     await start("sim-worker", workerBin,
       ["--server", base, "--name", "sim-h100", "--data-dir", path.join(scratch, "sim-worker"),
-        "--simulate-gpus", "H100-80GB:mig=2g.20gb+2g.20gb+2g.20gb", "--cpu-precision", "f32", "--slots", "2"],
+        "--simulate-gpus", "H100-80GB:mig=2g.20gb+2g.20gb+2g.20gb", "--cpu-precision", "f32"],
       { TESSERA_WORKER_TOKEN: WORKER_TOKEN, RUST_LOG: "info" }, null);
     const profile = await callApi(token, "POST", `/models/${MODEL_NAME}/profiles`, { batch_sizes: [1] });
     assert(profile.status < 300, `the profile answered ${profile.status}: ${JSON.stringify(profile.body)}`);

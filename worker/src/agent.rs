@@ -39,11 +39,13 @@ pub struct AgentConfig {
 }
 
 /// Jobs by how they use the host: a replica holds a device slice until it is stopped,
-/// a batch job holds a slot until it ends.
+/// a batch job holds a slot until it ends, a rank pinned to a slice holds only that slice
+/// (so a worker of one batch slot can still host every rank the round pins to its slices).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Use {
     Replica,
     Batch,
+    SliceRank,
 }
 
 /// A job task the agent runs: how it uses the host, its handle, its preemption flag.
@@ -145,6 +147,10 @@ impl Agent {
         if used(Use::Replica) < self.config.replica_slots {
             kinds.push("serve");
         }
+        // A rank pinned to one of its slices: the server hands one only for a free slice.
+        if !self.config.inventory.slices.is_empty() && !kinds.contains(&"train_rank") {
+            kinds.push("slice_rank");
+        }
         kinds
     }
 
@@ -176,6 +182,7 @@ impl Agent {
                     if let Some(assignment) = self.client.claim(&self.claimable(&running)).await? {
                         let job = assignment.job_id;
                         let kind = assignment.spec.kind();
+                        let assignment_slice = assignment.slice.is_some();
                         tracing::info!(%job, kind, attempt = assignment.attempt, "leased a job");
                         let context = JobContext::new(
                             self.client.clone(),
@@ -190,7 +197,11 @@ impl Agent {
                             jobs::run(context, assignment.spec).await;
                             job
                         });
-                        let usage = if kind == "serve" { Use::Replica } else { Use::Batch };
+                        let usage = match kind {
+                            "serve" => Use::Replica,
+                            "train_rank" if assignment_slice => Use::SliceRank,
+                            _ => Use::Batch,
+                        };
                         running.insert(job, Running { usage, task, preempt });
                         poll.reset_immediately();
                     }

@@ -68,9 +68,13 @@ pub async fn resize(db: &Db, gang: Uuid, world: u32) -> Result<()> {
     Ok(())
 }
 
-/// Leases `worker` a rank of the oldest gang it can host, if any.
-pub async fn claim_rank(state: &AppState, worker: Uuid, lease_ttl_ms: i64) -> Result<Option<Claimed>> {
-    let placements = store::placements(&state.db, worker).await?;
+/// Leases `worker` a rank of the oldest gang it can host, if any; with `slices_only`, only
+/// a rank pinned to one of its slices.
+pub async fn claim_rank(state: &AppState, worker: Uuid, lease_ttl_ms: i64, slices_only: bool) -> Result<Option<Claimed>> {
+    let mut placements = store::placements(&state.db, worker).await?;
+    if slices_only {
+        placements.retain(|p| p.starts_with("slice:"));
+    }
     let deadline = now_ms() + state.config.gang_rendezvous_secs as i64 * 1000;
     Ok(store::claim_rank(&state.db, worker, &placements, lease_ttl_ms, deadline).await?)
 }

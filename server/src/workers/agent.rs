@@ -122,10 +122,17 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
-    // A rank of a forming gang first: its gang waits on it.
-    let ranks = request.kinds.iter().any(|k| k == "train_rank");
-    let gang_rank = if ranks { gangs::claim_rank(&state, agent.worker_id, lease_ttl_ms(&state)).await? } else { None };
-    let kinds: Vec<String> = request.kinds.into_iter().filter(|k| k != "train_rank").collect();
+    // A rank of a forming gang first: its gang waits on it. `slice_rank` asks only for a
+    // rank pinned to one of the worker's slices (it holds the slice, not a batch slot).
+    let asks = |kind: &str| request.kinds.iter().any(|k| k == kind);
+    let (any_rank, slice_rank) = (asks("train_rank"), asks("slice_rank"));
+    let gang_rank = if any_rank || slice_rank {
+        gangs::claim_rank(&state, agent.worker_id, lease_ttl_ms(&state), !any_rank).await?
+    } else {
+        None
+    };
+    let kinds: Vec<String> =
+        request.kinds.into_iter().filter(|k| k != "train_rank" && k != "slice_rank").collect();
     let free = slices::free_for(&state.db, agent.worker_id).await?;
     let claimed = match gang_rank {
         Some(claimed) => Some(claimed),
