@@ -90,7 +90,9 @@ pub struct HeartbeatResponse {
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ClaimRequest {
-    /// Job kinds this worker can run.
+    /// Job kinds this worker has room for: `prefetch`, `train`, `train_rank`, `profile`
+    /// (a batch slot each), `serve` (a slice or the device), and `slice_rank`: only a rank
+    /// the loaning round pinned to one of this worker's free slices (it holds the slice).
     pub kinds: Vec<String>,
 }
 

@@ -147,8 +147,10 @@ impl Agent {
         if used(Use::Replica) < self.config.replica_slots {
             kinds.push("serve");
         }
-        // A rank pinned to one of its slices: the server hands one only for a free slice.
-        if !self.config.inventory.slices.is_empty() && !kinds.contains(&"train_rank") {
+        // A rank pinned to one of its slices, while a slice may be free (replicas and such
+        // ranks hold one each).
+        let on_slices = used(Use::Replica) + used(Use::SliceRank);
+        if on_slices < self.config.inventory.slices.len() && !kinds.contains(&"train_rank") {
             kinds.push("slice_rank");
         }
         kinds
@@ -182,7 +184,7 @@ impl Agent {
                     if let Some(assignment) = self.client.claim(&self.claimable(&running)).await? {
                         let job = assignment.job_id;
                         let kind = assignment.spec.kind();
-                        let assignment_slice = assignment.slice.is_some();
+                        let on_slice = assignment.slice.is_some();
                         tracing::info!(%job, kind, attempt = assignment.attempt, "leased a job");
                         let context = JobContext::new(
                             self.client.clone(),
@@ -199,7 +201,7 @@ impl Agent {
                         });
                         let usage = match kind {
                             "serve" => Use::Replica,
-                            "train_rank" if assignment_slice => Use::SliceRank,
+                            "train_rank" if on_slice => Use::SliceRank,
                             _ => Use::Batch,
                         };
                         running.insert(job, Running { usage, task, preempt });
