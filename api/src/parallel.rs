@@ -186,6 +186,11 @@ pub struct RankJob {
     pub world: u32,
     pub device: RankSpec,
     pub train: TrainJob,
+    /// A rank added to a running gang that grows in place (issue 16): it prepares (data,
+    /// model) before it posts at `…/regroup`, and loads the checkpoint the gang takes when
+    /// it stops for the new world.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub joining: bool,
 }
 
 /// `POST /api/v1/agent/jobs/{id}/rendezvous`: where this rank accepts its ring neighbour's
@@ -207,6 +212,37 @@ pub enum RendezvousResponse {
     /// Every rank is here. `peers[r]` is rank r's address; `generation` counts the gang's
     /// attempts, so ranks of an earlier attempt never connect to this one.
     Formed { generation: u32, peers: Vec<String> },
+}
+
+/// `POST /api/v1/agent/jobs/{id}/regroup`: a rank of a running gang that changes its world
+/// in place (issue 16). A rank of the gang posts once it stopped at the step the ranks
+/// agreed (after the heartbeat asked it to stop), a joining rank once it is ready to load
+/// the checkpoint; both post again (same address) to poll.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RegroupRequest {
+    /// Where this rank accepts its ring neighbour for the new world: `host:port`.
+    pub address: String,
+    /// The ring generation this rank last ran in (0 for a joining rank): a rank whose
+    /// regroup formed since its last poll learns it from a newer one.
+    #[serde(default)]
+    pub generation: u32,
+}
+
+/// The regroup answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum RegroupResponse {
+    /// Not every rank of the new world has posted yet: ask again shortly.
+    Waiting,
+    /// The new world formed: this rank is `rank` of `world`, `peers[r]` is rank r's
+    /// address and `generation` the ring's new generation. A joining rank loads the gang's
+    /// latest checkpoint; the others go on from the step they stopped at.
+    Formed { generation: u32, rank: u32, world: u32, peers: Vec<String> },
+    /// This rank is not in the new world: it ends here (its row is gone).
+    Leave,
+    /// No regroup: the gang was asked to preempt (or its regroup was cancelled and became
+    /// one). Report `preempted`, as a stopped rank does.
+    Stop,
 }
 
 /// One rank's timing of one step (`GET /api/v1/jobs/{id}/metrics`, `ranks`).

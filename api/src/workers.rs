@@ -82,8 +82,10 @@ pub struct HeartbeatResponse {
     /// Jobs the worker must stop: cancelled by a user, or no longer leased to it.
     pub stop: Vec<Uuid>,
     /// Training jobs (or ranks) to preempt: checkpoint at the step they are on, upload
-    /// it, report `preempted` and stop. Absent from servers before issue 16, ignored by
-    /// workers before it (their jobs then stop only when the lease is revoked).
+    /// it, report `preempted` and stop. A rank of a gang that resizes in place is asked the
+    /// same way and then posts at `…/regroup`, which says whether to re-form or report
+    /// `preempted`. Absent from servers before issue 16, ignored by workers before it
+    /// (their jobs then stop only when the lease is revoked).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub preempt: Vec<Uuid>,
 }

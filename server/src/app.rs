@@ -126,6 +126,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(workers::agent::append_logs))
         .routes(routes!(workers::agent::record_metrics))
         .routes(routes!(gangs::rendezvous))
+        .routes(routes!(gangs::regroup))
         .routes(routes!(registry::routes::agent_get))
         .routes(routes!(registry::routes::agent_download))
         .routes(routes!(datasets::agent_get))

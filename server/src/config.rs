@@ -127,9 +127,16 @@ pub struct Config {
 
     /// Seconds a data-parallel job takes to stop at a checkpoint and start again on its
     /// slices (fetch the checkpoint, re-form its ranks): what the loaning round charges a
-    /// preemption and a resize of a running elastic job, which is the same stop and restart.
+    /// preemption, and a resize that cannot happen in place (a job with a precision plan).
     #[arg(long, env = "TESSERA_GANG_RESTART_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86400))]
     pub gang_restart_secs: u64,
+
+    /// Seconds a running elastic job pauses to grow or shrink in place (its ranks stop at a
+    /// step, rank 0 checkpoints, joining ranks load it, the ring re-forms): what the
+    /// loaning round charges a resize. The default allows for a GPU model's checkpoint
+    /// hand-over; bench/results/aryl.md has the pause measured on this platform.
+    #[arg(long, env = "TESSERA_GANG_REGROUP_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=86400))]
+    pub gang_regroup_secs: u64,
 
     /// Most jobs one user may have queued or running at once (serving replicas count
     /// against the replica quota instead). Admins are not bound by quotas.
@@ -177,6 +184,7 @@ impl Config {
             quota_storage_bytes: 64 << 30,
             loan_round_secs: 5,
             gang_restart_secs: 60,
+            gang_regroup_secs: 10,
         }
     }
 

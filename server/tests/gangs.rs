@@ -307,3 +307,104 @@ async fn parallel_specs_get_a_422_naming_the_field() {
         assert!(message.contains(field), "the message {message:?} should name {field:?}");
     }
 }
+
+async fn regroup(server: &TestServer, secret: &str, rank_job: &str, port: u16, generation: u32) -> (u16, Value) {
+    let path = format!("/agent/jobs/{rank_job}/regroup");
+    let body = json!({"address": format!("127.0.0.1:{port}"), "generation": generation});
+    let response = server.post(secret, &path, body).await;
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn told_to_stop(server: &TestServer, secret: &str, rank_job: &str) -> bool {
+    let beat: Value = server.post(secret, "/agent/heartbeat", json!({"jobs": [rank_job]})).await.json().await.unwrap();
+    beat["preempt"].as_array().is_some_and(|jobs| jobs.iter().any(|j| j == rank_job))
+}
+
+/// `gangs::regroup_in_place` for the running gang `id`, from `from` to `to` ranks.
+async fn ask_regroup(server: &TestServer, id: &str, (from, to): (u32, u32), leaving: &[&str]) -> bool {
+    let id: uuid::Uuid = id.parse().unwrap();
+    let Some(tessera_api::jobs::JobSpec::Train(train)) =
+        tessera_server::store::jobs::spec(&server.state.db, id).await.unwrap()
+    else {
+        panic!("a training job")
+    };
+    let leaving: Vec<uuid::Uuid> = leaving.iter().map(|j| j.parse().unwrap()).collect();
+    tessera_server::gangs::regroup_in_place(&server.state, id, &train, (from, to), &leaving, &[]).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_running_gang_grows_and_shrinks_in_place() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |c| c.gang_rendezvous_secs = 2).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let mut spec = body(&data, json!([{"device": "cpu"}, {"device": "cpu"}, {"device": "cpu"}]));
+        spec["resources"] = json!({"min_ranks": 1, "max_ranks": 3, "preemptible": true});
+        let created: Value = server.post(&token, "/jobs", spec).await.json().await.unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        tessera_server::gangs::resize(&server.state.db, id.parse().unwrap(), 2).await.unwrap();
+        let two = claim_ranks(&server, &["a", "b"]).await;
+        for (secret, rank_job, rank) in &two {
+            rendezvous(&server, secret, rank_job, 7300 + *rank as u16).await;
+        }
+        assert_eq!(job(&server, &token, &id).await["state"], "running");
+        let (a, b) = (&two[0], &two[1]);
+
+        // Grow 2 → 3: the gang trains on until the joining rank is ready, then stops.
+        assert!(ask_regroup(&server, &id, (2, 3), &[]).await, "{backend:?}");
+        assert!(!ask_regroup(&server, &id, (2, 1), &[]).await, "one regroup at a time");
+        assert!(!told_to_stop(&server, &a.0, &a.1).await, "not before the joining rank is ready ({backend:?})");
+        let c = claim_ranks(&server, &["c"]).await.remove(0);
+        assert_eq!(job(&server, &token, &id).await["state"], "running", "the gang runs while a rank joins");
+        assert_eq!(regroup(&server, &c.0, &c.1, 7402, 0).await, (200, json!({"state": "waiting"})));
+        assert!(told_to_stop(&server, &a.0, &a.1).await, "{backend:?}");
+        assert!(told_to_stop(&server, &b.0, &b.1).await);
+        assert_eq!(regroup(&server, &a.0, &a.1, 7400, 1).await, (200, json!({"state": "waiting"})));
+        let peers = json!(["127.0.0.1:7400", "127.0.0.1:7401", "127.0.0.1:7402"]);
+        let formed = |rank: u32| json!({"state": "formed", "generation": 2, "rank": rank, "world": 3, "peers": peers});
+        assert_eq!(regroup(&server, &b.0, &b.1, 7401, 1).await, (200, formed(1)), "{backend:?}");
+        assert_eq!(regroup(&server, &a.0, &a.1, 7400, 1).await, (200, formed(0)), "learnt on the next poll");
+        assert_eq!(regroup(&server, &c.0, &c.1, 7402, 0).await, (200, formed(2)));
+        assert!(!told_to_stop(&server, &a.0, &a.1).await, "the stop request ends with the regroup");
+        let grown = job(&server, &token, &id).await;
+        assert_eq!((grown["state"].as_str(), grown["attempts"].as_u64()), (Some("running"), Some(1)), "no attempt spent");
+
+        // Shrink 3 → 2 without rank 0: it leaves, the others are numbered afresh.
+        assert!(ask_regroup(&server, &id, (3, 2), &[&a.1]).await, "{backend:?}");
+        assert!(told_to_stop(&server, &b.0, &b.1).await, "nobody joins: the ranks stop at once");
+        assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await, (200, json!({"state": "leave"})));
+        assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, json!({"state": "waiting"})));
+        let shrunk = json!({"state": "formed", "generation": 3, "rank": 1, "world": 2,
+            "peers": ["127.0.0.1:7501", "127.0.0.1:7502"]});
+        assert_eq!(regroup(&server, &c.0, &c.1, 7502, 2).await, (200, shrunk), "{backend:?}");
+        assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await.0, 409, "the leaving rank's row is gone");
+        let b_rank = json!({"state": "formed", "generation": 3, "rank": 0, "world": 2,
+            "peers": ["127.0.0.1:7501", "127.0.0.1:7502"]});
+        assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, b_rank));
+
+        // A regroup not formed in time becomes a stop and a restart at the new size.
+        assert!(ask_regroup(&server, &id, (2, 3), &[]).await);
+        tokio::time::sleep(Duration::from_millis(2200)).await;
+        gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
+        assert!(claim(&server, &c.0).await.is_none(), "the joining rank went with its regroup ({backend:?})");
+        assert!(told_to_stop(&server, &b.0, &b.1).await);
+        assert_eq!(regroup(&server, &b.0, &b.1, 7601, 3).await, (200, json!({"state": "stop"})), "{backend:?}");
+        for (secret, rank_job) in [(&b.0, &b.1), (&c.0, &c.1)] {
+            let preempted = json!({"state": "preempted", "message": "Preempted at step 4."});
+            let path = format!("/agent/jobs/{rank_job}/status");
+            assert_eq!(server.post(secret, &path, preempted).await.status(), 204, "{backend:?}");
+        }
+        gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
+        let stopped = job(&server, &token, &id).await;
+        assert_eq!(stopped["state"], "preempted", "{backend:?}");
+        let gangs_now = tessera_server::store::loaning::slice_gangs(&server.state.db).await.unwrap();
+        assert!(gangs_now.is_empty(), "a CPU gang is not the loaning round's");
+        let resize: Option<i64> = sqlx::query_scalar("SELECT resize_ranks FROM jobs WHERE id = $1")
+            .bind(&id)
+            .fetch_one(server.state.db.pool())
+            .await
+            .unwrap();
+        assert_eq!(resize, Some(3), "it restarts at the size the regroup was for");
+    }
+}

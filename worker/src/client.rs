@@ -12,7 +12,7 @@ use tessera_api::workers::{
     StatusReport,
 };
 use tessera_api::jobs::MetricPoint;
-use tessera_api::parallel::{RendezvousRequest, RendezvousResponse};
+use tessera_api::parallel::{RegroupRequest, RegroupResponse, RendezvousRequest, RendezvousResponse};
 use tessera_api::precision::PrecisionPlanReport;
 use tessera_api::train::{Checkpoint, LrStageRecord, TrainingMetrics};
 use tokio::io::AsyncWriteExt;
@@ -132,6 +132,13 @@ impl Client {
     pub async fn rendezvous(&self, job: Uuid, address: &str) -> Result<RendezvousResponse, ClientError> {
         let request = RendezvousRequest { address: address.to_string() };
         Ok(self.post(&format!("jobs/{job}/rendezvous"), &request).await?.json().await?)
+    }
+
+    /// Posts where this rank accepts its ring neighbour in its gang's new world (an in-place
+    /// resize); `generation` is the one it last ran in (0 for a joining rank).
+    pub async fn regroup(&self, job: Uuid, address: &str, generation: u32) -> Result<RegroupResponse, ClientError> {
+        let request = RegroupRequest { address: address.to_string(), generation };
+        Ok(self.post(&format!("jobs/{job}/regroup"), &request).await?.json().await?)
     }
 
     /// A data-parallel job's precision plan, from rank 0 (sent again, replacing it, with the

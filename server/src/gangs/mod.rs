@@ -7,12 +7,16 @@
 //! lists). While it waits (queued, or preempted) [`resize`] sets the rank count its next
 //! formation runs at, `min_ranks..=max_ranks`: the first n devices of `parallel.ranks`.
 //! The loaning round picks that count (a pull-based claim cannot see what the whole fleet
-//! has free), for a running gang too: it preempts it first (`loaning` module doc).
+//! has free). A running gang changes its count in place ([`regroup_in_place`], the
+//! `…/regroup` endpoint; how in `store::regroup`), or by a stop and restart when it cannot
+//! (`loaning` module doc).
 
 use axum::extract::State;
 use sqlx::AnyConnection;
 use tessera_api::jobs::JobSpec;
-use tessera_api::parallel::{ParallelSpec, RankJob, RendezvousRequest, RendezvousResponse};
+use tessera_api::parallel::{
+    ParallelSpec, RankJob, RegroupRequest, RegroupResponse, RendezvousRequest, RendezvousResponse,
+};
 use tessera_api::train::TrainJob;
 use uuid::Uuid;
 
@@ -21,6 +25,7 @@ use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::state::AppState;
 use crate::store::db::{now_ms, Db};
 use crate::store::gangs::{self as store, RankOf, Rendezvous};
+use crate::store::regroup::{self, Joiner, Regroup};
 use crate::store::jobs::{self as jobs_store, Claimed, NewJob};
 
 /// The rank rows of `gang` at `world` ranks: the first `world` devices of `parallel`.
@@ -29,7 +34,8 @@ fn rank_rows(gang: Uuid, train: &TrainJob, parallel: &ParallelSpec, world: u32) 
         .iter()
         .enumerate()
         .map(|(rank, device)| {
-            let spec = RankJob { gang, rank: rank as u32, world, device: device.clone(), train: train.clone() };
+            let spec =
+                RankJob { gang, rank: rank as u32, world, device: device.clone(), train: train.clone(), joining: false };
             (device.placement(), spec)
         })
         .collect()
@@ -66,6 +72,36 @@ pub async fn resize(db: &Db, gang: Uuid, world: u32) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Asks running gang `gang` (of `train`) to change from `from` to `to` ranks in place:
+/// `leaving` (rank rows) leave when it shrinks; when it grows, ranks `from..to` of its
+/// spec's devices join, pinned to `slices` (one each, in order) when they run on MIG
+/// slices. False when the gang cannot now (it is not running, or a regroup or preemption
+/// is under way).
+pub async fn regroup_in_place(
+    state: &AppState,
+    gang: Uuid,
+    train: &TrainJob,
+    (from, to): (u32, u32),
+    leaving: &[Uuid],
+    slices: &[String],
+) -> Result<bool> {
+    let Some(parallel) = &train.parallel else {
+        return Ok(false);
+    };
+    let joining: Vec<Joiner> = rank_rows(gang, train, parallel, to.max(from))
+        .into_iter()
+        .skip(from as usize)
+        .enumerate()
+        .map(|(i, (placement, spec))| Joiner {
+            placement,
+            spec: RankJob { joining: true, ..spec },
+            slice: slices.get(i).cloned(),
+        })
+        .collect();
+    let deadline = now_ms() + state.config.gang_rendezvous_secs as i64 * 1000;
+    Ok(regroup::request(&state.db, gang, to, leaving, &joining, deadline).await?)
 }
 
 /// Leases `worker` a rank of the oldest gang it can host, if any; with `slices_only`, only
@@ -145,4 +181,37 @@ pub async fn rendezvous(
         Rendezvous::Waiting => Ok(ApiJson(RendezvousResponse::Waiting)),
         Rendezvous::Formed { generation, peers } => Ok(ApiJson(RendezvousResponse::Formed { generation, peers })),
     }
+}
+
+/// Post where this rank accepts its ring neighbour in its gang's new world (the gang grows
+/// or shrinks in place, `store::regroup`): a rank of the gang once it stopped at the step
+/// the ranks agreed on, a joining rank once it is ready. The answer: wait, the new world
+/// formed (this rank's new number, the world, every rank's address), leave the gang, or
+/// stop (the gang was preempted instead: report `preempted`). 409 once the rank is no
+/// longer this worker's (a joining rank whose regroup was called off).
+#[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/regroup", tag = "agent", security(("worker" = [])),
+    params(("id" = Uuid, Path)), request_body = RegroupRequest,
+    responses((status = 200, body = RegroupResponse), (status = 409, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody)))]
+pub async fn regroup(
+    State(state): State<AppState>,
+    agent: AgentAuth,
+    ApiPath(job): ApiPath<Uuid>,
+    ApiJson(request): ApiJson<RegroupRequest>,
+) -> Result<ApiJson<RegroupResponse>> {
+    check_address(&request.address)?;
+    let deadline = now_ms() + state.config.gang_rendezvous_secs as i64 * 1000;
+    let answer = regroup::post(&state.db, agent.worker_id, job, &request.address, request.generation, deadline).await?;
+    Ok(ApiJson(match answer {
+        Regroup::NotHeld => {
+            return Err(Error::Conflict(
+                "This worker does not hold this rank (its gang's resize was called off, or it was requeued); drop it."
+                    .into(),
+            ))
+        }
+        Regroup::Waiting => RegroupResponse::Waiting,
+        Regroup::Formed { generation, rank, world, peers } => RegroupResponse::Formed { generation, rank, world, peers },
+        Regroup::Leave => RegroupResponse::Leave,
+        Regroup::Stop => RegroupResponse::Stop,
+    }))
 }

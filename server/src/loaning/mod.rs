@@ -43,7 +43,7 @@ use crate::store::db::now_ms;
 use crate::store::deployments::{self as deployments_store, StoredDeployment};
 use crate::store::jobs::{self as jobs_store, NewJob};
 use crate::store::loaning::{
-    self as store, FleetSlice, Holder, NewReclaim, SliceGang, TrainingPlan,
+    self as store, FleetSlice, GangRank, Holder, NewReclaim, SliceGang, TrainingPlan,
 };
 use crate::store::{models, Scope};
 
@@ -186,6 +186,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     let db = &state.db;
     let now = now_ms();
     let restart_secs = state.config.gang_restart_secs as f64;
+    let regroup_secs = state.config.gang_regroup_secs as f64;
     let mut report = RoundReport::default();
     store::release_orphans(db).await?;
     let online_since = crate::workers::online_since(state);
@@ -352,10 +353,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let ranks = g.ranks.len() as u32;
             let wanted = g.train.resources();
             let waiting = g.waiting();
-            // Running, it may change size only through a preemption, and not while one is
-            // already under way.
-            let elastic =
-                wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
+            // Running, it may change size, but not while a stop or a resize is under way.
+            let elastic = wanted.max_ranks > wanted.min_ranks
+                && wanted.preemptible
+                && !g.stopping
+                && !g.regrouping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
                 for r in &g.ranks {
@@ -414,7 +416,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             capacity: &capacity,
             jobs: &jobs,
             elastic: true,
-            resize_pause_secs: restart_secs,
+            resize_pause_secs: regroup_secs,
             resize_margin: RESIZE_MARGIN,
         };
         let plan = plan_round(&round);
@@ -454,8 +456,12 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             };
             store::record_reclaim(db, now, &record).await?;
         }
-        // Running gangs the plan gives another size stop at a checkpoint and restart at it.
+        // Running gangs the plan gives another size: in place when they can (`InPlace`), else
+        // a stop at a checkpoint and a restart at it. Slices joining ranks take are `taken`.
         let mut resized: HashSet<Uuid> = HashSet::new();
+        let mut regrouped: HashSet<Uuid> = HashSet::new();
+        let mut leaving: HashSet<Uuid> = HashSet::new();
+        let mut taken: HashSet<&str> = HashSet::new();
         for (j, g) in mine.iter().enumerate() {
             if g.waiting() || g.stopping || preempted.contains(&g.id) {
                 continue;
@@ -488,6 +494,45 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     }
                 }
             };
+            let rank_pool = |r: &GangRank| {
+                r.slice
+                    .as_ref()
+                    .and_then(|u| slices.iter().find(|s| &s.uuid == u))
+                    .and_then(|s| pool_of(s))
+                    .unwrap_or(Pool::Training)
+            };
+            let free_in = |pool: Pool| {
+                slices
+                    .iter()
+                    .filter(move |s| pool_of(s) == Some(pool) && s.holder == Holder::Free)
+                    .filter(|s| s.loan_state != SliceLoan::Reclaiming && !reclaim_now.contains(&s.uuid))
+                    .map(|s| s.uuid.as_str())
+            };
+            let change = match g.train.parallel.as_ref().is_some_and(|p| p.precision.is_none()) && to != from {
+                true => InPlace::of(&g.ranks, &plan.placements[j].holdings, rank_pool, free_in, &taken),
+                false => None,
+            };
+            if let Some(change) = change {
+                let reason = format!(
+                    "Resized from {from} to {to} ranks in place by the loaning round: {why}. Its ranks stop at a \
+                     step and re-form at {to}."
+                );
+                let (out, joins): (&[Uuid], &[&str]) = match &change {
+                    InPlace::Shrink(out) => (out, &[]),
+                    InPlace::Grow(joins) => (&[], joins),
+                };
+                let joins: Vec<String> = joins.iter().map(|s| s.to_string()).collect();
+                if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, to), out, &joins).await? {
+                    jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                    leaving.extend(out);
+                    if let InPlace::Grow(joins) = change {
+                        taken.extend(joins);
+                    }
+                    regrouped.insert(g.id);
+                    report.resized += 1;
+                }
+                continue;
+            }
             let reason = if to == from {
                 format!(
                     "Moved to other slices by the loaning round: {why}. It checkpoints now and \
@@ -517,8 +562,13 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 .iter()
                 .filter(|s| s.lender == Some(d) && s.loan_state == SliceLoan::Loaned)
                 .collect();
+            // Slices of ranks that leave their gang first, then of gangs that stop.
             let stopping = |gang: &Uuid| preempted.contains(gang) || resized.contains(gang);
-            held.sort_by_key(|s| !matches!(s.holder, Holder::Rank { gang, .. } if stopping(&gang)));
+            held.sort_by_key(|s| match s.holder {
+                Holder::Rank { job, .. } if leaving.contains(&job) => 0,
+                Holder::Rank { gang, .. } if stopping(&gang) => 1,
+                _ => 2,
+            });
             for s in held {
                 if *need == 0 {
                     break;
@@ -530,7 +580,6 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
 
         // Waiting gangs start where the plan put them: sized, then pinned slice by slice.
-        let mut taken: HashSet<&str> = HashSet::new();
         for (j, g) in mine.iter().enumerate() {
             if !g.waiting() {
                 continue;
@@ -611,6 +660,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 "preempted this round".to_string()
             } else if resized.contains(&g.id) {
                 format!("resizing from {} to {ranks} {profile} slices", g.ranks.len())
+            } else if regrouped.contains(&g.id) || g.regrouping {
+                format!("resizing in place to {ranks} {profile} slices")
             } else if g.waiting() && ranks == 0 {
                 format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
             } else if g.waiting() {
@@ -712,4 +763,57 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
     store::record_round(db, &round).await?;
     store::prune(db, now - HISTORY_MS).await?;
     Ok(report)
+}
+
+/// How a running gang changes size in place: the rank rows that leave, or the slices
+/// ranks join on.
+enum InPlace<'a> {
+    Shrink(Vec<Uuid>),
+    Grow(Vec<&'a str>),
+}
+
+impl<'a> InPlace<'a> {
+    /// The change from `ranks` (each in its pool, `pool_of`) to `target` slices per pool:
+    /// a shrink gives up the highest ranks of each pool it leaves, a grow joins on free
+    /// slices (`free_in`) not yet `taken`. `None` when the plan moves ranks between pools
+    /// (a stop and a restart) or too few slices are free.
+    fn of<I: Iterator<Item = &'a str>>(
+        ranks: &[GangRank],
+        target: &[(Pool, u32)],
+        pool_of: impl Fn(&GangRank) -> Pool,
+        free_in: impl Fn(Pool) -> I,
+        taken: &HashSet<&str>,
+    ) -> Option<InPlace<'a>> {
+        let mut now: HashMap<Pool, u32> = HashMap::new();
+        for r in ranks {
+            *now.entry(pool_of(r)).or_default() += 1;
+        }
+        let wanted = |p: &Pool| target.iter().find(|(q, _)| q == p).map_or(0, |&(_, n)| n);
+        let pools: BTreeSet<Pool> = now.keys().chain(target.iter().map(|(p, _)| p)).copied().collect();
+        let shrinks = pools.iter().any(|p| wanted(p) < now.get(p).copied().unwrap_or(0));
+        let grows = pools.iter().any(|p| wanted(p) > now.get(p).copied().unwrap_or(0));
+        match (shrinks, grows) {
+            (true, false) => {
+                let mut out = Vec::new();
+                for p in &pools {
+                    let excess = (now.get(p).copied().unwrap_or(0) - wanted(p)) as usize;
+                    out.extend(ranks.iter().rev().filter(|r| pool_of(r) == *p).take(excess).map(|r| r.job));
+                }
+                Some(InPlace::Shrink(out))
+            }
+            (false, true) => {
+                let mut joins = Vec::new();
+                for p in &pools {
+                    let need = (wanted(p) - now.get(p).copied().unwrap_or(0)) as usize;
+                    let free: Vec<&str> = free_in(*p).filter(|s| !taken.contains(s)).take(need).collect();
+                    if free.len() < need {
+                        return None;
+                    }
+                    joins.extend(free);
+                }
+                Some(InPlace::Grow(joins))
+            }
+            _ => None,
+        }
+    }
 }

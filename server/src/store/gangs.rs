@@ -35,7 +35,7 @@ use super::{parse_json, parse_uuid, Result};
 const RANK_MAX_ATTEMPTS: i64 = 1 << 40;
 
 /// The states in which a worker holds a rank.
-const LIVE: &str = "('leased', 'running')";
+pub(super) const LIVE: &str = "('leased', 'running')";
 
 /// Queues a gang inside the caller's transaction: its job (what users see) and one row per rank.
 /// `ranks[i]` is rank i's placement (`cpu`, `cuda`, `slice:<profile>`) and spec.
@@ -46,15 +46,16 @@ pub async fn insert_in(conn: &mut AnyConnection, job: &NewJob<'_>, ranks: &[(Str
     Ok(gang)
 }
 
-/// One queued rank row per entry of `ranks`, in `gang`.
-async fn insert_ranks(
+/// One queued rank row per entry of `ranks`, in `gang`; their ids.
+pub(super) async fn insert_ranks(
     conn: &mut AnyConnection,
     gang: Uuid,
     owner: Uuid,
     gang_name: &str,
     dataset: Option<Uuid>,
     ranks: &[(String, RankJob)],
-) -> Result<()> {
+) -> Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
     for (placement, rank) in ranks {
         let spec = JobSpec::TrainRank(RankJob { gang, ..rank.clone() });
         let name = format!("{gang_name} rank {}", rank.rank);
@@ -70,8 +71,9 @@ async fn insert_ranks(
         .bind(id.to_string())
         .execute(&mut *conn)
         .await?;
+        ids.push(id);
     }
-    Ok(())
+    Ok(ids)
 }
 
 /// Replaces a waiting gang's ranks by `ranks` (an elastic job resized while it waits:
@@ -141,8 +143,9 @@ pub async fn placements(db: &Db, worker: Uuid) -> Result<Vec<String>> {
 }
 
 /// Leases `worker` the next queued rank it can host, oldest gang first and lowest rank
-/// first (so claimers fill one gang before the next), and starts the gang's rendezvous
-/// clock: unless every rank is claimed and posted by `deadline`, all are released. A rank
+/// first (so claimers fill one gang before the next): a rank of a waiting gang, or one
+/// joining a running gang that grows in place (`store::regroup`). For a waiting gang it
+/// starts the rendezvous clock: unless every rank is claimed and posted by `deadline`, all are released. A rank
 /// on a MIG slice is claimed only by the worker of the slice the loaning round pinned it
 /// to (`store::loaning`), so training never lands on a slice serving holds.
 pub async fn claim_rank(
@@ -165,7 +168,8 @@ pub async fn claim_rank(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
          updated_at = $3, message = NULL, gang_address = NULL \
          WHERE state = 'queued' AND id = (SELECT r.id FROM jobs r JOIN jobs g ON g.id = r.gang_id \
-         WHERE r.state = 'queued' AND r.kind = 'train_rank' AND g.state IN {WAITING} AND r.gang_placement IN ({}) \
+         WHERE r.state = 'queued' AND r.kind = 'train_rank' AND r.gang_placement IN ({}) \
+         AND (g.state IN {WAITING} OR (g.state = 'running' AND r.gang_joining = 1)) \
          AND (r.gang_placement NOT LIKE 'slice:%' OR (r.slice_pinned = 1 AND r.slice_uuid IN \
            (SELECT s.uuid FROM slices s WHERE s.worker_id = $1))) \
          ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
@@ -235,11 +239,25 @@ struct RankRow {
     address: Option<String>,
     message: Option<String>,
     rank: u32,
+    /// Joins the running gang at the regroup under way (not in its ring yet).
+    joining: bool,
+    /// Leaves the gang at the regroup under way.
+    leaving: bool,
+}
+
+impl RankRow {
+    /// In the gang's ring now: neither joining nor (for a lost rank's check) leaving.
+    fn in_ring(&self) -> bool {
+        !self.joining && !self.leaving
+    }
 }
 
 async fn ranks_in(conn: &mut AnyConnection, gang: &str) -> Result<Vec<RankRow>> {
     let rows =
-        sqlx::query("SELECT gang_rank, state, gang_address, message FROM jobs WHERE gang_id = $1 ORDER BY gang_rank")
+        sqlx::query(
+            "SELECT gang_rank, state, gang_address, message, gang_joining, gang_leaving FROM jobs WHERE gang_id = $1 \
+             ORDER BY gang_rank",
+        )
             .bind(gang)
             .fetch_all(conn)
             .await?;
@@ -250,6 +268,8 @@ async fn ranks_in(conn: &mut AnyConnection, gang: &str) -> Result<Vec<RankRow>> 
                 state: r.try_get("state")?,
                 address: r.try_get("gang_address")?,
                 message: r.try_get("message")?,
+                joining: r.try_get::<i64, _>("gang_joining")? != 0,
+                leaving: r.try_get::<i64, _>("gang_leaving")? != 0,
             })
         })
         .collect()
@@ -307,9 +327,10 @@ pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Resu
         .execute(&mut *tx)
         .await?;
     }
-    // Preempted runs give their attempt back, so the sum is what grows with every formation.
+    // Preempted runs give their attempt back, so the sum (with the in-place regroups) is
+    // what grows with every formation.
     let formed =
-        sqlx::query("SELECT attempts + preemptions AS generation FROM jobs WHERE id = $1 AND state = 'running'")
+        sqlx::query("SELECT attempts + preemptions + regroups AS generation FROM jobs WHERE id = $1 AND state = 'running'")
             .bind(&gang)
             .fetch_optional(&mut *tx)
             .await?;
@@ -350,7 +371,7 @@ pub struct Swept {
 /// sweeps running at once (several servers) do each change once.
 pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
     let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline, g.preempt_reason FROM jobs g \
+        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline, g.preempt_reason, g.regroup_world FROM jobs g \
          WHERE g.kind = 'train_gang' AND ($1 IS NULL OR g.id = $1) AND (g.state IN {UNFINISHED} OR EXISTS \
          (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.state IN {UNFINISHED}))"
     )))
@@ -365,6 +386,7 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
         let max_attempts: i64 = gang.try_get("max_attempts")?;
         let deadline: Option<i64> = gang.try_get("gang_deadline")?;
         let preempt_reason: Option<String> = gang.try_get("preempt_reason")?;
+        let regrouping = gang.try_get::<Option<i64>, _>("regroup_world")?.is_some();
         let mut tx = db.begin().await?;
         let ranks = ranks_in(&mut tx, &id).await?;
         let failed = ranks.iter().find(|r| r.state == "failed");
@@ -388,8 +410,23 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                 .await?;
                 swept.released += 1;
             }
+            "running" if regrouping && deadline.is_some_and(|d| d < now) => {
+                // Not formed in time: the gang stops at a checkpoint and restarts at the size.
+                let world = super::regroup::cancel_in(&mut tx, &id, now).await?;
+                sqlx::query(
+                    "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), resize_ranks = $2 WHERE id = $3",
+                )
+                .bind("The in-place resize did not form within the rendezvous time-out; the gang stops at a checkpoint and restarts at the new size.")
+                .bind(world.map(|w| w as i64))
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+                swept.released += 1;
+            }
             "running" => {
-                if let Some(lost) = ranks.iter().find(|r| r.state == "queued" || r.state == "cancelled") {
+                let lost = ranks.iter().find(|r| r.in_ring() && (r.state == "queued" || r.state == "cancelled"));
+                if let Some(lost) = lost {
+                    super::regroup::cancel_in(&mut tx, &id, now).await?;
                     let why = lost.message.as_deref().unwrap_or("its worker stopped responding").trim_end_matches('.');
                     if attempts >= max_attempts {
                         let message = format!("Rank {} was lost on the last allowed attempt ({why}).", lost.rank);
@@ -412,7 +449,7 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                         .await?;
                     }
                     swept.requeued += 1;
-                } else if preempt_reason.is_some() && ranks.iter().all(|r| r.state == "preempted") {
+                } else if preempt_reason.is_some() && ranks.iter().filter(|r| !r.joining).all(|r| r.state == "preempted") {
                     // Rank 0 reported after its checkpoint was stored: the gang resumes from it.
                     let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();
                     release(&mut tx, &id, now, &message).await?;
@@ -427,7 +464,7 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                     .await?;
                     super::loaning::free_preempted_slices(&mut tx, &id, now).await?;
                     swept.preempted += 1;
-                } else if ranks.iter().all(|r| r.state == "succeeded") {
+                } else if ranks.iter().filter(|r| !r.joining).all(|r| r.state == "succeeded") {
                     let message = ranks.first().and_then(|r| r.message.clone()).unwrap_or_default();
                     end(&mut tx, &id, JobState::Succeeded, &message, now).await?;
                     swept.settled += 1;
@@ -510,10 +547,11 @@ async fn end(conn: &mut AnyConnection, gang: &str, state: JobState, message: &st
 
 /// Stores ranks' step timings under the gang's job (a step reported again replaces it),
 /// each with the gang's rank count now: a rank reports only while its gang runs, and a
-/// gang changes its rank count only while none of its ranks is held.
+/// gang changes its rank count only while none of its ranks is held or at a regroup,
+/// after every rank flushed its timings and stopped (joining ranks are not counted).
 pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Result<()> {
     let mut tx = db.begin().await?;
-    let world: i64 = sqlx::query("SELECT COUNT(*) AS world FROM jobs WHERE gang_id = $1")
+    let world: i64 = sqlx::query("SELECT COUNT(*) AS world FROM jobs WHERE gang_id = $1 AND gang_joining = 0")
         .bind(gang.to_string())
         .fetch_one(&mut *tx)
         .await?

@@ -410,24 +410,34 @@ pub async fn depth(db: &Db) -> Result<i64> {
 /// a gang still forming, ended). The heartbeat answer carries the request (see
 /// [`preempt_requested`]); the lease stays the worker's until it reports `preempted`.
 pub async fn request_preemption(db: &Db, job: Uuid, reason: &str) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
     let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), updated_at = $2 WHERE id = $3 AND {LIVE}"
     )))
     .bind(reason)
-    .bind(now_ms())
+    .bind(now)
     .bind(job.to_string())
-    .execute(db.pool())
+    .execute(&mut *tx)
     .await?
     .rows_affected();
+    if changed > 0 {
+        // A gang growing or shrinking in place stops whole instead.
+        super::regroup::cancel_in(&mut tx, &job.to_string(), now).await?;
+    }
+    tx.commit().await?;
     Ok(changed > 0)
 }
 
 /// The jobs `worker` holds that are asked to preempt: their own request, or for a rank,
-/// its gang's.
+/// its gang's; or asked to stop for a regroup (a rank of a gang resizing in place, once
+/// every joining rank is ready: `store::regroup`), which the worker heeds the same way.
 pub async fn preempt_requested(db: &Db, worker: Uuid) -> Result<Vec<Uuid>> {
     let ids: Vec<String> = sqlx::query_scalar(
         "SELECT j.id FROM jobs j LEFT JOIN jobs g ON g.id = j.gang_id WHERE j.worker_id = $1 \
-         AND j.state IN ('leased', 'running') AND (j.preempt_reason IS NOT NULL OR g.preempt_reason IS NOT NULL)",
+         AND j.state IN ('leased', 'running') AND (j.preempt_reason IS NOT NULL OR g.preempt_reason IS NOT NULL \
+           OR (g.regroup_world IS NOT NULL AND j.gang_joining = 0 AND NOT EXISTS (SELECT 1 FROM jobs x \
+             WHERE x.gang_id = g.id AND x.gang_joining = 1 AND x.gang_address IS NULL)))",
     )
     .bind(worker.to_string())
     .fetch_all(db.pool())

@@ -157,6 +157,8 @@ pub struct SliceGang {
     pub stopping: bool,
     /// The rank count the round stopped it to restart at (a resize), until placed again.
     pub resize_ranks: Option<u32>,
+    /// Running, it grows or shrinks in place (`store::regroup`) and has not re-formed yet.
+    pub regrouping: bool,
     /// Rank 0 has reported step timings (of any attempt): `step_secs_by_count` finds some.
     pub measured: bool,
     pub ranks: Vec<GangRank>,
@@ -194,7 +196,7 @@ fn live_rank(state: &str) -> bool {
 pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
-           g.preempt_reason, g.resize_ranks, \
+           g.preempt_reason, g.resize_ranks, g.regroup_world, \
            (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at, \
            CAST(CASE WHEN EXISTS (SELECT 1 FROM rank_steps s WHERE s.job_id = g.id AND s.rank = 0 AND s.world > 0) \
              THEN 1 ELSE 0 END AS BIGINT) AS measured \
@@ -252,6 +254,7 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
                 .try_get::<Option<i64>, _>("resize_ranks")?
                 .filter(|&n| n > 0)
                 .map(|n| n as u32),
+            regrouping: g.try_get::<Option<i64>, _>("regroup_world")?.is_some(),
             // An integer on both databases (EXISTS is a boolean on PostgreSQL only).
             measured: g.try_get::<i64, _>("measured")? != 0,
             ranks,

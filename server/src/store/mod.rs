@@ -14,6 +14,7 @@ pub mod loaning;
 pub mod models;
 pub mod precision;
 pub mod quotas;
+pub mod regroup;
 pub mod revocations;
 pub mod slices;
 pub mod training;

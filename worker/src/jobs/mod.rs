@@ -117,6 +117,9 @@ pub enum JobError {
     /// Not a failure: asked to preempt, the job checkpointed at `step` (uploaded) and stopped.
     #[error("preempted at step {step}")]
     Preempted { step: u64 },
+    /// Not a failure: the rank's gang shrank in place at `step` without it (its row goes).
+    #[error("left its gang at step {step}")]
+    LeftGang { step: u64 },
 }
 
 /// Runs the job to its end and reports the outcome; a lost lease ends it silently,
@@ -143,6 +146,11 @@ pub async fn run(context: JobContext, spec: JobSpec) {
         Err(JobError::Preempted { step }) => {
             let _ = context.log(format!("preempted: checkpointed at step {step} and stopped")).await;
             (JobState::Preempted, format!("Preempted at step {step}; resumes from its checkpoint there."))
+        }
+        Err(JobError::LeftGang { step }) => {
+            let _ = context.log(format!("left the gang at step {step}: it shrank in place")).await;
+            tracing::info!(%job, step, "left its gang, which shrank in place");
+            return;
         }
         Err(JobError::Client(ClientError::LeaseLost)) => {
             tracing::info!(%job, "lease lost while running; leaving the job to the server");

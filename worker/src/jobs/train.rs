@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use reqwest::StatusCode;
 use tessera_api::jobs::JobState;
-use tessera_api::parallel::{RankDevice, RankJob, RendezvousResponse};
+use tessera_api::parallel::{RankDevice, RankJob, RegroupResponse, RendezvousResponse};
 use tessera_api::precision::{Precision, PrecisionPlanReport};
 use tessera_api::train::{OptimizerSpec, TaskType, TrainJob, TrainModel, TrainingMetrics};
 use tokio::sync::mpsc;
@@ -282,9 +282,9 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
     let session = session.with_preemption(context.preempt_flag());
-    let (step, outcome) = drive(context, session, None, Vec::new(), true).await?;
+    let (session, outcome) = drive(context, session, None, Vec::new(), true).await?;
     match outcome {
-        Ok(evaluation) => Ok(summary(step, &evaluation)),
+        Ok(evaluation) => Ok(summary(session.step(), &evaluation)),
         Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
         Err(error) => Err(error.into()),
     }
@@ -293,13 +293,14 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
 /// Runs the session on a blocking thread (inside `pool` when given) and streams what it
 /// produces; `leader`: this run reports the job's metrics and checkpoints (a gang's other
 /// ranks report only their timings). `breakers` are shut down if this task is dropped.
+/// Gives the session back with how its run ended.
 async fn drive(
     context: &JobContext,
     session: Session,
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<Arc<rayon::ThreadPool>>,
     breakers: Vec<std::net::TcpStream>,
     leader: bool,
-) -> Result<(u64, Result<Evaluation, crate::train::session::SessionError>), JobError> {
+) -> Result<(Session, Result<Evaluation, SessionError>), JobError> {
     let cancel = Arc::new(AtomicBool::new(false));
     let _cancel_on_drop = CancelOnDrop(cancel.clone(), breakers);
     let (sender, mut events) = mpsc::unbounded_channel();
@@ -315,7 +316,7 @@ async fn drive(
             Some(pool) => pool.install(run),
             None => run(),
         };
-        (session.step(), outcome)
+        (session, outcome)
     });
     let mut uplink = Uplink { context, pending: TrainingMetrics::default(), last_flush: Instant::now(), leader };
     let mut tick = tokio::time::interval(FLUSH_EVERY);
@@ -366,20 +367,157 @@ fn rank_device(context: &JobContext, rank: &RankJob) -> Result<Device, JobError>
     }
 }
 
+/// This rank's place in its gang's ring: the ring's generation, its rank, every rank's
+/// address (the world is their number).
+struct Member {
+    generation: u32,
+    rank: u32,
+    peers: Vec<String>,
+}
+
+/// A listener for this rank's ring neighbour, and the address to post for it.
+fn listen(context: &JobContext) -> Result<(std::net::TcpListener, String), JobError> {
+    let listener = std::net::TcpListener::bind((context.host().as_str(), 0))?;
+    let address = format!("{}:{}", context.host(), listener.local_addr()?.port());
+    Ok((listener, address))
+}
+
+/// Posts `address` at `…/regroup` until the answer is more than "wait".
+async fn regroup(context: &JobContext, address: &str, generation: u32) -> Result<RegroupResponse, JobError> {
+    loop {
+        match context.client.regroup(context.job, address, generation).await? {
+            RegroupResponse::Waiting => tokio::time::sleep(RENDEZVOUS_POLL).await,
+            answer => return Ok(answer),
+        }
+    }
+}
+
 /// One rank of a data-parallel job: meet the other ranks through the server, fetch the
 /// data, resume from the gang's latest checkpoint, join the ring and train on this
 /// rank's share of every global batch. A lost ring neighbour ends the run as
 /// `RankLost`, which leaves the gang's recovery to the server.
+///
+/// In-place resizes (`store::regroup` in the server): when the session stops at a step
+/// the ranks agreed on, the rank asks the server whether its gang regroups. If so it keeps
+/// its session (weights, optimizer, data position, schedule), joins the new world's ring
+/// and trains on, or leaves when it is not in the new world; otherwise the stop was a
+/// preemption. A rank joining a running gang readies its session first, so the gang
+/// trains on while it loads, and resumes from the checkpoint rank 0 takes at the stop.
 pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, JobError> {
     let spec = rank.train.clone();
     let device = rank_device(context, &rank)?;
+    let (mut listener, address) = listen(context)?;
+    let (mut member, session) = match rank.joining {
+        true => join(context, &spec, &device, &address).await?,
+        false => meet(context, &rank, &spec, &device, &address).await?,
+    };
+    let threads = rank.device.threads;
+    let slowdown = Slowdown::new(context.test_slowdown);
+    let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
+        Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
+    });
+    let preempt = context.preempt_flag();
+    let mut session = session.with_preemption(preempt.clone());
+    if let Some(planner) = planner {
+        session = session.with_planner(planner);
+    }
+    let pool = match threads {
+        Some(n) => Some(Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n as usize)
+                .build()
+                .map_err(|e| JobError::Train(format!("cannot start {n} training threads: {e}")))?,
+        )),
+        None => None,
+    };
+    loop {
+        let world = member.peers.len();
+        let hello = Hello {
+            gang: rank.gang,
+            generation: member.generation,
+            world: world as u32,
+            rank: member.rank,
+            start_step: session.step(),
+        };
+        let (ring_device, ring_preempt, peers) = (device.clone(), preempt.clone(), member.peers.clone());
+        let setup = tokio::task::spawn_blocking(
+            move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
+                let ring =
+                    Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
+                let breakers = ring.breakers()?;
+                // NCCL when every rank is a CUDA GPU in an `nccl` build, else the ring itself.
+                let (sync, fault, transport) =
+                    collective::for_gang(ring, &ring_device, RING_TIMEOUT, ring_preempt).map_err(|e| {
+                        if e.is_rank_lost() {
+                            JobError::RankLost(e.to_string())
+                        } else {
+                            JobError::Train(e.to_string())
+                        }
+                    })?;
+                let session = Session::with_trainer(session, |trainer| trainer.with_sync(sync).with_slowdown(slowdown));
+                Ok((session, breakers, fault, transport))
+            },
+        );
+        let (ready, breakers, fault, transport) =
+            setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+        let transport = match transport {
+            Transport::Nccl => "NCCL (GPU to GPU)",
+            Transport::Ring => "the host-staged TCP ring",
+        };
+        context
+            .log(format!(
+                "rank {} of {world} (attempt {}) all-reduces its gradients over {transport}; training from step {} to {}",
+                member.rank,
+                member.generation,
+                ready.step(),
+                spec.max_steps
+            ))
+            .await?;
+        let (stopped, outcome) = drive(context, ready, pool.clone(), breakers, member.rank == 0).await?;
+        session = stopped;
+        let step = match outcome {
+            Ok(evaluation) => return Ok(summary(session.step(), &evaluation)),
+            Err(SessionError::Preempted { step }) => step,
+            Err(error) => {
+                return match fault.get() {
+                    Some(reason) => Err(JobError::RankLost(reason.clone())),
+                    None => Err(error.into()),
+                }
+            }
+        };
+        // Stopped at an agreed step: a regroup, or a preemption.
+        let (next_listener, address) = listen(context)?;
+        listener = next_listener;
+        match regroup(context, &address, member.generation).await? {
+            RegroupResponse::Formed { generation, rank, world, peers } => {
+                preempt.store(false, Ordering::Relaxed);
+                context
+                    .log(format!(
+                        "regrouped in place at step {step}: rank {} of {} is now rank {rank} of {world}",
+                        member.rank,
+                        member.peers.len()
+                    ))
+                    .await?;
+                member = Member { generation, rank, peers };
+            }
+            RegroupResponse::Leave => return Err(JobError::LeftGang { step }),
+            RegroupResponse::Stop | RegroupResponse::Waiting => return Err(JobError::Preempted { step }),
+        }
+    }
+}
+
+/// A rank of a forming gang: meet the others first, then fetch and build the session.
+async fn meet(
+    context: &JobContext,
+    rank: &RankJob,
+    spec: &TrainJob,
+    device: &Device,
+    address: &str,
+) -> Result<(Member, Session), JobError> {
     // Meet first, fetch after: the rendezvous clock runs from the first rank's claim, and a
     // large model's download must not let it run out (the ring waits RING_TIMEOUT instead).
-    let listener = std::net::TcpListener::bind((context.host().as_str(), 0))?;
-    let address = listener.local_addr()?;
-    let address = format!("{}:{}", context.host(), address.port());
     let (generation, peers) = loop {
-        match context.client.rendezvous(context.job, &address).await? {
+        match context.client.rendezvous(context.job, address).await? {
             RendezvousResponse::Formed { generation, peers } => break (generation, peers),
             RendezvousResponse::Waiting => tokio::time::sleep(RENDEZVOUS_POLL).await,
         }
@@ -389,71 +527,46 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             "rank {} of {} joined attempt {generation} at {address} on {}",
             rank.rank,
             rank.world,
-            describe(&device)
+            describe(device)
         ))
         .await?;
-    let (bytes, model_folder) = fetch_data(context, &spec).await?;
+    let (bytes, model_folder) = fetch_data(context, spec).await?;
     let resume = fetch_checkpoint(context).await?;
-    let start_step = resume.as_ref().map_or(0, |(step, _)| *step);
-    let hello = Hello { gang: rank.gang, generation, world: rank.world, rank: rank.rank, start_step };
-    let threads = rank.device.threads;
-    let slowdown = Slowdown::new(context.test_slowdown);
-    let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
-        Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
-    });
-    let preempt = context.preempt_flag();
-    let setup = tokio::task::spawn_blocking(
-        move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
-            let ring =
-                Ring::connect(&listener, &peers, hello, RING_TIMEOUT).map_err(|e| JobError::RankLost(e.to_string()))?;
-            let breakers = ring.breakers()?;
-            // NCCL when every rank is a CUDA GPU in an `nccl` build, else the ring itself.
-            let (sync, fault, transport) = collective::for_gang(ring, &device, RING_TIMEOUT, preempt.clone()).map_err(|e| {
-                if e.is_rank_lost() {
-                    JobError::RankLost(e.to_string())
-                } else {
-                    JobError::Train(e.to_string())
-                }
-            })?;
-            let session = build_session(&spec, Inputs { bytes, model_folder, resume }, &device)?;
-            let session =
-                Session::with_trainer(session, |trainer| trainer.with_sync(sync).with_slowdown(slowdown))
-                    .with_preemption(preempt);
-            let session = match planner {
-                Some(planner) => session.with_planner(planner),
-                None => session,
-            };
-            Ok((session, breakers, fault, transport))
-        },
-    );
-    let (session, breakers, fault, transport) =
-        setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
-    let transport = match transport {
-        Transport::Nccl => "NCCL (GPU to GPU)",
-        Transport::Ring => "the host-staged TCP ring",
+    let (spec, device) = (spec.clone(), device.clone());
+    let session = tokio::task::spawn_blocking(move || build_session(&spec, Inputs { bytes, model_folder, resume }, &device))
+        .await
+        .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    Ok((Member { generation, rank: rank.rank, peers }, session))
+}
+
+/// A rank joining a running gang: build the session first (the gang trains on), then post
+/// and, once the gang stopped and the new world formed, load the checkpoint of that stop.
+async fn join(context: &JobContext, spec: &TrainJob, device: &Device, address: &str) -> Result<(Member, Session), JobError> {
+    let (bytes, model_folder) = fetch_data(context, spec).await?;
+    let (setup_spec, setup_device) = (spec.clone(), device.clone());
+    let session = tokio::task::spawn_blocking(move || {
+        build_session(&setup_spec, Inputs { bytes, model_folder, resume: None }, &setup_device)
+    })
+    .await
+    .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    context.log(format!("joining the running gang on {}: ready, waiting for it to stop", describe(device))).await?;
+    let member = match regroup(context, address, 0).await? {
+        RegroupResponse::Formed { generation, rank, peers, .. } => Member { generation, rank, peers },
+        // The gang was preempted meanwhile (its joining ranks are gone): nothing to report.
+        _ => return Err(JobError::Client(ClientError::LeaseLost)),
     };
-    context.log(format!("rank {} all-reduces its gradients over {transport}", rank.rank)).await?;
-    let pool = match threads {
-        Some(n) => Some(
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n as usize)
-                .build()
-                .map_err(|e| JobError::Train(format!("cannot start {n} training threads: {e}")))?,
-        ),
-        None => None,
+    let Some((step, files)) = fetch_checkpoint(context).await? else {
+        return Err(JobError::Train("the gang regrouped without a checkpoint to join from".into()));
     };
-    context
-        .log(format!("rank {} training from step {} to {}", rank.rank, session.step(), rank.train.max_steps))
-        .await?;
-    let (step, outcome) = drive(context, session, pool, breakers, rank.rank == 0).await?;
-    match outcome {
-        Ok(evaluation) => Ok(summary(step, &evaluation)),
-        Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
-        Err(error) => match fault.get() {
-            Some(reason) => Err(JobError::RankLost(reason.clone())),
-            None => Err(error.into()),
-        },
-    }
+    let device = device.clone();
+    let session = tokio::task::spawn_blocking(move || {
+        let mut session = session;
+        session.resume(&files, &device).map(|()| session)
+    })
+    .await
+    .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+    debug_assert_eq!(session.step(), step);
+    Ok((member, session))
 }
 
 /// The rank's device in words for its precision plan: `cpu, 4 threads`, `cuda:0`, with a

@@ -113,10 +113,12 @@ pub fn forecast(round: &Round, plan: &Plan) -> Vec<Forecast> {
                 finish_secs: run,
             }
         } else if placement.preempted || !same_slices(&job.holdings, &placement.holdings) {
-            // The round stops it (a resize, or a reclaim moved it): it restarts after the pause.
+            // Preempted, it restarts after its restart; resized (or moved by a reclaim), it
+            // goes on after the round's resize pause.
+            let pause = if placement.preempted { job.restart_secs } else { round.resize_pause_secs };
             Outlook::Starts {
-                start_secs: job.restart_secs,
-                finish_secs: job.restart_secs + run,
+                start_secs: pause,
+                finish_secs: pause + run,
             }
         } else {
             Outlook::Running { finish_secs: run }
@@ -370,20 +372,23 @@ mod tests {
     }
 
     #[test]
-    fn a_running_job_the_round_resizes_pays_its_restart_pause() {
+    fn a_running_job_the_round_resizes_pays_the_resize_pause_not_a_restart() {
         // Running at one rank with four free slices and a long way to go: the plan grows it
-        // to four, so it restarts after the 60 s pause at a quarter of the step time.
+        // to four, so it goes on after the 10 s resize pause (in place, not its 60 s
+        // restart) at a quarter of the step time.
         let mut elastic = job(1, 10_000.0, halving());
         elastic.max_ranks = 4;
         elastic.holdings = vec![(Pool::Training, 1)];
         elastic.resizable = true;
-        let f = predict(&[(Pool::Training, 4)], &[elastic]);
+        let jobs = [elastic];
+        let r = Round { resize_pause_secs: 10.0, ..round(&[(Pool::Training, 4)], &jobs) };
+        let f = forecast(&r, &plan_round(&r));
         assert_eq!(f[0].ranks, 4);
         assert_eq!(
             f[0].outlook,
             Outlook::Starts {
-                start_secs: 60.0,
-                finish_secs: 60.0 + 2500.0
+                start_secs: 10.0,
+                finish_secs: 10.0 + 2500.0
             }
         );
     }

@@ -1,0 +1,299 @@
+//! In-place resizes of running gangs, "regroups" (issue 16): the ranks keep their
+//! processes and their training state, stop at one step and re-form their ring at the new
+//! world; a stop and a restart (a preemption) would reload everything.
+//!
+//! The loaning round asks for one ([`request`]): the gang's job gets `regroup_world` and a
+//! deadline, ranks that leave are marked `gang_leaving`, and ranks that join are queued
+//! `gang_joining`, pinned to their slices, claimable while the gang runs. Every rank's
+//! ring address is cleared: each posts a new one at `…/regroup` ([`post`]). A joining rank
+//! posts once it fetched the data and model; once every joining rank has, the heartbeat
+//! asks the gang's ranks to stop (`jobs::preempt_requested`), they agree on the step
+//! through their all-reduce as for a preemption, rank 0 checkpoints, and each rank posts.
+//! A leaving rank is told to leave. When every rank that stays has posted, the regroup
+//! *forms* in one transaction: the leaving rows go, the others are numbered afresh (those
+//! of the gang in their order, then the joining ones) with the new world in their specs,
+//! and the gang's `regroups` grows, which makes a new ring generation. Joining ranks load
+//! the checkpoint; the others go on from memory.
+//!
+//! A regroup that does not form by its deadline becomes a stop and restart at the new
+//! size (`gangs::sweep`); a preemption or a lost rank cancels it ([`cancel_in`]).
+
+use sqlx::{AnyConnection, Row};
+use tessera_api::jobs::JobSpec;
+use tessera_api::parallel::RankJob;
+use uuid::Uuid;
+
+use super::db::{now_ms, Backend, Db};
+use super::gangs::{insert_ranks, LIVE};
+use super::loaning::event;
+use super::{parse_json, parse_uuid, Result};
+
+/// A rank that joins a running gang: its placement, its spec (`joining` set) and the MIG
+/// slice it is pinned to, if it runs on one.
+pub struct Joiner {
+    pub placement: String,
+    pub spec: RankJob,
+    pub slice: Option<String>,
+}
+
+/// Asks running `gang` to change its world in place to `world`: `leaving` (rank rows of
+/// it) leave, `joining` are queued pinned to their slices. It must form by `deadline`.
+/// False, changing nothing, unless the gang runs with no regroup or preemption under way
+/// and holds every rank in `leaving`.
+pub async fn request(
+    db: &Db,
+    gang: Uuid,
+    world: u32,
+    leaving: &[Uuid],
+    joining: &[Joiner],
+    deadline: i64,
+) -> Result<bool> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    let row = sqlx::query(
+        "UPDATE jobs SET regroup_world = $1, gang_deadline = $2 WHERE id = $3 AND kind = 'train_gang' \
+         AND state = 'running' AND regroup_world IS NULL AND preempt_reason IS NULL \
+         RETURNING owner_id, name, dataset_id",
+    )
+    .bind(world as i64)
+    .bind(deadline)
+    .bind(gang.to_string())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let mut marked = 0;
+    for rank in leaving {
+        marked += sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE jobs SET gang_leaving = 1 WHERE id = $1 AND gang_id = $2 AND gang_joining = 0 AND state IN {LIVE}"
+        )))
+        .bind(rank.to_string())
+        .bind(gang.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    }
+    if marked != leaving.len() as u64 {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    sqlx::query("UPDATE jobs SET gang_address = NULL WHERE gang_id = $1").bind(gang.to_string()).execute(&mut *tx).await?;
+    let owner = parse_uuid("jobs", "owner_id", &row.try_get::<String, _>("owner_id")?)?;
+    let name: String = row.try_get("name")?;
+    let dataset: Option<String> = row.try_get("dataset_id")?;
+    let dataset = dataset.as_deref().map(|d| parse_uuid("jobs", "dataset_id", d)).transpose()?;
+    let ranks: Vec<(String, RankJob)> = joining.iter().map(|j| (j.placement.clone(), j.spec.clone())).collect();
+    let ids = insert_ranks(&mut tx, gang, owner, &name, dataset, &ranks).await?;
+    for (id, joiner) in ids.iter().zip(joining) {
+        sqlx::query("UPDATE jobs SET gang_joining = 1, slice_uuid = $1, slice_pinned = $2 WHERE id = $3")
+            .bind(&joiner.slice)
+            .bind(i64::from(joiner.slice.is_some()))
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        if let Some(slice) = &joiner.slice {
+            event(&mut tx, now, slice, "training", None, Some(gang), "a rank joining its running gang was placed on it")
+                .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Where a regroup stands for one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Regroup {
+    /// The worker does not hold this rank (released, cancelled, its regroup called off).
+    NotHeld,
+    Waiting,
+    Formed { generation: u32, rank: u32, world: u32, peers: Vec<String> },
+    /// Not in the new world: the rank ends (its row goes when the regroup forms).
+    Leave,
+    /// The gang was asked to preempt: the rank reports `preempted`.
+    Stop,
+}
+
+/// `worker`'s rank `job` posts `address` for the regroup under way; `generation` is the
+/// ring generation it last ran in (0 for a joining rank). A rank of the gang that stopped
+/// with no regroup under way (a stop request that reached it late) starts one at the
+/// same world, due by `deadline`, so the gang re-forms rather than waits.
+pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u32, deadline: i64) -> Result<Regroup> {
+    let now = now_ms();
+    let mut tx = db.begin().await?;
+    // One rank of a gang at a time, as for the rendezvous (`gangs::rendezvous`).
+    if db.backend() == Backend::Postgres {
+        sqlx::query("SELECT g.id FROM jobs g WHERE g.id = (SELECT r.gang_id FROM jobs r WHERE r.id = $1) FOR UPDATE")
+            .bind(job.to_string())
+            .fetch_optional(&mut *tx)
+            .await?;
+    }
+    let rank = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT gang_id, gang_joining, gang_leaving FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN {LIVE} \
+         AND gang_id IS NOT NULL"
+    )))
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(rank) = rank else {
+        return Ok(Regroup::NotHeld);
+    };
+    let gang: String = rank.try_get("gang_id")?;
+    let joining = rank.try_get::<i64, _>("gang_joining")? != 0;
+    let g = sqlx::query(
+        "SELECT state, preempt_reason, regroup_world, attempts + preemptions + regroups AS generation \
+         FROM jobs WHERE id = $1",
+    )
+    .bind(&gang)
+    .fetch_one(&mut *tx)
+    .await?;
+    let state: String = g.try_get("state")?;
+    let current = g.try_get::<i64, _>("generation")? as u32;
+    let under_way = g.try_get::<Option<i64>, _>("regroup_world")?.is_some();
+    if state != "running" {
+        return Ok(Regroup::NotHeld);
+    }
+    if g.try_get::<Option<String>, _>("preempt_reason")?.is_some() {
+        return Ok(Regroup::Stop);
+    }
+    if rank.try_get::<i64, _>("gang_leaving")? != 0 {
+        return Ok(Regroup::Leave);
+    }
+    if !under_way {
+        if joining {
+            return Ok(Regroup::NotHeld);
+        }
+        if current > generation {
+            // The regroup this rank waited for formed since its last poll.
+            tx.commit().await?;
+            return formed(db, &gang, job, current).await;
+        }
+        sqlx::query(
+            "UPDATE jobs SET regroup_world = (SELECT COUNT(*) FROM jobs r WHERE r.gang_id = $1), gang_deadline = $2 \
+             WHERE id = $1",
+        )
+        .bind(&gang)
+        .bind(deadline)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE jobs SET gang_address = NULL WHERE gang_id = $1").bind(&gang).execute(&mut *tx).await?;
+    }
+    sqlx::query("UPDATE jobs SET gang_address = $1, updated_at = $2 WHERE id = $3")
+        .bind(address)
+        .bind(now)
+        .bind(job.to_string())
+        .execute(&mut *tx)
+        .await?;
+    let missing: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM jobs WHERE gang_id = $1 AND gang_leaving = 0 \
+         AND (state NOT IN {LIVE} OR gang_address IS NULL)"
+    )))
+    .bind(&gang)
+    .fetch_one(&mut *tx)
+    .await?;
+    if missing > 0 {
+        tx.commit().await?;
+        return Ok(Regroup::Waiting);
+    }
+    form(&mut tx, &gang, now).await?;
+    tx.commit().await?;
+    formed(db, &gang, job, current + 1).await
+}
+
+/// The regroup of `gang` forms (every rank that stays posted): see the module comment.
+async fn form(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<()> {
+    let freed: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND gang_leaving = 1")
+            .bind(gang)
+            .fetch_all(&mut *conn)
+            .await?;
+    sqlx::query("DELETE FROM jobs WHERE gang_id = $1 AND gang_leaving = 1").bind(gang).execute(&mut *conn).await?;
+    let rows = sqlx::query("SELECT id, spec FROM jobs WHERE gang_id = $1 ORDER BY gang_joining, gang_rank")
+        .bind(gang)
+        .fetch_all(&mut *conn)
+        .await?;
+    let world = rows.len() as u32;
+    for (rank, row) in rows.iter().enumerate() {
+        let id: String = row.try_get("id")?;
+        let spec = match parse_json::<JobSpec>("jobs", "spec", &row.try_get::<String, _>("spec")?)? {
+            JobSpec::TrainRank(spec) => JobSpec::TrainRank(RankJob { rank: rank as u32, world, joining: false, ..spec }),
+            other => other,
+        };
+        sqlx::query(
+            "UPDATE jobs SET gang_rank = $1, spec = $2, gang_joining = 0, state = 'running', \
+             started_at = COALESCE(started_at, $3), updated_at = $3 WHERE id = $4",
+        )
+        .bind(rank as i64)
+        .bind(serde_json::to_string(&spec)?)
+        .bind(now)
+        .bind(&id)
+        .execute(&mut *conn)
+        .await?;
+    }
+    sqlx::query(
+        "UPDATE jobs SET regroups = regroups + 1, regroup_world = NULL, gang_deadline = NULL, updated_at = $1 \
+         WHERE id = $2",
+    )
+    .bind(now)
+    .bind(gang)
+    .execute(&mut *conn)
+    .await?;
+    let id = parse_uuid("jobs", "id", gang)?;
+    for slice in freed.into_iter().flatten() {
+        event(conn, now, &slice, "idle", None, Some(id), "its rank left the gang, which shrank in place").await?;
+    }
+    Ok(())
+}
+
+/// The formed answer for `job` of `gang` at `generation`: its rank, the world and every
+/// rank's address.
+async fn formed(db: &Db, gang: &str, job: Uuid, generation: u32) -> Result<Regroup> {
+    let rows = sqlx::query("SELECT id, gang_address FROM jobs WHERE gang_id = $1 AND gang_joining = 0 ORDER BY gang_rank")
+        .bind(gang)
+        .fetch_all(db.pool())
+        .await?;
+    let mut peers = Vec::new();
+    let mut rank = None;
+    for row in &rows {
+        if row.try_get::<String, _>("id")? == job.to_string() {
+            rank = Some(peers.len() as u32);
+        }
+        peers.push(row.try_get::<Option<String>, _>("gang_address")?.unwrap_or_default());
+    }
+    Ok(match rank {
+        Some(rank) => Regroup::Formed { generation, rank, world: peers.len() as u32, peers },
+        None => Regroup::NotHeld,
+    })
+}
+
+/// Calls off the regroup under way in `gang`, if any: the joining ranks go (their workers
+/// learn at their next post or heartbeat), the leaving ones stay. Returns the world it
+/// was forming.
+pub(super) async fn cancel_in(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<Option<u32>> {
+    let world: Option<i64> = sqlx::query_scalar("SELECT regroup_world FROM jobs WHERE id = $1")
+        .bind(gang)
+        .fetch_optional(&mut *conn)
+        .await?
+        .flatten();
+    let Some(world) = world else {
+        return Ok(None);
+    };
+    sqlx::query("UPDATE jobs SET regroup_world = NULL, gang_deadline = NULL WHERE id = $1")
+        .bind(gang)
+        .execute(&mut *conn)
+        .await?;
+    let freed: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND gang_joining = 1")
+            .bind(gang)
+            .fetch_all(&mut *conn)
+            .await?;
+    sqlx::query("DELETE FROM jobs WHERE gang_id = $1 AND gang_joining = 1").bind(gang).execute(&mut *conn).await?;
+    sqlx::query("UPDATE jobs SET gang_leaving = 0 WHERE gang_id = $1").bind(gang).execute(&mut *conn).await?;
+    let id = parse_uuid("jobs", "id", gang)?;
+    for slice in freed.into_iter().flatten() {
+        event(conn, now, &slice, "idle", None, Some(id), "the in-place resize that placed a rank on it was called off")
+            .await?;
+    }
+    Ok(Some(world as u32))
+}
