@@ -4,8 +4,9 @@
 //! morning spike the round takes both back (the job preempted, replicas queued on the
 //! slices) and the deployment is whole again within `CAPACITY_BACK`; in the evening lull
 //! it lends again and the job resumes from its checkpoint and finishes. And an elastic job
-//! (one or two ranks) that grows onto a lent slice once it has run a while, shrinks off it
-//! when the lender's demand returns instead of being preempted, and finishes sane.
+//! (one or two ranks) that grows in place onto a lent slice once it has run a while,
+//! shrinks off it in place when the lender's demand returns instead of being preempted,
+//! and finishes sane with every step taken once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -237,18 +238,21 @@ async fn slices_of(user: &User, job: &str) -> usize {
 /// An elastic job (one or two ranks) beside a deployment of two replicas on three slices:
 /// the deployment lends one slice when idle, the third is the training pool's. Submitted
 /// during a first spike it starts at one rank; once demand is gone and the job has run
-/// the rounds the hysteresis asks, the round grows it to two ranks (a stop at a checkpoint
-/// and a restart at the new world size); a second spike takes the lent slice back and
-/// the job shrinks to one rank instead of being preempted; it finishes with a sane model.
-/// The ranks compute 20 times slower (`--test-slowdown`, sleeping), so two ranks really
-/// are faster, and a restart is charged as 1 s, so the growth pays off within the test.
+/// the rounds the hysteresis asks, the round grows it to two ranks in place (a rank joins
+/// on the lent slice, loads the checkpoint of the step the running rank stopped at, and
+/// the ring re-forms); a second spike takes the lent slice back and the job shrinks in
+/// place to one rank instead of being preempted; it finishes with a sane model, never
+/// stopped. The ranks compute 20 times slower (`--test-slowdown`, sleeping), so two ranks
+/// really are faster, and a resize is charged as 5 s: the first growth pays off within
+/// the test, and on this shared CPU two ranks are not enough faster for a shrink by choice
+/// to beat twice that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns() {
     let Some(fleet) = fleet(
         "2g.20gb+2g.20gb+2g.20gb",
         2,
-        &[("TESSERA_GANG_RESTART_SECS", "1")],
-        &["--slots", "2", "--test-slowdown", "20"],
+        &[("TESSERA_GANG_REGROUP_SECS", "5")],
+        &["--slots", "2", "--test-slowdown", "50"],
     )
     .await
     else {
@@ -263,7 +267,7 @@ async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns(
         (d["loaned_slices"] == 0 && d["ready_replicas"] == 2).then_some(())
     })
     .await;
-    let max_steps = 4000;
+    let max_steps = 3000;
     let job = user
         .submit(json!({
             "name": "elastic-shift", "model": {"kind": "mlp", "hidden": [64]}, "dataset": fleet.dataset,
@@ -289,13 +293,15 @@ async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns(
     eventually("the job grows to two ranks", Duration::from_secs(180), || async {
         let j = user.get(&format!("/jobs/{job}")).await;
         assert_ne!(j["state"], "failed", "{j}\n{}", worker.output());
-        assert_ne!(j["state"], "succeeded", "it ended before it grew: {j}");
-        let resized = user.log_lines(&job).await.iter().any(|l| l.starts_with("Resized from 1 to 2 ranks"));
-        (resized && j["state"] == "running" && slices_of(user, &job).await == 2).then_some(())
+        let lines = user.log_lines(&job).await;
+        assert_ne!(j["state"], "succeeded", "it ended before it grew: {lines:?}");
+        let regrouped = lines.iter().any(|l| l.contains("regrouped in place at step") && l.ends_with("rank 0 of 2"));
+        (regrouped && j["state"] == "running" && slices_of(user, &job).await == 2).then_some(())
     })
     .await;
     let lines = user.log_lines(&job).await;
-    assert!(lines.iter().any(|l| l.contains("rank 1 of 2 joined")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 2 ranks in place")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("joining the running gang")), "{lines:?}");
     let d = user.get("/deployments/embed").await;
     assert_eq!(d["loaned_slices"], 1, "{d}");
     eprintln!("grew to two ranks {:.1} s after the first spike", grown.elapsed().as_secs_f64());
@@ -318,7 +324,7 @@ async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns(
     assert!(!reclaims.is_empty() && reclaims.iter().all(|r| r["preempted"] == false), "shrunk, never preempted: {overview}");
     let lines = user.log_lines(&job).await;
     assert!(
-        lines.iter().any(|l| l.starts_with("Resized from 2 to 1 ranks") && l.contains("embed needs")),
+        lines.iter().any(|l| l.starts_with("Resized from 2 to 1 ranks in place") && l.contains("embed needs")),
         "{lines:?}"
     );
     eprintln!(
@@ -329,14 +335,17 @@ async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns(
 
     // It finishes: every step once, a model as good as an uninterrupted run's.
     let finished = user.finished(&job, &[worker], Duration::from_secs(400)).await;
-    assert!(finished["preemptions"].as_u64().unwrap() >= 2, "two resizes, each a stop and a restart: {finished}");
+    assert_eq!(finished["preemptions"], 0, "resized in place, never stopped: {finished}");
     let lines = user.log_lines(&job).await;
-    assert!(lines.iter().filter(|l| l.contains("resuming from the checkpoint at step")).count() >= 2, "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("left the gang at step")), "{lines:?}");
+    for line in lines.iter().filter(|l| l.contains("re-formed in place")) {
+        eprintln!("{line}");
+    }
     let metrics = user.get(&format!("/jobs/{job}/metrics")).await;
     let steps: Vec<u64> = metrics["steps"].as_array().unwrap().iter().map(|r| r["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=max_steps).collect::<Vec<_>>(), "each step reported once, none lost");
     let accuracy = metrics["evals"].as_array().unwrap().last().unwrap()["accuracy"].as_f64().unwrap();
     assert!(accuracy > 0.9, "final validation accuracy {accuracy}");
-    eprintln!("finished at accuracy {accuracy:.3} after {} resizes", finished["preemptions"]);
+    eprintln!("finished at accuracy {accuracy:.3}");
     drop(fleet);
 }

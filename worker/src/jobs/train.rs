@@ -282,7 +282,7 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
     let session = session.with_preemption(context.preempt_flag());
-    let (session, outcome) = drive(context, session, None, Vec::new(), true).await?;
+    let (session, outcome, _) = drive(context, session, None, Vec::new(), true).await?;
     match outcome {
         Ok(evaluation) => Ok(summary(session.step(), &evaluation)),
         Err(SessionError::Preempted { step }) => Err(JobError::Preempted { step }),
@@ -293,14 +293,15 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
 /// Runs the session on a blocking thread (inside `pool` when given) and streams what it
 /// produces; `leader`: this run reports the job's metrics and checkpoints (a gang's other
 /// ranks report only their timings). `breakers` are shut down if this task is dropped.
-/// Gives the session back with how its run ended.
+/// Gives the session back with how its run ended and when it stopped (before the uploads
+/// that followed).
 async fn drive(
     context: &JobContext,
     session: Session,
     pool: Option<Arc<rayon::ThreadPool>>,
     breakers: Vec<std::net::TcpStream>,
     leader: bool,
-) -> Result<(Session, Result<Evaluation, SessionError>), JobError> {
+) -> Result<(Session, Result<Evaluation, SessionError>, Instant), JobError> {
     let cancel = Arc::new(AtomicBool::new(false));
     let _cancel_on_drop = CancelOnDrop(cancel.clone(), breakers);
     let (sender, mut events) = mpsc::unbounded_channel();
@@ -316,7 +317,7 @@ async fn drive(
             Some(pool) => pool.install(run),
             None => run(),
         };
-        (session, outcome)
+        (session, outcome, Instant::now())
     });
     let mut uplink = Uplink { context, pending: TrainingMetrics::default(), last_flush: Instant::now(), leader };
     let mut tick = tokio::time::interval(FLUSH_EVERY);
@@ -430,6 +431,8 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
         )),
         None => None,
     };
+    // When the session last stopped for a regroup: the pause is logged once the ring is back.
+    let mut stopped_at: Option<(u64, Instant)> = None;
     loop {
         let world = member.peers.len();
         let hello = Hello {
@@ -460,6 +463,10 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
         );
         let (ready, breakers, fault, transport) =
             setup.await.map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
+        if let Some((step, at)) = stopped_at.take() {
+            let paused = at.elapsed().as_secs_f64();
+            context.log(format!("rank {} re-formed in place {paused:.2} s after stopping at step {step}", member.rank)).await?;
+        }
         let transport = match transport {
             Transport::Nccl => "NCCL (GPU to GPU)",
             Transport::Ring => "the host-staged TCP ring",
@@ -473,7 +480,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
                 spec.max_steps
             ))
             .await?;
-        let (stopped, outcome) = drive(context, ready, pool.clone(), breakers, member.rank == 0).await?;
+        let (stopped, outcome, at) = drive(context, ready, pool.clone(), breakers, member.rank == 0).await?;
         session = stopped;
         let step = match outcome {
             Ok(evaluation) => return Ok(summary(session.step(), &evaluation)),
@@ -491,6 +498,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
         match regroup(context, &address, member.generation).await? {
             RegroupResponse::Formed { generation, rank, world, peers } => {
                 preempt.store(false, Ordering::Relaxed);
+                stopped_at = Some((step, at));
                 context
                     .log(format!(
                         "regrouped in place at step {step}: rank {} of {} is now rank {rank} of {world}",
