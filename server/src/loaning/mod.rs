@@ -8,17 +8,21 @@
 //! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL); every
 //! server records its own gateway's request rates, which the round sums.
 //!
-//! Resizing a running elastic gang is a stop and a restart, the way many elastic trainers
-//! do it: the round records the size it wants (`resize_ranks`), preempts the gang (it
-//! checkpoints at the step it is on and stops, `jobs::preempt_job`), and when the gang
-//! waits again places it first at up to that size (`gangs::resize`, then rank pins).
-//! Training state is independent of the world size (a fixed global batch split in
-//! shares, one loader position), so the restart continues the same run. Against churn:
-//! a grow or shrink by choice must predict a JCT gain above twice the pause
-//! (`RESIZE_MARGIN`), and a gang keeps its size for `RESIZE_COOLDOWN_ROUNDS` rounds after
-//! it formed; a reclaim shrinks it (to at least `min_ranks`) before preempting anyone,
-//! whenever it comes. Each resize goes in the job's log; a shrink for a reclaim is also a
-//! reclaim event (not preempted).
+//! A running elastic gang is resized in place (`store::regroup`): its ranks keep their
+//! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`),
+//! leaving ones are those on the slices the plan gives up (`InPlace::Shrink`), and the
+//! ring re-forms at the new world at one step. The round plans it as a pause of
+//! `--gang-regroup-secs`. Training state is independent of the world size (a fixed global
+//! batch split in shares, one loader position), so the gang continues the same run. A
+//! resize that moves ranks between pools at once, or of a job with a precision plan (its
+//! plan is per world), is a stop and a restart instead: the round records the size it
+//! wants (`resize_ranks`), preempts the gang (it checkpoints at the step it is on and
+//! stops, `jobs::preempt_job`), and when the gang waits again places it first at up to
+//! that size (`gangs::resize`, then rank pins). Against churn: a grow or shrink by choice
+//! must predict a JCT gain above twice the pause (`RESIZE_MARGIN`), and a gang keeps its
+//! size for `RESIZE_COOLDOWN_ROUNDS` rounds after it formed or re-formed; a reclaim shrinks
+//! it (to at least `min_ranks`) before preempting anyone, whenever it comes. Each resize
+//! goes in the job's log; a shrink for a reclaim is also a reclaim event (not preempted).
 //!
 //! Departures from the pure planner's model, forced by the platform: a running elastic
 //! job that is not `preemptible` is treated as inelastic (a resize is a preemption); a
@@ -76,7 +80,7 @@ pub struct RoundReport {
     pub returned: u32,
     pub started: u32,
     pub preempted: u32,
-    /// Running gangs stopped to restart at another size.
+    /// Running gangs resized: in place, or stopped to restart at another size.
     pub resized: u32,
 }
 

@@ -18,8 +18,9 @@ use super::shortest_first::{queue_order, shortest_first, Free, Waiting};
 pub enum Outlook {
     /// It ran before the round and runs on at the same slices, finishing in `finish_secs`.
     Running { finish_secs: f64 },
-    /// It starts in `start_secs` (0: the plan places it now; a running job the plan stops
-    /// to resize or move restarts after its restart pause) and finishes in `finish_secs`.
+    /// It starts in `start_secs` (0: the plan places it now; a running job the plan resizes
+    /// or moves goes on after the round's resize pause, one it preempts after its restart)
+    /// and finishes in `finish_secs`.
     Starts { start_secs: f64, finish_secs: f64 },
     /// It asks for more slices than the pools it may use hold once every other job ended:
     /// it starts only if the fleet grows.
