@@ -275,22 +275,28 @@ async fn ranks_in(conn: &mut AnyConnection, gang: &str) -> Result<Vec<RankRow>> 
         .collect()
 }
 
+/// Locks the gang row of rank `job` for the caller's transaction. The ranks of a gang post
+/// at once. On PostgreSQL each would lock its own row, and the one forming the gang then
+/// the gang's and every rank's row: two ranks both seeing the gang complete deadlocked
+/// (each holding its row, one waiting on the gang's). So every post of a gang's rank first
+/// locks the gang's row, and they run one after another (SQLite's writers do anyway); each
+/// then reads what the earlier ones posted.
+pub(super) async fn lock_gang_of(conn: &mut AnyConnection, backend: Backend, job: Uuid) -> Result<()> {
+    if backend == Backend::Postgres {
+        sqlx::query("SELECT g.id FROM jobs g WHERE g.id = (SELECT r.gang_id FROM jobs r WHERE r.id = $1) FOR UPDATE")
+            .bind(job.to_string())
+            .fetch_optional(conn)
+            .await?;
+    }
+    Ok(())
+}
+
 /// Records the address `worker`'s rank `job` accepts its ring neighbour on, and forms the
 /// gang when it was the last rank missing.
 pub async fn rendezvous(db: &Db, worker: Uuid, job: Uuid, address: &str) -> Result<Rendezvous> {
     let now = now_ms();
     let mut tx = db.begin().await?;
-    // The ranks of a gang post at once. On PostgreSQL each would lock its own row, and the
-    // one forming the gang then the gang's and every rank's row: two ranks both seeing the
-    // gang complete deadlocked (each holding its row, one waiting on the gang's). So every
-    // rendezvous of a gang first locks the gang's row, and they run one after another
-    // (SQLite's writers do anyway); each then reads the addresses the earlier ones posted.
-    if db.backend() == Backend::Postgres {
-        sqlx::query("SELECT g.id FROM jobs g WHERE g.id = (SELECT r.gang_id FROM jobs r WHERE r.id = $1) FOR UPDATE")
-            .bind(job.to_string())
-            .fetch_optional(&mut *tx)
-            .await?;
-    }
+    lock_gang_of(&mut tx, db.backend(), job).await?;
     let posted = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET gang_address = $1, updated_at = $2 WHERE id = $3 AND worker_id = $4 AND state IN {LIVE} \
          AND gang_id IS NOT NULL RETURNING gang_id"

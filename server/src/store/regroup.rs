@@ -23,8 +23,8 @@ use tessera_api::jobs::JobSpec;
 use tessera_api::parallel::RankJob;
 use uuid::Uuid;
 
-use super::db::{now_ms, Backend, Db};
-use super::gangs::{insert_ranks, LIVE};
+use super::db::{now_ms, Db};
+use super::gangs::{insert_ranks, lock_gang_of, LIVE};
 use super::loaning::event;
 use super::{parse_json, parse_uuid, Result};
 
@@ -121,13 +121,7 @@ pub enum Regroup {
 pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u32, deadline: i64) -> Result<Regroup> {
     let now = now_ms();
     let mut tx = db.begin().await?;
-    // One rank of a gang at a time, as for the rendezvous (`gangs::rendezvous`).
-    if db.backend() == Backend::Postgres {
-        sqlx::query("SELECT g.id FROM jobs g WHERE g.id = (SELECT r.gang_id FROM jobs r WHERE r.id = $1) FOR UPDATE")
-            .bind(job.to_string())
-            .fetch_optional(&mut *tx)
-            .await?;
-    }
+    lock_gang_of(&mut tx, db.backend(), job).await?;
     let rank = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT gang_id, gang_joining, gang_leaving FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN {LIVE} \
          AND gang_id IS NOT NULL"
