@@ -29,8 +29,9 @@
 //! read their figures' values), elasticity, scaling and the serving side.
 //!
 //! Events: job arrivals, job completions (predicted from each job's current rank count),
-//! a demand tick every 5 minutes (the diurnal serving load and the loan decisions), and the
-//! end of a job's resize cooldown. Every event runs one scheduling round (`plan_round`).
+//! a demand tick every 5 minutes (the diurnal serving load and the loan decisions), the end
+//! of a job's resize cooldown, and, with in-place resizes, the end of a grow's warm-up and
+//! of a regroup that frees slices. Every event runs one scheduling round (`plan_round`).
 //!
 //! The round is the platform's (`server::loaning::run_round`) in what it knows and how it
 //! resizes:
@@ -42,22 +43,43 @@
 //!   `--step-window` is the server before that fix, which read a gang's newest 400 steps
 //!   only and forgot older counts; `--full-curves` gives every count from submission (all
 //!   runs before).
-//! - A resize is a stop at a checkpoint and a restart at the new size, charged as a restart
-//!   (`--gang-restart-secs`, 60 s), by choice only for a predicted gain above twice that
-//!   (`RESIZE_MARGIN`) and not within `RESIZE_COOLDOWN_ROUNDS` × 5 s of a job starting at a
-//!   size; a round also runs when such a cooldown ends. `--free-resize` is the earlier
-//!   model (a 30 s pause, any gain, any time), and `--lose-since-checkpoint` the first
-//!   run's (free resizes, and a preempted job loses the work since its last periodic
-//!   checkpoint).
+//! - A resize is in place, the platform's regroup. A shrink stops the whole job for
+//!   `REGROUP_SECS` (10 s, GUESS; `--regroup-secs X`); the survivors go on from their
+//!   memory, and the leaving ranks' slices are free when the regroup ends (a start or a grow
+//!   that needs them waits for them). A grow pins joiners to the new slices, which they
+//!   hold idle while they warm up (`WARMUP_SECS`, the restart's 60 s, GUESS) and the job
+//!   trains on at its old size; then the whole job stops for the regroup (rank 0
+//!   checkpoints, the joiners load it) and runs at its new size. The round plans with the
+//!   regroup as the resize pause (the server's `--gang-regroup-secs`): by choice only for a
+//!   predicted gain above twice it (`RESIZE_MARGIN`), not within `RESIZE_COOLDOWN_ROUNDS` ×
+//!   5 s of the job running at its size, and not while its grow warms up; a reclaim may
+//!   shrink it at any time. A round also runs when such a cooldown ends. Preemption and the
+//!   restart after it are unchanged (`RESTART_SECS`).
+//!   `--restart-resize` is the platform before the regroup: a stop at a checkpoint and a
+//!   restart at the new size, charged and planned as a restart (`--gang-restart-secs`, 60 s),
+//!   with the same margin and cooldown. `--free-resize` is the earlier model (a 30 s pause,
+//!   any gain, any time), and `--lose-since-checkpoint` the first run's (free resizes, and a
+//!   preempted job loses the work since its last periodic checkpoint).
 //! - A deployment keeps at least one slice serving: they are replica-count deployments,
 //!   whose floor on the platform is one replica (`capacity::serving_floor`).
 //!
 //! Where it still departs from the platform:
-//! - Rounds run at events (arrivals, completions, 5-minute serving ticks, cooldown ends),
-//!   not every 5 s; between events only progress changes what a round would see.
-//! - A resize is one step: the job keeps its new slices through the pause. The platform
-//!   preempts it, frees its slices and restarts it first in line the next round at up to
-//!   that size. The pause itself (60 s) is the platform's planning figure, not measured.
+//! - Rounds run at events (arrivals, completions, 5-minute serving ticks, cooldown, warm-up
+//!   and regroup ends), not every 5 s; between events only progress changes what a round
+//!   would see.
+//! - In place: the regroup (10 s) and the warm-up (60 s) are GUESSes, not measured; the
+//!   round's hurdle counts the regroup only, not the grow's time at its old size. A plan
+//!   gives each job slices per pool: the ring keeps as many of its ranks as its new size
+//!   allows, and a move between pools at the same size is free unless a reclaim forced it
+//!   (the server leaves such a job where it is). A job whose ring shrinks gives up all the
+//!   slices it loses when its regroup ends, joiners' too. Among the jobs that take slices in
+//!   a round, the oldest take the free ones; the rest wait for the leavers.
+//! - In place, a reclaim that takes slices of a job whose grow warms up cancels the grow
+//!   (chosen for simplicity): the ring shrinks in place if it loses ranks, and the joiners
+//!   left with a slice start their warm-up again.
+//! - `--restart-resize`: a resize is one step, the job keeps its new slices through the
+//!   pause. The platform preempted it, freed its slices and restarted it first in line the
+//!   next round at up to that size. The pause (60 s) is the planning figure, not measured.
 //! - A reclaimed slice serves again at once; on the platform it is `reclaiming` until its
 //!   ranks stop and a replica starts on it.
 //! - Serving demand moves, and loans are decided, at the 5-minute ticks: `next_loan`'s 2
@@ -70,8 +92,8 @@
 //! - One MIG profile (the platform plans each profile on its own); every elastic job is
 //!   preemptible (the platform treats one that is not as inelastic).
 //!
-//! Run: cargo run --release -p tessera-bench --bin aryl [-- --free-resize |
-//! --lose-since-checkpoint] [--step-window | --full-curves]
+//! Run: cargo run --release -p tessera-bench --bin aryl [-- --regroup-secs X |
+//! --restart-resize | --free-resize | --lose-since-checkpoint] [--step-window | --full-curves]
 
 use std::time::Instant;
 
@@ -82,7 +104,8 @@ use tessera_bench::machine;
 use tessera_server::loaning::{RESIZE_COOLDOWN_ROUNDS, RESIZE_MARGIN};
 use tessera_server::scheduler::loaning::elastic::{grant, Candidate};
 use tessera_server::scheduler::loaning::{
-    capacity::needed, forecast, next_loan, plan_round, Deployment, Job, LoanPolicy, LoanState, Pool, Round, StepTimes,
+    capacity::needed, forecast, next_loan, plan_round, Deployment, Job, LoanPolicy, LoanState, Placement, Pool, Round,
+    StepTimes,
 };
 
 const MINUTE: f64 = 60.0;
@@ -146,6 +169,14 @@ const MEASUREMENT_NOISE: f64 = 0.05;
 const CHECKPOINT_EVERY: f64 = 15.0 * MINUTE;
 const RESTART_SECS: f64 = 60.0;
 const RESIZE_SECS: f64 = 30.0;
+/// The pause of an in-place resize ("regroup"): every rank stops at a step, rank 0's state
+/// is handed over and the all-reduce ring re-forms. GUESS for a GPU fleet, checkpoint
+/// hand-over plus ring re-formation; the server plans with it as `--gang-regroup-secs`.
+/// `--regroup-secs X` overrides it.
+const REGROUP_SECS: f64 = 10.0;
+/// How long a joiner of an in-place grow takes to be ready (claimed by its worker, data and
+/// model fetched), like a restarting rank. GUESS: the restart's figure.
+const WARMUP_SECS: f64 = RESTART_SECS;
 
 /// The server's default `--loan-round-secs`: the platform's resize cooldown in seconds is
 /// `RESIZE_COOLDOWN_ROUNDS` of these.
@@ -154,10 +185,16 @@ const PLATFORM_ROUND_SECS: f64 = 5.0;
 /// How a running elastic job changes size.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Resize {
-    /// As the platform does: a stop and a restart (`RESTART_SECS`), only for a predicted
-    /// gain above the pause by `RESIZE_MARGIN`, and not by choice within the cooldown after
-    /// the job started running at its size. The default.
-    Platform,
+    /// In place, as the platform's regroup does (the default). A shrink pauses the job for
+    /// the regroup and frees the leaving ranks' slices when it ends; a grow pins joiners to
+    /// the new slices, which warm up (`WARMUP_SECS`) while the job trains on at its old
+    /// size, then the whole job pauses for the regroup. Planned with the regroup as the
+    /// resize pause, `RESIZE_MARGIN` and the cooldown after the job runs at its new size.
+    InPlace,
+    /// The platform before the regroup (`--restart-resize`): a stop and a restart
+    /// (`RESTART_SECS`), only for a predicted gain above the pause by `RESIZE_MARGIN`, and
+    /// not by choice within the cooldown after the job started running at its size.
+    Restart,
     /// The earlier model (`--free-resize`): a `RESIZE_SECS` pause, any gain, any time.
     Free,
 }
@@ -193,21 +230,26 @@ enum Knowledge {
 /// fell back to the prior. Kept for `--step-window`, to compare with.
 const OLD_STEP_ROWS: f64 = 400.0;
 
-/// How a run models the platform: `--free-resize` or `--lose-since-checkpoint`, and
-/// `--step-window` or `--full-curves`, each put back an earlier model of one part.
+/// How a run models the platform: `--restart-resize`, `--free-resize` or
+/// `--lose-since-checkpoint`, and `--step-window` or `--full-curves`, each put back an
+/// earlier model of one part; `--regroup-secs X` sets the in-place resize's pause.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Model {
     preemption: Preemption,
     resize: Resize,
     knowledge: Knowledge,
+    /// The pause of an in-place resize (`REGROUP_SECS` unless overridden).
+    regroup_secs: f64,
 }
 
 impl Model {
     /// The resize pause, the margin a resize by choice must beat it by, and the cooldown
     /// after a job starts running at a size, in seconds.
     fn resize_terms(&self) -> (f64, f64, f64) {
+        let cooldown = RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS;
         match self.resize {
-            Resize::Platform => (RESTART_SECS, RESIZE_MARGIN, RESIZE_COOLDOWN_ROUNDS as f64 * PLATFORM_ROUND_SECS),
+            Resize::InPlace => (self.regroup_secs, RESIZE_MARGIN, cooldown),
+            Resize::Restart => (RESTART_SECS, RESIZE_MARGIN, cooldown),
             Resize::Free => (RESIZE_SECS, 0.0, 0.0),
         }
     }
@@ -461,12 +503,41 @@ struct JobState {
     /// Steps run per rank count, oldest first (consecutive runs at one count merged): what
     /// the platform's step timings hold.
     segments: Vec<(u32, f64)>,
+    /// An in-place grow under way: its joiners hold their new slices and warm up.
+    warmup: Option<Warmup>,
+    /// In-place grows decided, and those a later round or a preemption cancelled.
+    grows: u32,
+    grows_cancelled: u32,
+}
+
+/// An in-place grow whose joiners are warming up: the job trains on at its old size, then
+/// the whole job pauses for the regroup and runs at the size it holds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Warmup {
+    /// Ranks in the ring, which train meanwhile.
+    working: u32,
+    /// When the joiners are ready and the regroup starts.
+    until: f64,
 }
 
 impl JobState {
+    /// Slices held: the ring's ranks and any joiners warming up.
     fn ranks(&self) -> u32 {
         self.holdings.iter().map(|&(_, n)| n).sum()
     }
+
+    /// Ranks that train: the ring, without joiners still warming up.
+    fn working_ranks(&self) -> u32 {
+        self.warmup.map_or(self.ranks(), |w| w.working)
+    }
+}
+
+/// Slices whose ranks left a job in place: held until the regroup ends, when they are free.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Releasing {
+    pool: Pool,
+    slices: u32,
+    until: f64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -489,6 +560,11 @@ struct Outcome {
     mean_loaned_used: f64,
     preemptions: u32,
     resizes: u32,
+    /// In-place grows (among `resizes`), and those cancelled before their regroup.
+    grows: u32,
+    grows_cancelled: u32,
+    /// Starts and grows that waited for slices still held by ranks leaving in place.
+    waited_for_slices: u32,
     rounds: usize,
     serving_short_ticks: usize,
     makespan_days: f64,
@@ -509,6 +585,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
     let total_slices = (TRAINING_SLICES + DEPLOYMENTS as u32 * SLICES_PER_DEPLOYMENT) as f64;
     let (mut training_area, mut serving_area, mut loaned_area, mut loaned_used_area) = (0.0, 0.0, 0.0, 0.0);
     let mut paused_area = 0.0;
+    let mut releasing: Vec<Releasing> = Vec::new();
     let mut out = Outcome { jobs: trace.len(), ..Outcome::default() };
 
     loop {
@@ -519,7 +596,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
             .filter(|&&j| state[j].ranks() > 0)
             .map(|&j| {
                 let s = &state[j];
-                s.paused_until.max(now) + (trace[j].steps - s.done).max(0.0) * trace[j].step_secs(s.ranks())
+                s.paused_until.max(now) + (trace[j].steps - s.done).max(0.0) * trace[j].step_secs(s.working_ranks())
             })
             .fold(f64::INFINITY, f64::min);
         // The server's round runs every few seconds, so it may resize a job as soon as its
@@ -531,10 +608,14 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
             .map(|&j| state[j].sized_at + cooldown)
             .filter(|&at| at > now)
             .fold(f64::INFINITY, f64::min);
+        // In place: a grow's joiners become ready (the job changes speed), and slices that
+        // ranks left are free for the round.
+        let warmup_ends = live.iter().filter_map(|&j| state[j].warmup).map(|w| w.until).fold(f64::INFINITY, f64::min);
+        let releases = releasing.iter().map(|r| r.until).fold(f64::INFINITY, f64::min);
         if arrival.is_infinite() && live.is_empty() {
             break;
         }
-        let t = arrival.min(completion).min(next_tick).min(cooldown_ends);
+        let t = arrival.min(completion).min(next_tick).min(cooldown_ends).min(warmup_ends).min(releases);
 
         // Progress and the areas under the curves up to t.
         let window = (t.min(horizon) - now.min(horizon)).max(0.0);
@@ -545,19 +626,34 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                 s.waited += t - now;
                 continue;
             }
+            let working = s.working_ranks();
             let from = s.paused_until.max(now);
             if t > from {
                 let before = s.done;
-                s.done = (s.done + (t - from) / trace[j].step_secs(ranks)).min(trace[j].steps);
+                s.done = (s.done + (t - from) / trace[j].step_secs(working)).min(trace[j].steps);
                 match s.segments.last_mut() {
-                    Some((r, steps)) if *r == ranks => *steps += s.done - before,
-                    _ => s.segments.push((ranks, s.done - before)),
+                    Some((r, steps)) if *r == working => *steps += s.done - before,
+                    _ => s.segments.push((working, s.done - before)),
                 }
             }
             training_area += ranks as f64 * window;
-            paused_area += ranks as f64 * (s.paused_until.min(t).min(horizon) - now.min(horizon)).max(0.0);
+            let paused = (s.paused_until.min(t).min(horizon) - now.min(horizon)).max(0.0);
+            paused_area += ranks as f64 * paused;
+            if working < ranks {
+                // Joiners warming up hold their slices and do no work.
+                paused_area += (ranks - working) as f64 * (window - paused);
+            }
             loaned_used_area +=
                 s.holdings.iter().filter(|(p, _)| *p != Pool::Training).map(|&(_, n)| n as f64).sum::<f64>() * window;
+        }
+        // Slices whose ranks left in place are held, idle, until the regroup ends.
+        for r in &releasing {
+            let held = r.slices as f64 * (r.until.min(t).min(horizon) - now.min(horizon)).max(0.0);
+            training_area += held;
+            paused_area += held;
+            if r.pool != Pool::Training {
+                loaned_used_area += held;
+            }
         }
         for d in 0..DEPLOYMENTS {
             serving_area += rates[d] / serving.deployments[d].0 * window;
@@ -599,10 +695,13 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
             }
             next_tick += TICK;
         }
+        end_warmups(&live, &mut state, now, model.regroup_secs);
+        releasing.retain(|r| r.until > now);
 
         // One scheduling round over the live jobs.
         let mut capacity = vec![(Pool::Training, TRAINING_SLICES)];
         capacity.extend((0..DEPLOYMENTS).map(|d| (Pool::Loaned(d), loans[d].loaned)));
+        let capacity = usable_capacity(&capacity, &releasing, live.iter().map(|&j| &state[j]));
         let jobs: Vec<Job> = live
             .iter()
             .map(|&j| {
@@ -620,10 +719,11 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                         Knowledge::Windowed => spec.measured(&s.segments, OLD_STEP_ROWS),
                         Knowledge::FullCurves => spec.full_curve(),
                     },
-                    checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.ranks()),
+                    checkpoint_age_secs: (s.done - checkpoint) * spec.step_secs(s.working_ranks()),
                     restart_secs: RESTART_SECS,
                     holdings: s.holdings.clone(),
-                    resizable: model.resize == Resize::Free || now >= s.sized_at + cooldown,
+                    // A job whose grow is warming up is not resized by choice.
+                    resizable: model.resize == Resize::Free || (s.warmup.is_none() && now >= s.sized_at + cooldown),
                     resuming: false,
                 }
             })
@@ -631,12 +731,27 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
         let plan =
             plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: pause, resize_margin: margin });
         out.rounds += 1;
+        let changes: Vec<Change> = (0..live.len())
+            .map(|i| {
+                let reclaimed = plan.reclaims.iter().any(|e| e.job == i);
+                change(&state[live[i]], &plan.placements[i], model.resize, reclaimed)
+            })
+            .collect();
+        let waits = if model.resize == Resize::InPlace {
+            let leavers = wait_for_leavers(&capacity, &live, &state, &plan.placements, &changes);
+            releasing.extend(leavers.unclaimed.iter().map(|&(pool, slices)| Releasing {
+                pool,
+                slices,
+                until: now + model.regroup_secs,
+            }));
+            leavers.waits
+        } else {
+            vec![false; live.len()]
+        };
         for (i, placement) in plan.placements.into_iter().enumerate() {
             let j = live[i];
             let spec = &trace[j];
             let s = &mut state[j];
-            let before = s.ranks();
-            let after: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
             let every = CHECKPOINT_EVERY / spec.step_secs(spec.requested);
             s.checkpoint = s.checkpoint.max((s.done / every).floor() * every);
             if placement.preempted {
@@ -646,22 +761,21 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                 }
                 s.preemptions += 1;
                 s.must_restart = true;
+                if s.warmup.take().is_some() {
+                    s.grows_cancelled += 1;
+                }
             }
-            if after > 0 && (before == 0 || placement.preempted) {
-                if s.first_start.is_none() {
-                    s.first_start = Some(now);
+            // Starts and joiners that wait for leaving ranks' slices begin when they are free.
+            let waits = waits[i] && matches!(changes[i], Change::Start | Change::Resize { joiners: 1.., .. });
+            let ready = if waits { now + model.regroup_secs } else { now };
+            out.waited_for_slices += u32::from(waits);
+            match (changes[i], model.resize) {
+                (Change::Keep, _) => {}
+                (Change::Start, _) => start(s, now, ready),
+                (Change::Resize { .. }, Resize::Restart | Resize::Free) => restart_resize(s, now, pause),
+                (Change::Resize { survivors, joiners }, Resize::InPlace) => {
+                    resize_in_place(s, now, ready, model.regroup_secs, survivors, joiners)
                 }
-                if s.must_restart {
-                    s.paused_until = now + RESTART_SECS;
-                    s.must_restart = false;
-                }
-                s.sized_at = s.paused_until.max(now);
-            } else if after > 0 && after != before {
-                // A resize checkpoints, stops the ranks and re-forms them.
-                s.checkpoint = s.done;
-                s.paused_until = now.max(s.paused_until) + pause;
-                s.sized_at = s.paused_until;
-                s.resizes += 1;
             }
             s.holdings = placement.holdings;
         }
@@ -681,8 +795,193 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
     out.mean_loaned_used = loaned_used_area / horizon;
     out.preemptions = state.iter().map(|s| s.preemptions).sum();
     out.resizes = state.iter().map(|s| s.resizes).sum();
+    out.grows = state.iter().map(|s| s.grows).sum();
+    out.grows_cancelled = state.iter().map(|s| s.grows_cancelled).sum();
     out.makespan_days = now / DAY;
     out
+}
+
+/// What a round's placement does to a job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Change {
+    /// Same slices (or still waiting, or preempted back to the queue).
+    Keep,
+    /// Starts, or restarts after a preemption.
+    Start,
+    /// Resized while it runs: `survivors` of its ring stay and `joiners` join (in place).
+    Resize { survivors: u32, joiners: u32 },
+}
+
+/// A running job is resized when its rank count changes; then, in place, the ring keeps
+/// as many ranks as it can. A job a reclaim took slices from (`reclaimed`) loses the ranks
+/// on them in place even when the plan puts it back at its size on other slices; otherwise
+/// a move at the same size is free, as before, and the server leaves such a job where it
+/// is. A grow warming up changes only by a reclaim (it is not `resizable`).
+fn change(s: &JobState, placement: &Placement, resize: Resize, reclaimed: bool) -> Change {
+    let after: u32 = placement.holdings.iter().map(|&(_, n)| n).sum();
+    if after == 0 {
+        return Change::Keep;
+    }
+    if s.ranks() == 0 || placement.preempted {
+        return Change::Start;
+    }
+    if placement.holdings == s.holdings {
+        return Change::Keep;
+    }
+    let ring = s.working_ranks();
+    let survivors = match resize {
+        Resize::InPlace if reclaimed => {
+            // The ranks that stay are on slices it keeps.
+            let kept: u32 = s.holdings.iter().map(|&(pool, n)| n.min(held_in(&placement.holdings, pool))).sum();
+            kept.min(ring)
+        }
+        Resize::InPlace if after != ring => after.min(ring),
+        Resize::Restart | Resize::Free if after != s.ranks() => after.min(ring),
+        _ => return Change::Keep,
+    };
+    Change::Resize { survivors, joiners: after - survivors }
+}
+
+/// Slices held in one pool.
+fn held_in(holdings: &[(Pool, u32)], pool: Pool) -> u32 {
+    holdings.iter().filter(|&&(p, _)| p == pool).map(|&(_, n)| n).sum()
+}
+
+/// A job starts on its slices once they are free (`ready`), after a restart if it was
+/// preempted.
+fn start(s: &mut JobState, now: f64, ready: f64) {
+    if s.first_start.is_none() {
+        s.first_start = Some(now);
+    }
+    if s.must_restart {
+        s.paused_until = ready + RESTART_SECS;
+        s.must_restart = false;
+    } else if ready > now {
+        s.paused_until = ready;
+    }
+    s.sized_at = s.paused_until.max(now);
+}
+
+/// A resize by stop and restart (`--restart-resize`, `--free-resize`): the job checkpoints,
+/// stops and runs at its new slices after the pause.
+fn restart_resize(s: &mut JobState, now: f64, pause: f64) {
+    s.checkpoint = s.done;
+    s.paused_until = now.max(s.paused_until) + pause;
+    s.sized_at = s.paused_until;
+    s.resizes += 1;
+}
+
+/// An in-place resize. Ranks that leave the ring stop it at a step: the survivors re-form
+/// it and go on from their memory after the regroup, and the slices given up are free when
+/// it ends (`wait_for_leavers`). Joiners, if any, warm up on their new slices from `ready`
+/// while the ring trains on; `end_warmups` then pauses the job for the grow's regroup. A
+/// grow still warming up is cancelled first: its joiners that keep a slice warm up again,
+/// and a job left with only its ring starts its cooldown again.
+fn resize_in_place(s: &mut JobState, now: f64, ready: f64, regroup: f64, survivors: u32, joiners: u32) {
+    let ring = s.working_ranks();
+    if s.warmup.take().is_some() {
+        s.grows_cancelled += 1;
+    }
+    if survivors < ring {
+        s.paused_until = now.max(s.paused_until) + regroup;
+        s.resizes += 1;
+    }
+    s.sized_at = s.paused_until.max(now);
+    if joiners > 0 {
+        let until = ready + WARMUP_SECS;
+        s.warmup = Some(Warmup { working: survivors, until });
+        s.sized_at = until.max(s.paused_until) + regroup;
+        s.resizes += 1;
+        s.grows += 1;
+    }
+}
+
+/// Joiners ready at `now`: every rank stops at a step, rank 0 checkpoints, the joiners load
+/// it and the ring re-forms at the size the job holds, after the regroup pause.
+fn end_warmups(live: &[usize], state: &mut [JobState], now: f64, regroup: f64) {
+    for &j in live {
+        let s = &mut state[j];
+        if s.warmup.is_some_and(|w| w.until <= now) {
+            s.warmup = None;
+            s.checkpoint = s.done;
+            s.paused_until = now.max(s.paused_until) + regroup;
+            s.sized_at = s.paused_until;
+        }
+    }
+}
+
+/// What training may hold in each pool this round: its capacity less the slices still held
+/// by ranks leaving in place. Not below what the jobs hold now, though: a lender that takes
+/// slices back while some are still leaving gets the leaving ones, and a round should not
+/// reclaim for them twice.
+fn usable_capacity<'a>(
+    capacity: &[(Pool, u32)],
+    releasing: &[Releasing],
+    jobs: impl Iterator<Item = &'a JobState> + Clone,
+) -> Vec<(Pool, u32)> {
+    capacity
+        .iter()
+        .map(|&(pool, cap)| {
+            let leaving: u32 = releasing.iter().filter(|r| r.pool == pool).map(|r| r.slices).sum();
+            let held: u32 = jobs.clone().map(|s| held_in(&s.holdings, pool)).sum();
+            (pool, cap.saturating_sub(leaving).max(held.min(cap)))
+        })
+        .collect()
+}
+
+/// Which starts and grows of a round wait for slices that ranks leaving in place this round
+/// still hold, and which of those slices nobody waits for.
+struct Leavers {
+    /// Per job of the round: it waits for the leavers' regroup.
+    waits: Vec<bool>,
+    /// Per pool, slices leaving that no job of this round takes: out of the rounds until
+    /// the regroup ends.
+    unclaimed: Vec<(Pool, u32)>,
+}
+
+/// In each pool, what the plan hands out beyond the slices free now comes from ranks
+/// leaving in place, free when their regroup ends. A job whose ring loses ranks gives up
+/// all the slices it loses at that time; one that only loses joiners (or moves at its
+/// size) gives them up at once. The jobs first in `live` (the oldest) take the slices free
+/// now; a job that needs any leaving slice waits for all of them (it matters only to
+/// starts and joiners: a job whose ring shrinks is in its regroup meanwhile).
+fn wait_for_leavers(
+    capacity: &[(Pool, u32)],
+    live: &[usize],
+    state: &[JobState],
+    placements: &[Placement],
+    changes: &[Change],
+) -> Leavers {
+    let mut waits = vec![false; live.len()];
+    let mut unclaimed = Vec::new();
+    for &(pool, cap) in capacity {
+        let held_after: u32 = placements.iter().map(|p| held_in(&p.holdings, pool)).sum();
+        let mut leaving = 0;
+        let mut gains = vec![0u32; live.len()];
+        for (i, &j) in live.iter().enumerate() {
+            let (before, after) = (held_in(&state[j].holdings, pool), held_in(&placements[i].holdings, pool));
+            gains[i] = after.saturating_sub(before);
+            match changes[i] {
+                // A restart after a preemption gave its old slices up at once.
+                Change::Start => gains[i] = after,
+                Change::Resize { survivors, .. } if survivors < state[j].working_ranks() => {
+                    leaving += before.saturating_sub(after);
+                }
+                Change::Resize { .. } | Change::Keep => {}
+            }
+        }
+        let late = (held_after + leaving).saturating_sub(cap).min(gains.iter().sum());
+        let mut free_now = gains.iter().sum::<u32>() - late;
+        for (i, &gain) in gains.iter().enumerate() {
+            let now = gain.min(free_now);
+            free_now -= now;
+            waits[i] |= now < gain;
+        }
+        if leaving > late {
+            unclaimed.push((pool, leaving - late));
+        }
+    }
+    Leavers { waits, unclaimed }
 }
 
 /// A round at the scale the issue names: 1,000 jobs, 500 slices (250 training, 250 lent by
@@ -792,7 +1091,7 @@ fn run_policies(load: f64, print: bool, model: Model, seeds: &[u64]) -> Vec<Vec<
             let o = simulate(&trace, &serving, policy, seed, model);
             if print {
                 println!(
-                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, paused {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
+                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, paused {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} (grows {}, cancelled {}; waited for slices {}) rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
                     policy.name,
                     o.jobs,
                     o.mean_queue_secs / HOUR,
@@ -807,6 +1106,9 @@ fn run_policies(load: f64, print: bool, model: Model, seeds: &[u64]) -> Vec<Vec<
                     o.mean_loaned_used,
                     o.preemptions,
                     o.resizes,
+                    o.grows,
+                    o.grows_cancelled,
+                    o.waited_for_slices,
                     o.rounds,
                     o.serving_short_ticks,
                     o.makespan_days,
@@ -885,6 +1187,35 @@ fn summary_json(s: &Summary) -> Value {
     })
 }
 
+/// The command that ran, with its flags.
+fn command() -> String {
+    let flags: Vec<String> = std::env::args().skip(1).collect();
+    let run = "cargo run --release -p tessera-bench --bin aryl";
+    if flags.is_empty() {
+        run.to_string()
+    } else {
+        format!("{run} -- {}", flags.join(" "))
+    }
+}
+
+/// `--regroup-secs X` (or `--regroup-secs=X`): the in-place resize's pause, `REGROUP_SECS`
+/// without it.
+fn regroup_secs_arg() -> f64 {
+    let args: Vec<String> = std::env::args().collect();
+    let value = args.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--regroup-secs") {
+        Some("") => Some(args.get(i + 1).cloned().unwrap_or_default()),
+        Some(rest) => rest.strip_prefix('=').map(str::to_string),
+        None => None,
+    });
+    match value {
+        None => REGROUP_SECS,
+        Some(v) => match v.parse::<f64>() {
+            Ok(secs) if secs.is_finite() && secs >= 0.0 => secs,
+            _ => panic!("--regroup-secs takes a number of seconds, at least 0 (got {v:?})"),
+        },
+    }
+}
+
 fn main() {
     let started = Instant::now();
     let flag = |name: &str| std::env::args().any(|a| a == name);
@@ -892,8 +1223,10 @@ fn main() {
         (Preemption::LoseSinceCheckpoint, Resize::Free)
     } else if flag("--free-resize") {
         (Preemption::CheckpointNow, Resize::Free)
+    } else if flag("--restart-resize") {
+        (Preemption::CheckpointNow, Resize::Restart)
     } else {
-        (Preemption::CheckpointNow, Resize::Platform)
+        (Preemption::CheckpointNow, Resize::InPlace)
     };
     let knowledge = if flag("--full-curves") {
         Knowledge::FullCurves
@@ -902,7 +1235,8 @@ fn main() {
     } else {
         Knowledge::Measured
     };
-    let model = Model { preemption, resize, knowledge };
+    let regroup_secs = regroup_secs_arg();
+    let model = Model { preemption, resize, knowledge, regroup_secs };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
     println!(
@@ -938,7 +1272,8 @@ fn main() {
                 "serving_slices_utilisation_percent": round3(100.0 * o.serving_fleet_utilisation),
                 "mean_wait_hours": round3(o.mean_wait_secs / HOUR),
                 "mean_loaned_slices": round3(o.mean_loaned_slices), "mean_loaned_slices_used": round3(o.mean_loaned_used),
-                "preemptions": o.preemptions, "resizes": o.resizes, "rounds": o.rounds,
+                "preemptions": o.preemptions, "resizes": o.resizes, "grows": o.grows,
+                "grows_cancelled": o.grows_cancelled, "waited_for_slices": o.waited_for_slices, "rounds": o.rounds,
                 "serving_short_ticks": o.serving_short_ticks, "makespan_days": round3(o.makespan_days),
             })).collect::<Vec<Value>>(),
         }));
@@ -1006,11 +1341,13 @@ fn main() {
         }));
     }
 
-    // One scheduling round at 1,000 jobs and 500 slices, and the knapsack's worst case.
+    // One scheduling round at 1,000 jobs and 500 slices, and the knapsack's worst case,
+    // planned with the server's resize pause: the regroup's, or the restart's without it.
+    let server_pause = if resize == Resize::InPlace { regroup_secs } else { RESTART_SECS };
     let (capacity, jobs) = round_at_scale(16);
     let running = jobs.iter().filter(|j| !j.holdings.is_empty()).count();
     let round =
-        Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: RESTART_SECS, resize_margin: RESIZE_MARGIN };
+        Round { capacity: &capacity, jobs: &jobs, elastic: true, resize_pause_secs: server_pause, resize_margin: RESIZE_MARGIN };
     let plan = plan_round(&round);
     let started_now = jobs.iter().zip(&plan.placements).filter(|(j, p)| j.holdings.is_empty() && !p.holdings.is_empty()).count();
     // What the server computes in a round: the plan, then the queue's forecast from it.
@@ -1034,7 +1371,7 @@ fn main() {
             step_secs: times,
         })
         .collect();
-    let hurdle = RESTART_SECS * (1.0 + RESIZE_MARGIN);
+    let hurdle = server_pause * (1.0 + RESIZE_MARGIN);
     let granted: u32 = grant(&candidates, 500, hurdle).iter().sum();
     let (knapsack_ms, knapsack_runs) = timed_ms(5, || {
         std::hint::black_box(grant(std::hint::black_box(&candidates), 500, hurdle));
@@ -1063,7 +1400,7 @@ fn main() {
     let (pause_secs, margin, cooldown_secs) = model.resize_terms();
     let out = json!({
         "benchmark": "aryl",
-        "command": "cargo run --release -p tessera-bench --bin aryl",
+        "command": command(),
         "machine": machine(),
         "date": chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
         "seeds": SEEDS,
@@ -1077,6 +1414,8 @@ fn main() {
             "serving_trough": SERVING_TROUGH, "training_load": load,
             "elastic_share": ELASTIC_SHARE, "checkpoint_every_secs": CHECKPOINT_EVERY,
             "restart_secs": RESTART_SECS, "resize_pause_secs": pause_secs, "resize_margin": margin,
+            "regroup_secs": (resize == Resize::InPlace).then_some(regroup_secs),
+            "warmup_secs": (resize == Resize::InPlace).then_some(WARMUP_SECS),
             "resize_cooldown_secs": cooldown_secs, "tick_secs": TICK,
             "loan_policy": {"headroom": LoanPolicy::default().headroom, "lend_band": LoanPolicy::default().lend_band,
                             "calm_rounds": LoanPolicy::default().calm_rounds},
@@ -1113,9 +1452,11 @@ fn main() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::create_dir_all(dir).unwrap();
     let variant = match (preemption, resize) {
-        (Preemption::LoseSinceCheckpoint, _) => "-lose-since-checkpoint",
-        (Preemption::CheckpointNow, Resize::Free) => "-free-resize",
-        (Preemption::CheckpointNow, Resize::Platform) => "",
+        (Preemption::LoseSinceCheckpoint, _) => "-lose-since-checkpoint".to_string(),
+        (Preemption::CheckpointNow, Resize::Free) => "-free-resize".to_string(),
+        (Preemption::CheckpointNow, Resize::Restart) => "-restart-resize".to_string(),
+        (Preemption::CheckpointNow, Resize::InPlace) if regroup_secs != REGROUP_SECS => format!("-regroup-{regroup_secs}"),
+        (Preemption::CheckpointNow, Resize::InPlace) => String::new(),
     };
     let curves = match knowledge {
         Knowledge::Measured => "",
@@ -1170,6 +1511,64 @@ mod tests {
         assert_eq!(forgotten.points(), &[(b, observed(b))]);
         // The measurement is the noisy curve's, not the truth.
         assert!((observed(a) / spec.step_secs(a) - 1.0).abs() <= MEASUREMENT_NOISE);
+    }
+
+    fn running(holdings: Vec<(Pool, u32)>) -> JobState {
+        JobState { holdings, ..JobState::default() }
+    }
+
+    fn placed(holdings: Vec<(Pool, u32)>) -> Placement {
+        Placement { holdings, preempted: false }
+    }
+
+    #[test]
+    fn a_move_at_the_same_size_is_a_resize_in_place_only_when_a_reclaim_forced_it() {
+        let job = running(vec![(Pool::Training, 2), (Pool::Loaned(0), 2)]);
+        let moved = placed(vec![(Pool::Training, 4)]);
+        assert_eq!(change(&job, &moved, Resize::InPlace, false), Change::Keep);
+        // The two ranks on the lender's slices leave, two joiners take training slices.
+        assert_eq!(change(&job, &moved, Resize::InPlace, true), Change::Resize { survivors: 2, joiners: 2 });
+        // By count otherwise: a shrink keeps as many ranks as the new size has.
+        let shrunk = placed(vec![(Pool::Training, 3)]);
+        assert_eq!(change(&job, &shrunk, Resize::InPlace, false), Change::Resize { survivors: 3, joiners: 0 });
+        assert_eq!(change(&job, &moved, Resize::Restart, true), Change::Keep);
+    }
+
+    #[test]
+    fn a_grow_in_place_trains_at_the_old_size_until_its_joiners_are_ready() {
+        let mut job = running(vec![(Pool::Training, 2)]);
+        resize_in_place(&mut job, 100.0, 100.0, 10.0, 2, 2);
+        job.holdings = vec![(Pool::Training, 4)];
+        assert_eq!(job.working_ranks(), 2);
+        assert_eq!(job.warmup, Some(Warmup { working: 2, until: 100.0 + WARMUP_SECS }));
+        assert_eq!(job.paused_until, 0.0, "the ring trains on while the joiners warm up");
+        end_warmups(&[0], std::slice::from_mut(&mut job), 100.0 + WARMUP_SECS, 10.0);
+        assert_eq!(job.working_ranks(), 4);
+        assert_eq!(job.paused_until, 100.0 + WARMUP_SECS + 10.0, "then the whole job regroups");
+        assert_eq!(job.sized_at, job.paused_until);
+        assert_eq!((job.resizes, job.grows), (1, 1));
+    }
+
+    #[test]
+    fn slices_a_shrink_in_place_gives_up_are_free_after_its_regroup() {
+        let capacity = [(Pool::Training, 10)];
+        let state = vec![running(vec![(Pool::Training, 8)]), JobState::default()];
+        // The first job shrinks 8 → 5 by choice; a waiting job starts on 4 of the 10 slices,
+        // 2 of them free now, 2 the shrink gives up.
+        let placements = [placed(vec![(Pool::Training, 5)]), placed(vec![(Pool::Training, 4)])];
+        let changes = [Change::Resize { survivors: 5, joiners: 0 }, Change::Start];
+        let leavers = wait_for_leavers(&capacity, &[0, 1], &state, &placements, &changes);
+        assert_eq!(leavers.waits, vec![false, true]);
+        // The third slice given up stays held until the regroup ends.
+        assert_eq!(leavers.unclaimed, vec![(Pool::Training, 1)]);
+        let releasing = [Releasing { pool: Pool::Training, slices: 1, until: 10.0 }];
+        let after = [running(vec![(Pool::Training, 5)]), running(vec![(Pool::Training, 4)])];
+        assert_eq!(usable_capacity(&capacity, &releasing, after.iter()), vec![(Pool::Training, 9)]);
+        // A lender that took its slices back is not reclaimed from twice for leaving ranks.
+        let lent = [(Pool::Loaned(0), 4)];
+        let leaving = [Releasing { pool: Pool::Loaned(0), slices: 2, until: 10.0 }];
+        let on_loan = [running(vec![(Pool::Loaned(0), 4)])];
+        assert_eq!(usable_capacity(&lent, &leaving, on_loan.iter()), vec![(Pool::Loaned(0), 4)]);
     }
 
     #[test]
