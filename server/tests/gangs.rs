@@ -373,15 +373,17 @@ async fn a_running_gang_grows_and_shrinks_in_place() {
         // Shrink 3 → 2 without rank 0: it leaves, the others are numbered afresh.
         assert!(ask_regroup(&server, &id, (3, 2), &[&a.1]).await, "{backend:?}");
         assert!(told_to_stop(&server, &b.0, &b.1).await, "nobody joins: the ranks stop at once");
-        assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await, (200, json!({"state": "leave"})));
         assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, json!({"state": "waiting"})));
-        let shrunk = json!({"state": "formed", "generation": 3, "rank": 1, "world": 2,
-            "peers": ["127.0.0.1:7501", "127.0.0.1:7502"]});
-        assert_eq!(regroup(&server, &c.0, &c.1, 7502, 2).await, (200, shrunk), "{backend:?}");
+        let waiting = regroup(&server, &c.0, &c.1, 7502, 2).await;
+        assert_eq!(waiting, (200, json!({"state": "waiting"})), "not before the leaving rank stopped ({backend:?})");
+        assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await, (200, json!({"state": "leave"})), "{backend:?}");
+        let shrunk = |rank: u32| {
+            json!({"state": "formed", "generation": 3, "rank": rank, "world": 2,
+                "peers": ["127.0.0.1:7501", "127.0.0.1:7502"]})
+        };
+        assert_eq!(regroup(&server, &c.0, &c.1, 7502, 2).await, (200, shrunk(1)), "{backend:?}");
         assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await.0, 409, "the leaving rank's row is gone");
-        let b_rank = json!({"state": "formed", "generation": 3, "rank": 0, "world": 2,
-            "peers": ["127.0.0.1:7501", "127.0.0.1:7502"]});
-        assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, b_rank));
+        assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, shrunk(0)));
 
         // A regroup not formed in time becomes a stop and a restart at the new size.
         assert!(ask_regroup(&server, &id, (2, 3), &[]).await);

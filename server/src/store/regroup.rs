@@ -9,8 +9,9 @@
 //! posts once it fetched the data and model; once every joining rank has, the heartbeat
 //! asks the gang's ranks to stop (`jobs::preempt_requested`), they agree on the step
 //! through their all-reduce as for a preemption, rank 0 checkpoints, and each rank posts.
-//! A leaving rank is told to leave. When every rank that stays has posted, the regroup
-//! *forms* in one transaction: the leaving rows go, the others are numbered afresh (those
+//! A leaving rank posts too and is told to leave: its slice is handed back only once its
+//! process stopped using it. When every rank has posted, the regroup *forms* in one
+//! transaction: the leaving rows go, the others are numbered afresh (those
 //! of the gang in their order, then the joining ones) with the new world in their specs,
 //! and the gang's `regroups` grows, which makes a new ring generation. Joining ranks load
 //! the checkpoint; the others go on from memory.
@@ -151,10 +152,8 @@ pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u
     if g.try_get::<Option<String>, _>("preempt_reason")?.is_some() {
         return Ok(Regroup::Stop);
     }
-    if rank.try_get::<i64, _>("gang_leaving")? != 0 {
-        return Ok(Regroup::Leave);
-    }
-    if !under_way {
+    let leaving = rank.try_get::<i64, _>("gang_leaving")? != 0;
+    if !under_way && !leaving {
         if joining {
             return Ok(Regroup::NotHeld);
         }
@@ -179,20 +178,23 @@ pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u
         .bind(job.to_string())
         .execute(&mut *tx)
         .await?;
+    // A leaving rank that posted has stopped: its lease may lapse before the others post.
     let missing: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT COUNT(*) FROM jobs WHERE gang_id = $1 AND gang_leaving = 0 \
-         AND (state NOT IN {LIVE} OR gang_address IS NULL)"
+        "SELECT COUNT(*) FROM jobs WHERE gang_id = $1 \
+         AND (gang_address IS NULL OR (gang_leaving = 0 AND state NOT IN {LIVE}))"
     )))
     .bind(&gang)
     .fetch_one(&mut *tx)
     .await?;
-    if missing > 0 {
-        tx.commit().await?;
-        return Ok(Regroup::Waiting);
+    if missing == 0 {
+        form(&mut tx, &gang, now).await?;
     }
-    form(&mut tx, &gang, now).await?;
     tx.commit().await?;
-    formed(db, &gang, job, current + 1).await
+    match (leaving, missing) {
+        (true, _) => Ok(Regroup::Leave),
+        (false, 0) => formed(db, &gang, job, current + 1).await,
+        (false, _) => Ok(Regroup::Waiting),
+    }
 }
 
 /// The regroup of `gang` forms (every rank that stays posted): see the module comment.
