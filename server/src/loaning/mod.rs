@@ -9,10 +9,11 @@
 //! server records its own gateway's request rates, which the round sums.
 //!
 //! A running elastic gang is resized in place (`store::regroup`): its ranks keep their
-//! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`),
-//! leaving ones are those on the slices the plan gives up (`InPlace::Shrink`), and the
-//! ring re-forms at the new world at one step. The round plans it as a pause of
-//! `--gang-regroup-secs`. Training state is independent of the world size (a fixed global
+//! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`; a
+//! grow onto slices others give up in the same round waits a round for them,
+//! `InPlace::Later`), leaving ones are those on the slices the plan gives up
+//! (`InPlace::Shrink`), and the ring re-forms at the new world at one step. The round
+//! plans it as a pause of `--gang-regroup-secs`. Training state is independent of the world size (a fixed global
 //! batch split in shares, one loader position), so the gang continues the same run. A
 //! resize that moves ranks between pools at once, or of a job with a precision plan (its
 //! plan is per world), is a stop and a restart instead: the round records the size it
@@ -517,14 +518,18 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 false => None,
             };
             if let Some(change) = change {
+                let (out, joins): (&[Uuid], &[&str]) = match &change {
+                    InPlace::Shrink(out) => (out, &[]),
+                    InPlace::Grow(joins) => (&[], joins),
+                    InPlace::Later => {
+                        notes.push(format!("{}: grows in place once the slices given up this round are free", g.name));
+                        continue;
+                    }
+                };
                 let reason = format!(
                     "Resized from {from} to {to} ranks in place by the loaning round: {why}. Its ranks stop at a \
                      step and re-form at {to}."
                 );
-                let (out, joins): (&[Uuid], &[&str]) = match &change {
-                    InPlace::Shrink(out) => (out, &[]),
-                    InPlace::Grow(joins) => (&[], joins),
-                };
                 let joins: Vec<String> = joins.iter().map(|s| s.to_string()).collect();
                 if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, to), out, &joins).await? {
                     jobs_store::append_logs(db, g.id, &[reason], now).await?;
@@ -774,13 +779,16 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
 enum InPlace<'a> {
     Shrink(Vec<Uuid>),
     Grow(Vec<&'a str>),
+    /// A grow onto slices not all free yet (others give them up this round): it waits a
+    /// round rather than restarting, since a restart would wait for them as well.
+    Later,
 }
 
 impl<'a> InPlace<'a> {
     /// The change from `ranks` (each in its pool, `pool_of`) to `target` slices per pool:
     /// a shrink gives up the highest ranks of each pool it leaves, a grow joins on free
-    /// slices (`free_in`) not yet `taken`. `None` when the plan moves ranks between pools
-    /// (a stop and a restart) or too few slices are free.
+    /// slices (`free_in`) not yet `taken`, or waits for them (`Later`). `None` when the plan
+    /// moves ranks between pools: a stop and a restart.
     fn of<I: Iterator<Item = &'a str>>(
         ranks: &[GangRank],
         target: &[(Pool, u32)],
@@ -811,7 +819,7 @@ impl<'a> InPlace<'a> {
                     let need = (wanted(p) - now.get(p).copied().unwrap_or(0)) as usize;
                     let free: Vec<&str> = free_in(*p).filter(|s| !taken.contains(s)).take(need).collect();
                     if free.len() < need {
-                        return None;
+                        return Some(InPlace::Later);
                     }
                     joins.extend(free);
                 }
@@ -819,5 +827,69 @@ impl<'a> InPlace<'a> {
             }
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks 0.. of a gang on slices "s0".., each in its pool.
+    fn gang(pools: &[Pool]) -> (Vec<GangRank>, HashMap<String, Pool>) {
+        let ranks: Vec<GangRank> = (0..pools.len())
+            .map(|i| GangRank {
+                job: Uuid::from_u128(i as u128),
+                rank: i as u32,
+                state: "running".into(),
+                placement: "any".into(),
+                slice: Some(format!("s{i}")),
+            })
+            .collect();
+        let pool_of = ranks.iter().map(|r| r.slice.clone().unwrap()).zip(pools.iter().copied()).collect();
+        (ranks, pool_of)
+    }
+
+    fn change<'a>(
+        ranks: &[GangRank],
+        pools: &HashMap<String, Pool>,
+        target: &[(Pool, u32)],
+        free: &[(Pool, &'a str)],
+        taken: &HashSet<&str>,
+    ) -> Option<InPlace<'a>> {
+        let pool_of = |r: &GangRank| pools[r.slice.as_ref().unwrap()];
+        let free_in = |p: Pool| free.iter().filter(move |(q, _)| *q == p).map(|&(_, s)| s);
+        InPlace::of(ranks, target, pool_of, free_in, taken)
+    }
+
+    #[test]
+    fn a_shrink_gives_up_the_highest_ranks_of_each_pool_it_leaves() {
+        let (ranks, pools) = gang(&[Pool::Training, Pool::Loaned(0), Pool::Loaned(0)]);
+        let none = HashSet::new();
+        match change(&ranks, &pools, &[(Pool::Training, 1), (Pool::Loaned(0), 1)], &[], &none) {
+            Some(InPlace::Shrink(out)) => assert_eq!(out, vec![ranks[2].job]),
+            _ => panic!("a shrink"),
+        }
+    }
+
+    #[test]
+    fn a_grow_joins_free_slices_not_taken_or_waits_a_round_for_them() {
+        let (ranks, pools) = gang(&[Pool::Training]);
+        let free = [(Pool::Loaned(0), "a"), (Pool::Loaned(0), "b"), (Pool::Training, "c")];
+        let target = [(Pool::Training, 1), (Pool::Loaned(0), 2)];
+        match change(&ranks, &pools, &target, &free, &HashSet::new()) {
+            Some(InPlace::Grow(joins)) => assert_eq!(joins, vec!["a", "b"]),
+            _ => panic!("a grow onto a and b"),
+        }
+        // Another gang took b this round: too few are free yet, so it waits, not restarts.
+        let taken = HashSet::from(["b"]);
+        assert!(matches!(change(&ranks, &pools, &target, &free, &taken), Some(InPlace::Later)));
+    }
+
+    #[test]
+    fn a_move_between_pools_is_not_in_place() {
+        let (ranks, pools) = gang(&[Pool::Training, Pool::Loaned(0)]);
+        let free = [(Pool::Loaned(1), "a")];
+        let target = [(Pool::Training, 1), (Pool::Loaned(1), 1)];
+        assert!(change(&ranks, &pools, &target, &free, &HashSet::new()).is_none());
     }
 }
