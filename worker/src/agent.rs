@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,7 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::client::{Client, ClientError};
-use crate::jobs::{self, JobContext};
+use crate::jobs::{self, JobContext, Preempt};
 use crate::serve::binding::Policy;
 use crate::serve::endpoint::Endpoint;
 
@@ -52,7 +51,7 @@ enum Use {
 struct Running {
     usage: Use,
     task: tokio::task::AbortHandle,
-    preempt: Arc<AtomicBool>,
+    preempt: Arc<Preempt>,
 }
 
 pub struct Agent {
@@ -165,7 +164,8 @@ impl Agent {
         loop {
             tokio::select! {
                 _ = heartbeat.tick() => {
-                    let answer = self.client.heartbeat(running.keys().copied().collect()).await?;
+                    let asked: HashMap<Uuid, u64> = running.iter().map(|(&job, r)| (job, r.preempt.asked())).collect();
+                    let answer = self.client.heartbeat(asked.keys().copied().collect()).await?;
                     for job in answer.stop {
                         if let Some(stopped) = running.remove(&job) {
                             tracing::info!(%job, "the server revoked this job's lease; stopping it");
@@ -173,8 +173,8 @@ impl Agent {
                         }
                     }
                     for job in answer.preempt {
-                        if let Some(preempted) = running.get(&job) {
-                            if !preempted.preempt.swap(true, Ordering::Relaxed) {
+                        if let (Some(preempted), Some(&asked)) = (running.get(&job), asked.get(&job)) {
+                            if preempted.preempt.request(asked) {
                                 tracing::info!(%job, "the server asks to preempt this job; it checkpoints and stops");
                             }
                         }
@@ -194,7 +194,7 @@ impl Agent {
                         )
                         .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding)
                         .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0));
-                        let preempt = context.preempt_flag();
+                        let preempt = context.preempt();
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
                             job

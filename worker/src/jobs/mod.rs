@@ -9,7 +9,7 @@ pub mod serve;
 pub mod train;
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
@@ -35,7 +35,40 @@ pub struct JobContext {
     /// Test-only: data-parallel ranks compute this many times slower (`--test-slowdown`).
     test_slowdown: f64,
     /// Set by the agent when the server asks to preempt the job (training jobs heed it).
-    preempt: Arc<AtomicBool>,
+    preempt: Arc<Preempt>,
+}
+
+/// The server's request that a job preempt (checkpoint now and stop), which training jobs
+/// heed; a rank's gang also stops this way to regroup in place. A rank that re-formed
+/// clears it (`resume`), and a request the agent asked for before that, the stop it just
+/// heeded, is dropped (`request`), or the rank would stop once more for nothing.
+#[derive(Default)]
+pub struct Preempt {
+    flag: Arc<AtomicBool>,
+    resumes: AtomicU64,
+}
+
+impl Preempt {
+    /// What a later `request` needs to still apply: taken before asking the server.
+    pub fn asked(&self) -> u64 {
+        self.resumes.load(Ordering::SeqCst)
+    }
+
+    /// Sets the flag unless the job resumed since `asked`; true if it newly set it.
+    pub fn request(&self, asked: u64) -> bool {
+        self.asked() == asked && !self.flag.swap(true, Ordering::SeqCst)
+    }
+
+    /// Clears the flag: the job goes on (a regroup formed).
+    pub fn resume(&self) {
+        self.resumes.fetch_add(1, Ordering::SeqCst);
+        self.flag.store(false, Ordering::SeqCst);
+    }
+
+    /// The flag a training session polls.
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.flag.clone()
+    }
 }
 
 impl JobContext {
@@ -58,8 +91,8 @@ impl JobContext {
         JobContext { test_slowdown: factor, ..self }
     }
 
-    /// The flag that asks this job to preempt (checkpoint now and stop).
-    pub fn preempt_flag(&self) -> Arc<AtomicBool> {
+    /// The request that this job preempt (checkpoint now and stop).
+    pub fn preempt(&self) -> Arc<Preempt> {
         self.preempt.clone()
     }
 
@@ -170,5 +203,27 @@ pub async fn run(context: JobContext, spec: JobSpec) {
     };
     if let Err(e) = context.client.status(job, state, Some(message), None).await {
         tracing::warn!(%job, error = %e, "could not report the job's end");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_preempt_request_asked_before_the_job_resumed_is_dropped() {
+        let preempt = Preempt::default();
+        let flag = preempt.flag();
+        let asked = preempt.asked();
+        assert!(preempt.request(asked), "a first request sets the flag");
+        assert!(!preempt.request(asked), "and only once");
+        assert!(flag.load(Ordering::SeqCst));
+        // The gang regrouped: an answer the agent asked for before that is stale.
+        preempt.resume();
+        assert!(!flag.load(Ordering::SeqCst));
+        assert!(!preempt.request(asked), "stale");
+        assert!(!flag.load(Ordering::SeqCst));
+        assert!(preempt.request(preempt.asked()), "a request asked after it applies");
+        assert!(flag.load(Ordering::SeqCst));
     }
 }

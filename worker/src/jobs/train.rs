@@ -281,7 +281,7 @@ pub async fn run(context: &JobContext, spec: TrainJob) -> Result<String, JobErro
     .await
     .map_err(|e| JobError::Train(format!("the set-up thread panicked: {e}")))??;
     context.log(format!("training from step {} to {}", session.step(), spec.max_steps)).await?;
-    let session = session.with_preemption(context.preempt_flag());
+    let session = session.with_preemption(context.preempt().flag());
     let (session, outcome, _) = drive(context, session, None, Vec::new(), true).await?;
     match outcome {
         Ok(evaluation) => Ok(summary(session.step(), &evaluation)),
@@ -417,8 +417,8 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
         Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
     });
-    let preempt = context.preempt_flag();
-    let mut session = session.with_preemption(preempt.clone());
+    let preempt = context.preempt();
+    let mut session = session.with_preemption(preempt.flag());
     if let Some(planner) = planner {
         session = session.with_planner(planner);
     }
@@ -442,7 +442,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             rank: member.rank,
             start_step: session.step(),
         };
-        let (ring_device, ring_preempt, peers) = (device.clone(), preempt.clone(), member.peers.clone());
+        let (ring_device, ring_preempt, peers) = (device.clone(), preempt.flag(), member.peers.clone());
         let setup = tokio::task::spawn_blocking(
             move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
                 let ring =
@@ -497,7 +497,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
         listener = next_listener;
         match regroup(context, &address, member.generation).await? {
             RegroupResponse::Formed { generation, rank, world, peers } => {
-                preempt.store(false, Ordering::Relaxed);
+                preempt.resume();
                 stopped_at = Some((step, at));
                 context
                     .log(format!(
