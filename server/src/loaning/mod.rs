@@ -465,6 +465,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         // a stop at a checkpoint and a restart at it. Slices joining ranks take are `taken`.
         let mut resized: HashSet<Uuid> = HashSet::new();
         let mut regrouped: HashSet<Uuid> = HashSet::new();
+        // Grows that wait a round for slices others give up now (`InPlace::Later`).
+        let mut deferred: HashSet<Uuid> = HashSet::new();
         let mut leaving: HashSet<Uuid> = HashSet::new();
         let mut taken: HashSet<&str> = HashSet::new();
         for (j, g) in mine.iter().enumerate() {
@@ -522,7 +524,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     InPlace::Shrink(out) => (out, &[]),
                     InPlace::Grow(joins) => (&[], joins),
                     InPlace::Later => {
-                        notes.push(format!("{}: grows in place once the slices given up this round are free", g.name));
+                        deferred.insert(g.id);
                         continue;
                     }
                 };
@@ -671,6 +673,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 format!("resizing from {} to {ranks} {profile} slices", g.ranks.len())
             } else if regrouped.contains(&g.id) || g.regrouping {
                 format!("resizing in place to {ranks} {profile} slices")
+            } else if deferred.contains(&g.id) {
+                format!("running on {} {profile} slices; grows in place to {ranks} once others free them", g.ranks.len())
             } else if g.waiting() && ranks == 0 {
                 format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
             } else if g.waiting() {
