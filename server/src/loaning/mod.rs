@@ -12,18 +12,21 @@
 //! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`; a
 //! grow onto slices others give up in the same round waits a round for them,
 //! `InPlace::Later`), leaving ones are those on the slices the plan gives up
-//! (`InPlace::Shrink`), and the ring re-forms at the new world at one step. The round
-//! plans it as a pause of `--gang-regroup-secs`. Training state is independent of the world size (a fixed global
-//! batch split in shares, one loader position), so the gang continues the same run. A
-//! resize that moves ranks between pools at once, or of a job with a precision plan (its
-//! plan is per world), is a stop and a restart instead: the round records the size it
-//! wants (`resize_ranks`), preempts the gang (it checkpoints at the step it is on and
-//! stops, `jobs::preempt_job`), and when the gang waits again places it first at up to
-//! that size (`gangs::resize`, then rank pins). Against churn: a grow or shrink by choice
-//! must predict a JCT gain above twice the pause (`RESIZE_MARGIN`), and a gang keeps its
-//! size for `RESIZE_COOLDOWN_ROUNDS` rounds after it formed or re-formed; a reclaim shrinks
-//! it (to at least `min_ranks`) before preempting anyone, whenever it comes. Each resize
-//! goes in the job's log; a shrink for a reclaim is also a reclaim event (not preempted).
+//! (`InPlace::Shrink`), and the ring re-forms at the new world at one step. A move
+//! between pools (a reclaim takes a rank's slice, the plan gives it another) shrinks out
+//! of the pools it leaves now and grows into the others at a later round. The round plans
+//! a resize as a pause of `--gang-regroup-secs`. Training state is independent of the
+//! world size (a fixed global batch split in shares, one loader position), so the gang
+//! continues the same run. A move whose shrink would leave the gang below its minimum, or
+//! a resize of a job with a precision plan (its plan is per world), is a stop and a
+//! restart instead: the round records the size it wants (`resize_ranks`), preempts the
+//! gang (it checkpoints at the step it is on and stops, `jobs::preempt_job`), and when
+//! the gang waits again places it first at up to that size (`gangs::resize`, then rank
+//! pins). Against churn: a grow or shrink by choice must predict a JCT gain above twice
+//! the pause (`RESIZE_MARGIN`), and a gang keeps its size for `RESIZE_COOLDOWN_ROUNDS`
+//! rounds after it formed or re-formed; a reclaim shrinks it (to at least `min_ranks`)
+//! before preempting anyone, whenever it comes. Each resize goes in the job's log; a
+//! shrink for a reclaim is also a reclaim event (not preempted).
 //!
 //! Departures from the pure planner's model, forced by the platform: a running elastic
 //! job that is not `preemptible` is treated as inelastic (a resize is a preemption); a
@@ -515,10 +518,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     .filter(|s| s.loan_state != SliceLoan::Reclaiming && !reclaim_now.contains(&s.uuid))
                     .map(|s| s.uuid.as_str())
             };
-            let change = match g.train.parallel.as_ref().is_some_and(|p| p.precision.is_none()) && to != from {
+            let change = match g.train.parallel.as_ref().is_some_and(|p| p.precision.is_none()) {
                 true => InPlace::of(&g.ranks, &plan.placements[j].holdings, rank_pool, free_in, &taken),
                 false => None,
             };
+            // A move between pools shrinks out of the pools it leaves first, if the gang
+            // stays within its ranks; it grows into the others at a later round.
+            let floor = g.train.resources().min_ranks.max(1);
+            let change = change.filter(|c| !matches!(c, InPlace::Shrink(out) if from - (out.len() as u32) < floor));
             if let Some(change) = change {
                 let (out, joins): (&[Uuid], &[&str]) = match &change {
                     InPlace::Shrink(out) => (out, &[]),
@@ -528,12 +535,16 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                         continue;
                     }
                 };
-                let reason = format!(
-                    "Resized from {from} to {to} ranks in place by the loaning round: {why}. Its ranks stop at a \
-                     step and re-form at {to}."
+                let world = from - out.len() as u32 + joins.len() as u32;
+                let mut reason = format!(
+                    "Resized from {from} to {world} ranks in place by the loaning round: {why}. Its ranks stop at a \
+                     step and re-form at {world}."
                 );
+                if world != to {
+                    reason += &format!(" It grows to {to} on other slices at a later round.");
+                }
                 let joins: Vec<String> = joins.iter().map(|s| s.to_string()).collect();
-                if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, to), out, &joins).await? {
+                if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, world), out, &joins).await? {
                     jobs_store::append_logs(db, g.id, &[reason], now).await?;
                     leaving.extend(out);
                     if let InPlace::Grow(joins) = change {
@@ -791,8 +802,9 @@ enum InPlace<'a> {
 impl<'a> InPlace<'a> {
     /// The change from `ranks` (each in its pool, `pool_of`) to `target` slices per pool:
     /// a shrink gives up the highest ranks of each pool it leaves, a grow joins on free
-    /// slices (`free_in`) not yet `taken`, or waits for them (`Later`). `None` when the plan
-    /// moves ranks between pools: a stop and a restart.
+    /// slices (`free_in`) not yet `taken`, or waits for them (`Later`). A move between pools
+    /// is its shrink, now; the gang grows into the other pools at a later round. `None`
+    /// when no pool changes.
     fn of<I: Iterator<Item = &'a str>>(
         ranks: &[GangRank],
         target: &[(Pool, u32)],
@@ -809,10 +821,11 @@ impl<'a> InPlace<'a> {
         let shrinks = pools.iter().any(|p| wanted(p) < now.get(p).copied().unwrap_or(0));
         let grows = pools.iter().any(|p| wanted(p) > now.get(p).copied().unwrap_or(0));
         match (shrinks, grows) {
-            (true, false) => {
+            // A move between pools: its shrink now (the grow waits for a later round).
+            (true, _) => {
                 let mut out = Vec::new();
                 for p in &pools {
-                    let excess = (now.get(p).copied().unwrap_or(0) - wanted(p)) as usize;
+                    let excess = now.get(p).copied().unwrap_or(0).saturating_sub(wanted(p)) as usize;
                     out.extend(ranks.iter().rev().filter(|r| pool_of(r) == *p).take(excess).map(|r| r.job));
                 }
                 Some(InPlace::Shrink(out))
@@ -829,7 +842,7 @@ impl<'a> InPlace<'a> {
                 }
                 Some(InPlace::Grow(joins))
             }
-            _ => None,
+            (false, false) => None,
         }
     }
 }
@@ -890,10 +903,15 @@ mod tests {
     }
 
     #[test]
-    fn a_move_between_pools_is_not_in_place() {
+    fn a_move_between_pools_shrinks_out_of_the_pool_it_leaves_first() {
         let (ranks, pools) = gang(&[Pool::Training, Pool::Loaned(0)]);
         let free = [(Pool::Loaned(1), "a")];
         let target = [(Pool::Training, 1), (Pool::Loaned(1), 1)];
-        assert!(change(&ranks, &pools, &target, &free, &HashSet::new()).is_none());
+        match change(&ranks, &pools, &target, &free, &HashSet::new()) {
+            Some(InPlace::Shrink(out)) => assert_eq!(out, vec![ranks[1].job]),
+            _ => panic!("the rank on the pool it leaves goes first"),
+        }
+        let same = [(Pool::Training, 1), (Pool::Loaned(0), 1)];
+        assert!(change(&ranks, &pools, &same, &free, &HashSet::new()).is_none(), "nothing to change");
     }
 }
