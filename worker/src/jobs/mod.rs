@@ -54,9 +54,18 @@ impl Preempt {
         self.resumes.load(Ordering::SeqCst)
     }
 
-    /// Sets the flag unless the job resumed since `asked`; true if it newly set it.
+    /// Sets the flag unless the job resumed since `asked`; true if it newly set it. Only
+    /// the agent requests, so a request that raced a `resume` may take itself back.
     pub fn request(&self, asked: u64) -> bool {
-        self.asked() == asked && !self.flag.swap(true, Ordering::SeqCst)
+        if self.asked() != asked {
+            return false;
+        }
+        let newly = !self.flag.swap(true, Ordering::SeqCst);
+        if self.asked() != asked {
+            self.flag.store(false, Ordering::SeqCst);
+            return false;
+        }
+        newly
     }
 
     /// Clears the flag: the job goes on (a regroup formed).
