@@ -351,6 +351,21 @@ async fn a_running_gang_grows_and_shrinks_in_place() {
         assert_eq!(job(&server, &token, &id).await["state"], "running");
         let (a, b) = (&two[0], &two[1]);
 
+        // Bad input to the regroup endpoint: a 422 or, for a body of the wrong shape, a 400,
+        // each with a sentence; nothing changed.
+        let path = format!("/agent/jobs/{}/regroup", a.1);
+        let bad = [
+            (json!({"address": "no-port", "generation": 1}), 422, "host:port"),
+            (json!({"address": "127.0.0.1:7400", "generation": -1}), 400, "generation"),
+        ];
+        for (body, status, names) in bad {
+            let response = server.post(&a.0, &path, body.clone()).await;
+            assert_eq!(response.status(), status, "{body}");
+            let error: Value = response.json().await.unwrap();
+            assert!(error["error"]["message"].as_str().is_some_and(|m| m.contains(names)), "{error}");
+        }
+        assert_eq!(job(&server, &token, &id).await["state"], "running");
+
         // Grow 2 → 3: the gang trains on until the joining rank is ready, then stops.
         assert!(ask_regroup(&server, &id, (2, 3), &[]).await, "{backend:?}");
         assert!(!ask_regroup(&server, &id, (2, 1), &[]).await, "one regroup at a time");
