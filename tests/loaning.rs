@@ -337,7 +337,7 @@ async fn an_elastic_job_grows_onto_a_lent_slice_and_shrinks_when_demand_returns(
     let finished = user.finished(&job, &[worker], Duration::from_secs(400)).await;
     assert_eq!(finished["preemptions"], 0, "resized in place, never stopped: {finished}");
     let lines = user.log_lines(&job).await;
-    assert!(lines.iter().any(|l| l.contains("left the gang at step")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("left the gang, which shrank in place")), "{lines:?}");
     for line in lines.iter().filter(|l| l.contains("re-formed in place")) {
         eprintln!("{line}");
     }

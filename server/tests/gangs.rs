@@ -398,6 +398,9 @@ async fn a_running_gang_grows_and_shrinks_in_place() {
         };
         assert_eq!(regroup(&server, &c.0, &c.1, 7502, 2).await, (200, shrunk(1)), "{backend:?}");
         assert_eq!(regroup(&server, &a.0, &a.1, 7500, 2).await.0, 409, "the leaving rank's row is gone");
+        let logs: Value = server.get(&token, &format!("/jobs/{id}/logs")).await.json().await.unwrap();
+        let said = logs.as_array().unwrap().iter().any(|l| l["line"] == "rank 0: left the gang, which shrank in place");
+        assert!(said, "the server logs the leaving rank under the gang: {logs}");
         assert_eq!(regroup(&server, &b.0, &b.1, 7501, 2).await, (200, shrunk(0)));
 
         // A regroup not formed in time becomes a stop and a restart at the new size.

@@ -26,6 +26,7 @@ use uuid::Uuid;
 
 use super::db::{now_ms, Db};
 use super::gangs::{insert_ranks, lock_gang_of, LIVE};
+use super::jobs::append_logs;
 use super::loaning::event;
 use super::{parse_json, parse_uuid, Result};
 
@@ -124,7 +125,8 @@ pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u
     let mut tx = db.begin().await?;
     lock_gang_of(&mut tx, db.backend(), job).await?;
     let rank = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT gang_id, gang_joining, gang_leaving FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN {LIVE} \
+        "SELECT gang_id, gang_rank, gang_joining, gang_leaving FROM jobs WHERE id = $1 AND worker_id = $2 \
+         AND state IN {LIVE} \
          AND gang_id IS NOT NULL"
     )))
     .bind(job.to_string())
@@ -191,7 +193,13 @@ pub async fn post(db: &Db, worker: Uuid, job: Uuid, address: &str, generation: u
     }
     tx.commit().await?;
     match (leaving, missing) {
-        (true, _) => Ok(Regroup::Leave),
+        (true, _) => {
+            // Said here, not by the worker: once the regroup forms, the rank's row is gone
+            // and a line it sent after this answer would find no job to land on.
+            let line = format!("rank {}: left the gang, which shrank in place", rank.try_get::<i64, _>("gang_rank")?);
+            append_logs(db, parse_uuid("jobs", "gang_id", &gang)?, &[line], now).await?;
+            Ok(Regroup::Leave)
+        }
         (false, 0) => formed(db, &gang, job, current + 1).await,
         (false, _) => Ok(Regroup::Waiting),
     }

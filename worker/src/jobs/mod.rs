@@ -190,7 +190,7 @@ pub async fn run(context: JobContext, spec: JobSpec) {
             (JobState::Preempted, format!("Preempted at step {step}; resumes from its checkpoint there."))
         }
         Err(JobError::LeftGang { step }) => {
-            let _ = context.log(format!("left the gang at step {step}: it shrank in place")).await;
+            // The server logs it under the gang's job (this rank's row goes with the regroup).
             tracing::info!(%job, step, "left its gang, which shrank in place");
             return;
         }
