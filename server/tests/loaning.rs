@@ -1036,3 +1036,109 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
         assert_eq!((finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some(0), Some(1)), "{finished}");
     }
 }
+
+/// An elastic job on `ranks` slices of the worker (between one and `ranks`), `steps` long.
+fn elastic_job(data: &str, name: &str, ranks: usize, steps: u64) -> Value {
+    json!({"name": name, "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": steps, "eval_every": 1000, "checkpoint_every": 1000,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+        "parallel": {"ranks": vec![json!({"slice": PROFILE}); ranks]},
+        "resources": {"min_ranks": 1, "max_ranks": ranks, "preemptible": true}})
+}
+
+/// The training queue's entry of `job`.
+async fn queued(server: &TestServer, token: &str, job: &str) -> Value {
+    let overview = get(server, token, "/fleet/loaning").await;
+    let queue = overview["queue"].as_array().unwrap();
+    queue.iter().find(|q| q["job_id"] == job).unwrap_or_else(|| panic!("{job} not queued: {overview}")).clone()
+}
+
+/// Two elastic gangs share the training pool: a short one on six slices, a long one on the
+/// seventh. Once both are past their hysteresis, the knapsack moves five ranks from the
+/// short job to the long one in one round: the short gang shrinks in place at once, and the
+/// long one's grow waits (the queue says so) until the leaving ranks have stopped and freed
+/// their slices; at the next round it grows in place onto them. No one is preempted or
+/// restarted.
+#[tokio::test]
+async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_place() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
+        let round = || async {
+            // Rounds recorded in one millisecond count once for the hysteresis; keep them apart.
+            tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+            run_round(&server.state).await.unwrap()
+        };
+
+        // The short job starts alone on six of the seven slices (the prior values each rank).
+        let short: Value = server.post(&admin, "/jobs", elastic_job(&data, "short", 6, 400)).await.json().await.unwrap();
+        let short = short["id"].as_str().unwrap().to_string();
+        assert_eq!(round().await.started, 1);
+        let six = form_gang(&server, &secret).await;
+        assert_eq!(six.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), vec![6; 6]);
+        report_steps(&server, &secret, &six, 1..21, 100.0).await;
+        // The long one starts on the slice left, and measures 1 s a step there.
+        let long: Value = server.post(&admin, "/jobs", elastic_job(&data, "long", 6, 100_000)).await.json().await.unwrap();
+        let long = long["id"].as_str().unwrap().to_string();
+        let start = round().await;
+        assert_eq!((start.started, start.resized), (1, 0), "{start:?}");
+        let one = form_gang(&server, &secret).await;
+        assert_eq!(one.len(), 1);
+        report_steps(&server, &secret, &one, 1..21, 1000.0).await;
+
+        // When the long job may change size, its 100,000 steps gain far more from five more
+        // ranks than the short job's 400 lose: the short gang shrinks to one in place, and
+        // the long one's grow waits for the slices the short gang's ranks still hold.
+        let mut rounds = 0;
+        let shrink = loop {
+            let report = round().await;
+            rounds += 1;
+            if report.resized > 0 {
+                break report;
+            }
+            assert!(rounds < 40, "nothing moved: {report:?}");
+        };
+        assert!(rounds >= 9, "resized after {rounds} rounds, inside the long job's hysteresis");
+        assert_eq!((shrink.resized, shrink.preempted, shrink.started), (1, 0, 0), "{shrink:?}");
+        let waiting = queued(&server, &admin, &long).await;
+        let note = waiting["note"].as_str().unwrap();
+        assert!(note.contains("running on 1") && note.contains("grows in place to 6 once others free them"), "{waiting}");
+        assert_eq!(queued(&server, &admin, &short).await["note"], format!("resizing in place to 1 {PROFILE} slices"));
+        // While the short gang regroups, nothing else moves.
+        let meanwhile = round().await;
+        assert_eq!((meanwhile.resized, meanwhile.preempted), (0, 0), "{meanwhile:?}");
+        let (shrunk, left) = regroup_gang(&server, &secret, &six, 1).await;
+        assert_eq!((shrunk.len(), left), (1, 5));
+        assert_eq!(shrunk[0].0, six[0].0, "rank 0 stays");
+
+        // The slices are free now: the long gang grows in place onto them.
+        let grow = round().await;
+        assert_eq!((grow.resized, grow.preempted, grow.started), (1, 0, 0), "{grow:?}");
+        assert_eq!(queued(&server, &admin, &long).await["note"], format!("resizing in place to 6 {PROFILE} slices"));
+        let (grown, left) = regroup_gang(&server, &secret, &one, 1).await;
+        assert_eq!((grown.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), left), (vec![6; 6], 0));
+        let freed: HashSet<&str> = six[1..].iter().map(|(_, _, s)| s.as_str()).collect();
+        let joined: HashSet<&str> = grown[1..].iter().map(|(_, _, s)| s.as_str()).collect();
+        assert_eq!(joined, freed, "the joiners run on the slices the short gang gave up");
+
+        let logs = |job: String| {
+            let server = &server;
+            let admin = admin.clone();
+            async move {
+                let lines = get(server, &admin, &format!("/jobs/{job}/logs")).await;
+                lines.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect::<Vec<_>>()
+            }
+        };
+        let lines = logs(short.clone()).await;
+        assert!(lines.iter().any(|l| l.starts_with("Resized from 6 to 1 ranks in place") && l.contains("other jobs take")), "{lines:?}");
+        let lines = logs(long.clone()).await;
+        assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 6 ranks in place") && l.contains("5 spare")), "{lines:?}");
+        for job in [&short, &long] {
+            let job = get(&server, &admin, &format!("/jobs/{job}")).await;
+            assert_eq!((job["state"].as_str(), job["preemptions"].as_u64(), job["attempts"].as_u64()), (Some("running"), Some(0), Some(1)), "{job}");
+        }
+    }
+}

@@ -500,7 +500,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     if gain > 0.0 {
                         format!("predicted to finish {gain:.0} s sooner at fewer ranks")
                     } else {
-                        "waiting jobs take its extra slices".to_string()
+                        "other jobs take its extra slices".to_string()
                     }
                 }
             };
