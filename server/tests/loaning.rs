@@ -3,7 +3,9 @@
 //! for the policy's calm rounds, a waiting gang is pinned onto the loaned slices and only
 //! the slices' worker may claim its ranks, returning demand takes the slices back in one
 //! round (the gang preempted, a replica queued on each slice), and the round's history is
-//! what `/api/v1/fleet/loaning` and the fleet page show. Also the API's validation.
+//! what `/api/v1/fleet/loaning` and the fleet page show. Elastic gangs resize in place: grow
+//! onto spare slices, shrink for a reclaim, wait a round for slices another gang gives up,
+//! and move between pools as a shrink now and a grow later. Also the API's validation.
 
 mod support;
 
@@ -105,6 +107,19 @@ async fn slices(server: &TestServer, token: &str) -> Vec<Value> {
 
 fn count(slices: &[Value], state: &str) -> usize {
     slices.iter().filter(|s| s["loan_state"] == state).count()
+}
+
+/// The lines of `job`'s log.
+async fn logs(server: &TestServer, token: &str, job: &str) -> Vec<String> {
+    let lines = get(server, token, &format!("/jobs/{job}/logs")).await;
+    lines.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect()
+}
+
+/// One more round, a few milliseconds after the last: rounds recorded in one millisecond
+/// count once for the hysteresis.
+async fn next_round(server: &TestServer) -> tessera_server::loaning::RoundReport {
+    tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+    run_round(&server.state).await.unwrap()
 }
 
 /// The tiny model, a registered MIG worker and the model's throughput table on it: the
@@ -970,14 +985,12 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
         // at the one-count prior, far above the pause).
         let mut rounds = 0;
         let grow = loop {
-            let report = run_round(&server.state).await.unwrap();
+            let report = next_round(&server).await;
             rounds += 1;
             if report.resized > 0 {
                 break report;
             }
             assert!(rounds < 40, "the gang never grew: {report:?}");
-            // Rounds recorded in one millisecond count once; keep them apart.
-            tokio::time::sleep(std::time::Duration::from_millis(3)).await;
         };
         assert!(rounds >= 10, "resized after {rounds} rounds, inside the hysteresis");
         assert_eq!((grow.resized, grow.preempted), (1, 0), "{grow:?}");
@@ -1021,12 +1034,7 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
         assert_eq!((count(&placed, "loaned"), count(&placed, "reclaiming")), (2, 0), "{placed:?}");
 
         // The job's history: both resizes in its log, and no attempt spent.
-        let lines: Vec<String> = get(&server, &admin, &format!("/jobs/{job}/logs")).await
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l["line"].as_str().unwrap().to_string())
-            .collect();
+        let lines = logs(&server, &admin, &job).await;
         assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 3 ranks in place") && l.contains("spare")), "{lines:?}");
         assert!(
             lines.iter().any(|l| l.starts_with(&format!("Resized from 3 to {world} ranks in place")) && l.contains("embed needs")),
@@ -1067,23 +1075,18 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
         let admin = server.admin().await;
         let secret = mig_worker_with_tiny(&server, &admin).await;
         let data = server.toy_dataset(&admin).await;
-        let round = || async {
-            // Rounds recorded in one millisecond count once for the hysteresis; keep them apart.
-            tokio::time::sleep(std::time::Duration::from_millis(3)).await;
-            run_round(&server.state).await.unwrap()
-        };
 
         // The short job starts alone on six of the seven slices (the prior values each rank).
         let short: Value = server.post(&admin, "/jobs", elastic_job(&data, "short", 6, 400)).await.json().await.unwrap();
         let short = short["id"].as_str().unwrap().to_string();
-        assert_eq!(round().await.started, 1);
+        assert_eq!(next_round(&server).await.started, 1);
         let six = form_gang(&server, &secret).await;
         assert_eq!(six.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), vec![6; 6]);
         report_steps(&server, &secret, &six, 1..21, 100.0).await;
         // The long one starts on the slice left, and measures 1 s a step there.
         let long: Value = server.post(&admin, "/jobs", elastic_job(&data, "long", 6, 100_000)).await.json().await.unwrap();
         let long = long["id"].as_str().unwrap().to_string();
-        let start = round().await;
+        let start = next_round(&server).await;
         assert_eq!((start.started, start.resized), (1, 0), "{start:?}");
         let one = form_gang(&server, &secret).await;
         assert_eq!(one.len(), 1);
@@ -1094,7 +1097,7 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
         // the long one's grow waits for the slices the short gang's ranks still hold.
         let mut rounds = 0;
         let shrink = loop {
-            let report = round().await;
+            let report = next_round(&server).await;
             rounds += 1;
             if report.resized > 0 {
                 break report;
@@ -1108,14 +1111,14 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
         assert!(note.contains("running on 1") && note.contains("grows in place to 6 once others free them"), "{waiting}");
         assert_eq!(queued(&server, &admin, &short).await["note"], format!("resizing in place to 1 {PROFILE} slices"));
         // While the short gang regroups, nothing else moves.
-        let meanwhile = round().await;
+        let meanwhile = next_round(&server).await;
         assert_eq!((meanwhile.resized, meanwhile.preempted), (0, 0), "{meanwhile:?}");
         let (shrunk, left) = regroup_gang(&server, &secret, &six, 1).await;
         assert_eq!((shrunk.len(), left), (1, 5));
         assert_eq!(shrunk[0].0, six[0].0, "rank 0 stays");
 
         // The slices are free now: the long gang grows in place onto them.
-        let grow = round().await;
+        let grow = next_round(&server).await;
         assert_eq!((grow.resized, grow.preempted, grow.started), (1, 0, 0), "{grow:?}");
         assert_eq!(queued(&server, &admin, &long).await["note"], format!("resizing in place to 6 {PROFILE} slices"));
         let (grown, left) = regroup_gang(&server, &secret, &one, 1).await;
@@ -1124,21 +1127,99 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
         let joined: HashSet<&str> = grown[1..].iter().map(|(_, _, s)| s.as_str()).collect();
         assert_eq!(joined, freed, "the joiners run on the slices the short gang gave up");
 
-        let logs = |job: String| {
-            let server = &server;
-            let admin = admin.clone();
-            async move {
-                let lines = get(server, &admin, &format!("/jobs/{job}/logs")).await;
-                lines.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap().to_string()).collect::<Vec<_>>()
-            }
-        };
-        let lines = logs(short.clone()).await;
+        let lines = logs(&server, &admin, &short).await;
         assert!(lines.iter().any(|l| l.starts_with("Resized from 6 to 1 ranks in place") && l.contains("other jobs take")), "{lines:?}");
-        let lines = logs(long.clone()).await;
+        let lines = logs(&server, &admin, &long).await;
         assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 6 ranks in place") && l.contains("5 spare")), "{lines:?}");
         for job in [&short, &long] {
             let job = get(&server, &admin, &format!("/jobs/{job}")).await;
             assert_eq!((job["state"].as_str(), job["preemptions"].as_u64(), job["attempts"].as_u64()), (Some("running"), Some(0), Some(1)), "{job}");
         }
+    }
+}
+
+/// A reclaim that takes one of an elastic gang's two lent slices while a training slice is
+/// free: the plan moves that rank to the training pool. The gang shrinks in place out of
+/// the lent slice at once (the lender gets it back without a preemption) and grows in place
+/// onto the training slice at a later round, once its hysteresis ends: never stopped and
+/// restarted.
+#[tokio::test]
+async fn a_move_between_pools_shrinks_in_place_now_and_grows_in_place_later() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
+        let response = server
+            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 5, "loanable": true, "reclaim_headroom": 0.2}))
+            .await;
+        let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+        run_replicas(&server, &secret, 5).await;
+
+        // An inelastic job holds the two training slices; the idle deployment lends four.
+        let mut blocker = elastic_job(&data, "blocker", 2, 100_000);
+        blocker["resources"] = json!({"preemptible": false});
+        let blocker: Value = server.post(&admin, "/jobs", blocker).await.json().await.unwrap();
+        let meter = Uuid::new_v4();
+        store::record_rates(&server.state.db, meter, &[(deployment, 0.0)]).await.unwrap();
+        assert_eq!(next_round(&server).await.started, 1);
+        let held = form_gang(&server, &secret).await;
+        assert_eq!(held.len(), 2);
+        for _ in 0..5 {
+            next_round(&server).await;
+        }
+        assert_eq!(count(&slices(&server, &admin).await, "loaned"), 4);
+
+        // The elastic job starts on two lent slices (the prior values its second rank).
+        let job: Value = server.post(&admin, "/jobs", elastic_job(&data, "elastic", 2, 100_000)).await.json().await.unwrap();
+        let job = job["id"].as_str().unwrap().to_string();
+        assert_eq!(next_round(&server).await.started, 1);
+        let two = form_gang(&server, &secret).await;
+        assert_eq!(two.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), vec![2, 2]);
+        report_steps(&server, &secret, &two, 1..21, 500.0).await;
+        // The blocker ends: its two training slices are free.
+        for (id, _, _) in &held {
+            let body = json!({"state": "succeeded", "message": "done"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+        }
+        assert_eq!(get(&server, &admin, &format!("/jobs/{}", blocker["id"].as_str().unwrap())).await["state"], "succeeded");
+
+        // 300 req/s × 1.2 needs four slices: three of the four lent come back, the two free
+        // ones and one of the gang's. The gang gives that one up in place now.
+        store::record_rates(&server.state.db, meter, &[(deployment, 300.0)]).await.unwrap();
+        let spike = next_round(&server).await;
+        assert_eq!((spike.resized, spike.preempted), (1, 0), "{spike:?}");
+        let (one, left) = regroup_gang(&server, &secret, &two, 1).await;
+        assert_eq!((one.len(), left), (1, 1));
+        let after = slices(&server, &admin).await;
+        let gone = after.iter().find(|s| s["uuid"] == two[1].2.as_str()).unwrap();
+        assert_eq!(gone["loan_state"], "reclaiming", "the leaving rank's slice is the one taken back: {gone}");
+
+        // After its hysteresis it grows in place onto a training slice.
+        let mut rounds = 0;
+        let grow = loop {
+            let report = next_round(&server).await;
+            rounds += 1;
+            if report.resized > 0 {
+                break report;
+            }
+            assert!(rounds < 40, "the gang never grew back: {report:?}");
+        };
+        assert!(rounds >= 9, "grew after {rounds} rounds, inside the hysteresis");
+        assert_eq!((grow.resized, grow.preempted, grow.started), (1, 0, 0), "{grow:?}");
+        let (back, left) = regroup_gang(&server, &secret, &one, 2).await;
+        assert_eq!((back.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), left), (vec![2, 2], 0));
+        let fleet = slices(&server, &admin).await;
+        let joined = fleet.iter().find(|s| s["uuid"] == back[1].2.as_str()).unwrap();
+        assert!(joined["lender"].is_null() && joined["loan_state"] == "serving", "the joiner runs on a training slice: {joined}");
+
+        let lines = logs(&server, &admin, &job).await;
+        assert!(
+            lines.iter().any(|l| l.starts_with("Resized from 2 to 1 ranks in place") && l.contains("It grows to 2 on other slices at a later round")),
+            "{lines:?}"
+        );
+        assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 2 ranks in place")), "{lines:?}");
+        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
+        assert_eq!((finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some(0), Some(1)), "{finished}");
     }
 }
