@@ -4,7 +4,7 @@
 //! the slices' worker may claim its ranks, returning demand takes the slices back in one
 //! round (the gang preempted, a replica queued on each slice), and the round's history is
 //! what `/api/v1/fleet/loaning` and the fleet page show. Elastic gangs resize in place: grow
-//! onto spare slices, shrink for a reclaim, wait a round for slices another gang gives up,
+//! onto spare slices, shrink for a reclaim, take slices another gang gives up once its ranks are gone,
 //! and move between pools as a shrink now and a grow later. Also the API's validation.
 
 mod support;
@@ -1064,12 +1064,12 @@ async fn queued(server: &TestServer, token: &str, job: &str) -> Value {
 
 /// Two elastic gangs share the training pool: a short one on six slices, a long one on the
 /// seventh. Once both are past their hysteresis, the knapsack moves five ranks from the
-/// short job to the long one in one round: the short gang shrinks in place at once, and the
-/// long one's grow waits (the queue says so) until the leaving ranks have stopped and freed
-/// their slices; at the next round it grows in place onto them. No one is preempted or
-/// restarted.
+/// short job to the long one in one round, both in place: the short gang shrinks, and the
+/// long one's joiners are pinned to the slices the short gang's leaving ranks still run on.
+/// No worker can claim them until those ranks are gone; then the long gang grows onto
+/// them. No one is preempted or restarted.
 #[tokio::test]
-async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_place() {
+async fn a_grow_onto_slices_another_gang_gives_up_claims_them_once_its_ranks_are_gone() {
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
@@ -1093,10 +1093,9 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
         report_steps(&server, &secret, &one, 1..21, 1000.0).await;
 
         // When the long job may change size, its 100,000 steps gain far more from five more
-        // ranks than the short job's 400 lose: the short gang shrinks to one in place, and
-        // the long one's grow waits for the slices the short gang's ranks still hold.
+        // ranks than the short job's 400 lose: both resize in one round.
         let mut rounds = 0;
-        let shrink = loop {
+        let moved = loop {
             let report = next_round(&server).await;
             rounds += 1;
             if report.resized > 0 {
@@ -1105,22 +1104,20 @@ async fn a_grow_onto_slices_another_gang_gives_up_waits_for_them_and_happens_in_
             assert!(rounds < 40, "nothing moved: {report:?}");
         };
         assert!(rounds >= 9, "resized after {rounds} rounds, inside the long job's hysteresis");
-        assert_eq!((shrink.resized, shrink.preempted, shrink.started), (1, 0, 0), "{shrink:?}");
-        let waiting = queued(&server, &admin, &long).await;
-        let note = waiting["note"].as_str().unwrap();
-        assert!(note.contains("running on 1") && note.contains("grows in place to 6 once others free them"), "{waiting}");
-        assert_eq!(queued(&server, &admin, &short).await["note"], format!("resizing in place to 1 {PROFILE} slices"));
-        // While the short gang regroups, nothing else moves.
+        assert_eq!((moved.resized, moved.preempted, moved.started), (2, 0, 0), "{moved:?}");
+        for job in [&short, &long] {
+            let entry = queued(&server, &admin, job).await;
+            assert!(entry["note"].as_str().unwrap().starts_with("resizing in place to"), "{entry}");
+        }
+        // The joiners' slices still run the short gang's leaving ranks: nobody claims them.
+        assert!(claim(&server, &secret, &["train_rank"]).await.is_none(), "a joiner was claimed onto a slice in use");
         let meanwhile = next_round(&server).await;
         assert_eq!((meanwhile.resized, meanwhile.preempted), (0, 0), "{meanwhile:?}");
         let (shrunk, left) = regroup_gang(&server, &secret, &six, 1).await;
         assert_eq!((shrunk.len(), left), (1, 5));
         assert_eq!(shrunk[0].0, six[0].0, "rank 0 stays");
 
-        // The slices are free now: the long gang grows in place onto them.
-        let grow = next_round(&server).await;
-        assert_eq!((grow.resized, grow.preempted, grow.started), (1, 0, 0), "{grow:?}");
-        assert_eq!(queued(&server, &admin, &long).await["note"], format!("resizing in place to 6 {PROFILE} slices"));
+        // Those ranks are gone: the long gang's joiners are claimed and it grows in place.
         let (grown, left) = regroup_gang(&server, &secret, &one, 1).await;
         assert_eq!((grown.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), left), (vec![6; 6], 0));
         let freed: HashSet<&str> = six[1..].iter().map(|(_, _, s)| s.as_str()).collect();

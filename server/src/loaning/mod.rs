@@ -358,7 +358,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         }
         let mut jobs = Vec::new();
         for g in &mine {
-            let ranks = g.ranks.len() as u32;
+            let ranks = g.world();
             let wanted = g.train.resources();
             let waiting = g.waiting();
             // Running, it may change size, but not while a stop or a resize is under way.
@@ -368,7 +368,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 && !g.regrouping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
-                for r in &g.ranks {
+                for r in g.ranks.iter().filter(|r| !r.leaving) {
                     let pool = r
                         .slice
                         .as_ref()
@@ -441,8 +441,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let mut reason = format!("{name} needs its {profile} slices back");
             if !event.preempted {
                 let after: u32 = plan.placements[event.job].holdings.iter().map(|&(_, n)| n).sum();
-                reason += &match after < g.ranks.len() as u32 {
-                    true => format!("; shrunk from {} to {after} ranks", g.ranks.len()),
+                reason += &match after < g.world() {
+                    true => format!("; shrunk from {} to {after} ranks", g.world()),
                     false => format!("; its {after} ranks move to other slices"),
                 };
             }
@@ -472,12 +472,29 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         let mut deferred: HashSet<Uuid> = HashSet::new();
         let mut leaving: HashSet<Uuid> = HashSet::new();
         let mut taken: HashSet<&str> = HashSet::new();
-        for (j, g) in mine.iter().enumerate() {
-            if g.waiting() || g.stopping || preempted.contains(&g.id) {
+        // Slices ranks leave, in regroups under way (unless a joining rank is pinned to them
+        // already) or this round's shrinks, which go first: a grow or a start may take them,
+        // its ranks claimable once the leaving ones are gone (`store::gangs::claim_rank`).
+        let rank_slices = |leaving: bool, state: Option<&'static str>| {
+            mine.iter()
+                .filter(|g| !g.waiting())
+                .flat_map(|g| &g.ranks)
+                .filter(move |r| r.leaving == leaving && state.is_none_or(|s| r.state == s))
+                .filter_map(|r| r.slice.as_deref())
+        };
+        let joining: HashSet<&str> = rank_slices(false, Some("queued")).collect();
+        let mut released: HashSet<&str> = rank_slices(true, None).filter(|s| !joining.contains(s)).collect();
+        let planned = |j: usize| -> u32 { plan.placements[j].holdings.iter().map(|&(_, n)| n).sum() };
+        let mut order: Vec<usize> = (0..mine.len()).collect();
+        order.sort_by_key(|&j| planned(j) >= mine[j].world());
+        for j in order {
+            let g = mine[j];
+            // A gang mid-regroup is held at its new size (inelastic) until it forms.
+            if g.waiting() || g.stopping || g.regrouping || preempted.contains(&g.id) {
                 continue;
             }
-            let from = g.ranks.len() as u32;
-            let to: u32 = plan.placements[j].holdings.iter().map(|&(_, n)| n).sum();
+            let from = g.world();
+            let to = planned(j);
             // A reclaimed gang stops even at the same size: its slices move.
             let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
             if to == 0 || (to == from && reclaimed.is_none()) {
@@ -511,12 +528,15 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     .and_then(|s| pool_of(s))
                     .unwrap_or(Pool::Training)
             };
+            // Free slices first, then those ranks leave this round.
             let free_in = |pool: Pool| {
-                slices
-                    .iter()
-                    .filter(move |s| pool_of(s) == Some(pool) && s.holder == Holder::Free)
-                    .filter(|s| s.loan_state != SliceLoan::Reclaiming && !reclaim_now.contains(&s.uuid))
-                    .map(|s| s.uuid.as_str())
+                let (pool_of, reclaim_now) = (&pool_of, &reclaim_now);
+                let usable = move |s: &&&FleetSlice| {
+                    pool_of(s) == Some(pool) && s.loan_state != SliceLoan::Reclaiming && !reclaim_now.contains(&s.uuid)
+                };
+                let free = slices.iter().filter(usable).filter(|s| s.holder == Holder::Free);
+                let leaving = slices.iter().filter(usable).filter(|s| released.contains(s.uuid.as_str()));
+                free.chain(leaving).map(|s| s.uuid.as_str())
             };
             let change = match g.train.parallel.as_ref().is_some_and(|p| p.precision.is_none()) {
                 true => InPlace::of(&g.ranks, &plan.placements[j].holdings, rank_pool, free_in, &taken),
@@ -547,6 +567,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, world), out, &joins).await? {
                     jobs_store::append_logs(db, g.id, &[reason], now).await?;
                     leaving.extend(out);
+                    released.extend(g.ranks.iter().filter(|r| out.contains(&r.job)).filter_map(|r| r.slice.as_deref()));
                     if let InPlace::Grow(joins) = change {
                         taken.extend(joins);
                     }
@@ -591,7 +612,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 Holder::Rank { gang, .. } if stopping(&gang) => 1,
                 _ => 2,
             });
-            for s in held {
+            // Not those joining ranks were just pinned to.
+            for s in held.into_iter().filter(|s| !taken.contains(s.uuid.as_str())) {
                 if *need == 0 {
                     break;
                 }
@@ -626,17 +648,20 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     .filter(|s| s.loan_state != SliceLoan::Reclaiming)
                     .filter(|s| match s.holder {
                         Holder::Free => true,
-                        // Slices pinned by waiting gangs are re-placed this round.
+                        // Slices pinned by waiting gangs are re-placed this round, and those
+                        // ranks leave this round are taken once free.
                         Holder::Rank { gang, .. } => {
-                            gangs.iter().any(|w| w.id == gang && w.waiting())
+                            gangs.iter().any(|w| w.id == gang && w.waiting()) || released.contains(s.uuid.as_str())
                         }
                         Holder::Replica { .. } => false,
                     })
                     .collect();
-                // Its own pins first (a stable plan moves nothing), then free slices.
-                candidates.sort_by_key(
-                    |s| !matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id),
-                );
+                // Its own pins first (a stable plan moves nothing), then free slices, then
+                // those ranks leave.
+                candidates.sort_by_key(|s| {
+                    let own = matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id);
+                    (!own, released.contains(s.uuid.as_str()))
+                });
                 for s in candidates.into_iter().take(n as usize) {
                     taken.insert(s.uuid.as_str());
                     chosen.push(s.uuid.clone());
@@ -681,11 +706,11 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let note = if preempted.contains(&g.id) {
                 "preempted this round".to_string()
             } else if resized.contains(&g.id) {
-                format!("resizing from {} to {ranks} {profile} slices", g.ranks.len())
+                format!("resizing from {} to {ranks} {profile} slices", g.world())
             } else if regrouped.contains(&g.id) || g.regrouping {
                 format!("resizing in place to {ranks} {profile} slices")
             } else if deferred.contains(&g.id) {
-                format!("running on {} {profile} slices; grows in place to {ranks} once others free them", g.ranks.len())
+                format!("running on {} {profile} slices; grows in place to {ranks} once others free them", g.world())
             } else if g.waiting() && ranks == 0 {
                 format!("waiting for {} free {profile} slices", jobs[j].min_ranks)
             } else if g.waiting() {
@@ -860,6 +885,7 @@ mod tests {
                 state: "running".into(),
                 placement: "any".into(),
                 slice: Some(format!("s{i}")),
+                leaving: false,
             })
             .collect();
         let pool_of = ranks.iter().map(|r| r.slice.clone().unwrap()).zip(pools.iter().copied()).collect();

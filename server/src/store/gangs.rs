@@ -147,7 +147,9 @@ pub async fn placements(db: &Db, worker: Uuid) -> Result<Vec<String>> {
 /// joining a running gang that grows in place (`store::regroup`). For a waiting gang it
 /// starts the rendezvous clock: unless every rank is claimed and posted by `deadline`, all are released. A rank
 /// on a MIG slice is claimed only by the worker of the slice the loaning round pinned it
-/// to (`store::loaning`), so training never lands on a slice serving holds.
+/// to (`store::loaning`), so training never lands on a slice serving holds, and only once
+/// no other rank holds the slice (the round may pin it to a slice a rank leaving its gang
+/// in place still runs on; the leaving rank's row goes when its regroup forms).
 pub async fn claim_rank(
     db: &Db,
     worker: Uuid,
@@ -171,7 +173,9 @@ pub async fn claim_rank(
          WHERE r.state = 'queued' AND r.kind = 'train_rank' AND r.gang_placement IN ({}) \
          AND (g.state IN {WAITING} OR (g.state = 'running' AND r.gang_joining = 1)) \
          AND (r.gang_placement NOT LIKE 'slice:%' OR (r.slice_pinned = 1 AND r.slice_uuid IN \
-           (SELECT s.uuid FROM slices s WHERE s.worker_id = $1))) \
+           (SELECT s.uuid FROM slices s WHERE s.worker_id = $1) \
+           AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.slice_uuid = r.slice_uuid AND o.kind = 'train_rank' \
+             AND o.state IN ('leased', 'running')))) \
          ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at, gang_id",
         params.join(", ")

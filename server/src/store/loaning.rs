@@ -134,6 +134,8 @@ pub struct GangRank {
     pub placement: String,
     /// The slice it is pinned to (or bound to while live).
     pub slice: Option<String>,
+    /// It leaves its gang at the regroup under way (its slice is free once that forms).
+    pub leaving: bool,
 }
 
 /// A training job run as a gang whose ranks all run on MIG slices: what the round places.
@@ -174,6 +176,11 @@ impl SliceGang {
             .then_some(first)
     }
 
+    /// Ranks it runs with, or will once its regroup forms: all but those leaving.
+    pub fn world(&self) -> u32 {
+        self.ranks.iter().filter(|r| !r.leaving).count() as u32
+    }
+
     /// No rank is held by a worker: the round may re-place (and resize) it.
     pub fn waiting(&self) -> bool {
         matches!(self.state.as_str(), "queued" | "preempted") && self.ranks.iter().all(|r| r.state == "queued")
@@ -207,7 +214,7 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     .fetch_all(db.pool())
     .await?;
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT r.gang_id, r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid FROM jobs r \
+        "SELECT r.gang_id, r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid, r.gang_leaving FROM jobs r \
          JOIN jobs g ON g.id = r.gang_id WHERE {LIVE_GANGS} \
          ORDER BY r.gang_id, r.gang_rank"
     )))
@@ -266,7 +273,7 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
 /// The current attempt's ranks of `gang`, by rank.
 pub async fn gang_ranks(db: &Db, gang: Uuid) -> Result<Vec<GangRank>> {
     let rows = sqlx::query(
-        "SELECT r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid FROM jobs r WHERE r.gang_id = $1 \
+        "SELECT r.id, r.gang_rank, r.state, r.gang_placement, r.slice_uuid, r.gang_leaving FROM jobs r WHERE r.gang_id = $1 \
          ORDER BY r.gang_rank",
     )
     .bind(gang.to_string())
@@ -283,6 +290,7 @@ fn gang_rank(r: &AnyRow) -> Result<GangRank> {
         state: r.try_get("state")?,
         placement: r.try_get("gang_placement")?,
         slice: r.try_get("slice_uuid")?,
+        leaving: r.try_get::<i64, _>("gang_leaving")? != 0,
     })
 }
 
