@@ -9,10 +9,13 @@
 //! server records its own gateway's request rates, which the round sums.
 //!
 //! A running elastic gang is resized in place (`store::regroup`): its ranks keep their
-//! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`; a
-//! grow onto slices others give up in the same round waits a round for them,
-//! `InPlace::Later`), leaving ones are those on the slices the plan gives up
-//! (`InPlace::Shrink`), and the ring re-forms at the new world at one step. A move
+//! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`; free
+//! ones first, then ones ranks leaving in place give up, whose joiners are claimable once
+//! the leaving ranks are gone; a grow onto slices still held otherwise, by a gang that
+//! stops, waits a round, `InPlace::Later`), leaving ones are those on the slices the plan
+//! gives up (`InPlace::Shrink`), and the ring re-forms at the new world at one step. Starts
+//! take slices ranks leave the same way. A gang mid-regroup counts at its new world and is
+//! not resized again until it forms. A move
 //! between pools (a reclaim takes a rank's slice, the plan gives it another) shrinks out
 //! of the pools it leaves now and grows into the others at a later round. The round plans
 //! a resize as a pause of `--gang-regroup-secs`. Training state is independent of the
@@ -468,7 +471,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         // a stop at a checkpoint and a restart at it. Slices joining ranks take are `taken`.
         let mut resized: HashSet<Uuid> = HashSet::new();
         let mut regrouped: HashSet<Uuid> = HashSet::new();
-        // Grows that wait a round for slices others give up now (`InPlace::Later`).
+        // Grows that wait a round for slices a stopping gang still holds (`InPlace::Later`).
         let mut deferred: HashSet<Uuid> = HashSet::new();
         let mut leaving: HashSet<Uuid> = HashSet::new();
         let mut taken: HashSet<&str> = HashSet::new();
@@ -819,15 +822,17 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
 enum InPlace<'a> {
     Shrink(Vec<Uuid>),
     Grow(Vec<&'a str>),
-    /// A grow onto slices not all free yet (others give them up this round): it waits a
-    /// round rather than restarting, since a restart would wait for them as well.
+    /// A grow onto slices not all free nor given up by ranks leaving in place (a gang that
+    /// stops still holds them): it waits a round rather than restarting, since a restart
+    /// would wait for them as well.
     Later,
 }
 
 impl<'a> InPlace<'a> {
     /// The change from `ranks` (each in its pool, `pool_of`) to `target` slices per pool:
-    /// a shrink gives up the highest ranks of each pool it leaves, a grow joins on free
-    /// slices (`free_in`) not yet `taken`, or waits for them (`Later`). A move between pools
+    /// a shrink gives up the highest ranks of each pool it leaves, a grow joins on slices
+    /// (`free_in`: free, then given up by leaving ranks) not yet `taken`, or waits for them
+    /// (`Later`). A move between pools
     /// is its shrink, now; the gang grows into the other pools at a later round. `None`
     /// when no pool changes.
     fn of<I: Iterator<Item = &'a str>>(
