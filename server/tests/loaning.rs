@@ -122,6 +122,17 @@ async fn next_round(server: &TestServer) -> tessera_server::loaning::RoundReport
     run_round(&server.state).await.unwrap()
 }
 
+/// Rounds until one resizes a gang: that round's report, and how many rounds it took.
+async fn until_resized(server: &TestServer) -> (tessera_server::loaning::RoundReport, u32) {
+    for rounds in 1..40 {
+        let report = next_round(server).await;
+        if report.resized > 0 {
+            return (report, rounds);
+        }
+    }
+    panic!("no round resized a gang in 40");
+}
+
 /// The tiny model, a registered MIG worker and the model's throughput table on it: the
 /// worker's secret.
 async fn mig_worker_with_tiny(server: &TestServer, admin: &str) -> String {
@@ -983,15 +994,7 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
 
         // It keeps its size for the hysteresis' rounds, then grows (100,000 steps left: a third of 10,000 s saved
         // at the one-count prior, far above the pause).
-        let mut rounds = 0;
-        let grow = loop {
-            let report = next_round(&server).await;
-            rounds += 1;
-            if report.resized > 0 {
-                break report;
-            }
-            assert!(rounds < 40, "the gang never grew: {report:?}");
-        };
+        let (grow, rounds) = until_resized(&server).await;
         assert!(rounds >= 10, "resized after {rounds} rounds, inside the hysteresis");
         assert_eq!((grow.resized, grow.preempted), (1, 0), "{grow:?}");
         assert_eq!(count(&slices(&server, &admin).await, "loaned"), 6);
@@ -1094,15 +1097,7 @@ async fn a_grow_onto_slices_another_gang_gives_up_claims_them_once_its_ranks_are
 
         // When the long job may change size, its 100,000 steps gain far more from five more
         // ranks than the short job's 400 lose: both resize in one round.
-        let mut rounds = 0;
-        let moved = loop {
-            let report = next_round(&server).await;
-            rounds += 1;
-            if report.resized > 0 {
-                break report;
-            }
-            assert!(rounds < 40, "nothing moved: {report:?}");
-        };
+        let (moved, rounds) = until_resized(&server).await;
         assert!(rounds >= 9, "resized after {rounds} rounds, inside the long job's hysteresis");
         assert_eq!((moved.resized, moved.preempted, moved.started), (2, 0, 0), "{moved:?}");
         for job in [&short, &long] {
@@ -1193,15 +1188,7 @@ async fn a_move_between_pools_shrinks_in_place_now_and_grows_in_place_later() {
         assert_eq!(gone["loan_state"], "reclaiming", "the leaving rank's slice is the one taken back: {gone}");
 
         // After its hysteresis it grows in place onto a training slice.
-        let mut rounds = 0;
-        let grow = loop {
-            let report = next_round(&server).await;
-            rounds += 1;
-            if report.resized > 0 {
-                break report;
-            }
-            assert!(rounds < 40, "the gang never grew back: {report:?}");
-        };
+        let (grow, rounds) = until_resized(&server).await;
         assert!(rounds >= 9, "grew after {rounds} rounds, inside the hysteresis");
         assert_eq!((grow.resized, grow.preempted, grow.started), (1, 0, 0), "{grow:?}");
         let (back, left) = regroup_gang(&server, &secret, &one, 2).await;
