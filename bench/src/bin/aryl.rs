@@ -45,8 +45,15 @@
 //!   runs before).
 //! - A resize is in place, the platform's regroup. A shrink stops the whole job for
 //!   `REGROUP_SECS` (10 s, GUESS; `--regroup-secs X`); the survivors go on from their
-//!   memory, and the leaving ranks' slices are free when the regroup ends (a start or a grow
-//!   that needs them waits for them). A grow pins joiners to the new slices, which they
+//!   memory, and the leaving ranks' slices are free when the regroup ends; a start or a grow
+//!   the round puts on them waits for them (the server pins its ranks there, claimable once
+//!   the leaving ranks are gone). `--defer-grows` is the server's round until 2026-11-26
+//!   night instead: such a start or grow takes nothing and is planned again at a later
+//!   round (`InPlace::Later`). As in the server's round, a move between pools that a reclaim
+//!   forces shrinks out of the pools it leaves now and grows into the others at a later
+//!   round (a stop and a restart if the shrink would leave it below its minimum);
+//!   `--joint-moves` is the brief's model, one in-place change whose joiners warm up at
+//!   once. A grow pins joiners to the new slices, which they
 //!   hold idle while they warm up (`WARMUP_SECS`, the restart's 60 s, GUESS) and the job
 //!   trains on at its old size; then the whole job stops for the regroup (rank 0
 //!   checkpoints, the joiners load it) and runs at its new size. The round plans with the
@@ -73,7 +80,8 @@
 //!   allows, and a move between pools at the same size is free unless a reclaim forced it
 //!   (the server leaves such a job where it is). A job whose ring shrinks gives up all the
 //!   slices it loses when its regroup ends, joiners' too. Among the jobs that take slices in
-//!   a round, the oldest take the free ones; the rest wait for the leavers.
+//!   a round, the oldest take the free ones; the rest wait for the leavers (for a later
+//!   round with `--defer-grows`, which runs when the regroup ends, not up to 5 s later).
 //! - In place, a reclaim that takes slices of a job whose grow warms up cancels the grow
 //!   (chosen for simplicity): the ring shrinks in place if it loses ranks, and the joiners
 //!   left with a slice start their warm-up again.
@@ -94,6 +102,7 @@
 //!
 //! Run: cargo run --release -p tessera-bench --bin aryl [-- --regroup-secs X |
 //! --restart-resize | --free-resize | --lose-since-checkpoint] [--step-window | --full-curves]
+//! [--joint-moves | --defer-grows]
 
 use std::time::Instant;
 
@@ -240,6 +249,15 @@ struct Model {
     knowledge: Knowledge,
     /// The pause of an in-place resize (`REGROUP_SECS` unless overridden).
     regroup_secs: f64,
+    /// In place, as the server's round does (`loaning::InPlace`): a move between pools that
+    /// a reclaim forces shrinks now and grows at a later round. Off (`--joint-moves`): the
+    /// brief's model, one in-place change whose joiners warm up at once.
+    split_moves: bool,
+    /// In place, a start or a grow that needs slices ranks are leaving takes nothing and is
+    /// planned again at a later round (`--defer-grows`: the server's round until
+    /// 2026-11-26 night). Off (the default, the server since): the round commits it and it
+    /// waits for the leavers' regroup.
+    defer_grows: bool,
 }
 
 impl Model {
@@ -563,8 +581,13 @@ struct Outcome {
     /// In-place grows (among `resizes`), and those cancelled before their regroup.
     grows: u32,
     grows_cancelled: u32,
-    /// Starts and grows that waited for slices still held by ranks leaving in place.
+    /// Starts and grows that waited for slices still held by ranks leaving in place: in the
+    /// round, or put off to a later round (`--defer-grows`).
     waited_for_slices: u32,
+    /// Reclaims that moved ranks between pools, made a shrink now (grown at a later round),
+    /// and those a stop and a restart because the shrink would leave the job below its minimum.
+    moves_split: u32,
+    moves_restarted: u32,
     rounds: usize,
     serving_short_ticks: usize,
     makespan_days: f64,
@@ -731,24 +754,57 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
         let plan =
             plan_round(&Round { capacity: &capacity, jobs: &jobs, elastic: policy.elastic, resize_pause_secs: pause, resize_margin: margin });
         out.rounds += 1;
-        let changes: Vec<Change> = (0..live.len())
+        let mut placements = plan.placements;
+        let mut changes: Vec<Change> = (0..live.len())
             .map(|i| {
                 let reclaimed = plan.reclaims.iter().any(|e| e.job == i);
-                change(&state[live[i]], &plan.placements[i], model.resize, reclaimed)
+                change(&state[live[i]], &placements[i], model.resize, reclaimed)
             })
             .collect();
+        // The server's round: a move shrinks out of the pools it leaves now (a stop and a
+        // restart if that leaves it below its minimum) and grows into the others later.
+        let mut restarts = vec![false; live.len()];
+        if model.resize == Resize::InPlace && model.split_moves {
+            for (i, &j) in live.iter().enumerate() {
+                let Change::Resize { survivors, joiners: 1.. } = changes[i] else { continue };
+                if survivors >= state[j].working_ranks() {
+                    continue;
+                }
+                if survivors < trace[j].min {
+                    restarts[i] = true;
+                    out.moves_restarted += 1;
+                } else {
+                    placements[i].holdings = kept(&state[j].holdings, &placements[i].holdings);
+                    changes[i] = Change::Resize { survivors, joiners: 0 };
+                    out.moves_split += 1;
+                }
+            }
+        }
         let waits = if model.resize == Resize::InPlace {
-            let leavers = wait_for_leavers(&capacity, &live, &state, &plan.placements, &changes);
-            releasing.extend(leavers.unclaimed.iter().map(|&(pool, slices)| Releasing {
+            let leavers = wait_for_leavers(&capacity, &live, &state, &placements, &changes);
+            let mut unclaimed = leavers.unclaimed;
+            if model.defer_grows {
+                // Starts and grows that need a leaving slice take none and wait for a later
+                // round; every leaving slice is free when its regroup ends.
+                for (i, &j) in live.iter().enumerate() {
+                    if leavers.waits[i] && matches!(changes[i], Change::Start | Change::Resize { joiners: 1.., .. }) {
+                        changes[i] = Change::Keep;
+                        placements[i].holdings = if placements[i].preempted { Vec::new() } else { state[j].holdings.clone() };
+                        out.waited_for_slices += 1;
+                    }
+                }
+                unclaimed = leavers.leaving;
+            }
+            releasing.extend(unclaimed.iter().map(|&(pool, slices)| Releasing {
                 pool,
                 slices,
                 until: now + model.regroup_secs,
             }));
-            leavers.waits
+            if model.defer_grows { vec![false; live.len()] } else { leavers.waits }
         } else {
             vec![false; live.len()]
         };
-        for (i, placement) in plan.placements.into_iter().enumerate() {
+        for (i, placement) in placements.into_iter().enumerate() {
             let j = live[i];
             let spec = &trace[j];
             let s = &mut state[j];
@@ -772,6 +828,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
             match (changes[i], model.resize) {
                 (Change::Keep, _) => {}
                 (Change::Start, _) => start(s, now, ready),
+                (Change::Resize { .. }, _) if restarts[i] => restart_resize(s, now, RESTART_SECS),
                 (Change::Resize { .. }, Resize::Restart | Resize::Free) => restart_resize(s, now, pause),
                 (Change::Resize { survivors, joiners }, Resize::InPlace) => {
                     resize_in_place(s, now, ready, model.regroup_secs, survivors, joiners)
@@ -840,6 +897,11 @@ fn change(s: &JobState, placement: &Placement, resize: Resize, reclaimed: bool) 
         _ => return Change::Keep,
     };
     Change::Resize { survivors, joiners: after - survivors }
+}
+
+/// The slices of `before` that `after` keeps, per pool.
+fn kept(before: &[(Pool, u32)], after: &[(Pool, u32)]) -> Vec<(Pool, u32)> {
+    before.iter().map(|&(pool, n)| (pool, n.min(held_in(after, pool)))).filter(|&(_, n)| n > 0).collect()
 }
 
 /// Slices held in one pool.
@@ -937,6 +999,8 @@ struct Leavers {
     /// Per pool, slices leaving that no job of this round takes: out of the rounds until
     /// the regroup ends.
     unclaimed: Vec<(Pool, u32)>,
+    /// Per pool, every slice leaving.
+    leaving: Vec<(Pool, u32)>,
 }
 
 /// In each pool, what the plan hands out beyond the slices free now comes from ranks
@@ -953,7 +1017,7 @@ fn wait_for_leavers(
     changes: &[Change],
 ) -> Leavers {
     let mut waits = vec![false; live.len()];
-    let mut unclaimed = Vec::new();
+    let (mut unclaimed, mut all_leaving) = (Vec::new(), Vec::new());
     for &(pool, cap) in capacity {
         let held_after: u32 = placements.iter().map(|p| held_in(&p.holdings, pool)).sum();
         let mut leaving = 0;
@@ -980,8 +1044,11 @@ fn wait_for_leavers(
         if leaving > late {
             unclaimed.push((pool, leaving - late));
         }
+        if leaving > 0 {
+            all_leaving.push((pool, leaving));
+        }
     }
-    Leavers { waits, unclaimed }
+    Leavers { waits, unclaimed, leaving: all_leaving }
 }
 
 /// A round at the scale the issue names: 1,000 jobs, 500 slices (250 training, 250 lent by
@@ -1091,7 +1158,7 @@ fn run_policies(load: f64, print: bool, model: Model, seeds: &[u64]) -> Vec<Vec<
             let o = simulate(&trace, &serving, policy, seed, model);
             if print {
                 println!(
-                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, paused {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} (grows {}, cancelled {}; waited for slices {}) rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
+                    "load={load} seed={seed} policy={:<8} jobs={} queue={:.3} h wait={:.3} h jct={:.3} h util={:.1}% (training {:.1}%, paused {:.1}%, serving {:.1}%; serving slices {:.1}%) loaned={:.1} used={:.1} slices preemptions={} resizes={} (grows {}, cancelled {}; waited for slices {}; moves split {}, restarted {}) rounds={} serving_short_ticks={} makespan={:.1} d sim={:.1} s",
                     policy.name,
                     o.jobs,
                     o.mean_queue_secs / HOUR,
@@ -1109,6 +1176,8 @@ fn run_policies(load: f64, print: bool, model: Model, seeds: &[u64]) -> Vec<Vec<
                     o.grows,
                     o.grows_cancelled,
                     o.waited_for_slices,
+                    o.moves_split,
+                    o.moves_restarted,
                     o.rounds,
                     o.serving_short_ticks,
                     o.makespan_days,
@@ -1236,7 +1305,14 @@ fn main() {
         Knowledge::Measured
     };
     let regroup_secs = regroup_secs_arg();
-    let model = Model { preemption, resize, knowledge, regroup_secs };
+    let model = Model {
+        preemption,
+        resize,
+        knowledge,
+        regroup_secs,
+        split_moves: !flag("--joint-moves"),
+        defer_grows: flag("--defer-grows"),
+    };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
     println!(
@@ -1273,7 +1349,8 @@ fn main() {
                 "mean_wait_hours": round3(o.mean_wait_secs / HOUR),
                 "mean_loaned_slices": round3(o.mean_loaned_slices), "mean_loaned_slices_used": round3(o.mean_loaned_used),
                 "preemptions": o.preemptions, "resizes": o.resizes, "grows": o.grows,
-                "grows_cancelled": o.grows_cancelled, "waited_for_slices": o.waited_for_slices, "rounds": o.rounds,
+                "grows_cancelled": o.grows_cancelled, "waited_for_slices": o.waited_for_slices,
+                "moves_split": o.moves_split, "moves_restarted": o.moves_restarted, "rounds": o.rounds,
                 "serving_short_ticks": o.serving_short_ticks, "makespan_days": round3(o.makespan_days),
             })).collect::<Vec<Value>>(),
         }));
@@ -1406,6 +1483,8 @@ fn main() {
         "seeds": SEEDS,
         "preemption": format!("{preemption:?}"),
         "resize": format!("{resize:?}"),
+        "split_moves": resize == Resize::InPlace && model.split_moves,
+        "defer_grows": resize == Resize::InPlace && model.defer_grows,
         "step_time_knowledge": format!("{knowledge:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
@@ -1457,6 +1536,10 @@ fn main() {
         (Preemption::CheckpointNow, Resize::Restart) => "-restart-resize".to_string(),
         (Preemption::CheckpointNow, Resize::InPlace) if regroup_secs != REGROUP_SECS => format!("-regroup-{regroup_secs}"),
         (Preemption::CheckpointNow, Resize::InPlace) => String::new(),
+    } + match (resize, model.split_moves, model.defer_grows) {
+        (Resize::InPlace, false, _) => "-joint-moves",
+        (Resize::InPlace, true, true) => "-defer-grows",
+        _ => "",
     };
     let curves = match knowledge {
         Knowledge::Measured => "",
@@ -1532,6 +1615,9 @@ mod tests {
         let shrunk = placed(vec![(Pool::Training, 3)]);
         assert_eq!(change(&job, &shrunk, Resize::InPlace, false), Change::Resize { survivors: 3, joiners: 0 });
         assert_eq!(change(&job, &moved, Resize::Restart, true), Change::Keep);
+        // The server's round keeps, of such a move, the slices the job stays on: it
+        // shrinks to them now and grows onto the others at a later round.
+        assert_eq!(kept(&job.holdings, &moved.holdings), vec![(Pool::Training, 2)]);
     }
 
     #[test]
@@ -1559,8 +1645,10 @@ mod tests {
         let changes = [Change::Resize { survivors: 5, joiners: 0 }, Change::Start];
         let leavers = wait_for_leavers(&capacity, &[0, 1], &state, &placements, &changes);
         assert_eq!(leavers.waits, vec![false, true]);
-        // The third slice given up stays held until the regroup ends.
+        // The third slice given up stays held until the regroup ends; all three do when
+        // the start waits for a later round, as the server's does.
         assert_eq!(leavers.unclaimed, vec![(Pool::Training, 1)]);
+        assert_eq!(leavers.leaving, vec![(Pool::Training, 3)]);
         let releasing = [Releasing { pool: Pool::Training, slices: 1, until: 10.0 }];
         let after = [running(vec![(Pool::Training, 5)]), running(vec![(Pool::Training, 4)])];
         assert_eq!(usable_capacity(&capacity, &releasing, after.iter()), vec![(Pool::Training, 9)]);
