@@ -531,7 +531,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     .and_then(|s| pool_of(s))
                     .unwrap_or(Pool::Training)
             };
-            // Free slices first, then those ranks leave this round.
+            // Free slices first, then those leaving ranks give up (`released`).
             let free_in = |pool: Pool| {
                 let (pool_of, reclaim_now) = (&pool_of, &reclaim_now);
                 let usable = move |s: &&&FleetSlice| {
@@ -652,7 +652,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     .filter(|s| match s.holder {
                         Holder::Free => true,
                         // Slices pinned by waiting gangs are re-placed this round, and those
-                        // ranks leave this round are taken once free.
+                        // leaving ranks give up are taken once free.
                         Holder::Rank { gang, .. } => {
                             gangs.iter().any(|w| w.id == gang && w.waiting()) || released.contains(s.uuid.as_str())
                         }
@@ -660,7 +660,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     })
                     .collect();
                 // Its own pins first (a stable plan moves nothing), then free slices, then
-                // those ranks leave.
+                // those leaving ranks give up.
                 candidates.sort_by_key(|s| {
                     let own = matches!(s.holder, Holder::Rank { gang, .. } if gang == g.id);
                     (!own, released.contains(s.uuid.as_str()))
