@@ -1207,3 +1207,144 @@ async fn a_move_between_pools_shrinks_in_place_now_and_grows_in_place_later() {
         assert_eq!((finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some(0), Some(1)), "{finished}");
     }
 }
+
+/// A reclaim that comes while an elastic gang grows in place, before its joining ranks are
+/// ready, cuts the grow back instead of preempting the gang. Taking back only the joiners'
+/// slices calls the grow off (the ranks never stop, the slices go back in the same round);
+/// taking back a running rank's slice as well drops the joiners and shrinks the ring at
+/// once, without waiting for their warm-up.
+#[tokio::test]
+async fn a_reclaim_during_a_grow_in_place_cuts_it_back_instead_of_preempting() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let response = server
+            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 7, "loanable": true, "reclaim_headroom": 0.2}))
+            .await;
+        let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+        run_replicas(&server, &secret, 7).await;
+        let data = server.toy_dataset(&admin).await;
+        let job: Value = server.post(&admin, "/jobs", elastic_job(&data, "elastic", 4, 100_000)).await.json().await.unwrap();
+        let job = job["id"].as_str().unwrap().to_string();
+
+        // At 300 req/s two slices are lent (300 × 1.35 needs 5 of 7) and the gang starts on both.
+        let meter = Uuid::new_v4();
+        store::record_rates(&server.state.db, meter, &[(deployment, 300.0)]).await.unwrap();
+        next_round(&server).await;
+        assert_eq!(next_round(&server).await.started, 1);
+        let two = form_gang(&server, &secret).await;
+        assert_eq!(two.iter().map(|(_, w, _)| *w).collect::<Vec<_>>(), vec![2, 2]);
+        report_steps(&server, &secret, &two, 1..21, 500.0).await;
+
+        // Demand falls away: the loan grows to six and the gang grows in place to four.
+        let grow_to_four = || async {
+            store::record_rates(&server.state.db, meter, &[(deployment, 0.0)]).await.unwrap();
+            let (grow, _) = until_resized(&server).await;
+            assert_eq!((grow.resized, grow.preempted), (1, 0), "{grow:?}");
+            assert_eq!(queued(&server, &admin, &job).await["note"], "resizing in place to 4 1g.10gb slices");
+        };
+        grow_to_four().await;
+        assert_eq!(count(&slices(&server, &admin).await, "loaned"), 6);
+
+        // Before its joiners are ready, 350 req/s × 1.2 takes four slices back: the two free
+        // ones and the joiners'. The grow is called off; the gang trains on at two.
+        store::record_rates(&server.state.db, meter, &[(deployment, 350.0)]).await.unwrap();
+        let spike = next_round(&server).await;
+        assert_eq!((spike.resized, spike.preempted, spike.returned), (1, 0, 4), "{spike:?}");
+        let fleet = slices(&server, &admin).await;
+        assert_eq!((count(&fleet, "loaned"), count(&fleet, "reclaiming")), (2, 0), "{fleet:?}");
+        let ids: Vec<&str> = two.iter().map(|(id, _, _)| id.as_str()).collect();
+        let quiet: Value = server.post(&secret, "/agent/heartbeat", json!({"jobs": ids})).await.json().await.unwrap();
+        assert!(quiet["preempt"].as_array().is_none_or(Vec::is_empty), "the ranks are not asked to stop: {quiet}");
+        assert!(claim(&server, &secret, &["train_rank"]).await.is_none(), "no joiner is left to claim");
+        assert_eq!(queued(&server, &admin, &job).await["note"], "running on 2 1g.10gb slices");
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        let reclaims = overview["reclaims"].as_array().unwrap();
+        assert_eq!((reclaims.len(), reclaims[0]["preempted"].as_bool(), reclaims[0]["ranks"].as_u64()), (1, Some(false), Some(2)), "{overview}");
+
+        // It grows to four again; this time 450 req/s × 1.2 leaves one slice lent: the
+        // joiners go and rank 1 leaves, and the ring stops now to re-form at one.
+        grow_to_four().await;
+        store::record_rates(&server.state.db, meter, &[(deployment, 450.0)]).await.unwrap();
+        let spike = next_round(&server).await;
+        assert_eq!((spike.resized, spike.preempted), (1, 0), "{spike:?}");
+        let (one, left) = regroup_gang(&server, &secret, &two, 1).await;
+        assert_eq!((one.len(), left), (1, 1));
+        assert_eq!(one[0], (two[0].0.clone(), 1, two[0].2.clone()), "rank 0 stays on its slice");
+        let after = next_round(&server).await;
+        assert_eq!(after.preempted, 0, "{after:?}");
+        let fleet = slices(&server, &admin).await;
+        assert_eq!((count(&fleet, "loaned"), count(&fleet, "reclaiming")), (1, 0), "{fleet:?}");
+
+        let lines = logs(&server, &admin, &job).await;
+        assert!(lines.iter().any(|l| l.starts_with("Its in-place resize to 4 ranks was called off") && l.contains("embed needs")), "{lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("Its in-place resize to 4 ranks was cut to 1")), "{lines:?}");
+        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
+        assert_eq!((finished["state"].as_str(), finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some("running"), Some(0), Some(1)), "{finished}");
+    }
+}
+
+/// How a reclaim cuts a grow under way (`store::regroup::cut`, called here as the round
+/// does): a running rank that must leave drops the joining ranks not yet ready, newest
+/// first, down to the job's minimum, so the ring stops without waiting for them; a ready
+/// joiner stays, and so does one the minimum needs, which the ring then waits for.
+#[tokio::test]
+async fn a_cut_regroup_drops_joiners_not_yet_ready_down_to_the_minimum() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let data = server.toy_dataset(&admin).await;
+        // An inelastic job holds five slices while an elastic one starts on the other two.
+        let mut blocker = elastic_job(&data, "blocker", 5, 100_000);
+        blocker["resources"] = json!({"preemptible": false});
+        server.post(&admin, "/jobs", blocker).await;
+        assert_eq!(next_round(&server).await.started, 1);
+        let five = form_gang(&server, &secret).await;
+        server.post(&admin, "/jobs", elastic_job(&data, "elastic", 5, 100_000)).await;
+        assert_eq!(next_round(&server).await.started, 1);
+        let two = form_gang(&server, &secret).await;
+        assert_eq!(two.len(), 2);
+        for (id, _, _) in &five {
+            let body = json!({"state": "succeeded", "message": "done"});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), body).await.status(), 204);
+        }
+
+        // It grows to five in place on three of the freed slices; one joiner gets ready.
+        let gangs = store::slice_gangs(&server.state.db).await.unwrap();
+        let gang = gangs.iter().find(|g| g.name == "elastic").unwrap();
+        let freed: Vec<String> = five[..3].iter().map(|(_, _, s)| s.clone()).collect();
+        let asked = tessera_server::gangs::regroup_in_place(&server.state, gang.id, &gang.train, (2, 5), &[], &freed);
+        assert!(asked.await.unwrap());
+        let mut joiners = Vec::new();
+        while let Some(rank) = claim(&server, &secret, &["train_rank"]).await {
+            joiners.push((rank["spec"]["rank"].as_u64().unwrap(), rank["job_id"].as_str().unwrap().to_string()));
+        }
+        joiners.sort();
+        let (on, worker) = (&server, secret.as_str());
+        let post = |id: String| async move {
+            let body = json!({"address": "127.0.0.1:7400", "generation": 0});
+            on.post(worker, &format!("/agent/jobs/{id}/regroup"), body).await.status()
+        };
+        assert_eq!(post(joiners[0].1.clone()).await, 200);
+
+        // A reclaim takes rank 1's slice at a minimum of three: the newest joiner, not
+        // ready, goes; the ready one stays, and so does the other, which three needs.
+        let rank1: Uuid = two[1].0.parse().unwrap();
+        let cut = tessera_server::store::regroup::cut(&server.state.db, gang.id, &[rank1], 3).await.unwrap().unwrap();
+        let newest: Uuid = joiners[2].1.parse().unwrap();
+        assert_eq!((cut.world, cut.called_off), (3, false));
+        assert_eq!(cut.gone.iter().collect::<HashSet<_>>(), HashSet::from([&rank1, &newest]));
+        let ids: Vec<&str> = two.iter().map(|(id, _, _)| id.as_str()).collect();
+        let beat = || async { server.post(&secret, "/agent/heartbeat", json!({"jobs": ids})).await.json::<Value>().await.unwrap() };
+        let early = beat().await;
+        assert!(early["preempt"].as_array().is_none_or(Vec::is_empty), "the ring waits for the joiner it keeps: {early}");
+        assert_eq!(post(joiners[2].1.clone()).await, 409, "the dropped joiner is told to go");
+        assert_eq!(post(joiners[1].1.clone()).await, 200);
+        assert_eq!(beat().await["preempt"].as_array().map(Vec::len), Some(2), "both running ranks stop now");
+        let fleet = slices(&server, &admin).await;
+        let dropped = fleet.iter().find(|s| s["uuid"] == freed[2].as_str()).unwrap();
+        assert_eq!(dropped["in_use"], false, "the dropped joiner's slice is free again: {dropped}");
+    }
+}

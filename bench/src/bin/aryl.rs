@@ -82,9 +82,11 @@
 //!   slices it loses when its regroup ends, joiners' too. Among the jobs that take slices in
 //!   a round, the oldest take the free ones; the rest wait for the leavers (for a later
 //!   round with `--defer-grows`, which runs when the regroup ends, not up to 5 s later).
-//! - In place, a reclaim that takes slices of a job whose grow warms up cancels the grow
-//!   (chosen for simplicity): the ring shrinks in place if it loses ranks, and the joiners
-//!   left with a slice start their warm-up again.
+//! - In place, a reclaim that takes slices of a job whose grow warms up cancels the grow:
+//!   the ring shrinks in place if it loses ranks, and the joiners left with a slice start
+//!   their warm-up again. The server cuts the regroup back (`store::regroup::cut`): joiners
+//!   it keeps go on warming up, unless a running rank leaves, when those not yet ready are
+//!   dropped and the gang grows again after its cooldown.
 //! - `--restart-resize`: a resize is one step, the job keeps its new slices through the
 //!   pause. The platform preempted it, freed its slices and restarted it first in line the
 //!   next round at up to that size. The pause (60 s) is the planning figure, not measured.

@@ -15,7 +15,9 @@
 //! stops, waits a round, `InPlace::Later`), leaving ones are those on the slices the plan
 //! gives up (`InPlace::Shrink`), and the ring re-forms at the new world at one step. Starts
 //! take slices ranks leave the same way. A gang mid-regroup counts at its new world and is
-//! not resized again until it forms. A move
+//! not resized by choice until it forms; a reclaim that needs its slices cuts the regroup
+//! back instead of preempting it (`store::regroup::cut`: joiners there are dropped,
+//! running ranks there leave). A move
 //! between pools (a reclaim takes a rank's slice, the plan gives it another) shrinks out
 //! of the pools it leaves now and grows into the others at a later round. The round plans
 //! a resize as a pause of `--gang-regroup-secs`. Training state is independent of the
@@ -364,11 +366,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             let ranks = g.world();
             let wanted = g.train.resources();
             let waiting = g.waiting();
-            // Running, it may change size, but not while a stop or a resize is under way.
-            let elastic = wanted.max_ranks > wanted.min_ranks
-                && wanted.preemptible
-                && !g.stopping
-                && !g.regrouping;
+            // Running, it may change size, but not while a stop is under way; mid-regroup
+            // only a reclaim may shrink it (see the resize loop below).
+            let elastic = wanted.max_ranks > wanted.min_ranks && wanted.preemptible && !g.stopping;
             let mut holdings: HashMap<Pool, u32> = HashMap::new();
             if !waiting {
                 for r in g.ranks.iter().filter(|r| !r.leaving) {
@@ -386,6 +386,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 let max = wanted.max_ranks.max(wanted.min_ranks);
                 let max = g.resize_ranks.map_or(max, |n| n.clamp(wanted.min_ranks, max));
                 (wanted.min_ranks, max)
+            } else if elastic && g.regrouping {
+                (wanted.min_ranks.min(ranks), ranks)
             } else if elastic {
                 (wanted.min_ranks.min(ranks), wanted.max_ranks.max(ranks))
             } else {
@@ -393,7 +395,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             };
             // Cooled down: at least `RESIZE_COOLDOWN_ROUNDS` rounds recorded since it formed.
             let resizable = match (g.formed_at, cooldown_from) {
-                (Some(formed), Some(oldest)) => elastic && !waiting && formed <= oldest,
+                (Some(formed), Some(oldest)) => elastic && !g.regrouping && !waiting && formed <= oldest,
                 _ => false,
             };
             let measured = match g.measured {
@@ -471,6 +473,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         // a stop at a checkpoint and a restart at it. Slices joining ranks take are `taken`.
         let mut resized: HashSet<Uuid> = HashSet::new();
         let mut regrouped: HashSet<Uuid> = HashSet::new();
+        // Regroups a reclaim called off: the gang runs on at its size.
+        let mut called_off: HashSet<Uuid> = HashSet::new();
         // Grows that wait a round for slices a stopping gang still holds (`InPlace::Later`).
         let mut deferred: HashSet<Uuid> = HashSet::new();
         let mut leaving: HashSet<Uuid> = HashSet::new();
@@ -492,14 +496,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         order.sort_by_key(|&j| planned(j) >= mine[j].world());
         for j in order {
             let g = mine[j];
-            // A gang mid-regroup is held at its new size (inelastic) until it forms.
-            if g.waiting() || g.stopping || g.regrouping || preempted.contains(&g.id) {
+            let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
+            // A gang mid-regroup keeps its new size until it forms, unless a reclaim cuts it.
+            if g.waiting() || g.stopping || preempted.contains(&g.id) || (g.regrouping && reclaimed.is_none()) {
                 continue;
             }
             let from = g.world();
             let to = planned(j);
             // A reclaimed gang stops even at the same size: its slices move.
-            let reclaimed = plan.reclaims.iter().find(|e| e.job == j);
             if to == 0 || (to == from && reclaimed.is_none()) {
                 continue;
             }
@@ -541,15 +545,42 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 let leaving = slices.iter().filter(usable).filter(|s| released.contains(s.uuid.as_str()));
                 free.chain(leaving).map(|s| s.uuid.as_str())
             };
+            let staying: Vec<GangRank> = g.ranks.iter().filter(|r| !r.leaving).cloned().collect();
             let change = match g.train.parallel.as_ref().is_some_and(|p| p.precision.is_none()) {
-                true => InPlace::of(&g.ranks, &plan.placements[j].holdings, rank_pool, free_in, &taken),
+                true => InPlace::of(&staying, &plan.placements[j].holdings, rank_pool, free_in, &taken),
                 false => None,
             };
             // A move between pools shrinks out of the pools it leaves first, if the gang
             // stays within its ranks; it grows into the others at a later round.
             let floor = g.train.resources().min_ranks.max(1);
             let change = change.filter(|c| !matches!(c, InPlace::Shrink(out) if from - (out.len() as u32) < floor));
-            if let Some(change) = change {
+            // Mid-regroup, a reclaim's shrink cuts the regroup back (`store::regroup::cut`).
+            if let (true, Some(InPlace::Shrink(out))) = (g.regrouping, &change) {
+                let Some(cut) = crate::store::regroup::cut(db, g.id, out, floor).await? else {
+                    continue;
+                };
+                let (world, gone) = (cut.world, &cut.gone);
+                let reason = match cut.called_off {
+                    true => format!(
+                        "Its in-place resize to {from} ranks was called off by the loaning round: {why}. It runs on at \
+                         {world} ranks."
+                    ),
+                    false => format!(
+                        "Its in-place resize to {from} ranks was cut to {world} by the loaning round: {why}. Its ranks \
+                         stop at a step and re-form at {world}."
+                    ),
+                };
+                jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                leaving.extend(gone);
+                released.extend(g.ranks.iter().filter(|r| gone.contains(&r.job)).filter_map(|r| r.slice.as_deref()));
+                match cut.called_off {
+                    true => called_off.insert(g.id),
+                    false => regrouped.insert(g.id),
+                };
+                report.resized += 1;
+                continue;
+            }
+            if let Some(change) = change.filter(|_| !g.regrouping) {
                 let (out, joins): (&[Uuid], &[&str]) = match &change {
                     InPlace::Shrink(out) => (out, &[]),
                     InPlace::Grow(joins) => (&[], joins),
@@ -710,7 +741,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 "preempted this round".to_string()
             } else if resized.contains(&g.id) {
                 format!("resizing from {} to {ranks} {profile} slices", g.world())
-            } else if regrouped.contains(&g.id) || g.regrouping {
+            } else if regrouped.contains(&g.id) || (g.regrouping && !called_off.contains(&g.id)) {
                 format!("resizing in place to {ranks} {profile} slices")
             } else if deferred.contains(&g.id) {
                 format!("running on {} {profile} slices; grows in place to {ranks} once others free them", g.world())

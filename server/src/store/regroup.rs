@@ -17,7 +17,9 @@
 //! the checkpoint; the others go on from memory.
 //!
 //! A regroup that does not form by its deadline becomes a stop and restart at the new
-//! size (`gangs::sweep`); a preemption or a lost rank cancels it ([`cancel_in`]).
+//! size (`gangs::sweep`); a preemption or a lost rank cancels it ([`cancel_in`]). A
+//! reclaim cuts it back ([`cut`]): the gang gives up the slices serving needs without
+//! stopping whole.
 
 use sqlx::{AnyConnection, Row};
 use tessera_api::jobs::JobSpec;
@@ -287,17 +289,135 @@ pub(super) async fn cancel_in(conn: &mut AnyConnection, gang: &str, now: i64) ->
         .bind(gang)
         .execute(&mut *conn)
         .await?;
-    let freed: Vec<Option<String>> =
-        sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1 AND gang_joining = 1")
+    let joiners: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT id, slice_uuid FROM jobs WHERE gang_id = $1 AND gang_joining = 1")
             .bind(gang)
             .fetch_all(&mut *conn)
             .await?;
-    sqlx::query("DELETE FROM jobs WHERE gang_id = $1 AND gang_joining = 1").bind(gang).execute(&mut *conn).await?;
+    let detail = "the in-place resize that placed a rank on it was called off";
+    drop_joiners(conn, gang, &joiners, now, detail).await?;
     sqlx::query("UPDATE jobs SET gang_leaving = 0 WHERE gang_id = $1").bind(gang).execute(&mut *conn).await?;
+    Ok(Some(world as u32))
+}
+
+/// Deletes joining rank rows `joiners` (id, slice) of `gang`; each slice is idle again.
+async fn drop_joiners(
+    conn: &mut AnyConnection,
+    gang: &str,
+    joiners: &[(String, Option<String>)],
+    now: i64,
+    detail: &str,
+) -> Result<()> {
     let id = parse_uuid("jobs", "id", gang)?;
-    for slice in freed.into_iter().flatten() {
-        event(conn, now, &slice, "idle", None, Some(id), "the in-place resize that placed a rank on it was called off")
+    for (rank, slice) in joiners {
+        sqlx::query("DELETE FROM jobs WHERE id = $1 AND gang_joining = 1").bind(rank).execute(&mut *conn).await?;
+        if let Some(slice) = slice {
+            event(conn, now, slice, "idle", None, Some(id), detail).await?;
+        }
+    }
+    Ok(())
+}
+
+/// States of a rank row in a running gang's new world: joining ones may still be queued.
+const STAYING: &str = "('queued', 'leased', 'running')";
+
+/// A regroup cut back by [`cut`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cut {
+    /// The world the gang forms at now (its world as it runs, when `called_off`).
+    pub world: u32,
+    /// Nothing was left to change: the regroup was called off and the gang runs on.
+    pub called_off: bool,
+    /// Rank rows that go: joining ones dropped, running ones leaving.
+    pub gone: Vec<Uuid>,
+}
+
+/// Cuts the regroup under way in running `gang` back for a reclaim: the rank rows in `out`
+/// go, a joining one dropped at once, a running one leaving when the regroup forms. When a
+/// running rank leaves, joining ranks not yet ready go too (the newest first, the world
+/// kept at `floor` or more), so the ring stops now instead of after their warm-up; the
+/// round may grow the gang again later. A regroup left with nothing to change is called
+/// off. `None`, changing nothing, unless the gang runs a regroup with no preemption asked
+/// and `out` are ranks of it that stay in its new world.
+pub async fn cut(db: &Db, gang: Uuid, out: &[Uuid], floor: u32) -> Result<Option<Cut>> {
+    let now = now_ms();
+    let gang = gang.to_string();
+    let mut tx = db.begin().await?;
+    // Locks the gang's row (PostgreSQL) against a regroup forming meanwhile (`post`).
+    let under_way = sqlx::query(
+        "UPDATE jobs SET regroup_world = regroup_world WHERE id = $1 AND kind = 'train_gang' AND state = 'running' \
+         AND regroup_world IS NOT NULL AND preempt_reason IS NULL",
+    )
+    .bind(&gang)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if under_way == 0 {
+        return Ok(None);
+    }
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id, slice_uuid, gang_joining, gang_address FROM jobs WHERE gang_id = $1 AND gang_leaving = 0 \
+         AND state IN {STAYING} ORDER BY gang_rank DESC"
+    )))
+    .bind(&gang)
+    .fetch_all(&mut *tx)
+    .await?;
+    struct Rank {
+        id: String,
+        slice: Option<String>,
+        joining: bool,
+        ready: bool,
+    }
+    let ranks: Vec<Rank> = rows
+        .iter()
+        .map(|r| {
+            Ok(Rank {
+                id: r.try_get("id")?,
+                slice: r.try_get("slice_uuid")?,
+                joining: r.try_get::<i64, _>("gang_joining")? != 0,
+                ready: r.try_get::<Option<String>, _>("gang_address")?.is_some(),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let out: Vec<String> = out.iter().map(Uuid::to_string).collect();
+    if !out.iter().all(|id| ranks.iter().any(|r| &r.id == id)) {
+        return Ok(None);
+    }
+    let leaves = |r: &&Rank| !r.joining && out.contains(&r.id);
+    let unready = match ranks.iter().any(|r| leaves(&r)) {
+        true => (ranks.len() - out.len()).saturating_sub(floor as usize),
+        false => 0,
+    };
+    let dropped: Vec<&Rank> = ranks
+        .iter()
+        .filter(|r| r.joining && out.contains(&r.id))
+        .chain(ranks.iter().filter(|r| r.joining && !r.ready && !out.contains(&r.id)).take(unready))
+        .collect();
+    let joiners: Vec<(String, Option<String>)> = dropped.iter().map(|r| (r.id.clone(), r.slice.clone())).collect();
+    drop_joiners(&mut tx, &gang, &joiners, now, "the in-place resize that placed a rank on it was cut back for a reclaim")
+        .await?;
+    for r in ranks.iter().filter(leaves) {
+        sqlx::query("UPDATE jobs SET gang_leaving = 1 WHERE id = $1").bind(&r.id).execute(&mut *tx).await?;
+    }
+    let gone: Vec<&Rank> = dropped.iter().copied().chain(ranks.iter().filter(leaves)).collect();
+    let world = (ranks.len() - gone.len()) as u32;
+    let changes: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE gang_id = $1 AND (gang_joining = 1 OR gang_leaving = 1)",
+    )
+    .bind(&gang)
+    .fetch_one(&mut *tx)
+    .await?;
+    let called_off = changes == 0;
+    if called_off {
+        cancel_in(&mut tx, &gang, now).await?;
+    } else {
+        sqlx::query("UPDATE jobs SET regroup_world = $1 WHERE id = $2")
+            .bind(world as i64)
+            .bind(&gang)
+            .execute(&mut *tx)
             .await?;
     }
-    Ok(Some(world as u32))
+    tx.commit().await?;
+    let gone = gone.iter().map(|r| parse_uuid("jobs", "id", &r.id)).collect::<Result<_>>()?;
+    Ok(Some(Cut { world, called_off, gone }))
 }
