@@ -67,6 +67,11 @@
 //!   with the same margin and cooldown. `--free-resize` is the earlier model (a 30 s pause,
 //!   any gain, any time), and `--lose-since-checkpoint` the first run's (free resizes, and a
 //!   preempted job loses the work since its last periodic checkpoint).
+//! - Loans are decided at the platform's 5 s rounds on the last tick's rate: a loan a tick
+//!   makes possible is made after `next_loan`'s 2 calm rounds, 5 s after the tick, as the
+//!   server's round would between two changes of demand. `--tick-loans` decides them at the
+//!   ticks alone (every run before 2026-11-26 22:50 UTC), so the calm rounds spanned 10
+//!   minutes.
 //! - A deployment keeps at least one slice serving: they are replica-count deployments,
 //!   whose floor on the platform is one replica (`capacity::serving_floor`).
 //!
@@ -92,9 +97,9 @@
 //!   next round at up to that size. The pause (60 s) is the planning figure, not measured.
 //! - A reclaimed slice serves again at once; on the platform it is `reclaiming` until its
 //!   ranks stop and a replica starts on it.
-//! - Serving demand moves, and loans are decided, at the 5-minute ticks: `next_loan`'s 2
-//!   calm rounds span 10 minutes here, 10 s on the platform, and a tick's rate is the
-//!   curve's (with noise), not a gateway's count over its last 10 s.
+//! - Serving demand moves at the 5-minute ticks, and holds between them: a tick's rate is
+//!   the curve's (with noise), not a gateway's count over its last 10 s, which moves (and
+//!   may reset the calm rounds) at every round.
 //! - Every job takes 1 s per step at one rank, so the prior's 1 s default is exact at one
 //!   rank and shortest-first by declared steps is shortest-first by time; the platform's
 //!   jobs differ in step cost, which `share_priors` narrows by model and batch (the trace
@@ -260,6 +265,11 @@ struct Model {
     /// 2026-11-26 night). Off (the default, the server since): the round commits it and it
     /// waits for the leavers' regroup.
     defer_grows: bool,
+    /// Loans are decided at the platform's rounds (every `PLATFORM_ROUND_SECS`) on the rate
+    /// of the last tick, as the server's round does between two changes of demand: its calm
+    /// rounds pass seconds after a tick. Off (`--tick-loans`, every run before 2026-11-26
+    /// night): at the ticks alone, so the calm rounds spanned 10 minutes.
+    loan_rounds: bool,
 }
 
 impl Model {
@@ -606,6 +616,8 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
     let mut next_arrival = 0usize;
     let mut now = 0.0f64;
     let mut next_tick = 0.0f64;
+    // The platform's loan rounds after a tick that may still lend on its rate (calm rounds).
+    let (mut next_loan_round, mut loan_rounds_left) = (f64::INFINITY, 0u32);
     let horizon = ARRIVAL_DAYS * DAY;
     let total_slices = (TRAINING_SLICES + DEPLOYMENTS as u32 * SLICES_PER_DEPLOYMENT) as f64;
     let (mut training_area, mut serving_area, mut loaned_area, mut loaned_used_area) = (0.0, 0.0, 0.0, 0.0);
@@ -640,7 +652,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
         if arrival.is_infinite() && live.is_empty() {
             break;
         }
-        let t = arrival.min(completion).min(next_tick).min(cooldown_ends).min(warmup_ends).min(releases);
+        let t = arrival.min(completion).min(next_tick).min(next_loan_round).min(cooldown_ends).min(warmup_ends).min(releases);
 
         // Progress and the areas under the curves up to t.
         let window = (t.min(horizon) - now.min(horizon)).max(0.0);
@@ -702,23 +714,39 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
             next_arrival += 1;
         }
         // Serving demand and loans.
+        let deployment = |d: usize, rate: f64| Deployment {
+            slices: SLICES_PER_DEPLOYMENT,
+            min_serving: 1,
+            slice_rate: serving.deployments[d].0,
+            measured_rate: rate,
+            loanable: policy.loaning,
+        };
+        let loans_decided = now >= next_tick || now >= next_loan_round;
         if now >= next_tick {
             for d in 0..DEPLOYMENTS {
                 let noise = 1.0 + RATE_NOISE * normal(&mut noise_rng);
                 rates[d] = serving.rate(d, now, noise.max(0.5));
-                let dep = Deployment {
-                    slices: SLICES_PER_DEPLOYMENT,
-                    min_serving: 1,
-                    slice_rate: serving.deployments[d].0,
-                    measured_rate: rates[d],
-                    loanable: policy.loaning,
-                };
+                let dep = deployment(d, rates[d]);
                 loans[d] = next_loan(&dep, &loan_policy, loans[d]);
                 if SLICES_PER_DEPLOYMENT - loans[d].loaned < needed(&dep, rates[d], 0.0) {
                     out.serving_short_ticks += 1;
                 }
             }
             next_tick += TICK;
+            if model.loan_rounds && policy.loaning {
+                loan_rounds_left = loan_policy.calm_rounds.saturating_sub(1);
+            }
+        } else if now >= next_loan_round {
+            for d in 0..DEPLOYMENTS {
+                loans[d] = next_loan(&deployment(d, rates[d]), &loan_policy, loans[d]);
+            }
+            loan_rounds_left = loan_rounds_left.saturating_sub(1);
+        }
+        if loans_decided {
+            next_loan_round = match loan_rounds_left {
+                0 => f64::INFINITY,
+                _ => now + PLATFORM_ROUND_SECS,
+            };
         }
         end_warmups(&live, &mut state, now, model.regroup_secs);
         releasing.retain(|r| r.until > now);
@@ -1314,6 +1342,7 @@ fn main() {
         regroup_secs,
         split_moves: !flag("--joint-moves"),
         defer_grows: flag("--defer-grows"),
+        loan_rounds: !flag("--tick-loans"),
     };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
@@ -1487,6 +1516,7 @@ fn main() {
         "resize": format!("{resize:?}"),
         "split_moves": resize == Resize::InPlace && model.split_moves,
         "defer_grows": resize == Resize::InPlace && model.defer_grows,
+        "loans_at_platform_rounds": model.loan_rounds,
         "step_time_knowledge": format!("{knowledge:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
@@ -1542,7 +1572,7 @@ fn main() {
         (Resize::InPlace, false, _) => "-joint-moves",
         (Resize::InPlace, true, true) => "-defer-grows",
         _ => "",
-    };
+    } + if model.loan_rounds { "" } else { "-tick-loans" };
     let curves = match knowledge {
         Knowledge::Measured => "",
         Knowledge::Windowed => "-step-window",
@@ -1669,5 +1699,46 @@ mod tests {
         };
         let offered = gpu_secs(0.9) / (ARRIVAL_DAYS * DAY * TRAINING_SLICES as f64);
         assert!((offered - 0.9).abs() < 0.15, "offered {offered}");
+    }
+
+    /// The platform decides loans at every round, so its calm rounds pass seconds after a
+    /// tick; deciding at the ticks alone (`--tick-loans`) lends the same slices minutes
+    /// later. Without loaning the extra rounds do not run and change nothing.
+    #[test]
+    fn loans_are_decided_at_the_platforms_rounds_between_ticks() {
+        let job = Spec {
+            submit: 0.0,
+            requested: 1,
+            min: 1,
+            max: 1,
+            preemptible: true,
+            steps: 2.0 * ARRIVAL_DAYS * DAY,
+            serial: 0.1,
+            observed: vec![1.0],
+        };
+        let serving = Serving::new(1);
+        let run = |policy: Policy, loan_rounds: bool| {
+            let model = Model {
+                preemption: Preemption::CheckpointNow,
+                resize: Resize::InPlace,
+                knowledge: Knowledge::Measured,
+                regroup_secs: REGROUP_SECS,
+                split_moves: true,
+                defer_grows: false,
+                loan_rounds,
+            };
+            simulate(std::slice::from_ref(&job), &serving, policy, 1, model)
+        };
+        let (rounds, ticks) = (run(POLICIES[1], true), run(POLICIES[1], false));
+        assert!(
+            rounds.mean_loaned_slices > ticks.mean_loaned_slices + 1.0,
+            "{} slices lent on average, against {} at ticks",
+            rounds.mean_loaned_slices,
+            ticks.mean_loaned_slices
+        );
+        assert!(rounds.rounds > ticks.rounds, "the rounds between ticks ran");
+        assert_eq!((rounds.serving_short_ticks, ticks.serving_short_ticks), (0, 0));
+        let (rounds, ticks) = (run(POLICIES[0], true), run(POLICIES[0], false));
+        assert_eq!((rounds.rounds, rounds.mean_loaned_slices), (ticks.rounds, 0.0));
     }
 }
