@@ -19,7 +19,8 @@
 //! back instead of preempting it (`store::regroup::cut`: joiners there are dropped,
 //! running ranks there leave). A move
 //! between pools (a reclaim takes a rank's slice, the plan gives it another) shrinks out
-//! of the pools it leaves now and grows into the others at a later round. The round plans
+//! of the pools it leaves now and grows into the others at a later round, as soon as the
+//! shrink formed (`store::set_regrow`: the hysteresis does not hold that grow back). The round plans
 //! a resize as a pause of `--gang-regroup-secs`. Training state is independent of the
 //! world size (a fixed global batch split in shares, one loader position), so the gang
 //! continues the same run. A move whose shrink would leave the gang below its minimum, or
@@ -393,11 +394,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             } else {
                 (ranks, ranks)
             };
-            // Cooled down: at least `RESIZE_COOLDOWN_ROUNDS` rounds recorded since it formed.
-            let resizable = match (g.formed_at, cooldown_from) {
-                (Some(formed), Some(oldest)) => elastic && !g.regrouping && !waiting && formed <= oldest,
-                _ => false,
-            };
+            // Cooled down: at least `RESIZE_COOLDOWN_ROUNDS` rounds recorded since it formed,
+            // or shrunk for a move a reclaim split, whose size the round chose already.
+            let cooled = g.regrow
+                || match (g.formed_at, cooldown_from) {
+                    (Some(formed), Some(oldest)) => formed <= oldest,
+                    _ => false,
+                };
+            let resizable = elastic && !g.regrouping && !waiting && cooled;
             let measured = match g.measured {
                 true => store::step_secs_by_count(db, g.id, STEP_WINDOW).await?,
                 false => Vec::new(),
@@ -571,6 +575,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     ),
                 };
                 jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                if world < to {
+                    store::set_regrow(db, g.id).await?;
+                }
                 leaving.extend(gone);
                 released.extend(g.ranks.iter().filter(|r| gone.contains(&r.job)).filter_map(|r| r.slice.as_deref()));
                 match cut.called_off {
@@ -595,11 +602,14 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                      step and re-form at {world}."
                 );
                 if world != to {
-                    reason += &format!(" It grows to {to} on other slices at a later round.");
+                    reason += &format!(" It grows to {to} on other slices once it re-formed.");
                 }
                 let joins: Vec<String> = joins.iter().map(|s| s.to_string()).collect();
                 if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, world), out, &joins).await? {
                     jobs_store::append_logs(db, g.id, &[reason], now).await?;
+                    if world < to {
+                        store::set_regrow(db, g.id).await?;
+                    }
                     leaving.extend(out);
                     released.extend(g.ranks.iter().filter(|r| out.contains(&r.job)).filter_map(|r| r.slice.as_deref()));
                     if let InPlace::Grow(joins) = change {

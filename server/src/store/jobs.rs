@@ -413,7 +413,8 @@ pub async fn request_preemption(db: &Db, job: Uuid, reason: &str) -> Result<bool
     let now = now_ms();
     let mut tx = db.begin().await?;
     let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), updated_at = $2 WHERE id = $3 AND {LIVE}"
+        "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), updated_at = $2, regrow = 0 WHERE id = $3 \
+         AND {LIVE}"
     )))
     .bind(reason)
     .bind(now)

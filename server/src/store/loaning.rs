@@ -163,6 +163,9 @@ pub struct SliceGang {
     pub regrouping: bool,
     /// Rank 0 has reported step timings (of any attempt): `step_secs_by_count` finds some.
     pub measured: bool,
+    /// A reclaim split a move of it between pools: it shrank in place and may grow back as
+    /// soon as that formed, without the cooldown (`set_regrow`).
+    pub regrow: bool,
     pub ranks: Vec<GangRank>,
 }
 
@@ -203,7 +206,7 @@ fn live_rank(state: &str) -> bool {
 pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
-           g.preempt_reason, g.resize_ranks, g.regroup_world, \
+           g.preempt_reason, g.resize_ranks, g.regroup_world, g.regrow, \
            (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at, \
            CAST(CASE WHEN EXISTS (SELECT 1 FROM rank_steps s WHERE s.job_id = g.id AND s.rank = 0 AND s.world > 0) \
              THEN 1 ELSE 0 END AS BIGINT) AS measured \
@@ -264,6 +267,7 @@ pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
             regrouping: g.try_get::<Option<i64>, _>("regroup_world")?.is_some(),
             // An integer on both databases (EXISTS is a boolean on PostgreSQL only).
             measured: g.try_get::<i64, _>("measured")? != 0,
+            regrow: g.try_get::<i64, _>("regrow")? != 0,
             ranks,
         });
     }
@@ -604,6 +608,16 @@ pub async fn set_resize(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
     .await?
     .rows_affected();
     Ok(changed > 0)
+}
+
+/// Marks running `gang` as shrunk in place for a move between pools that a reclaim forced:
+/// the round may grow it back once that shrink formed. Its next regroup or stop clears it.
+pub async fn set_regrow(db: &Db, gang: Uuid) -> Result<()> {
+    sqlx::query("UPDATE jobs SET regrow = 1 WHERE id = $1 AND kind = 'train_gang' AND state = 'running'")
+        .bind(gang.to_string())
+        .execute(db.pool())
+        .await?;
+    Ok(())
 }
 
 /// Forgets a gang's resize target (it was placed again, or its stop was not asked).

@@ -55,7 +55,7 @@ pub async fn request(
     let now = now_ms();
     let mut tx = db.begin().await?;
     let row = sqlx::query(
-        "UPDATE jobs SET regroup_world = $1, gang_deadline = $2 WHERE id = $3 AND kind = 'train_gang' \
+        "UPDATE jobs SET regroup_world = $1, gang_deadline = $2, regrow = 0 WHERE id = $3 AND kind = 'train_gang' \
          AND state = 'running' AND regroup_world IS NULL AND preempt_reason IS NULL \
          RETURNING owner_id, name, dataset_id",
     )
