@@ -51,7 +51,9 @@
 //!   night instead: such a start or grow takes nothing and is planned again at a later
 //!   round (`InPlace::Later`). As in the server's round, a move between pools that a reclaim
 //!   forces shrinks out of the pools it leaves now and grows into the others at a later
-//!   round (a stop and a restart if the shrink would leave it below its minimum);
+//!   round, as soon as the shrink formed, not after the cooldown (`--regrow-after-cooldown`:
+//!   the server before 2026-11-26 23:20 UTC); a stop and a restart if the shrink would leave
+//!   it below its minimum;
 //!   `--joint-moves` is the brief's model, one in-place change whose joiners warm up at
 //!   once. A grow pins joiners to the new slices, which they
 //!   hold idle while they warm up (`WARMUP_SECS`, the restart's 60 s, GUESS) and the job
@@ -91,7 +93,7 @@
 //!   the ring shrinks in place if it loses ranks, and the joiners left with a slice start
 //!   their warm-up again. The server cuts the regroup back (`store::regroup::cut`): joiners
 //!   it keeps go on warming up, unless a running rank leaves, when those not yet ready are
-//!   dropped and the gang grows again after its cooldown.
+//!   dropped and the gang grows again once the shrink formed.
 //! - `--restart-resize`: a resize is one step, the job keeps its new slices through the
 //!   pause. The platform preempted it, freed its slices and restarted it first in line the
 //!   next round at up to that size. The pause (60 s) is the planning figure, not measured.
@@ -270,6 +272,10 @@ struct Model {
     /// rounds pass seconds after a tick. Off (`--tick-loans`, every run before 2026-11-26
     /// night): at the ticks alone, so the calm rounds spanned 10 minutes.
     loan_rounds: bool,
+    /// In place, the grow half of a move that a reclaim split may come once its shrink
+    /// formed, without waiting out the cooldown: the round chose that size already. Off
+    /// (`--regrow-after-cooldown`): after the cooldown, as every resize by choice.
+    regrow_at_once: bool,
 }
 
 impl Model {
@@ -794,6 +800,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
         // The server's round: a move shrinks out of the pools it leaves now (a stop and a
         // restart if that leaves it below its minimum) and grows into the others later.
         let mut restarts = vec![false; live.len()];
+        let mut split = vec![false; live.len()];
         if model.resize == Resize::InPlace && model.split_moves {
             for (i, &j) in live.iter().enumerate() {
                 let Change::Resize { survivors, joiners: 1.. } = changes[i] else { continue };
@@ -806,6 +813,7 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                 } else {
                     placements[i].holdings = kept(&state[j].holdings, &placements[i].holdings);
                     changes[i] = Change::Resize { survivors, joiners: 0 };
+                    split[i] = true;
                     out.moves_split += 1;
                 }
             }
@@ -861,7 +869,10 @@ fn simulate(trace: &[Spec], serving: &Serving, policy: Policy, seed: u64, model:
                 (Change::Resize { .. }, _) if restarts[i] => restart_resize(s, now, RESTART_SECS),
                 (Change::Resize { .. }, Resize::Restart | Resize::Free) => restart_resize(s, now, pause),
                 (Change::Resize { survivors, joiners }, Resize::InPlace) => {
-                    resize_in_place(s, now, ready, model.regroup_secs, survivors, joiners)
+                    resize_in_place(s, now, ready, model.regroup_secs, survivors, joiners);
+                    if split[i] && model.regrow_at_once {
+                        s.sized_at = s.paused_until - cooldown;
+                    }
                 }
             }
             s.holdings = placement.holdings;
@@ -1343,6 +1354,7 @@ fn main() {
         split_moves: !flag("--joint-moves"),
         defer_grows: flag("--defer-grows"),
         loan_rounds: !flag("--tick-loans"),
+        regrow_at_once: !flag("--regrow-after-cooldown"),
     };
     // The generator against Helios, then the load its queuing share implies.
     let stats = generator_stats(0x5eed, 200_000);
@@ -1517,6 +1529,7 @@ fn main() {
         "split_moves": resize == Resize::InPlace && model.split_moves,
         "defer_grows": resize == Resize::InPlace && model.defer_grows,
         "loans_at_platform_rounds": model.loan_rounds,
+        "regrow_at_once": resize == Resize::InPlace && model.split_moves && model.regrow_at_once,
         "step_time_knowledge": format!("{knowledge:?}"),
         "figures_are": "median over the seeds; ratios are per-seed ratios to the baseline, then their median",
         "setup": {
@@ -1572,7 +1585,8 @@ fn main() {
         (Resize::InPlace, false, _) => "-joint-moves",
         (Resize::InPlace, true, true) => "-defer-grows",
         _ => "",
-    } + if model.loan_rounds { "" } else { "-tick-loans" };
+    } + if model.regrow_at_once || resize != Resize::InPlace { "" } else { "-regrow-after-cooldown" }
+        + if model.loan_rounds { "" } else { "-tick-loans" };
     let curves = match knowledge {
         Knowledge::Measured => "",
         Knowledge::Windowed => "-step-window",
@@ -1726,6 +1740,7 @@ mod tests {
                 split_moves: true,
                 defer_grows: false,
                 loan_rounds,
+                regrow_at_once: true,
             };
             simulate(std::slice::from_ref(&job), &serving, policy, 1, model)
         };
