@@ -1043,9 +1043,15 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
             lines.iter().any(|l| l.starts_with(&format!("Resized from 3 to {world} ranks in place")) && l.contains("embed needs")),
             "{lines:?}"
         );
-        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
-        assert_eq!((finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some(0), Some(1)), "{finished}");
+        never_stopped(&server, &admin, &job).await;
     }
+}
+
+/// `job` runs on its first attempt, never preempted: every resize it had was in place.
+async fn never_stopped(server: &TestServer, token: &str, job: &str) {
+    let job = get(server, token, &format!("/jobs/{job}")).await;
+    let (state, preemptions, attempts) = (job["state"].as_str(), job["preemptions"].as_u64(), job["attempts"].as_u64());
+    assert_eq!((state, preemptions, attempts), (Some("running"), Some(0), Some(1)), "{job}");
 }
 
 /// An elastic job on `ranks` slices of the worker (between one and `ranks`), `steps` long.
@@ -1124,8 +1130,7 @@ async fn a_grow_onto_slices_another_gang_gives_up_claims_them_once_its_ranks_are
         let lines = logs(&server, &admin, &long).await;
         assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 6 ranks in place") && l.contains("5 spare")), "{lines:?}");
         for job in [&short, &long] {
-            let job = get(&server, &admin, &format!("/jobs/{job}")).await;
-            assert_eq!((job["state"].as_str(), job["preemptions"].as_u64(), job["attempts"].as_u64()), (Some("running"), Some(0), Some(1)), "{job}");
+            never_stopped(&server, &admin, job).await;
         }
     }
 }
@@ -1203,8 +1208,7 @@ async fn a_move_between_pools_shrinks_in_place_now_and_grows_in_place_later() {
             "{lines:?}"
         );
         assert!(lines.iter().any(|l| l.starts_with("Resized from 1 to 2 ranks in place")), "{lines:?}");
-        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
-        assert_eq!((finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some(0), Some(1)), "{finished}");
+        never_stopped(&server, &admin, &job).await;
     }
 }
 
@@ -1280,8 +1284,7 @@ async fn a_reclaim_during_a_grow_in_place_cuts_it_back_instead_of_preempting() {
         let lines = logs(&server, &admin, &job).await;
         assert!(lines.iter().any(|l| l.starts_with("Its in-place resize to 4 ranks was called off") && l.contains("embed needs")), "{lines:?}");
         assert!(lines.iter().any(|l| l.starts_with("Its in-place resize to 4 ranks was cut to 1")), "{lines:?}");
-        let finished = get(&server, &admin, &format!("/jobs/{job}")).await;
-        assert_eq!((finished["state"].as_str(), finished["preemptions"].as_u64(), finished["attempts"].as_u64()), (Some("running"), Some(0), Some(1)), "{finished}");
+        never_stopped(&server, &admin, &job).await;
     }
 }
 
