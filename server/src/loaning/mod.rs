@@ -557,9 +557,15 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             // A move between pools shrinks out of the pools it leaves first, if the gang
             // stays within its ranks; it grows into the others at a later round.
             let floor = g.train.resources().min_ranks.max(1);
-            let change = change.filter(|c| !matches!(c, InPlace::Shrink(out) if from - (out.len() as u32) < floor));
-            // Mid-regroup, a reclaim's shrink cuts the regroup back (`store::regroup::cut`).
-            if let (true, Some(InPlace::Shrink(out))) = (g.regrouping, &change) {
+            let below = |c: &InPlace| matches!(c, InPlace::Shrink(out) if from - (out.len() as u32) < floor);
+            let too_small = change.as_ref().is_some_and(below);
+            let change = change.filter(|c| !below(c));
+            // Mid-regroup, a reclaim's shrink cuts the regroup back (`store::regroup::cut`);
+            // anything else leaves it as it is, unless it must go below its minimum (a stop).
+            if g.regrouping && !too_small {
+                let Some(InPlace::Shrink(out)) = &change else {
+                    continue;
+                };
                 let Some(cut) = crate::store::regroup::cut(db, g.id, out, floor).await? else {
                     continue;
                 };
@@ -575,7 +581,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                     ),
                 };
                 jobs_store::append_logs(db, g.id, &[reason], now).await?;
-                if world < to {
+                if world < to && !cut.called_off {
                     store::set_regrow(db, g.id).await?;
                 }
                 leaving.extend(gone);
@@ -587,7 +593,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 report.resized += 1;
                 continue;
             }
-            if let Some(change) = change.filter(|_| !g.regrouping) {
+            if let Some(change) = change {
                 let (out, joins): (&[Uuid], &[&str]) = match &change {
                     InPlace::Shrink(out) => (out, &[]),
                     InPlace::Grow(joins) => (&[], joins),
@@ -607,7 +613,7 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 let joins: Vec<String> = joins.iter().map(|s| s.to_string()).collect();
                 if crate::gangs::regroup_in_place(state, g.id, &g.train, (from, world), out, &joins).await? {
                     jobs_store::append_logs(db, g.id, &[reason], now).await?;
-                    if world < to {
+                    if world < to && reclaimed.is_some() {
                         store::set_regrow(db, g.id).await?;
                     }
                     leaving.extend(out);

@@ -424,7 +424,8 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                 // Not formed in time: the gang stops at a checkpoint and restarts at the size.
                 let world = super::regroup::cancel_in(&mut tx, &id, now).await?;
                 sqlx::query(
-                    "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), resize_ranks = $2 WHERE id = $3",
+                    "UPDATE jobs SET preempt_reason = COALESCE(preempt_reason, $1), resize_ranks = $2, regrow = 0 \
+                     WHERE id = $3",
                 )
                 .bind("The in-place resize did not form within the rendezvous time-out; the gang stops at a checkpoint and restarts at the new size.")
                 .bind(world.map(|w| w as i64))
@@ -449,8 +450,8 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
                         );
                         release(&mut tx, &id, now, &message).await?;
                         sqlx::query(
-                            "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2, preempt_reason = NULL \
-                             WHERE id = $3 AND state = 'running'",
+                            "UPDATE jobs SET state = 'queued', message = $1, updated_at = $2, preempt_reason = NULL, \
+                             regrow = 0 WHERE id = $3 AND state = 'running'",
                         )
                         .bind(&message)
                         .bind(now)

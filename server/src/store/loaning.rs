@@ -163,8 +163,8 @@ pub struct SliceGang {
     pub regrouping: bool,
     /// Rank 0 has reported step timings (of any attempt): `step_secs_by_count` finds some.
     pub measured: bool,
-    /// A reclaim split a move of it between pools: it shrank in place and may grow back as
-    /// soon as that formed, without the cooldown (`set_regrow`).
+    /// A reclaim split a move of it between pools and the shrink formed: it may grow back
+    /// now, without the cooldown (`set_regrow`); false once it formed again or restarted.
     pub regrow: bool,
     pub ranks: Vec<GangRank>,
 }
@@ -206,7 +206,8 @@ fn live_rank(state: &str) -> bool {
 pub async fn slice_gangs(db: &Db) -> Result<Vec<SliceGang>> {
     let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT g.id, g.name, g.owner_id, g.state, g.spec, g.progress_step, g.created_at, g.updated_at, \
-           g.preempt_reason, g.resize_ranks, g.regroup_world, g.regrow, \
+           g.preempt_reason, g.resize_ranks, g.regroup_world, \
+           CAST(CASE WHEN g.regrow = g.attempts + g.preemptions + g.regroups THEN 1 ELSE 0 END AS BIGINT) AS regrow, \
            (SELECT MAX(c.created_at) FROM checkpoints c WHERE c.job_id = g.id) AS checkpointed_at, \
            CAST(CASE WHEN EXISTS (SELECT 1 FROM rank_steps s WHERE s.job_id = g.id AND s.rank = 0 AND s.world > 0) \
              THEN 1 ELSE 0 END AS BIGINT) AS measured \
@@ -610,10 +611,15 @@ pub async fn set_resize(db: &Db, gang: Uuid, ranks: u32) -> Result<bool> {
     Ok(changed > 0)
 }
 
-/// Marks running `gang` as shrunk in place for a move between pools that a reclaim forced:
-/// the round may grow it back once that shrink formed. Its next regroup or stop clears it.
+/// Marks running `gang`, whose regroup under way is the shrink of a move between pools a
+/// reclaim forced: once that shrink formed (the gang's next ring generation), the round
+/// may grow it back. The mark holds for that generation only, so a later regroup ends it,
+/// and a stop clears it.
 pub async fn set_regrow(db: &Db, gang: Uuid) -> Result<()> {
-    sqlx::query("UPDATE jobs SET regrow = 1 WHERE id = $1 AND kind = 'train_gang' AND state = 'running'")
+    sqlx::query(
+        "UPDATE jobs SET regrow = attempts + preemptions + regroups + 1 WHERE id = $1 AND kind = 'train_gang' \
+         AND state = 'running'",
+    )
         .bind(gang.to_string())
         .execute(db.pool())
         .await?;

@@ -55,7 +55,7 @@ pub async fn request(
     let now = now_ms();
     let mut tx = db.begin().await?;
     let row = sqlx::query(
-        "UPDATE jobs SET regroup_world = $1, gang_deadline = $2, regrow = 0 WHERE id = $3 AND kind = 'train_gang' \
+        "UPDATE jobs SET regroup_world = $1, gang_deadline = $2 WHERE id = $3 AND kind = 'train_gang' \
          AND state = 'running' AND regroup_world IS NULL AND preempt_reason IS NULL \
          RETURNING owner_id, name, dataset_id",
     )
@@ -339,6 +339,10 @@ pub struct Cut {
 /// round may grow the gang again later. A regroup left with nothing to change is called
 /// off. `None`, changing nothing, unless the gang runs a regroup with no preemption asked
 /// and `out` are ranks of it that stay in its new world.
+///
+/// A dropped joiner's row goes at once, as in [`cancel_in`]: its worker hears at its next
+/// heartbeat, so a joiner still building its session may hold its slice's memory for a
+/// few seconds after the slice is free to the round (and, for a reclaim, to a replica).
 pub async fn cut(db: &Db, gang: Uuid, out: &[Uuid], floor: u32) -> Result<Option<Cut>> {
     let now = now_ms();
     let gang = gang.to_string();
@@ -356,7 +360,7 @@ pub async fn cut(db: &Db, gang: Uuid, out: &[Uuid], floor: u32) -> Result<Option
         return Ok(None);
     }
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT id, slice_uuid, gang_joining, gang_address FROM jobs WHERE gang_id = $1 AND gang_leaving = 0 \
+        "SELECT id, state, slice_uuid, gang_joining, gang_address FROM jobs WHERE gang_id = $1 AND gang_leaving = 0 \
          AND state IN {STAYING} ORDER BY gang_rank DESC"
     )))
     .bind(&gang)
@@ -375,7 +379,9 @@ pub async fn cut(db: &Db, gang: Uuid, out: &[Uuid], floor: u32) -> Result<Option
                 id: r.try_get("id")?,
                 slice: r.try_get("slice_uuid")?,
                 joining: r.try_get::<i64, _>("gang_joining")? != 0,
-                ready: r.try_get::<Option<String>, _>("gang_address")?.is_some(),
+                // Posted from a process that still holds its lease.
+                ready: r.try_get::<Option<String>, _>("gang_address")?.is_some()
+                    && matches!(r.try_get::<String, _>("state")?.as_str(), "leased" | "running"),
             })
         })
         .collect::<Result<_>>()?;
