@@ -949,6 +949,16 @@ async fn regroup_gang(
     (formed.into_iter().map(|(_, id, world, slice)| (id, world, slice)).collect(), left)
 }
 
+/// A loanable deployment `embed` of `replicas` tiny-model replicas (reclaim headroom 0.2),
+/// each running on one of the worker's slices: its id.
+async fn serving_embed(server: &TestServer, admin: &str, secret: &str, replicas: usize) -> Uuid {
+    let body = json!({"name": "embed", "model": "tiny", "replicas": replicas, "loanable": true, "reclaim_headroom": 0.2});
+    let response = server.post(admin, "/deployments", body).await;
+    let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+    run_replicas(server, secret, replicas).await;
+    id
+}
+
 /// A running elastic gang (1 to 3 ranks) on a deployment's loaned slices is resized by
 /// the round: it keeps its size for the hysteresis' rounds after it formed, then grows in
 /// place onto the spare loaned slices (two ranks join, the gang re-forms at three, no
@@ -961,11 +971,7 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         let secret = mig_worker_with_tiny(&server, &admin).await;
-        let response = server
-            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 7, "loanable": true, "reclaim_headroom": 0.2}))
-            .await;
-        let deployment: Value = response.json().await.unwrap();
-        run_replicas(&server, &secret, 7).await;
+        let deployment_id = serving_embed(&server, &admin, &secret, 7).await;
         let data = server.toy_dataset(&admin).await;
         let body = json!({"name": "elastic", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
@@ -979,7 +985,6 @@ async fn a_running_elastic_gang_grows_onto_spare_slices_and_shrinks_on_reclaim()
         // At 400 req/s one slice is lent at the second round (the first counts a calm one:
         // 400 × 1.35 needs 6 of 7); the gang starts on it at its minimum and reports 0.1 s
         // steps. Then demand falls away and the loan grows to six slices.
-        let deployment_id: Uuid = deployment["id"].as_str().unwrap().parse().unwrap();
         let meter = Uuid::new_v4();
         store::record_rates(&server.state.db, meter, &[(deployment_id, 400.0)]).await.unwrap();
         let first = run_round(&server.state).await.unwrap();
@@ -1147,11 +1152,7 @@ async fn a_move_between_pools_shrinks_in_place_now_and_grows_in_place_later() {
         let admin = server.admin().await;
         let secret = mig_worker_with_tiny(&server, &admin).await;
         let data = server.toy_dataset(&admin).await;
-        let response = server
-            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 5, "loanable": true, "reclaim_headroom": 0.2}))
-            .await;
-        let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
-        run_replicas(&server, &secret, 5).await;
+        let deployment = serving_embed(&server, &admin, &secret, 5).await;
 
         // An inelastic job holds the two training slices; the idle deployment lends four.
         let mut blocker = elastic_job(&data, "blocker", 2, 100_000);
@@ -1223,11 +1224,7 @@ async fn a_reclaim_during_a_grow_in_place_cuts_it_back_instead_of_preempting() {
         let server = TestServer::start(backend).await;
         let admin = server.admin().await;
         let secret = mig_worker_with_tiny(&server, &admin).await;
-        let response = server
-            .post(&admin, "/deployments", json!({"name": "embed", "model": "tiny", "replicas": 7, "loanable": true, "reclaim_headroom": 0.2}))
-            .await;
-        let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
-        run_replicas(&server, &secret, 7).await;
+        let deployment = serving_embed(&server, &admin, &secret, 7).await;
         let data = server.toy_dataset(&admin).await;
         let job: Value = server.post(&admin, "/jobs", elastic_job(&data, "elastic", 4, 100_000)).await.json().await.unwrap();
         let job = job["id"].as_str().unwrap().to_string();
