@@ -17,17 +17,21 @@
 //! budget, no rank is throttled, and no time is reported as a speed-up. A second budget, half
 //! way between rank 1's fastest plan and all f32, shows the allocator when the budget binds.
 //!
-//! Workloads: digits (an MLP trained from scratch) and the MiniLM fine-tune in its 2-core
-//! variant from `lr_schedules` (all-MiniLM-L6-v2 frozen, its sentence embeddings of the
-//! rotten-tomatoes reviews cached once, a trained MLP head). The full encoder fine-tune is
-//! too slow for seeds × plans on two cores (one 16 × 128-token step is 4.5 s in
-//! `qsync_gemm`), and the `Network` API exposes no per-operator tensors of the encoder for
-//! the indicator.
+//! The indicator, the profile and the graph are the job's own (`train::hybrid`): rank 1's
+//! share of the seed's first global batch through the network's traced forward, the
+//! gradients of its loss, and each traced operator timed at each precision on those tensors.
 //!
-//! Run: cargo run --release -p tessera-bench --bin qsync_accuracy [-- --seeds 5]
-//! Writes the "## Accuracy" section of bench/results/qsync.md and the `accuracy` key of
-//! qsync.json (the other sections are other benchmarks'). `--quick` runs 2 seeds at a fifth
-//! of the steps and writes nothing.
+//! Workloads: digits (an MLP trained from scratch), the MiniLM head in its 2-core variant
+//! from `lr_schedules` (all-MiniLM-L6-v2 frozen, its sentence embeddings of the
+//! rotten-tomatoes reviews cached once, a trained MLP head), and the whole encoder fine-tuned
+//! (`encoder`: our trainable all-MiniLM-L6-v2, every linear, LayerNorm and embedding of it a
+//! planned operator), sized for two cores: a third of the reviews, short batches.
+//!
+//! Run: cargo run --release -p tessera-bench --bin qsync_accuracy [-- --seeds 5 --workloads encoder]
+//! Writes, per workload run, its part of the "## Accuracy" section of bench/results/qsync.md
+//! and its entry of the `accuracy` key of qsync.json (the workloads not run, and the other
+//! sections, are left as they are). `--quick` runs 2 seeds at a fifth of the steps and
+//! writes nothing.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,30 +39,29 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use candle_core::{Device, Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::Device;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_api::precision::{AllocationStep, CostTable, KeepRule, OpKind, Precision};
 use tessera_api::train::LrSchedule;
 use tessera_bench::datasets::{assets_dir, dataset, embedded_reviews};
-use tessera_bench::report::replace_section;
+use tessera_bench::report::{replace_section, section};
 use tessera_bench::stats::{median, PairedDifference};
 use tessera_bench::{cpu_flags, machine};
 use tessera_worker::collective::{ring, RingSync};
-use tessera_worker::train::data::{prepare, Inputs, Prepared, Table, Targets, TaskColumns, TaskKind};
+use tessera_worker::train::data::{prepare, Prepared, Table, Targets, TaskColumns, TaskKind};
+use tessera_worker::train::hybrid::{self, ops};
 use tessera_worker::train::loader::Loader;
+use tessera_worker::train::model::bert::BertClassifier;
 use tessera_worker::train::model::mlp::Mlp;
-use tessera_worker::train::model::Network;
+use tessera_worker::train::model::{Network, OpTrace};
 use tessera_worker::train::optim::OptimizerKind;
 use tessera_worker::train::policy;
-use tessera_worker::train::precision::{linear, PrecisionPlan, IMPLEMENTED};
-use tessera_worker::train::qsync::{
-    plan_rank, profile_ops, GraphOp, IndicatorConfig, Indicators, OpStats, Pass, ProfileConfig, ProfiledOp,
-    RankPlanRequest, RankProfile, Statistic, TrainingGraph,
-};
+use tessera_worker::train::precision::PrecisionPlan;
+use tessera_worker::train::qsync::{plan_rank, Indicators, RankPlanRequest, RankProfile, TrainingGraph};
 use tessera_worker::train::session::{Limits, Session};
-use tessera_worker::train::trainer::{Evaluation, Share, Trainer};
+use tessera_worker::train::trainer::{Evaluation, Share, Slowdown, Trainer};
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
@@ -69,8 +72,8 @@ struct Cli {
     /// 2 seeds at a fifth of the steps, results printed only: checks the benchmark runs.
     #[arg(long)]
     quick: bool,
-    /// Workloads to run, of `digits`, `minilm`.
-    #[arg(long, value_delimiter = ',', default_value = "digits,minilm")]
+    /// Workloads to run, of `digits`, `minilm`, `encoder`.
+    #[arg(long, value_delimiter = ',', default_value = "digits,minilm,encoder")]
     workloads: Vec<String>,
     /// How many times slower than rank 0 rank 1 is taken to be when setting the budget.
     #[arg(long, default_value_t = 3.0)]
@@ -83,11 +86,28 @@ struct Cli {
 /// Goal margin: QSync's mean accuracy at most this many points below all-f32's.
 const F32_MARGIN_POINTS: f64 = 0.5;
 
+/// The workloads in the order the results list them: key and title (the title heads the
+/// workload's part of the results).
+const WORKLOADS: [(&str, &str); 3] = [
+    ("digits", "digits, from scratch (MLP)"),
+    ("minilm", "rotten tomatoes, MiniLM fine-tune (2-core variant: frozen all-MiniLM-L6-v2, trained head)"),
+    ("encoder", "rotten tomatoes, MiniLM fine-tune (the whole encoder trained)"),
+];
+
+/// What a workload trains.
+enum Model {
+    /// An MLP of these hidden widths, from the seed's initialisation.
+    Mlp(Vec<usize>),
+    /// The registered encoder in this folder with a classification head.
+    Encoder(PathBuf),
+}
+
 struct Workload {
     key: &'static str,
     title: &'static str,
     table: Table,
-    hidden: Vec<usize>,
+    task: TaskColumns,
+    model: Model,
     optimizer: OptimizerKind,
     schedule: LrSchedule,
     /// The global batch; each rank takes half.
@@ -99,12 +119,13 @@ struct Workload {
 const SGD: OptimizerKind = OptimizerKind::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
 const ADAMW: OptimizerKind = OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
 
-fn task() -> TaskColumns {
+/// Classification of `label` from every numeric column, or from the `text` column.
+fn task(text: Option<&str>) -> TaskColumns {
     TaskColumns {
         kind: TaskKind::Classification,
         label: "label".into(),
         features: None,
-        text: None,
+        text: text.map(str::to_string),
         validation_split: 0.2,
     }
 }
@@ -130,108 +151,37 @@ struct Outcome {
     seconds: f64,
 }
 
-/// One operator of the MLP, on rank 1's real shapes, for the profiler.
-struct LayerOp {
-    name: String,
-    kind: OpKind,
-    input: Tensor,
-    weight: Var,
-    bias: Var,
-    output: Option<Tensor>,
-}
-
-impl ProfiledOp for LayerOp {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn kind(&self) -> OpKind {
-        self.kind
-    }
-
-    /// The head runs at f32 only (the keep-list), so profiling it at lower precisions is waste.
-    fn precisions(&self) -> Vec<Precision> {
-        match self.kind {
-            OpKind::Head => vec![Precision::F32],
-            _ => IMPLEMENTED.to_vec(),
+fn network(workload: &Workload, data: &Prepared, seed: u64) -> candle_core::Result<Box<dyn Network>> {
+    Ok(match &workload.model {
+        Model::Mlp(hidden) => Box::new(Mlp::new(data.input_dim(), hidden, data.classes.len(), seed, &Device::Cpu)?),
+        Model::Encoder(folder) => {
+            Box::new(BertClassifier::load(folder, data, TaskKind::Classification, seed, &Device::Cpu)?)
         }
-    }
-
-    fn run(&mut self, precision: Precision, pass: Pass) -> candle_core::Result<()> {
-        match pass {
-            Pass::Forward => {
-                self.output = Some(linear(&self.input, self.weight.as_tensor(), self.bias.as_tensor(), precision)?);
-            }
-            Pass::Backward => {
-                let Some(output) = self.output.take() else { candle_core::bail!("backward before forward") };
-                // All-ones output gradient: dX, dW and db, as the training step computes them.
-                drop(output.backward()?);
-            }
-        }
-        Ok(())
-    }
+    })
 }
 
-fn classes(data: &Prepared) -> usize {
-    data.classes.len()
+/// Rank 1's share of the seed's first global batch through the network at its initial
+/// weights, at f32: every planned operator as it ran, and the gradients of the batch's loss
+/// (what a job's ranks trace before planning, `Trainer::trace_last_batch`).
+fn trace(workload: &Workload, data: &Prepared, seed: u64) -> anyhow::Result<(Vec<OpTrace>, GradStore)> {
+    let network = network(workload, data, seed)?;
+    let batch = Loader::new(data.train.len(), workload.batch, seed).next_batch();
+    let rows = Share { rank: 1, world: 2 }.of(&batch);
+    let Targets::Classes(labels) = &data.train.targets else {
+        anyhow::bail!("the benchmark's workloads are classification tasks");
+    };
+    let (outputs, traces) = network.forward_traced(&data.train, rows)?;
+    let targets: Vec<u32> = rows.iter().map(|&r| labels[r]).collect();
+    let loss = candle_nn::loss::cross_entropy(&outputs, &candle_core::Tensor::new(targets, &Device::Cpu)?)?;
+    Ok((traces, loss.backward()?))
 }
 
-fn mlp(workload: &Workload, data: &Prepared, seed: u64) -> candle_core::Result<Mlp> {
-    Mlp::new(data.input_dim(), &workload.hidden, classes(data), seed, &Device::Cpu)
-}
-
-/// The planner's view of the MLP on rank 1's share of a global batch: its linears in
-/// order, the head last. The ReLUs between them are not planned (they run f32 on every
-/// plan) and the gradients go in one all-reduce after the backward, the same for every
-/// plan, so the graph has no buckets.
-fn graph(network: &Mlp, rows: usize) -> TrainingGraph {
-    let parameters = network.parameters();
-    let ops = network
-        .precision_ops()
-        .into_iter()
-        .enumerate()
-        .map(|(i, (name, kind))| {
-            let (outputs, inputs) = parameters[2 * i].1.as_tensor().dims2().expect("a linear's weight is 2-D");
-            GraphOp {
-                name,
-                kind,
-                input: i.checked_sub(1),
-                input_numel: rows * inputs,
-                weight_numel: inputs * outputs,
-                output_numel: rows * outputs,
-            }
-        })
-        .collect();
-    TrainingGraph { ops, buckets: Vec::new() }
-}
-
-/// Rank 1's cost table: every operator at every precision it may take, on its real shapes
-/// with the training ops (their casts and quantisation inside the timing).
-fn profile(network: &Mlp, graph: &TrainingGraph) -> anyhow::Result<CostTable> {
-    let parameters = network.parameters();
-    let mut ops: Vec<LayerOp> = graph
-        .ops
-        .iter()
-        .enumerate()
-        .map(|(i, op)| {
-            let (_, k) = parameters[2 * i].1.as_tensor().dims2()?;
-            let rows = op.input_numel / k;
-            Ok(LayerOp {
-                name: op.name.clone(),
-                kind: op.kind,
-                input: Tensor::randn(0f32, 1f32, (rows, k), &Device::Cpu)?,
-                weight: Var::from_tensor(&parameters[2 * i].1.as_tensor().copy()?)?,
-                bias: Var::from_tensor(&parameters[2 * i + 1].1.as_tensor().copy()?)?,
-                output: None,
-            })
-        })
-        .collect::<candle_core::Result<_>>()?;
-    let mut dyn_ops: Vec<&mut dyn ProfiledOp> = ops.iter_mut().map(|o| o as &mut dyn ProfiledOp).collect();
-    // The fastest of the timed runs: other processes share these cores.
-    let config = ProfileConfig { warmup: 3, iterations: 25, statistic: Statistic::Min };
-    let mut table = profile_ops("cpu", &mut dyn_ops, &config)?;
-    table.casts_in_op_time = true;
-    Ok(table)
+/// Rank 1's cost table: every traced operator at every precision it may take (down to
+/// int8, the keep-list's floors kept), on its real tensors with the training ops, by the
+/// job's harness (the fastest of 25 rounds: other processes share these cores). Only the
+/// planned operators: the rest of the step is the same on every plan.
+fn profile(traces: &mut [OpTrace]) -> anyhow::Result<tessera_api::precision::CostTable> {
+    Ok(ops::profile("cpu", traces, Precision::Int8, 25, Slowdown::NONE)?)
 }
 
 /// `table` with every time divided by `factor`: the faster rank 0.
@@ -248,42 +198,10 @@ fn scaled(table: &CostTable, factor: f64) -> CostTable {
     fast
 }
 
-/// The gradient-variance indicator from the job's real tensors: rank 1's share of the first
-/// global batch through the network at its initial weights, at f32. The `Network` trait
-/// gives no per-operator tensors, so the MLP's forward (linear, ReLU, …, head) is run here
-/// on its own parameters.
+/// The gradient-variance indicator of the seed's traced batch, as the job computes it.
 fn indicators(workload: &Workload, data: &Prepared, seed: u64) -> anyhow::Result<Indicators> {
-    let network = mlp(workload, data, seed)?;
-    let batch = Loader::new(data.train.len(), workload.batch, seed).next_batch();
-    let rows = Share { rank: 1, world: 2 }.of(&batch);
-    let (Inputs::Dense { dim, values }, Targets::Classes(labels)) = (&data.train.inputs, &data.train.targets) else {
-        anyhow::bail!("the benchmark's workloads are dense classification tables");
-    };
-    let features: Vec<f32> = rows.iter().flat_map(|&r| values[r * dim..(r + 1) * dim].iter().copied()).collect();
-    let mut x = Tensor::from_vec(features, (rows.len(), *dim), &Device::Cpu)?;
-    let parameters = network.parameters();
-    let layers = parameters.len() / 2;
-    let mut saved = Vec::with_capacity(layers);
-    for layer in 0..layers {
-        let y =
-            linear(&x, parameters[2 * layer].1.as_tensor(), parameters[2 * layer + 1].1.as_tensor(), Precision::F32)?;
-        saved.push((x, y.clone()));
-        x = if layer + 1 < layers { y.relu()? } else { y };
-    }
-    let targets: Vec<u32> = rows.iter().map(|&r| labels[r]).collect();
-    let loss = candle_nn::loss::cross_entropy(&x, &Tensor::new(targets, &Device::Cpu)?)?;
-    let grads = loss.backward()?;
-    let stats = saved
-        .iter()
-        .enumerate()
-        .map(|(layer, (input, output))| {
-            let weight = parameters[2 * layer].1.as_tensor();
-            let grad = grads.get(weight).context("no gradient reached a weight")?;
-            Ok(OpStats::weighted_tensors(input, weight, grad, output)?)
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let depths: Vec<usize> = (1..=layers).collect();
-    Ok(Indicators::gradient_variance(&stats, &depths, layers, &IndicatorConfig::default())?)
+    let (traces, grads) = trace(workload, data, seed)?;
+    Ok(hybrid::indicators(&traces, &grads)?)
 }
 
 /// Rank 1's plans for one seed: the uniform ones, and QSync's and the random ablation's at
@@ -357,12 +275,12 @@ fn train_pair(workload: &Workload, data: &Arc<Prepared>, seed: u64, plan: &Preci
             .enumerate()
             .map(|(rank, ring)| {
                 scope.spawn(move || -> anyhow::Result<Evaluation> {
-                    let mut network = mlp(workload, data, seed)?;
+                    let mut network = network(workload, data, seed)?;
                     if rank == 1 {
                         network.set_precision(plan)?;
                     }
                     let trainer = Trainer::new(
-                        Box::new(network),
+                        network,
                         workload.optimizer,
                         data.clone(),
                         TaskKind::Classification,
@@ -385,8 +303,19 @@ fn train_pair(workload: &Workload, data: &Arc<Prepared>, seed: u64, plan: &Preci
     Ok(Outcome { evaluation: evaluations[0], seconds: started.elapsed().as_secs_f64() })
 }
 
+/// Operators a plan is spelled out for in the results; a larger graph's plan is counted
+/// per precision there (and listed whole in the JSON).
+const SPELLED_OUT: usize = 8;
+
 fn plan_text(graph: &TrainingGraph, precisions: &[Precision]) -> String {
-    graph.ops.iter().zip(precisions).map(|(op, p)| format!("{}:{p}", op.name)).collect::<Vec<_>>().join(" ")
+    if graph.ops.len() <= SPELLED_OUT {
+        return graph.ops.iter().zip(precisions).map(|(op, p)| format!("{}:{p}", op.name)).collect::<Vec<_>>().join(" ");
+    }
+    [Precision::Int8, Precision::Bf16, Precision::F32]
+        .iter()
+        .map(|p| format!("{p} ×{}", precisions.iter().filter(|&q| q == p).count()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn to_plan(graph: &TrainingGraph, precisions: &[Precision]) -> PrecisionPlan {
@@ -396,12 +325,13 @@ fn to_plan(graph: &TrainingGraph, precisions: &[Precision]) -> PrecisionPlan {
 /// Runs one workload over the seeds; returns its Markdown and JSON.
 fn run_workload(workload: &Workload, seeds: &[u64], slowdown: f64) -> anyhow::Result<(String, Value)> {
     let started = Instant::now();
-    let task = task();
-    // Profiled once, on seed 1's split: the shapes (and so the costs) do not depend on it.
-    let data = Arc::new(prepare(&workload.table, &task, seeds[0])?);
-    let network = mlp(workload, &data, seeds[0])?;
-    let graph = graph(&network, workload.batch / 2);
-    let table = profile(&network, &graph)?;
+    // Profiled once, on seed 1's first batch: the costs hardly depend on the seed (the
+    // encoder's batches differ in length, but the plan is drawn on one profile).
+    let data = Arc::new(prepare(&workload.table, &workload.task, seeds[0])?);
+    let (mut traces, _) = trace(workload, &data, seeds[0])?;
+    let graph = ops::graph(&traces, 0.0);
+    let table = profile(&mut traces)?;
+    drop(traces);
     let casts = tessera_api::precision::CastModel { fits: Vec::new() };
     let profiles = [
         RankProfile::new(&graph, &scaled(&table, slowdown), &casts, Precision::Bf16)?,
@@ -416,7 +346,7 @@ fn run_workload(workload: &Workload, seeds: &[u64], slowdown: f64) -> anyhow::Re
     // Per plan label: per seed, (plan, outcome).
     let mut rows: Vec<(String, Vec<(Planned, Outcome)>)> = Vec::new();
     for &seed in seeds {
-        let data = Arc::new(prepare(&workload.table, &task, seed)?);
+        let data = Arc::new(prepare(&workload.table, &workload.task, seed)?);
         let real = indicators(workload, &data, seed)?;
         // Training is deterministic, so a plan that two labels share runs once per seed.
         let mut done: HashMap<Vec<Precision>, Outcome> = HashMap::new();
@@ -482,7 +412,7 @@ fn summarise(
 ) -> (String, Value) {
     let find = |label: &str| &rows.iter().find(|(l, _)| l == label).expect("every plan runs").1;
     let f32_points = points(find("all f32"));
-    let mut md = format!("### {}\n\nSetup: {}. Seeds {seeds:?}; {:.0} s.\n\n", workload.title, workload.setup, seconds);
+    let mut md = format!("Setup: {}. Seeds {seeds:?}; {:.0} s.\n\n", workload.setup, seconds);
     md += "Rank 1's operators profiled alone on its real shapes (fastest of 25, forward + backward ms; casts and quantisation inside):\n\n\
            | operator | int8 | bf16 | f32 |\n|---|---|---|---|\n";
     for op in &table.ops {
@@ -601,10 +531,11 @@ fn workloads(cli: &Cli, assets: &std::path::Path) -> anyhow::Result<Vec<Workload
         // of them the indicator (not the cost) decides which.
         let hidden = vec![256; 5];
         all.push(Workload {
-            key: "digits",
-            title: "digits, from scratch (MLP)",
+            key: WORKLOADS[0].0,
+            title: WORKLOADS[0].1,
             table: dataset(assets, "digits.csv")?,
-            hidden: hidden.clone(),
+            task: task(None),
+            model: Model::Mlp(hidden.clone()),
             optimizer: SGD,
             schedule: LrSchedule::Onecycle { max_lr: 0.1, pct_start: 0.3, div_factor: 25.0, final_div_factor: 1e4 },
             batch: 128,
@@ -622,9 +553,10 @@ fn workloads(cli: &Cli, assets: &std::path::Path) -> anyhow::Result<Vec<Workload
         let (table, batch) = (embedded_reviews(assets)?, 256);
         let epochs = (steps as usize * batch) as f64 / (table.rows.len() as f64 * 0.8);
         all.push(Workload {
-            key: "minilm",
-            title: "rotten tomatoes, MiniLM fine-tune (2-core variant: frozen all-MiniLM-L6-v2, trained head)",
-            hidden: hidden.clone(),
+            key: WORKLOADS[1].0,
+            title: WORKLOADS[1].1,
+            task: task(None),
+            model: Model::Mlp(hidden.clone()),
             optimizer: ADAMW,
             schedule: LrSchedule::Linear { lr: 1e-3, warmup_steps: steps / 10 },
             batch,
@@ -640,79 +572,136 @@ fn workloads(cli: &Cli, assets: &std::path::Path) -> anyhow::Result<Vec<Workload
             table,
         });
     }
+    if cli.workloads.iter().any(|w| w == "encoder") {
+        let steps = scale(ENCODER_STEPS);
+        let mut table = dataset(assets, "rotten_tomatoes.csv")?;
+        // Every third review (the corpus is ordered by source, so a stride keeps its mix).
+        table.rows = table.rows.into_iter().step_by(3).collect();
+        let batch = 16;
+        let epochs = (steps as usize * batch) as f64 / (table.rows.len() as f64 * 0.8);
+        all.push(Workload {
+            key: WORKLOADS[2].0,
+            title: WORKLOADS[2].1,
+            task: task(Some("text")),
+            model: Model::Encoder(assets.join("all-MiniLM-L6-v2")),
+            optimizer: ADAMW,
+            schedule: LrSchedule::Linear { lr: ENCODER_LR, warmup_steps: steps / 10 },
+            batch,
+            steps,
+            setup: format!(
+                "every third of the 12808 critic reviews ({} rows: fresh/rotten, 20 % held out per seed, one validation row is {:.2} points); \
+                 all-MiniLM-L6-v2 fine-tuned whole: our trainable encoder (`train::model::encoder`), mean pooling, a linear head \
+                 from the seed's initialisation; rank 1's plan names every embedding, linear and LayerNorm of it (int8 for the \
+                 linears; embeddings and LayerNorms at bf16 or more, the head f32: QSync's keep-list); AdamW (0.9, 0.999, weight \
+                 decay 0.01), linear LR peak {ENCODER_LR:e} with 10 % warm-up; global batch {batch} ({} per rank, each batch padded \
+                 to its longest review, at most 128 tokens); {steps} steps ({epochs:.2} epochs)",
+                table.rows.len(),
+                100.0 / (table.rows.len() as f64 * 0.2).round(),
+                batch / 2,
+            ),
+            table,
+        });
+    }
     Ok(all)
 }
+
+/// The encoder fine-tune's length and LR peak: what two cores afford per run (about a
+/// third of an epoch of its subset) at a rate that moves the pretrained encoder that far.
+const ENCODER_STEPS: u64 = 100;
+const ENCODER_LR: f64 = 1e-4;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let assets = assets_dir(cli.assets.clone());
     let seeds: Vec<u64> = (1..=if cli.quick { 2 } else { cli.seeds.max(1) }).collect();
     let started = Instant::now();
-    let date = chrono::Utc::now();
-    let mut sections = String::new();
-    let mut results = Vec::new();
     for workload in workloads(&cli, &assets)? {
+        let date = chrono::Utc::now();
         let (md, value) = run_workload(&workload, &seeds, cli.slowdown)?;
         println!("{}", md.lines().filter(|l| l.starts_with("- ")).collect::<Vec<_>>().join("\n"));
-        sections += &md;
-        results.push(value);
         if !cli.quick {
-            write_results(&cli, &date, started.elapsed().as_secs_f64(), &sections, &results)?;
+            write_results(&cli, &workload, &date, &md, value)?;
         }
     }
     println!("done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
-/// Rewrites the accuracy section of bench/results/qsync.md and the `accuracy` key of
-/// qsync.json with what has been measured so far.
+/// What the "## Accuracy" section says before the workloads' parts.
+const ACCURACY_INTRO: &str = "## Accuracy\n\n\
+     Written by `qsync_accuracy` (`bench/src/bin/qsync_accuracy.rs`), one part per workload (a run rewrites the parts of the \
+     workloads it ran; each part names its machine, date and command).\n\n\
+     Two ranks in one process train one model through the worker's data-parallel path (ring all-reduce over loopback TCP, \
+     `RingSync`, a fixed global batch split in halves, gradients averaged every step). Rank 0 runs all f32; rank 1 runs the plan of \
+     the row. Accuracy is the final validation accuracy, evaluated at f32 by rank 0 (both ranks hold the same weights). Seeds are \
+     paired: a seed fixes the split, the initialisation and the batch order for every plan, so the differences are per seed.\n\n\
+     QSync's plan is the worker planner's (`train::qsync::plan_rank`) per seed: the gradient-variance indicator from rank 1's share of \
+     the seed's first global batch at the initial weights, and rank 1's operators profiled at each precision with the real training \
+     ops. Rank 1 is *treated* as slower than rank 0 by the part's factor (rank 0's profile is rank 1's divided by it): this ratio only \
+     sets the budget (QSync's: the synchronous step with rank 1 at its fastest plan); nothing is throttled and no speed is claimed \
+     here. The midpoint budget (half way between rank 1's fastest plan and all f32, predicted) shows the allocator where the budget \
+     binds. The random ablation is the same allocator on the real indicator's rows shuffled across operators (a new shuffle per \
+     seed). Uniform int8 and bf16 keep QSync's keep-list (the head f32; embeddings and LayerNorms at bf16 or more). Training is \
+     deterministic, so a plan two rows share is run once per seed.\n";
+
+/// Rewrites this workload's part of the accuracy section of bench/results/qsync.md and its
+/// entry under the `accuracy` key of qsync.json; the other workloads' are kept.
 fn write_results(
     cli: &Cli,
+    workload: &Workload,
     date: &chrono::DateTime<chrono::Utc>,
-    wall: f64,
-    sections: &str,
-    results: &[Value],
+    body: &str,
+    mut value: Value,
 ) -> anyhow::Result<()> {
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results");
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let profile = if cfg!(debug_assertions) { "debug build" } else { "release build" };
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let load: String = load.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
-    let section = format!(
-        "## Accuracy\n\n\
-         Written by `qsync_accuracy` (`bench/src/bin/qsync_accuracy.rs`). Machine: {}; CPU flags of note: {}. Date: {}. Command: `{command}` \
-         ({profile}); wall time {wall:.0} s; load average at the end {load} (a shared host).\n\n\
-         Two ranks in one process train one model through the worker's data-parallel path (ring all-reduce over loopback TCP, \
-         `RingSync`, a fixed global batch split in halves, gradients averaged every step). Rank 0 runs all f32; rank 1 runs the plan of \
-         the row. Accuracy is the final validation accuracy, evaluated at f32 by rank 0 (both ranks hold the same weights). Seeds are \
-         paired: a seed fixes the split, the initialisation and the batch order for every plan, so the differences are per seed.\n\n\
-         QSync's plan is the worker planner's (`train::qsync::plan_rank`) per seed: the gradient-variance indicator from rank 1's share of \
-         the seed's first global batch at the initial weights, and rank 1's operators profiled at each precision with the real training \
-         ops. Rank 1 is *treated* as {}× slower than rank 0 (rank 0's profile is rank 1's divided by {}): this ratio only sets the budget \
-         (QSync's: the synchronous step with rank 1 at its fastest plan); nothing is throttled and no speed is claimed here. The midpoint \
-         budget (half way between rank 1's fastest plan and all f32, predicted) shows the allocator where the budget binds. The random \
-         ablation is the same allocator on the real indicator's rows shuffled across operators (a new shuffle per seed). Uniform int8 and \
-         bf16 keep the head at f32 (QSync's keep-list). Training is deterministic, so a plan two rows share is run once per seed.\n\n{sections}",
+    let heading = format!("### {}", workload.title);
+    let part = format!(
+        "{heading}\n\n\
+         Machine: {}; CPU flags of note: {}. Date: {}. Command: `{command}` ({profile}); load average at the end {load} (a shared \
+         host). Rank 1 treated as {}× slower.\n\n{body}",
         machine(),
         cpu_flags(),
         date.to_rfc3339(),
         cli.slowdown,
-        cli.slowdown,
     );
     let md_path = out.join("qsync.md");
     let existing = std::fs::read_to_string(&md_path).unwrap_or_else(|_| skeleton());
-    std::fs::write(&md_path, replace_section(&existing, "## Accuracy", &section))?;
+    let mut accuracy = ACCURACY_INTRO.to_string();
+    for (_, title) in WORKLOADS {
+        let heading_of = format!("### {title}");
+        let kept = if heading_of == heading { Some(part.clone()) } else { section(&existing, &heading_of) };
+        if let Some(kept) = kept {
+            accuracy += &format!("\n{}", kept.trim_end());
+            accuracy += "\n";
+        }
+    }
+    std::fs::write(&md_path, replace_section(&existing, "## Accuracy", &accuracy))?;
+
     let json_path = out.join("qsync.json");
     let mut document: Value = std::fs::read_to_string(&json_path)
         .ok()
         .and_then(|s| serde_json::from_str(&s).ok())
         .filter(Value::is_object)
         .unwrap_or_else(|| json!({}));
-    document["accuracy"] = json!({
-        "benchmark": "qsync_accuracy", "machine": machine(), "cpu_flags": cpu_flags(), "date": date.to_rfc3339(),
-        "command": command, "profile": profile, "wall_seconds": wall, "load_average": load,
-        "f32_margin_points": F32_MARGIN_POINTS, "workloads": results,
-    });
+    if !document["accuracy"]["workloads"].is_object() {
+        document["accuracy"] = json!({"benchmark": "qsync_accuracy", "workloads": {}});
+    }
+    for (key, field) in [
+        ("machine", json!(machine())),
+        ("cpu_flags", json!(cpu_flags())),
+        ("date", json!(date.to_rfc3339())),
+        ("command", json!(command)),
+        ("profile", json!(profile)),
+        ("load_average", json!(load)),
+        ("f32_margin_points", json!(F32_MARGIN_POINTS)),
+    ] {
+        value[key] = field;
+    }
+    document["accuracy"]["workloads"][workload.key] = value;
     std::fs::write(&json_path, serde_json::to_string_pretty(&document)? + "\n")?;
     Ok(())
 }

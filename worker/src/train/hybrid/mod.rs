@@ -188,7 +188,7 @@ fn f32_ms(op: &OpCost) -> Option<f64> {
 
 /// QSync's gradient-variance indicator of each traced operator from the traced tensors and
 /// the gradients of the traced loss; depths count the operators in forward order.
-fn indicators(traces: &[OpTrace], grads: &GradStore) -> Result<Indicators, PlanningError> {
+pub fn indicators(traces: &[OpTrace], grads: &GradStore) -> Result<Indicators, PlanningError> {
     let stats = traces
         .iter()
         .map(|t| match (&t.weight, t.kind) {
