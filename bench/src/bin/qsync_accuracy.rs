@@ -605,8 +605,8 @@ fn workloads(cli: &Cli, assets: &std::path::Path) -> anyhow::Result<Vec<Workload
     Ok(all)
 }
 
-/// The encoder fine-tune's length and LR peak: what two cores afford per run (about a
-/// third of an epoch of its subset) at a rate that moves the pretrained encoder that far.
+/// The encoder fine-tune's length and LR peak: what two cores afford per run (about half
+/// an epoch of its subset) at a rate that moves the pretrained encoder that far.
 const ENCODER_STEPS: u64 = 100;
 const ENCODER_LR: f64 = 1e-4;
 
