@@ -30,8 +30,8 @@
 //! Run: cargo run --release -p tessera-bench --bin qsync_accuracy [-- --seeds 5 --workloads encoder]
 //! Writes, per workload run, its part of the "## Accuracy" section of bench/results/qsync.md
 //! and its entry of the `accuracy` key of qsync.json (the workloads not run, and the other
-//! sections, are left as they are). `--quick` runs 2 seeds at a fifth of the steps and
-//! writes nothing.
+//! sections, are left as they are), rewritten after every seed with the seeds done so far.
+//! `--quick` runs 2 seeds at a fifth of the steps and writes nothing.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -322,8 +322,14 @@ fn to_plan(graph: &TrainingGraph, precisions: &[Precision]) -> PrecisionPlan {
     PrecisionPlan(graph.ops.iter().zip(precisions).map(|(op, &p)| (op.name.clone(), p)).collect())
 }
 
-/// Runs one workload over the seeds; returns its Markdown and JSON.
-fn run_workload(workload: &Workload, seeds: &[u64], slowdown: f64) -> anyhow::Result<(String, Value)> {
+/// Runs one workload over the seeds, handing `record` the Markdown and JSON of the seeds
+/// done so far after each one (a long run keeps what it finished if it is stopped).
+fn run_workload(
+    workload: &Workload,
+    seeds: &[u64],
+    slowdown: f64,
+    mut record: impl FnMut(&str, Value) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     // Profiled once, on seed 1's first batch: the costs hardly depend on the seed (the
     // encoder's batches differ in length, but the plan is drawn on one profile).
@@ -345,7 +351,7 @@ fn run_workload(workload: &Workload, seeds: &[u64], slowdown: f64) -> anyhow::Re
 
     // Per plan label: per seed, (plan, outcome).
     let mut rows: Vec<(String, Vec<(Planned, Outcome)>)> = Vec::new();
-    for &seed in seeds {
+    for (done_seeds, &seed) in seeds.iter().enumerate() {
         let data = Arc::new(prepare(&workload.table, &workload.task, seed)?);
         let real = indicators(workload, &data, seed)?;
         // Training is deterministic, so a plan that two labels share runs once per seed.
@@ -375,8 +381,11 @@ fn run_workload(workload: &Workload, seeds: &[u64], slowdown: f64) -> anyhow::Re
                 None => rows.push((planned.label.clone(), vec![(planned, outcome)])),
             }
         }
+        let seconds = started.elapsed().as_secs_f64();
+        let (md, value) = summarise(workload, &seeds[..=done_seeds], &graph, &table, slowdown, &rows, seconds);
+        record(&md, value)?;
     }
-    Ok(summarise(workload, seeds, &graph, &table, slowdown, &rows, started.elapsed().as_secs_f64()))
+    Ok(())
 }
 
 fn points(runs: &[(Planned, Outcome)]) -> Vec<f64> {
@@ -617,11 +626,13 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     for workload in workloads(&cli, &assets)? {
         let date = chrono::Utc::now();
-        let (md, value) = run_workload(&workload, &seeds, cli.slowdown)?;
-        println!("{}", md.lines().filter(|l| l.starts_with("- ")).collect::<Vec<_>>().join("\n"));
-        if !cli.quick {
-            write_results(&cli, &workload, &date, &md, value)?;
-        }
+        run_workload(&workload, &seeds, cli.slowdown, |md, value| {
+            println!("{}", md.lines().filter(|l| l.starts_with("- ")).collect::<Vec<_>>().join("\n"));
+            if cli.quick {
+                return Ok(());
+            }
+            write_results(&cli, &workload, &date, md, value)
+        })?;
     }
     println!("done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
