@@ -401,6 +401,9 @@ fn verdict(met: bool) -> &'static str {
 }
 
 fn difference_text(d: &PairedDifference) -> String {
+    if !d.ci95.0.is_finite() {
+        return format!("{:+.2} (one seed: no CI)", d.mean);
+    }
     format!("{:+.2} (95 % CI {:+.2} to {:+.2}; median {:+.2})", d.mean, d.ci95.0, d.ci95.1, d.median)
 }
 
