@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, everything scripts/gpu-bundle.sh prepared (.gpu-bundle/ carried
-# beside the tree): the worker's start-up GPU check first (quick, and it says at once whether
-# the build fits this GPU and driver), then the kernel and training tests (cuda_kernels,
-# cuda_training: each test in its own process, so one fault cannot poison the rest), the
-# end-to-end GPU-vs-CPU test and the GPU benchmark. Each
-# step's output goes to a file in $OUT (the device tool brings back at most 8 files: this
-# writes 7). Steps run even when an earlier one fails; the exit status is the first failure's.
-# `qsync` is a call of its own: the QSync hybrid throughput benchmark on this host's real
-# unequal devices, CPU ranks of 12 and 4 threads (the machine has 16 cores), then the GPU as
-# rank 0 with a 12-thread CPU rank (4 files: machine.txt, qsync_throughput.{txt,md,json};
-# copy the .md and .json into bench/results/).
+# beside the tree), in the steps asked for, in this order:
+#   tests      the worker's start-up GPU check first (quick, and it says at once whether the
+#              build fits this GPU and driver), then the kernel and training tests
+#              (cuda_kernels, cuda_training: each test in its own process, so one fault cannot
+#              poison the rest) and the end-to-end GPU-vs-CPU embeddings test: all in tests.txt;
+#   bench      the GPU serving benchmark: gpu_serving.{txt,json,md};
+#   qsync      the QSync hybrid throughput benchmark on this host's real unequal devices, CPU
+#              ranks of 12 and 4 threads (the machine has 16 cores), then the GPU as rank 0
+#              with a 12-thread CPU rank: qsync_throughput.{txt,md,json};
+#   qsync-gpu  only the second of those;
+#   all        tests and bench (the default).
+# Every call also writes machine.txt (nvidia-smi, the build, torch and transformers), so at
+# most 8 files, what the device tool brings back. Steps run even when an earlier one fails;
+# the exit status is the first failure's. Copy the .md and .json results into bench/results/.
 #
-#   bash scripts/gpu-run.sh [all|tests|bench|qsync]   (on the GPU machine; from the repo root)
+#   bash scripts/gpu-run.sh [all|tests|bench|qsync|qsync-gpu]...   (on the GPU machine; from the repo root)
 #
-# The device tool allows 10 minutes a command. In `all` the steps' limits add up to 490 s
-# (start-up check 40, kernel and training tests 120, end-to-end 90, benchmark 240) and the
-# set-up's to at most 70 s more, so the call ends inside its 10 minutes even when every step
-# runs to its limit; `bench` alone gives the benchmark 540 s. The benchmark writes its results after
-# every config, so a cut-short run still brings back what it measured. `qsync` gives the CPU
-# configuration 290 s and the GPU one 210 s, each writing its own section when it ends.
+# The device tool allows 10 minutes a command, and a lease may have less left: every step's
+# limit is cut to what is left of GPU_RUN_SECONDS (default 570) since the script started, and
+# a step with under 15 s left is not run, so the call ends inside it whatever hangs. Limits:
+# start-up check 40 s, kernel and training tests 120 in all, end to end 90, the benchmark 240
+# (540 when nothing follows it), qsync's CPU configuration 290 and its GPU one 210. The
+# benchmarks write their results as they go (gpu_serving after every config, qsync_throughput
+# after each configuration), so a cut-short run still brings back what it measured.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"  # gpu_serving finds bench/scripts/hf_transformers_gpu.py relative to here
-what="${1:-all}"
+steps=" ${*:-all} "
+steps="${steps// all / tests bench }"
+for step in $steps; do
+    [[ " tests bench qsync qsync-gpu " == *" $step "* ]] || { echo "unknown step $step: use all, tests, bench, qsync or qsync-gpu" >&2; exit 2; }
+done
+wants() { [[ "$steps" == *" $1 "* ]]; }
+deadline=$((SECONDS + ${GPU_RUN_SECONDS:-570}))
 out="${OUT:?set OUT to the folder whose files come back}"
 bundle=.gpu-bundle
 work=/tmp/tessera-gpu
@@ -94,10 +105,18 @@ have() {
     fail 1
     return 1
 }
+# left: seconds before the call's deadline, less a margin for what follows the last step.
+left() { echo $((deadline - SECONDS - 5)); }
 # run NAME FILE LIMIT COMMAND... : appends to $out/FILE.txt; a limit-killed step reads 124.
 run() {
     local name="$1" file="$2" limit="$3"
     shift 3
+    if (($(left) < 15)); then
+        echo "==> $name: not run (the call's ${GPU_RUN_SECONDS:-570} s are spent)" | tee -a "$out/$file.txt"
+        fail 124
+        return 124
+    fi
+    ((limit > $(left))) && limit=$(left)
     echo "==> $name (limit ${limit}s): $*" | tee -a "$out/$file.txt"
     timeout -k 5 "$limit" "$@" >>"$out/$file.txt" 2>&1
     local rc=$?
@@ -108,9 +127,10 @@ run() {
 
 {
     date -u
-    echo "command: bash scripts/gpu-run.sh $what (in $PWD)"
+    echo "command: bash scripts/gpu-run.sh$steps(in $PWD)"
     echo "build: $(cat "$bundle/build-info.json" 2>/dev/null || echo 'no build-info.json')"
     nvidia-smi
+    nvidia-smi -L
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     echo "CUDA_CACHE_PATH=$CUDA_CACHE_PATH CUDA_CACHE_MAXSIZE=$CUDA_CACHE_MAXSIZE"
     ls -l "$bin"
@@ -118,12 +138,12 @@ run() {
 } >"$out/machine.txt" 2>&1
 
 export TESSERA_REQUIRE_GPU=1 TESSERA_REQUIRE_ASSETS=1 TESSERA_ASSETS="$work/assets" PYTHONUNBUFFERED=1
-if [[ "$what" == all || "$what" == tests ]]; then
+if wants tests; then
     # 1. Start-up check (at most 40 s, usually seconds): the worker probes the GPU, loads our
     # kernels and logs the outcome (or refuses to start, naming the rebuild); it then keeps
     # trying to reach a server that is not there, so it is ended once the line shows.
     if have tessera-worker; then
-        log="$out/worker_start.txt"
+        log="$out/tests.txt"
         echo "==> worker start-up GPU check" >"$log"
         "$bin/tessera-worker" --server http://127.0.0.1:9 --worker-token gpu-run-check >>"$log" 2>&1 &
         worker=$!
@@ -143,44 +163,43 @@ if [[ "$what" == all || "$what" == tests ]]; then
     fi
 
     # 2. Kernel tests, then the training tests (precision ops, NCCL), one process each (at
-    # most 120 s in all, 60 s each), all into cuda_kernels.txt (the tool brings back 8 files).
-    : >"$out/cuda_kernels.txt"
-    deadline=$((SECONDS + 120))
+    # most 120 s in all, 60 s each).
+    tests_end=$((SECONDS + 120))
     results=()
     for binary in cuda_kernels cuda_training; do
         have "$binary" || continue
-        mapfile -t tests < <("$bin/$binary" --list --format=terse 2>>"$out/cuda_kernels.txt" | sed -n 's/: test$//p')
-        ((${#tests[@]})) || { echo "==> $binary lists no tests" | tee -a "$out/cuda_kernels.txt"; fail 1; }
+        mapfile -t tests < <("$bin/$binary" --list --format=terse 2>>"$out/tests.txt" | sed -n 's/: test$//p')
+        ((${#tests[@]})) || { echo "==> $binary lists no tests" | tee -a "$out/tests.txt"; fail 1; }
         for t in "${tests[@]}"; do
-            left=$((deadline - SECONDS))
-            if ((left < 10)); then
+            spare=$((tests_end - SECONDS))
+            if ((spare < 10)); then
                 results+=("not run (the tests' 120 s spent)  $binary $t")
                 fail 124
                 continue
             fi
-            run "$binary $t" cuda_kernels $((left < 60 ? left : 60)) "$bin/$binary" --exact "$t" --nocapture
+            run "$binary $t" tests $((spare < 60 ? spare : 60)) "$bin/$binary" --exact "$t" --nocapture
             rc=$?
             results+=("$( ((rc == 0)) && echo ok || echo "FAILED (exit $rc)")  $binary $t")
         done
     done
-    printf '%s\n' "==> kernel and training tests:" "${results[@]}" | tee -a "$out/cuda_kernels.txt"
+    printf '%s\n' "==> kernel and training tests:" "${results[@]}" | tee -a "$out/tests.txt"
 
     # 3. End to end: MiniLM and BERT-base embeddings on the GPU against the CPU (90 s).
     if have cuda_embeddings; then
-        run cuda_embeddings cuda_embeddings 90 "$bin/cuda_embeddings" --test-threads=1 --nocapture
+        run cuda_embeddings tests 90 "$bin/cuda_embeddings" --test-threads=1 --nocapture
     fi
 fi
-if [[ "$what" == all || "$what" == bench ]]; then
-    # 4. The benchmark (240 s after the tests, 540 s alone); it writes gpu_serving.{json,md}
+if wants bench; then
+    # 4. The benchmark (240 s, 540 s when nothing follows); it writes gpu_serving.{json,md}
     # into $OUT after every config.
     if have gpu_serving; then
-        run gpu_serving gpu_serving "$([[ "$what" == bench ]] && echo 540 || echo 240)" "$bin/gpu_serving" \
+        run gpu_serving gpu_serving "$(wants qsync || wants qsync-gpu && echo 240 || echo 540)" "$bin/gpu_serving" \
             --minilm "$work/assets/all-MiniLM-L6-v2" --python python3 \
             --hf-script bench/scripts/hf_transformers_gpu.py \
             --build-info "$bundle/build-info.json" --out "$out"
     fi
 fi
-if [[ "$what" == qsync ]]; then
+if wants qsync || wants qsync-gpu; then
     # 5. QSync hybrid throughput: steps/s with the slow rank at f32, uniform bf16, uniform
     # int8 and QSync's plan, 3 runs each; each configuration writes its section when done.
     if have qsync_throughput; then
@@ -188,8 +207,10 @@ if [[ "$what" == qsync ]]; then
         # The defaults: 12 runs of 13 steps (3 profiled, 2 warm-up, 8 timed), 16 reviews a rank:
         # about 20 s a run on the 4-thread rank (scaled from 2-core runs; not yet timed
         # there). A step that reaches its limit writes nothing: lower --steps or --batch.
-        run "qsync_throughput CPU 12 + 4 threads" qsync_throughput 290 "$bin/qsync_throughput" \
-            --threads 12,4 "${common[@]}"
+        if wants qsync; then
+            run "qsync_throughput CPU 12 + 4 threads" qsync_throughput 290 "$bin/qsync_throughput" \
+                --threads 12,4 "${common[@]}"
+        fi
         run "qsync_throughput GPU + CPU 12 threads" qsync_throughput 210 "$bin/qsync_throughput" \
             --device cuda --threads 4,12 "${common[@]}"
     fi
