@@ -163,7 +163,7 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
     log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
     log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync-cpu, qsync-gpu)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi
