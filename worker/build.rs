@@ -28,6 +28,12 @@ fn main() {
              `eval \"$(scripts/cuda-toolchain.sh)\"` sets it (default 90)."
         ));
     }
+    if compute_cap.parse::<u32>().is_ok_and(|cap| cap < 80) {
+        fail(&format!(
+            "CUDA_COMPUTE_CAP {compute_cap}: the kernels need compute capability 8.0 or newer \
+             (bf16, and the tensor-core attention's bf16 tiles): A100, L4/L40, H100/H200"
+        ));
+    }
     let nvcc = find_nvcc();
     let release = nvcc_release(&nvcc);
 

@@ -118,7 +118,7 @@ fn build() -> PathBuf {
     let mut digest = Sha256::new();
     let mut inputs = files.clone();
     inputs.push(ops().join("cuda/common.cuh"));
-    for header in ["cuda_runtime.hpp", "cuda_fp16.h", "cuda_bf16.h"] {
+    for header in ["cuda_runtime.hpp", "cuda_fp16.h", "cuda_bf16.h", "mma.h"] {
         inputs.push(include.join(header));
     }
     for path in &inputs {

@@ -1,6 +1,6 @@
 //! Every CUDA kernel against its CPU reference (the same op's `cpu_fwd`), in f32, f16 and
 //! bf16, over random shapes, ragged lengths from 1 to 512 and the edge cases (one token, one
-//! sequence, the longest sequence, the short/tiled attention switch). Inputs are rounded to
+//! sequence, the longest sequence, the short/tiled and tensor-core attention switches). Inputs are rounded to
 //! the storage type first and the CPU computes on those very values, so a difference is the
 //! kernel's arithmetic alone; the tolerances are a few units in the storage type's last place.
 //!
@@ -11,7 +11,7 @@
 use crate::gpu_support::{assert_close, Rng, FLOAT_TYPES};
 use candle_core::{DType, Device, Tensor};
 use tessera_worker::engine::ops::varlen_attention::cuda::{
-    attention_plan, short_kernel_max_len, AttentionKernel,
+    attention_plan, short_kernel_max_len, AttentionKernel, MMA_HEAD_SIZES, MMA_MIN_LEN,
 };
 use tessera_worker::engine::ops::{
     BiasGelu, BiasResidualLayerNorm, DequantizeInt8, DequantizeSums, Granularity, Int8Scales,
@@ -58,6 +58,12 @@ macro_rules! kernel_tests {
         fn attention_agrees_on_both_sides_of_the_short_to_tiled_switch() {
             if let Some(k) = $kernels {
                 kernel_cases::attention_across_the_switch(&k);
+            }
+        }
+        #[test]
+        fn attention_on_the_tensor_cores_matches_the_cpu() {
+            if let Some(k) = $kernels {
+                kernel_cases::attention_on_the_tensor_cores(&k);
             }
         }
         #[test]
@@ -173,15 +179,40 @@ pub fn attention_across_the_switch(k: &impl Kernels) {
     for d in [32, 64, 128] {
         for elem in [2, 4] {
             let edge = short_kernel_max_len(d, elem);
+            let tensor_cores = elem == 2 && MMA_HEAD_SIZES.contains(&d);
             assert_eq!(
                 attention_plan(1, edge + 1, 1, d, elem).unwrap().kernel,
-                AttentionKernel::Tiled
+                if tensor_cores && edge + 1 >= MMA_MIN_LEN {
+                    AttentionKernel::Mma
+                } else {
+                    AttentionKernel::Tiled
+                }
             );
             // Multiples of the 32-key chunk and the key tile, and one past, hit the loops'
             // remainders.
             attention_case(k, &mut rng, 2, d, &[edge, 3, edge.min(33)]);
             attention_case(k, &mut rng, 2, d, &[edge + 1, 64, 65]);
         }
+    }
+}
+
+/// Both sides of the switch to the tensor-core kernel, and its remainders: a last key tile of
+/// one key, query blocks of 64 rows with one row past a block, sequences much shorter than
+/// the longest (whole blocks and warps past their end).
+pub fn attention_on_the_tensor_cores(k: &impl Kernels) {
+    let mut rng = Rng::new(7);
+    for d in MMA_HEAD_SIZES {
+        assert_eq!(
+            attention_plan(1, MMA_MIN_LEN - 1, 1, d, 2).unwrap().kernel,
+            AttentionKernel::Short
+        );
+        assert_eq!(
+            attention_plan(1, MMA_MIN_LEN, 1, d, 2).unwrap().kernel,
+            AttentionKernel::Mma
+        );
+        attention_case(k, &mut rng, 2, d, &[MMA_MIN_LEN - 1, 17]);
+        attention_case(k, &mut rng, 2, d, &[MMA_MIN_LEN, 1, 16, 64]);
+        attention_case(k, &mut rng, 3, d, &[193, 65, 33, 2]);
     }
 }
 

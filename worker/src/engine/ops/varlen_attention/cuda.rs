@@ -1,6 +1,7 @@
-//! `varlen_attention.cu`'s launch, and which of its two kernels runs a batch: decided per batch
-//! from the longest sequence, on the host, so nothing about lengths is read back from the GPU
-//! (`README.md` beside the ops says how the kernels work).
+//! `varlen_attention.cu`'s launch, and which of its three kernels runs a batch: decided per
+//! batch from the storage type, the head size and the longest sequence, on the host, so
+//! nothing about lengths is read back from the GPU (`README.md` beside the ops says how the
+//! kernels work).
 
 use super::VarlenAttention;
 use crate::engine::ops::cuda::launch::{cuda_module, float_kernel, operands, plan_error};
@@ -16,6 +17,20 @@ pub const ATTENTION_ROWS_PER_BLOCK: usize = ATTENTION_WARPS * ROWS_PER_WARP;
 pub const ATTENTION_THREADS: u32 = (ATTENTION_WARPS * 32) as u32;
 /// Head sizes the attention kernels are instantiated for.
 pub const HEAD_SIZES: [usize; 3] = [32, 64, 128];
+/// Head sizes of the tensor-core kernel (f16/bf16 only): those of MiniLM and BERT-base. At
+/// 128 its f32 context would not fit the shared memory beside K, V, scores and probabilities.
+pub const MMA_HEAD_SIZES: [usize; 2] = [32, 64];
+/// The tensor-core kernel takes batches whose longest sequence has at least this many tokens
+/// (two of its 64-row query blocks). Chosen without a GPU measurement of the switch: on the
+/// H200 run of 2026-11-28 the CUDA-core kernels already cost more than the GEMMs from max 128
+/// up (bench/results/gpu_serving.md); the next GPU run should place it.
+pub const MMA_MIN_LEN: usize = 128;
+/// The tensor-core kernel's geometry (`MMA_*` in the kernel): query rows per warp and per
+/// block, keys per tile, and the 16-bit elements of padding per shared row.
+const MMA_ROWS: usize = 16;
+const MMA_ROWS_PER_BLOCK: usize = ATTENTION_WARPS * MMA_ROWS;
+const MMA_KEYS: usize = 32;
+const MMA_PAD: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
@@ -23,6 +38,8 @@ pub enum AttentionKernel {
     Short,
     /// K/V stream through shared memory in tiles, with an online softmax.
     Tiled,
+    /// Tiled too, with both products on the tensor cores (f16/bf16, head size 32 or 64).
+    Mma,
 }
 
 impl AttentionKernel {
@@ -30,6 +47,7 @@ impl AttentionKernel {
         match self {
             Self::Short => "short",
             Self::Tiled => "tiled",
+            Self::Mma => "mma",
         }
     }
 }
@@ -60,6 +78,14 @@ fn attention_shared(keys: usize, head_dim: usize, elem_size: usize) -> usize {
     query_bytes(head_dim) + keys * (2 * head_dim + key_pad(elem_size)) * elem_size
 }
 
+/// Shared memory of the tensor-core kernel (`MmaLayout` in the kernel): K and V tiles (which
+/// first hold the block's queries), then per warp its f32 scores, its 16-bit probabilities
+/// and its f32 context.
+fn mma_shared(head_dim: usize) -> usize {
+    let (ld, lds, ldp, ldo) = (head_dim + MMA_PAD, MMA_KEYS + 4, MMA_KEYS + MMA_PAD, head_dim + 4);
+    2 * MMA_KEYS * ld * 2 + ATTENTION_WARPS * MMA_ROWS * (lds * 4 + ldp * 2 + ldo * 4)
+}
+
 /// Keys per tile of the tiled kernel (`KeyTile` in the kernel).
 pub fn key_tile(elem_size: usize) -> usize {
     128 / elem_size
@@ -71,9 +97,11 @@ pub fn short_kernel_max_len(head_dim: usize, elem_size: usize) -> usize {
     (SHARED_LIMIT - query_bytes(head_dim)) / ((2 * head_dim + key_pad(elem_size)) * elem_size)
 }
 
-/// Which attention kernel runs a batch, and its launch shape. The short kernel is chosen
-/// whenever the longest sequence fits it: it loads K/V once per block and skips the per-tile
-/// barriers; longer batches go to the tiled kernel.
+/// Which attention kernel runs a batch, and its launch shape. f16/bf16 batches at head size
+/// 32 or 64 whose longest sequence has [`MMA_MIN_LEN`] tokens or more go to the tensor-core
+/// kernel. Otherwise the short kernel is chosen whenever the longest sequence fits it: it
+/// loads K/V once per block and skips the per-tile barriers; longer batches go to the tiled
+/// kernel.
 pub fn attention_plan(
     sequences: usize,
     max_len: usize,
@@ -97,21 +125,26 @@ pub fn attention_plan(
              split the batch"
         ));
     }
-    let (kernel, shared) = if max_len <= short_kernel_max_len(head_dim, elem_size) {
-        (
-            AttentionKernel::Short,
-            attention_shared(max_len, head_dim, elem_size),
-        )
-    } else {
-        (
-            AttentionKernel::Tiled,
-            attention_shared(key_tile(elem_size), head_dim, elem_size),
-        )
-    };
+    let (kernel, shared, rows_per_block) =
+        if elem_size == 2 && MMA_HEAD_SIZES.contains(&head_dim) && max_len >= MMA_MIN_LEN {
+            (AttentionKernel::Mma, mma_shared(head_dim), MMA_ROWS_PER_BLOCK)
+        } else if max_len <= short_kernel_max_len(head_dim, elem_size) {
+            (
+                AttentionKernel::Short,
+                attention_shared(max_len, head_dim, elem_size),
+                ATTENTION_ROWS_PER_BLOCK,
+            )
+        } else {
+            (
+                AttentionKernel::Tiled,
+                attention_shared(key_tile(elem_size), head_dim, elem_size),
+                ATTENTION_ROWS_PER_BLOCK,
+            )
+        };
     Ok(AttentionPlan {
         kernel,
         grid: (
-            max_len.div_ceil(ATTENTION_ROWS_PER_BLOCK).max(1) as u32,
+            max_len.div_ceil(rows_per_block).max(1) as u32,
             num_heads as u32,
             sequences as u32,
         ),
@@ -174,21 +207,30 @@ mod tests {
 
     #[test]
     fn short_sequences_take_the_short_kernel_and_long_ones_the_tiled() {
-        let short = attention_plan(3, 128, 12, 64, 2).unwrap();
+        let short = attention_plan(3, 127, 12, 64, 2).unwrap();
         assert_eq!(short.kernel, AttentionKernel::Short);
         assert_eq!(short.grid, (8, 12, 3));
-        let long = attention_plan(3, 512, 12, 64, 2).unwrap();
+        let long = attention_plan(3, 512, 12, 64, 4).unwrap();
         assert_eq!(long.kernel, AttentionKernel::Tiled);
         assert_eq!(long.grid, (32, 12, 3));
-        // The switch sits exactly where K/V stop fitting.
-        let edge = short_kernel_max_len(64, 2);
-        assert_eq!(edge, 173);
+        // 16-bit storage at the head sizes of MiniLM and BERT-base: the tensor cores, 64
+        // query rows a block.
+        let mma = attention_plan(3, 512, 12, 64, 2).unwrap();
+        assert_eq!(mma.kernel, AttentionKernel::Mma);
+        assert_eq!(mma.grid, (8, 12, 3));
+        assert_eq!(mma.shared_bytes, 40_960);
+        assert_eq!(attention_plan(1, MMA_MIN_LEN - 1, 1, 32, 2).unwrap().kernel, AttentionKernel::Short);
+        assert_eq!(attention_plan(1, MMA_MIN_LEN, 1, 32, 2).unwrap().kernel, AttentionKernel::Mma);
+        assert_eq!(attention_plan(1, 512, 1, 128, 2).unwrap().kernel, AttentionKernel::Tiled);
+        // The short/tiled switch sits exactly where K/V stop fitting.
+        let edge = short_kernel_max_len(128, 2);
+        assert_eq!(edge, 79);
         assert_eq!(
-            attention_plan(1, edge, 1, 64, 2).unwrap().kernel,
+            attention_plan(1, edge, 1, 128, 2).unwrap().kernel,
             AttentionKernel::Short
         );
         assert_eq!(
-            attention_plan(1, edge + 1, 1, 64, 2).unwrap().kernel,
+            attention_plan(1, edge + 1, 1, 128, 2).unwrap().kernel,
             AttentionKernel::Tiled
         );
     }
@@ -203,7 +245,12 @@ mod tests {
                         plan.shared_bytes as usize <= SHARED_LIMIT,
                         "d {head_dim}, {elem}-byte, len {max_len}: {plan:?}"
                     );
-                    assert!(plan.grid.0 as usize * ATTENTION_ROWS_PER_BLOCK >= max_len);
+                    let rows = if plan.kernel == AttentionKernel::Mma {
+                        MMA_ROWS_PER_BLOCK
+                    } else {
+                        ATTENTION_ROWS_PER_BLOCK
+                    };
+                    assert!(plan.grid.0 as usize * rows >= max_len);
                 }
             }
         }

@@ -16,6 +16,12 @@
 //   - varlen_attention_tiled: K/V in tiles of KEY_TILE rows, for sequences whose K/V do not
 //     fit in shared memory.
 // Scores use exp2 with log2(e) folded into the query scale.
+//
+// A third kernel, varlen_attention_mma (f16/bf16, head sizes 32 and 64), puts both products
+// on the tensor cores (CUDA's warp matrix functions, 16×16×16 tiles with f32 accumulators)
+// for long sequences: see attention_mma below.
+#include <mma.h>
+
 #include "common.cuh"
 
 #define WARPS 4
@@ -214,6 +220,180 @@ __device__ __forceinline__ void attention_tiled(const T* __restrict__ qkv,
     }
     store_rows<T, D>(st, out, row0, first, len, hidden, head, lane);
 }
+
+// Tensor-core attention. Each warp owns MMA_ROWS = 16 query rows (one tile high), so a block
+// of 4 warps covers 64; K and V stream through shared memory in tiles of MMA_KEYS = 32 keys.
+// Per key tile a warp computes its scores S = Q·Kᵀ (16 × 32) on the tensor cores into shared
+// memory, runs the online softmax there (lane j owns key j: running max and sum per row in
+// f32, FlashAttention's recurrence as in attend_keys), writes the probabilities P in the
+// storage type, rescales its f32 context O in shared memory, and adds P·V on the tensor cores.
+// Fragments' element layout is unspecified, so every row-wise step goes through shared memory.
+// The queries and the probabilities are rounded to the storage type for the products
+// (FlashAttention does the same); the sums, the softmax and O stay in f32.
+#define MMA_WARPS 4
+#define MMA_ROWS 16
+#define MMA_ROWS_PER_BLOCK (MMA_WARPS * MMA_ROWS)
+#define MMA_KEYS 32
+// Row padding in 16-bit elements: strides stay multiples of 8 elements (wmma's rule) and
+// every tile a warp loads starts 32 bytes aligned, while rows shift banks.
+#define MMA_PAD 8
+
+namespace wmma = nvcuda::wmma;
+
+// The block's shared memory, in this order (bytes; cuda.rs computes the same total):
+// K and V tiles [MMA_KEYS][LD] in the storage type, which first hold the block's queries
+// [MMA_ROWS_PER_BLOCK][LD]; then per warp its scores [MMA_ROWS][LDS] f32, its probabilities
+// [MMA_ROWS][LDP] in the storage type and its context [MMA_ROWS][LDO] f32.
+template <typename T, int D> struct MmaLayout {
+    static constexpr int LD = D + MMA_PAD, LDS = MMA_KEYS + 4, LDP = MMA_KEYS + MMA_PAD,
+                         LDO = D + 4;
+    static constexpr int KV = 2 * MMA_KEYS * LD * (int)sizeof(T);
+    static constexpr int S = MMA_WARPS * MMA_ROWS * LDS * 4;
+    static constexpr int P = MMA_WARPS * MMA_ROWS * LDP * (int)sizeof(T);
+    static constexpr int O = MMA_WARPS * MMA_ROWS * LDO * 4;
+    static_assert(sizeof(T) == 2, "the tensor-core kernel takes f16 or bf16");
+    static_assert(2 * MMA_KEYS >= MMA_ROWS_PER_BLOCK, "the queries are staged where K/V go");
+    static_assert(KV % 32 == 0 && S % 32 == 0 && P % 32 == 0, "each region starts 32-byte aligned");
+    static_assert((16 * LD * 2) % 32 == 0 && (16 * LDS * 4) % 32 == 0 &&
+                      (16 * LDP * 2) % 32 == 0 && (16 * LDO * 4) % 32 == 0,
+                  "every 16-row tile starts 32-byte aligned");
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_mma(const T* __restrict__ qkv,
+                                              const T* __restrict__ bias,
+                                              const uint32_t* __restrict__ cu_seqlens,
+                                              T* __restrict__ out, int hidden, float scale_log2) {
+    using L = MmaLayout<T, D>;
+    using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+    DYNAMIC_SHARED(float4, smem_f4);
+    char* smem = reinterpret_cast<char*>(smem_f4);
+    const int seq = blockIdx.z, head = blockIdx.y;
+    const int row0 = cu_seqlens[seq], len = cu_seqlens[seq + 1] - row0;
+    const int tile0 = blockIdx.x * MMA_ROWS_PER_BLOCK;
+    if (tile0 >= len) return;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int first = tile0 + warp * MMA_ROWS;
+    const bool active = first < len;  // else this warp only helps load and keeps the barriers
+
+    T* k_s = reinterpret_cast<T*>(smem);
+    T* v_s = k_s + MMA_KEYS * L::LD;
+    float* s_s = reinterpret_cast<float*>(smem + L::KV) + warp * MMA_ROWS * L::LDS;
+    T* p_s = reinterpret_cast<T*>(smem + L::KV + L::S) + warp * MMA_ROWS * L::LDP;
+    float* o_s = reinterpret_cast<float*>(smem + L::KV + L::S + L::P) + warp * MMA_ROWS * L::LDO;
+
+    // The block's queries, bias added (rows past the end zero), staged where K/V will go.
+    T* q_s = k_s;
+    for (int idx = threadIdx.x; idx < MMA_ROWS_PER_BLOCK * D; idx += blockDim.x) {
+        const int r = idx / D, c = idx % D, i = tile0 + r;
+        float v = 0.0f;
+        if (i < len) {
+            const int col = head * D + c;
+            v = to_float(qkv[(size_t)(row0 + i) * 3 * hidden + col]) + to_float(bias[col]);
+        }
+        q_s[r * L::LD + c] = from_float<T>(v);
+    }
+    for (int idx = lane; idx < MMA_ROWS * D; idx += 32) o_s[idx / D * L::LDO + idx % D] = 0.0f;
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q[D / 16];
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c)
+        wmma::load_matrix_sync(q[c], q_s + warp * MMA_ROWS * L::LD + c * 16, L::LD);
+
+    float m[MMA_ROWS], l[MMA_ROWS];
+#pragma unroll
+    for (int r = 0; r < MMA_ROWS; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int k_col = hidden + head * D, v_col = 2 * hidden + head * D;
+    for (int k0 = 0; k0 < len; k0 += MMA_KEYS) {
+        const int n = min(MMA_KEYS, len - k0);
+        __syncthreads();  // the queries, then the previous tile, are no longer read
+        // Keys past the end are zero, so no stale value (NaN × 0) reaches P·V.
+        for (int idx = threadIdx.x; idx < MMA_KEYS * D; idx += blockDim.x) {
+            const int t = idx / D, c = idx % D;
+            float kv = 0.0f, vv = 0.0f;
+            if (t < n) {
+                const T* row = qkv + (size_t)(row0 + k0 + t) * 3 * hidden;
+                kv = to_float(row[k_col + c]) + to_float(bias[k_col + c]);
+                vv = to_float(row[v_col + c]) + to_float(bias[v_col + c]);
+            }
+            k_s[t * L::LD + c] = from_float<T>(kv);
+            v_s[t * L::LD + c] = from_float<T>(vv);
+        }
+        __syncthreads();
+        if (!active) continue;
+
+        // S = Q·Kᵀ: K's rows read as the columns of a col-major Kᵀ.
+#pragma unroll
+        for (int j = 0; j < MMA_KEYS / 16; ++j) {
+            Acc s;
+            wmma::fill_fragment(s, 0.0f);
+#pragma unroll
+            for (int c = 0; c < D / 16; ++c) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kt;
+                wmma::load_matrix_sync(kt, k_s + j * 16 * L::LD + c * 16, L::LD);
+                wmma::mma_sync(s, q[c], kt, s);
+            }
+            wmma::store_matrix_sync(s_s + j * 16, s, L::LDS, wmma::mem_row_major);
+        }
+        __syncwarp();
+
+        // Online softmax, lane = key; O rescaled by each row's correction.
+#pragma unroll
+        for (int r = 0; r < MMA_ROWS; ++r) {
+            // Lane 0's key is always real (k0 < len), so the tile max is finite.
+            const float s = lane < n ? s_s[r * L::LDS + lane] * scale_log2 : -INFINITY;
+            const float m_new = fmaxf(m[r], warp_max(s));
+            const float alpha = exp2f(m[r] - m_new);  // 0 on the first tile (m = -inf)
+            const float p = exp2f(s - m_new);          // 0 for keys past the end
+            l[r] = l[r] * alpha + warp_sum(p);
+            m[r] = m_new;
+            p_s[r * L::LDP + lane] = from_float<T>(p);
+            for (int c = lane; c < D; c += 32) o_s[r * L::LDO + c] *= alpha;
+        }
+        __syncwarp();
+
+        // O += P·V.
+#pragma unroll
+        for (int c = 0; c < D / 16; ++c) {
+            Acc o;
+            wmma::load_matrix_sync(o, o_s + c * 16, L::LDO, wmma::mem_row_major);
+#pragma unroll
+            for (int j = 0; j < MMA_KEYS / 16; ++j) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v;
+                wmma::load_matrix_sync(p, p_s + j * 16, L::LDP);
+                wmma::load_matrix_sync(v, v_s + j * 16 * L::LD + c * 16, L::LD);
+                wmma::mma_sync(o, p, v, o);
+            }
+            wmma::store_matrix_sync(o_s + c * 16, o, L::LDO, wmma::mem_row_major);
+        }
+        __syncwarp();
+    }
+    if (!active) return;
+    for (int r = 0; r < MMA_ROWS; ++r) {
+        const int i = first + r;
+        if (i >= len) break;
+        const float inv = 1.0f / l[r];
+        for (int c = lane; c < D; c += 32)
+            out[(size_t)(row0 + i) * hidden + head * D + c] = from_float<T>(o_s[r * L::LDO + c] * inv);
+    }
+}
+
+#define MMA_ATTENTION_KERNEL(TYPE, SUFFIX, D)                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                \
+        varlen_attention_mma_d##D##_##SUFFIX(const TYPE* qkv, const TYPE* bias,                 \
+                                             const uint32_t* cu_seqlens, TYPE* out, int hidden, \
+                                             float scale_log2) {                                \
+        attention_mma<TYPE, D>(qkv, bias, cu_seqlens, out, hidden, scale_log2);                 \
+    }
+
+MMA_ATTENTION_KERNEL(__half, f16, 32)
+MMA_ATTENTION_KERNEL(__half, f16, 64)
+MMA_ATTENTION_KERNEL(__nv_bfloat16, bf16, 32)
+MMA_ATTENTION_KERNEL(__nv_bfloat16, bf16, 64)
 
 #define ATTENTION_KERNELS(TYPE, SUFFIX, D)                                                      \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                    \
