@@ -89,6 +89,7 @@ fn kernels_refuse_what_they_have_no_code_for() {
         num_heads: 1,
         head_dim: 48,
         max_seqlen: 4,
+        tensor_cores: true,
     };
     let err = qkv
         .apply_op3_no_bwd(&bias, &cu, &op)

@@ -9,7 +9,9 @@
 //!    (bench/scripts/hf_transformers_gpu.py, a subprocess), when a Python with them is found;
 //! 4. the GEMMs alone: the encoder's four projections per layer at each batch's token count,
 //!    in the benchmark's dtype, as a share of the GPU's dense bf16 tensor peak (the same
-//!    datasheet figure as dense fp16 on the GPUs in [`peak_tflops`]).
+//!    datasheet figure as dense fp16 on the GPUs in [`peak_tflops`]);
+//! 5. one layer's attention alone: the kernel the engine's plan takes for the batch, and where
+//!    that is the tensor-core kernel, the same batch on the CUDA-core kernels beside it.
 //!
 //! Models: a BERT-base-sized encoder with random weights (shapes are what speed depends on)
 //! and all-MiniLM-L6-v2. Batches of 1 to 256 sequences with lengths uniform in [1, max] for
@@ -38,6 +40,8 @@ use candle_transformers::models::bert::{BertEncoder, Config as BertConfig};
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_worker::engine::ops::cuda::compute_cap;
+use tessera_worker::engine::ops::varlen_attention::cuda::{attention_plan, AttentionKernel};
+use tessera_worker::engine::ops::VarlenAttention;
 use tessera_worker::engine::synthetic::RandomBert;
 use tessera_worker::engine::{Batch, EmbeddingModel, LoadOptions, Pooling};
 
@@ -344,6 +348,52 @@ fn gemms(
     Ok((flops, ms))
 }
 
+/// One layer's attention alone (the engine's op, one launch) on the config's packed batch:
+/// the kernel the engine's plan takes and its median ms, and where that is the tensor-core
+/// kernel, the median ms of the same batch kept on the CUDA-core kernels, side by side.
+fn attention_alone(
+    cli: &Cli,
+    shape: &RandomBert,
+    config: &Config,
+    dtype: DType,
+    device: &Device,
+) -> Result<(&'static str, f64, Option<f64>)> {
+    let (tokens, hidden) = (config.tokens(), shape.hidden);
+    let qkv = Tensor::randn(0f32, 1.0, (tokens, 3 * hidden), device)?.to_dtype(dtype)?;
+    let bias = Tensor::zeros(3 * hidden, dtype, device)?;
+    let mut cu = vec![0u32];
+    for s in &config.sequences {
+        cu.push(cu.last().copied().unwrap_or(0) + s.len() as u32);
+    }
+    let cu = Tensor::new(cu.as_slice(), device)?;
+    let longest = config.sequences.iter().map(Vec::len).max().unwrap_or(1);
+    let op = VarlenAttention {
+        num_heads: shape.heads,
+        head_dim: hidden / shape.heads,
+        max_seqlen: longest,
+        tensor_cores: true,
+    };
+    let sequences = config.sequences.len();
+    let kernel = attention_plan(sequences, longest, op.num_heads, op.head_dim, dtype.size_in_bytes())
+        .map_err(anyhow::Error::msg)?
+        .kernel;
+    let time = |op: &VarlenAttention| -> Result<f64> {
+        let ms = measure(cli, || {
+            qkv.apply_op3_no_bwd(&bias, &cu, op)?;
+            device.synchronize()?;
+            Ok(())
+        })?;
+        Ok(median(&ms))
+    };
+    let chosen = time(&op)?;
+    let cuda_cores = if kernel == AttentionKernel::Mma {
+        Some(time(&VarlenAttention { tensor_cores: false, ..op })?)
+    } else {
+        None
+    };
+    Ok((kernel.name(), chosen, cuda_cores))
+}
+
 /// Model FLOPs of a packed forward: the GEMMs plus attention's QKᵀ and PV per sequence.
 fn model_flops(shape: &RandomBert, config: &Config) -> f64 {
     let (h, i) = (shape.hidden as f64, shape.intermediate as f64);
@@ -552,6 +602,8 @@ fn run_model(
         worst_padded = worse(worst_padded, padded_agreement);
         let (gemm_flops, gemm_ms) = gemms(cli, shape, config.tokens(), dtype, device)?;
         let gemm_tflops = gemm_flops / (median(&gemm_ms) * 1e-3) / 1e12;
+        let (kernel, attention_ms, cuda_cores_ms) =
+            attention_alone(cli, shape, config, dtype, device)?;
 
         let tps = tokens / (median(&engine_ms) * 1e-3);
         let padded_tps = tokens / (median(&padded_ms) * 1e-3);
@@ -567,6 +619,8 @@ fn run_model(
                               "cosine_with_engine": cosine_json(padded_agreement)},
             "gemms_alone": {"dtype": cli.dtype, "ms": round(median(&gemm_ms), 4), "tflops": round(gemm_tflops, 1),
                             "share_of_dense_bf16_peak_pct": share(gemm_flops, median(&gemm_ms))},
+            "attention_alone": {"kernel": kernel, "ms_one_layer": round(attention_ms, 4),
+                                "cuda_cores_ms_one_layer": cuda_cores_ms.map(|ms| round(ms, 4))},
         });
         println!(
             "{label} {}: engine {tps:.0} tok/s ({:.3} ms), candle padded {padded_tps:.0} tok/s \
@@ -681,13 +735,14 @@ fn markdown(report: &Value) -> String {
         };
         md += &format!(
             "| config | real tokens | padded tokens | engine tok/s | engine ms | candle padded tok/s | HF tok/s | engine/HF | \
-             GEMMs alone in {} TFLOPS (% of dense bf16 peak) | cosine vs candle padded | cosine vs HF |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n",
+             GEMMs alone in {} TFLOPS (% of dense bf16 peak) | attention alone, one layer: kernel, ms (on CUDA cores) | \
+             cosine vs candle padded | cosine vs HF |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
             cell(&report["dtype"])
         );
         for row in model["configs"].as_array().into_iter().flatten() {
             md += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} {}{} | {} | {} |\n",
                 cell(&row["config"]),
                 cell(&row["real_tokens"]),
                 cell(&row["padded_tokens"]),
@@ -698,6 +753,11 @@ fn markdown(report: &Value) -> String {
                 cell(&row["engine_over_hf"]),
                 cell(&row["gemms_alone"]["tflops"]),
                 cell(&row["gemms_alone"]["share_of_dense_bf16_peak_pct"]),
+                cell(&row["attention_alone"]["kernel"]),
+                cell(&row["attention_alone"]["ms_one_layer"]),
+                row["attention_alone"]["cuda_cores_ms_one_layer"]
+                    .as_f64()
+                    .map_or(String::new(), |ms| format!(" ({ms})")),
                 cell(&row["candle_padded"]["cosine_with_engine"]),
                 cell(&row["hf_transformers"]["cosine_with_engine"]),
             );

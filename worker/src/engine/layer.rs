@@ -130,6 +130,7 @@ impl EncoderLayer {
                 num_heads,
                 head_dim,
                 max_seqlen: 0,
+                tensor_cores: true,
             },
             norm: BiasResidualLayerNorm { eps: eps as f32 },
         })

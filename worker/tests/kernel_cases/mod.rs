@@ -114,6 +114,18 @@ fn cu_seqlens(lens: &[usize]) -> Tensor {
 }
 
 fn attention_case(k: &impl Kernels, rng: &mut Rng, heads: usize, d: usize, lens: &[usize]) {
+    attention_case_on(k, rng, heads, d, lens, true);
+}
+
+/// One attention case; `tensor_cores` off keeps the batch on the CUDA-core kernels.
+fn attention_case_on(
+    k: &impl Kernels,
+    rng: &mut Rng,
+    heads: usize,
+    d: usize,
+    lens: &[usize],
+    tensor_cores: bool,
+) {
     let cu = cu_seqlens(lens);
     let tokens: usize = lens.iter().sum();
     let qkv = rng.tensor(&[tokens, 3 * heads * d], 1.5);
@@ -122,6 +134,7 @@ fn attention_case(k: &impl Kernels, rng: &mut Rng, heads: usize, d: usize, lens:
         num_heads: heads,
         head_dim: d,
         max_seqlen: *lens.iter().max().unwrap(),
+        tensor_cores,
     };
     for (dtype, tol) in FLOAT_TYPES {
         let (qkv_c, qkv_k) = rounded(&qkv, dtype);
@@ -133,7 +146,8 @@ fn attention_case(k: &impl Kernels, rng: &mut Rng, heads: usize, d: usize, lens:
             .unwrap()
             .kernel;
         let what = format!(
-            "attention {dtype:?} {kernel:?} heads {heads} × {d}, {} sequences, max {}",
+            "attention {dtype:?} {} heads {heads} × {d}, {} sequences, max {}",
+            if tensor_cores { format!("{kernel:?}") } else { "on CUDA cores".into() },
             lens.len(),
             op.max_seqlen
         );
@@ -213,6 +227,9 @@ pub fn attention_on_the_tensor_cores(k: &impl Kernels) {
         attention_case(k, &mut rng, 2, d, &[MMA_MIN_LEN - 1, 17]);
         attention_case(k, &mut rng, 2, d, &[MMA_MIN_LEN, 1, 16, 64]);
         attention_case(k, &mut rng, 3, d, &[193, 65, 33, 2]);
+        // The same long batches kept off the tensor cores (benchmarks compare the two).
+        attention_case_on(k, &mut rng, 2, d, &[MMA_MIN_LEN, 1, 16, 64], false);
+        attention_case_on(k, &mut rng, 3, d, &[400, 65, 33, 2], false);
     }
 }
 

@@ -109,6 +109,18 @@ pub fn attention_plan(
     head_dim: usize,
     elem_size: usize,
 ) -> Result<AttentionPlan, String> {
+    choose_kernel(sequences, max_len, num_heads, head_dim, elem_size, true)
+}
+
+/// [`attention_plan`], or with `tensor_cores` off the CUDA-core kernels whatever the batch.
+fn choose_kernel(
+    sequences: usize,
+    max_len: usize,
+    num_heads: usize,
+    head_dim: usize,
+    elem_size: usize,
+    tensor_cores: bool,
+) -> Result<AttentionPlan, String> {
     if !HEAD_SIZES.contains(&head_dim) {
         return Err(format!(
             "head size {head_dim} has no CUDA attention kernel (built for {HEAD_SIZES:?})"
@@ -125,22 +137,25 @@ pub fn attention_plan(
              split the batch"
         ));
     }
-    let (kernel, shared, rows_per_block) =
-        if elem_size == 2 && MMA_HEAD_SIZES.contains(&head_dim) && max_len >= MMA_MIN_LEN {
-            (AttentionKernel::Mma, mma_shared(head_dim), MMA_ROWS_PER_BLOCK)
-        } else if max_len <= short_kernel_max_len(head_dim, elem_size) {
-            (
-                AttentionKernel::Short,
-                attention_shared(max_len, head_dim, elem_size),
-                ATTENTION_ROWS_PER_BLOCK,
-            )
-        } else {
-            (
-                AttentionKernel::Tiled,
-                attention_shared(key_tile(elem_size), head_dim, elem_size),
-                ATTENTION_ROWS_PER_BLOCK,
-            )
-        };
+    let on_tensor_cores = tensor_cores
+        && elem_size == 2
+        && MMA_HEAD_SIZES.contains(&head_dim)
+        && max_len >= MMA_MIN_LEN;
+    let (kernel, shared, rows_per_block) = if on_tensor_cores {
+        (AttentionKernel::Mma, mma_shared(head_dim), MMA_ROWS_PER_BLOCK)
+    } else if max_len <= short_kernel_max_len(head_dim, elem_size) {
+        (
+            AttentionKernel::Short,
+            attention_shared(max_len, head_dim, elem_size),
+            ATTENTION_ROWS_PER_BLOCK,
+        )
+    } else {
+        (
+            AttentionKernel::Tiled,
+            attention_shared(key_tile(elem_size), head_dim, elem_size),
+            ATTENTION_ROWS_PER_BLOCK,
+        )
+    };
     Ok(AttentionPlan {
         kernel,
         grid: (
@@ -171,12 +186,13 @@ impl CudaKernel for VarlenAttention {
             );
         }
         let sequences = cu_seqlens.shape.elem_count().saturating_sub(1);
-        let plan = attention_plan(
+        let plan = choose_kernel(
             sequences,
             self.max_seqlen,
             self.num_heads,
             self.head_dim,
             qkv.dtype.size_in_bytes(),
+            self.tensor_cores,
         )
         .map_err(plan_error(op))?;
         let root = format!("varlen_attention_{}_d{}", plan.kernel.name(), self.head_dim);

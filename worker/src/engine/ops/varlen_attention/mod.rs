@@ -21,6 +21,9 @@ pub struct VarlenAttention {
     /// The longest sequence in the batch; the CPU kernel sizes its scratch per sequence and
     /// ignores it, a GPU launch needs it for its grid.
     pub max_seqlen: usize,
+    /// Whether a GPU launch may take the tensor-core kernel where it applies (`cuda.rs`);
+    /// off, the CUDA-core kernels run. The engine leaves it on; benchmarks compare the two.
+    pub tensor_cores: bool,
 }
 
 impl VarlenAttention {
@@ -477,6 +480,7 @@ mod tests {
             num_heads: heads,
             head_dim: d,
             max_seqlen: 64,
+            tensor_cores: true,
         };
         let out = qkv.apply_op3_no_bwd(&bias, &cu_t, &op).unwrap();
         assert_eq!(out.dims(), &[tokens, heads * d]);
@@ -526,6 +530,7 @@ mod tests {
             num_heads: heads,
             head_dim: d,
             max_seqlen: len,
+            tensor_cores: true,
         };
         let out = qkv.apply_op3_no_bwd(&bias, &cu, &op).unwrap();
         let first = out
@@ -555,6 +560,7 @@ mod tests {
             num_heads: 1,
             head_dim: 2,
             max_seqlen: 2,
+            tensor_cores: true,
         };
         assert!(qkv.apply_op3_no_bwd(&bias, &cu, &op).is_err());
     }
