@@ -3,11 +3,13 @@
 # PyTorch and transformers, but no Rust toolchain and no network) into .gpu-bundle/ (ignored
 # by git): release builds of the worker (with NCCL), the kernel tests
 # (worker/tests/cuda_kernels.rs), the training tests (cuda_training.rs: precision ops, NCCL),
-# the end-to-end test (cuda_embeddings.rs), the GPU benchmark (bench gpu_serving) and the
+# the end-to-end test (cuda_embeddings.rs), the server and the GPU training job's test
+# (tests/gpu_training.rs: the digits MLP trained by the cuda worker), the GPU benchmark (bench gpu_serving) and the
 # QSync hybrid throughput benchmark (bench qsync_throughput: CPU ranks of 12 and 4 threads,
 # and a GPU rank with a CPU rank), each stripped and xz-compressed; all-MiniLM-L6-v2 with its
-# weights stored as f16 (both sides of every comparison load the same f16 weights) and the
-# rotten-tomatoes reviews (qsync_throughput's fine-tune), as one assets.tar.xz; and build-info.json
+# weights stored as f16 (both sides of every comparison load the same f16 weights), the
+# digits (gpu_training) and the rotten-tomatoes reviews (qsync_throughput's fine-tune), as one
+# assets.tar.xz; and build-info.json
 # (git commit, uncommitted changes, date, toolchain) for the results' provenance.
 # The device tool carries at most 64 MiB, the tree included: the script fails, naming what
 # to leave out, when the bundle passes 60 MiB or bundle and tree together pass 64.
@@ -39,6 +41,10 @@ reviews="$assets/datasets/rotten_tomatoes.csv"
 if wanted qsync_throughput; then
     [[ -f "$reviews" ]] || die "no $reviews (qsync_throughput's data): run scripts/fetch-datasets.sh"
 fi
+digits="$assets/datasets/digits.csv"
+if wanted gpu_training; then
+    [[ -f "$digits" ]] || die "no $digits (gpu_training's data): run scripts/fetch-datasets.sh"
+fi
 for tool in xz strip tar; do
     command -v "$tool" >/dev/null || die "$tool is required"
 done
@@ -54,16 +60,24 @@ wanted tessera-worker && worker_targets+=(--bin tessera-worker)
 wanted cuda_kernels && worker_targets+=(--test cuda_kernels)
 wanted cuda_training && worker_targets+=(--test cuda_training)
 wanted cuda_embeddings && worker_targets+=(--test cuda_embeddings)
+# The server is a CPU program; it is built here only so the GPU machine has one to talk to.
+end_to_end_targets=()
+wanted gpu_training && end_to_end_targets+=(-p tessera-server --bin tessera-server -p tessera-tests --test gpu_training)
 bench_targets=()
 wanted gpu_serving && bench_targets+=(--bin gpu_serving)
 wanted qsync_throughput && bench_targets+=(--bin qsync_throughput)
-log "building ${worker_targets[*]:-no worker targets} ${bench_targets[*]:-and no benchmark} (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
+log "building ${worker_targets[*]:-no worker targets} ${end_to_end_targets[*]:-} ${bench_targets[*]:-and no benchmark} (release, compute capability $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR)"
 # Test binaries have hashed names: take them from cargo's own report of what it built.
 # Diagnostics are rendered to stderr; stdout carries only the JSON messages.
 built="$bundle/stage/built.txt"
 {
     if ((${#worker_targets[@]})); then
         cargo build --release -p tessera-worker --features cuda,nccl "${worker_targets[@]}" \
+            --message-format=json-render-diagnostics
+    fi
+    if ((${#end_to_end_targets[@]})); then
+        # The test links the worker crate: with the worker's features, so the build is shared.
+        cargo build --release "${end_to_end_targets[@]}" --features tessera-worker/cuda,tessera-worker/nccl \
             --message-format=json-render-diagnostics
     fi
     if ((${#bench_targets[@]})); then
@@ -120,10 +134,9 @@ with open(dst, "wb") as f:
     f.write(struct.pack("<Q", len(head)) + head + b"".join(parts))
 PY
 staged=(all-MiniLM-L6-v2)
-if wanted qsync_throughput; then
-    cp "$reviews" "$bundle/stage/datasets/"
-    staged+=(datasets)
-fi
+wanted qsync_throughput && cp "$reviews" "$bundle/stage/datasets/"
+wanted gpu_training && cp "$digits" "$bundle/stage/datasets/"
+[[ -n "$(ls "$bundle/stage/datasets")" ]] && staged+=(datasets)
 # f16 weights shrink only about 10% under xz, but every MiB counts here.
 tar -C "$bundle/stage" -cf - "${staged[@]}" | xz -9e -T2 >"$bundle/assets.tar.xz"
 log "assets.tar.xz: $(mib "$(stat -c %s "$bundle/assets.tar.xz")")"
@@ -161,9 +174,10 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
+    log "  TESSERA_GPU_BUNDLE_SKIP='qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all train)"
     log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync-cpu, qsync-gpu)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync-cpu, qsync-gpu)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi
