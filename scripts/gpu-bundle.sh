@@ -17,7 +17,9 @@
 #
 #   bash scripts/gpu-bundle.sh
 #
-# Environment: CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (default
+# Environment: TESSERA_GPU_BUNDLE (the folder, default .gpu-bundle: two bundles for two calls
+# can be ready at once, so the second call goes out while the machine is still warm),
+# CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (default
 # $CARGO_TARGET_DIR/cuda or target/cuda, the dir scripts/test.sh's CUDA build uses),
 # TESSERA_ASSETS, TESSERA_GPU_BUNDLE_SKIP (names of binaries to leave out, e.g.
 # "gpu_serving qsync_throughput" for a tests-only bundle).
@@ -25,7 +27,7 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-bundle="$repo/.gpu-bundle"
+bundle="$repo/${TESSERA_GPU_BUNDLE:-.gpu-bundle}"
 assets="${TESSERA_ASSETS:-$repo/.assets}"
 minilm="$assets/all-MiniLM-L6-v2"
 skip=" ${TESSERA_GPU_BUNDLE_SKIP:-} "
@@ -174,10 +176,10 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
-    log "  TESSERA_GPU_BUNDLE_SKIP='qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all train)"
     log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
     log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh qsync-cpu, qsync-gpu)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all)"
+    log "  TESSERA_GPU_BUNDLE=.gpu-bundle-2 TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh train qsync-gpu)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi

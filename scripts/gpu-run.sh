@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs, on the GPU machine, everything scripts/gpu-bundle.sh prepared (.gpu-bundle/ carried
-# beside the tree), in the steps asked for, in this order:
+# Runs, on the GPU machine, everything scripts/gpu-bundle.sh prepared (.gpu-bundle/, or the
+# folder TESSERA_GPU_BUNDLE names, carried beside the tree), in the steps asked for, in this
+# order:
 #   tests      the worker's start-up GPU check first (quick, and it says at once whether the
 #              build fits this GPU and driver), then the kernel and training tests
 #              (cuda_kernels, cuda_training: each test in its own process, so one fault cannot
@@ -39,10 +40,10 @@ done
 wants() { [[ "$steps" == *" $1 "* ]]; }
 deadline=$((SECONDS + ${GPU_RUN_SECONDS:-570}))
 out="${OUT:?set OUT to the folder whose files come back}"
-bundle=.gpu-bundle
+bundle="${TESSERA_GPU_BUNDLE:-.gpu-bundle}"
 work=/tmp/tessera-gpu
 bin="$work/bin"
-[[ -d "$bundle/bin" ]] || { echo "no $bundle/bin: run scripts/gpu-bundle.sh here first and carry .gpu-bundle" >&2; exit 1; }
+[[ -d "$bundle/bin" ]] || { echo "no $bundle/bin: run scripts/gpu-bundle.sh here first and carry $bundle" >&2; exit 1; }
 
 # candle links the CUDA 13 libraries dynamically, and the worker's `nccl` feature NCCL; the
 # machine has them in PyTorch's nvidia wheels. Ask Python where those are (cheap), and search

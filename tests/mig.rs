@@ -129,19 +129,21 @@ async fn an_slo_deployment_is_served_from_simulated_mig_slices() {
         .iter()
         .any(|e| e["profile"] == "7g.80gb" && e["estimated"] == true));
 
-    // An SLO one 2g slice cannot meet alone: the planner binds it to two or more slices.
-    let best_2g = measured
+    // An SLO no slice meets alone (a fifth above the best measured one, a 3g): the planner
+    // binds it to two or more slices. (1.5× the best 2g sat right at the 3g's own measured
+    // throughput, so load on the host decided how many slices it took.)
+    let best_slice = measured
         .iter()
-        .filter(|e| e["profile"] == "2g.20gb")
         .map(|e| e["throughput"].as_f64().unwrap())
         .fold(0.0, f64::max);
+    let slo = best_slice * 1.2;
     let response = http.post(format!("{url}/api/v1/deployments")).bearer_auth(&admin)
-        .json(&json!({"name": "minilm-slo", "model": "minilm", "throughput": best_2g * 1.5, "latency_ms": 60000, "max_batch_tokens": 2048}))
+        .json(&json!({"name": "minilm-slo", "model": "minilm", "throughput": slo, "latency_ms": 60000, "max_batch_tokens": 2048}))
         .send().await.unwrap();
     let deployment = success_json(response).await;
     let planned = deployment["slo"]["slices"].as_array().unwrap().clone();
     assert!(planned.len() >= 2, "{deployment}");
-    assert!(deployment["slo"]["capacity"].as_f64().unwrap() >= best_2g * 1.5);
+    assert!(deployment["slo"]["capacity"].as_f64().unwrap() >= slo);
 
     let ready = eventually(
         "the SLO deployment is ready",

@@ -240,6 +240,12 @@ __device__ __forceinline__ void attention_tiled(const T* __restrict__ qkv,
 
 namespace wmma = nvcuda::wmma;
 
+// wmma loads and stores tiles at 32-byte aligned addresses: declared as an array of this, the
+// block's dynamic shared memory starts so aligned (a float4 array promises only 16 bytes).
+struct alignas(32) MmaChunk {
+    float v[8];
+};
+
 // The block's shared memory, in this order (bytes; cuda.rs computes the same total):
 // K and V tiles [MMA_KEYS][LD] in the storage type, which first hold the block's queries
 // [MMA_ROWS_PER_BLOCK][LD]; then per warp its scores [MMA_ROWS][LDS] f32, its probabilities
@@ -266,8 +272,8 @@ __device__ __forceinline__ void attention_mma(const T* __restrict__ qkv,
                                               T* __restrict__ out, int hidden, float scale_log2) {
     using L = MmaLayout<T, D>;
     using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-    DYNAMIC_SHARED(float4, smem_f4);
-    char* smem = reinterpret_cast<char*>(smem_f4);
+    DYNAMIC_SHARED(MmaChunk, smem_chunks);
+    char* smem = reinterpret_cast<char*>(smem_chunks);
     const int seq = blockIdx.z, head = blockIdx.y;
     const int row0 = cu_seqlens[seq], len = cu_seqlens[seq + 1] - row0;
     const int tile0 = blockIdx.x * MMA_ROWS_PER_BLOCK;
