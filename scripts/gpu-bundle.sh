@@ -12,10 +12,13 @@
 # assets.tar.xz; and build-info.json
 # (git commit, uncommitted changes, date, toolchain) for the results' provenance.
 # The device tool carries at most 64 MiB, the tree included: the script fails, naming what
-# to leave out, when the bundle passes 60 MiB or bundle and tree together pass 64.
-# scripts/gpu-run.sh runs it all there in one call; bench/README.md has the exact call.
+# to leave out, when the bundle passes 60 MiB or bundle and tree together pass 64. All of it
+# is about 63 MiB, so a lease takes two bundles and two calls of scripts/gpu-run.sh
+# (bench/README.md has the exact calls):
 #
-#   bash scripts/gpu-bundle.sh
+#   TESSERA_GPU_BUNDLE_SKIP='gpu_training qsync_throughput' bash scripts/gpu-bundle.sh
+#   TESSERA_GPU_BUNDLE=.gpu-bundle-2 \
+#     TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh
 #
 # Environment: TESSERA_GPU_BUNDLE (the folder, default .gpu-bundle: two bundles for two calls
 # can be ready at once, so the second call goes out while the machine is still warm),
@@ -176,7 +179,7 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
-    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
     log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
     log "  TESSERA_GPU_BUNDLE_SKIP='gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all)"
     log "  TESSERA_GPU_BUNDLE=.gpu-bundle-2 TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh train qsync-gpu)"
