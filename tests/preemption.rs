@@ -6,10 +6,10 @@
 //! the same final weights, the same loss at every step, the same evaluations. A two-rank
 //! gang preempted the same way (the loaning round's reclaim path) ends bit-identical too.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tessera_tests::{digits_csv, eventually, start_server, start_worker, User};
+use tessera_tests::{digits_csv, eventually, start_server, start_worker, Process, User};
 
 const WORKER_TOKEN: &str = "e2e-preemption-token-at-least-32-bytes-long";
 const MAX_STEPS: u64 = 8000;
@@ -79,8 +79,9 @@ fn trajectory(metrics: &Value) -> (Vec<(u64, f64, f64)>, Vec<Value>) {
 }
 
 /// Preempts `job` through the API as its owner and waits until it waits as `preempted`;
-/// the job as it then reads.
-async fn preempt(user: &User, job: &str) -> Value {
+/// the job as it then reads. Should it end instead, or not stop within a minute, the panic
+/// shows the job, its log and the output of `workers` (the stop's path is many steps long).
+async fn preempt(user: &User, job: &str, workers: &[&Process]) -> Value {
     let response = user
         .http
         .post(user.api(&format!("/jobs/{job}/preempt")))
@@ -90,11 +91,25 @@ async fn preempt(user: &User, job: &str) -> Value {
         .await
         .unwrap();
     assert_eq!(response.status(), 202);
-    eventually("the job is preempted", Duration::from_secs(60), || async {
-        let job = user.get(&format!("/jobs/{job}")).await;
-        (job["state"] == "preempted").then_some(job)
-    })
-    .await
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let read = user.get(&format!("/jobs/{job}")).await;
+        match read["state"].as_str() {
+            Some("preempted") => return read,
+            Some("succeeded" | "failed" | "cancelled") => {}
+            _ if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            _ => {}
+        }
+        let output: Vec<String> = workers.iter().map(|w| w.output()).collect();
+        panic!(
+            "the job did not wait as preempted: {read}\nits log:\n{}\nthe workers:\n{}",
+            user.log_lines(job).await.join("\n"),
+            output.join("\n----\n")
+        );
+    }
 }
 
 fn resumed_from(lines: &[String]) -> Vec<u64> {
@@ -125,7 +140,7 @@ async fn a_preempted_job_resumes_and_ends_bit_identical_to_an_uninterrupted_run(
     let reference = bob.submit(spec(&bob_dataset, MAX_STEPS, true)).await;
     wait_for_step(&admin, &job, 250).await;
 
-    let preempted = preempt(&admin, &job).await;
+    let preempted = preempt(&admin, &job, &[&w1, &w2]).await;
     assert_eq!((preempted["attempts"].as_u64(), preempted["preemptions"].as_u64()), (Some(0), Some(1)), "{preempted}");
     let step: u64 = preempted["message"]
         .as_str()
@@ -212,7 +227,7 @@ async fn a_preempted_gang_resumes_and_ends_bit_identical_to_an_uninterrupted_run
     admin.finished(&reference, &[&w1, &w2], Duration::from_secs(300)).await;
     let job = admin.submit(gang).await;
     wait_for_step(&admin, &job, 100).await;
-    let preempted = preempt(&admin, &job).await;
+    let preempted = preempt(&admin, &job, &[&w1, &w2]).await;
     assert_eq!(preempted["preemptions"].as_u64(), Some(1), "{preempted}");
     let checkpoints = admin.get(&format!("/jobs/{job}/checkpoints")).await;
     let stopped_at = checkpoints.as_array().unwrap().last().unwrap()["step"].as_u64().unwrap();
