@@ -43,7 +43,7 @@ use candle_core::backprop::GradStore;
 use candle_core::Device;
 use clap::Parser;
 use serde_json::{json, Value};
-use tessera_api::precision::{AllocationStep, CostTable, KeepRule, OpKind, Precision};
+use tessera_api::precision::{AllocationStep, CastModel, CostTable, KeepRule, OpKind, Precision};
 use tessera_api::train::LrSchedule;
 use tessera_bench::datasets::{assets_dir, dataset, embedded_reviews};
 use tessera_bench::report::{replace_section, section};
@@ -180,7 +180,7 @@ fn trace(workload: &Workload, data: &Prepared, seed: u64) -> anyhow::Result<(Vec
 /// int8, the keep-list's floors kept), on its real tensors with the training ops, by the
 /// job's harness (the fastest of 25 rounds: other processes share these cores). Only the
 /// planned operators: the rest of the step is the same on every plan.
-fn profile(traces: &mut [OpTrace]) -> anyhow::Result<tessera_api::precision::CostTable> {
+fn profile(traces: &mut [OpTrace]) -> anyhow::Result<CostTable> {
     Ok(ops::profile("cpu", traces, Precision::Int8, 25, Slowdown::NONE)?)
 }
 
@@ -338,7 +338,7 @@ fn run_workload(
     let graph = ops::graph(&traces, 0.0);
     let table = profile(&mut traces)?;
     drop(traces);
-    let casts = tessera_api::precision::CastModel { fits: Vec::new() };
+    let casts = CastModel { fits: Vec::new() };
     let profiles = [
         RankProfile::new(&graph, &scaled(&table, slowdown), &casts, Precision::Bf16)?,
         RankProfile::new(&graph, &table, &casts, Precision::Bf16)?,

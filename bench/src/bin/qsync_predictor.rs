@@ -23,7 +23,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, Device, Result, Tensor, Var};
 use serde_json::json;
-use tessera_api::precision::{OpKind, Precision};
+use tessera_api::precision::{CastModel, CostTable, OpKind, Precision};
 use tessera_bench::machine;
 use tessera_worker::train::hybrid::ops;
 use tessera_worker::train::model::{OpTrace, Rerun};
@@ -500,8 +500,8 @@ fn main() -> anyhow::Result<()> {
 
 fn markdown(
     result: &serde_json::Value,
-    table: &tessera_api::precision::CostTable,
-    casts: &tessera_api::precision::CastModel,
+    table: &CostTable,
+    casts: &CastModel,
     rows: &[serde_json::Value],
 ) -> String {
     let mut md = String::from("# QSync predictor benchmark\n\n");
