@@ -215,7 +215,9 @@ async fn a_preempted_gang_resumes_and_ends_bit_identical_to_an_uninterrupted_run
     const STEPS: u64 = 4000;
     let Some(csv) = digits_csv() else { return };
     let data = tempfile::tempdir().unwrap();
-    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 3);
+    // Nothing is killed here, so leases need not lapse fast: a 10 s lease keeps a heartbeat
+    // late on a loaded host from requeueing a rank mid-test.
+    let (mut server, url) = start_server(&data.path().join("server"), WORKER_TOKEN, 10);
     let admin = User::login(&mut server, &url).await;
     let dataset = admin.upload_dataset(csv).await;
     let w1 = start_worker(&url, WORKER_TOKEN, &data.path().join("w1"), "w1");
