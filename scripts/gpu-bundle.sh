@@ -3,12 +3,13 @@
 # PyTorch and transformers, but no Rust toolchain and no network) into .gpu-bundle/ (ignored
 # by git): release builds of the worker (with NCCL), the kernel tests
 # (worker/tests/cuda_kernels.rs), the training tests (cuda_training.rs: precision ops, NCCL),
-# the end-to-end test (cuda_embeddings.rs), the server and the GPU training job's test
-# (tests/gpu_training.rs: the digits MLP trained by the cuda worker), the GPU benchmark (bench gpu_serving) and the
+# the end-to-end test (cuda_embeddings.rs), the server and the platform's GPU tests
+# (tests/gpu_platform.rs: the digits MLP trained by the cuda worker, MiniLM served from a
+# slice of the GPU), the GPU benchmark (bench gpu_serving) and the
 # QSync hybrid throughput benchmark (bench qsync_throughput: CPU ranks of 12 and 4 threads,
 # and a GPU rank with a CPU rank), each stripped and xz-compressed; all-MiniLM-L6-v2 with its
 # weights stored as f16 (both sides of every comparison load the same f16 weights), the
-# digits (gpu_training) and the rotten-tomatoes reviews (qsync_throughput's fine-tune), as one
+# digits (gpu_platform) and the rotten-tomatoes reviews (qsync_throughput's fine-tune), as one
 # assets.tar.xz; and build-info.json
 # (git commit, uncommitted changes, date, toolchain) for the results' provenance.
 # The device tool carries at most 64 MiB, the tree included: the script fails, naming what
@@ -16,7 +17,7 @@
 # is about 63 MiB, so a lease takes two bundles and two calls of scripts/gpu-run.sh
 # (bench/README.md has the exact calls):
 #
-#   TESSERA_GPU_BUNDLE_SKIP='gpu_training qsync_throughput' bash scripts/gpu-bundle.sh
+#   TESSERA_GPU_BUNDLE_SKIP='gpu_platform qsync_throughput' bash scripts/gpu-bundle.sh
 #   TESSERA_GPU_BUNDLE=.gpu-bundle-2 \
 #     TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh
 #
@@ -47,8 +48,8 @@ if wanted qsync_throughput; then
     [[ -f "$reviews" ]] || die "no $reviews (qsync_throughput's data): run scripts/fetch-datasets.sh"
 fi
 digits="$assets/datasets/digits.csv"
-if wanted gpu_training; then
-    [[ -f "$digits" ]] || die "no $digits (gpu_training's data): run scripts/fetch-datasets.sh"
+if wanted gpu_platform; then
+    [[ -f "$digits" ]] || die "no $digits (gpu_platform's data): run scripts/fetch-datasets.sh"
 fi
 for tool in xz strip tar; do
     command -v "$tool" >/dev/null || die "$tool is required"
@@ -67,7 +68,7 @@ wanted cuda_training && worker_targets+=(--test cuda_training)
 wanted cuda_embeddings && worker_targets+=(--test cuda_embeddings)
 # The server is a CPU program; it is built here only so the GPU machine has one to talk to.
 end_to_end_targets=()
-wanted gpu_training && end_to_end_targets+=(-p tessera-server --bin tessera-server -p tessera-tests --test gpu_training)
+wanted gpu_platform && end_to_end_targets+=(-p tessera-server --bin tessera-server -p tessera-tests --test gpu_platform)
 bench_targets=()
 wanted gpu_serving && bench_targets+=(--bin gpu_serving)
 wanted qsync_throughput && bench_targets+=(--bin qsync_throughput)
@@ -140,7 +141,7 @@ with open(dst, "wb") as f:
 PY
 staged=(all-MiniLM-L6-v2)
 wanted qsync_throughput && cp "$reviews" "$bundle/stage/datasets/"
-wanted gpu_training && cp "$digits" "$bundle/stage/datasets/"
+wanted gpu_platform && cp "$digits" "$bundle/stage/datasets/"
 [[ -n "$(ls "$bundle/stage/datasets")" ]] && staged+=(datasets)
 # f16 weights shrink only about 10% under xz, but every MiB counts here.
 tar -C "$bundle/stage" -cf - "${staged[@]}" | xz -9e -T2 >"$bundle/assets.tar.xz"
@@ -179,10 +180,10 @@ if ((bundle_bytes > limit_mib * 1048576 || bundle_bytes + tree_bytes > carry_mib
     log "TOO BIG: the bundle must stay under $limit_mib MiB, and under $carry_mib MiB with the tree. What it holds:"
     (cd "$bundle" && du -b bin/*.xz assets.tar.xz | sort -rn | while read -r b f; do log "  $(mib "$b")  $f"; done)
     log "Leave out what this session's GPU run does not need, and rerun, e.g.:"
-    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
-    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_training qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all)"
-    log "  TESSERA_GPU_BUNDLE=.gpu-bundle-2 TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh train qsync-gpu)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_serving gpu_platform qsync_throughput' bash scripts/gpu-bundle.sh   (tests only: gpu-run.sh tests)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_platform qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh bench)"
+    log "  TESSERA_GPU_BUNDLE_SKIP='gpu_platform qsync_throughput' bash scripts/gpu-bundle.sh   (gpu-run.sh all)"
+    log "  TESSERA_GPU_BUNDLE=.gpu-bundle-2 TESSERA_GPU_BUNDLE_SKIP='cuda_kernels cuda_training cuda_embeddings gpu_serving' bash scripts/gpu-bundle.sh   (gpu-run.sh platform qsync-gpu)"
     log "(gpu-run.sh's first step, the worker's start-up GPU check, needs tessera-worker)"
     exit 1
 fi

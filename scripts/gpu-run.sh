@@ -6,8 +6,10 @@
 #              build fits this GPU and driver), then the kernel and training tests
 #              (cuda_kernels, cuda_training: each test in its own process, so one fault cannot
 #              poison the rest) and the end-to-end GPU-vs-CPU embeddings test: all in tests.txt;
-#   train      a short training job through the server and the cuda worker (the digits MLP on
-#              CUDA device 0: loss falls, checkpoints written; tests/gpu_training.rs): tests.txt;
+#   platform   the server and the cuda worker (tests/gpu_platform.rs): a short training job
+#              (the digits MLP on CUDA device 0: loss falls, checkpoints written), and a MiniLM
+#              replica served by an engine process bound to a slice of the GPU as it is
+#              partitioned (embeddings against the CPU engine's; a burst's req/s): tests.txt;
 #   bench      the GPU serving benchmark: gpu_serving.{txt,json,md};
 #   qsync-cpu  the QSync hybrid throughput benchmark on this host's real unequal devices: CPU
 #              ranks of 12 and 4 threads (the machine has 16 cores): qsync_throughput.{txt,md,json};
@@ -19,13 +21,13 @@
 # most 8 files, what the device tool brings back. Steps run even when an earlier one fails;
 # the exit status is the first failure's. Copy the .md and .json results into bench/results/.
 #
-#   bash scripts/gpu-run.sh [all|tests|bench|train|qsync-cpu|qsync-gpu]...   (on the GPU machine; from the repo root)
+#   bash scripts/gpu-run.sh [all|tests|bench|platform|qsync-cpu|qsync-gpu]...   (on the GPU machine; from the repo root)
 #
 # The device tool allows 10 minutes a command, and a lease may have less left: every step's
 # limit is cut to what is left of GPU_RUN_SECONDS (default 570) since the script started, and
 # a step with under 15 s left is not run, so the call ends inside it whatever hangs. Limits:
-# start-up check 40 s, kernel and training tests 120 in all, end to end 90, the training job
-# 150, the benchmark 240 (540 when nothing follows it), each qsync configuration 540. The
+# start-up check 40 s, kernel and training tests 120 in all, end to end 90, the platform
+# tests 180, the benchmark 240 (540 when nothing follows it), each qsync configuration 540. The
 # benchmarks write their results as they go (gpu_serving after every config, qsync_throughput
 # when its configuration ends), so a cut-short benchmark still brings back what it finished.
 set -uo pipefail
@@ -35,7 +37,7 @@ cd "$repo"  # gpu_serving finds bench/scripts/hf_transformers_gpu.py relative to
 steps=" ${*:-all} "
 steps="${steps// all / tests bench }"
 for step in $steps; do
-    [[ " tests bench train qsync-cpu qsync-gpu " == *" $step "* ]] || { echo "unknown step $step: use all, tests, bench, train, qsync-cpu or qsync-gpu" >&2; exit 2; }
+    [[ " tests bench platform qsync-cpu qsync-gpu " == *" $step "* ]] || { echo "unknown step $step: use all, tests, bench, platform, qsync-cpu or qsync-gpu" >&2; exit 2; }
 done
 wants() { [[ "$steps" == *" $1 "* ]]; }
 deadline=$((SECONDS + ${GPU_RUN_SECONDS:-570}))
@@ -193,12 +195,12 @@ if wants tests; then
         run cuda_embeddings tests 90 "$bin/cuda_embeddings" --test-threads=1 --nocapture
     fi
 fi
-if wants train; then
-    # 4. A short training job: the test starts the server (a CPU program) and the cuda worker,
-    # which trains the digits MLP on CUDA device 0 (150 s).
-    if have gpu_training && have tessera-server && have tessera-worker; then
+if wants platform; then
+    # 4. The tests start the server (a CPU program) and the cuda worker, which trains the
+    # digits MLP on CUDA device 0, then serves MiniLM from a slice of the GPU (180 s).
+    if have gpu_platform && have tessera-server && have tessera-worker; then
         export TESSERA_SERVER_BIN="$bin/tessera-server" TESSERA_WORKER_BIN="$bin/tessera-worker"
-        run gpu_training tests 150 "$bin/gpu_training" --nocapture
+        run gpu_platform tests 180 "$bin/gpu_platform" --test-threads=1 --nocapture
     fi
 fi
 if wants bench; then
