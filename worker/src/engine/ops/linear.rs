@@ -11,8 +11,9 @@
 //! BLAS Functionality", TOMS 2015, §3 and Fig. 2): a 6×16 register tile, a `KC × 16` weight
 //! panel kept in L1, an `MC × KC` block of activations kept in L2. It departs from BLIS in
 //! reading the activations in place rather than packing them (rows are short and contiguous;
-//! packing cost more than it saved here), in parallelising only over row blocks (M is the
-//! token count, large; N is at most a few thousand), and in fusing the bias/GELU epilogue.
+//! packing cost more than it saved here), in parallelising over row blocks first (M is the
+//! token count, large; N is at most a few thousand) and over column panels only where the
+//! rows run short of the pool's threads ([`tasks`]), and in fusing the bias/GELU epilogue.
 //!
 //! Without AVX2+FMA the op computes the same result with plain loops; the model code uses
 //! candle's matmul there instead (see `layer.rs`).
@@ -111,18 +112,48 @@ fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
     let kc = k.div_ceil(blocks);
     let panels = n.div_ceil(NR);
     let mut data = vec![0f32; blocks * panels * kc * NR];
-    for (blk, p0) in (0..k).step_by(kc).enumerate() {
-        let depth = kc.min(k - p0);
-        for panel in 0..panels {
-            let base = (blk * panels + panel) * kc * NR;
-            for kk in 0..depth {
-                for j in 0..NR.min(n - panel * NR) {
-                    data[base + kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
-                }
+    data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
+        let (p0, panel) = (i / panels * kc, i % panels);
+        for kk in 0..kc.min(k - p0) {
+            for j in 0..NR.min(n - panel * NR) {
+                chunk[kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
             }
         }
-    }
+    });
     Panels::F32 { kc, data }
+}
+
+/// One task of a parallel GEMM: `rows` rows from `first_row`, across the column panels
+/// `panels`, over the whole depth.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Task {
+    first_row: usize,
+    rows: usize,
+    panels: std::ops::Range<usize>,
+}
+
+/// Cuts a GEMM of `m` rows and `panels` column panels into about two tasks for each thread
+/// of the current rayon pool, so that a pool of any size gets work (a cut into four row
+/// blocks suited two cores, but kept a 12-thread training rank at 4 to 8 busy threads).
+/// Rows are cut first, into blocks of at most `mc_max` (a multiple of `mr`), as a block
+/// reuses every weight panel across its rows; where the rows run short, the panels are cut
+/// too. Each output is still summed by one task over the whole depth in the same order, so
+/// no cut changes a result.
+fn tasks(m: usize, panels: usize, mr: usize, mc_max: usize) -> Vec<Task> {
+    let wanted = 2 * rayon::current_num_threads().max(1);
+    let mc = m.div_ceil(wanted).next_multiple_of(mr).clamp(mr, mc_max);
+    let groups = wanted.div_ceil(m.div_ceil(mc).max(1)).clamp(1, panels.max(1));
+    let per_task = panels.div_ceil(groups).max(1);
+    (0..m)
+        .step_by(mc)
+        .flat_map(|first_row| {
+            (0..panels).step_by(per_task).map(move |p| Task {
+                first_row,
+                rows: mc.min(m - first_row),
+                panels: p..(p + per_task).min(panels),
+            })
+        })
+        .collect()
 }
 
 /// The f32 weights' panel for one depth block and group of 16 columns.
@@ -186,17 +217,19 @@ impl<'a> MatRef<'a> {
             return std::borrow::Cow::Borrowed(&self.data[..self.rows * self.cols]);
         }
         let mut out = vec![0f32; self.rows * self.cols];
-        // Row-major writes; a transposed read walks the source in blocks to stay in cache.
+        // Row-major writes, B rows to a task; a transposed read walks the source in B × B
+        // blocks to stay in cache.
         const B: usize = 32;
-        for i0 in (0..self.rows).step_by(B) {
+        out.par_chunks_mut(B * self.cols.max(1)).enumerate().for_each(|(block, rows)| {
+            let i0 = block * B;
             for j0 in (0..self.cols).step_by(B) {
-                for i in i0..(i0 + B).min(self.rows) {
+                for (r, row) in rows.chunks_exact_mut(self.cols).enumerate() {
                     for j in j0..(j0 + B).min(self.cols) {
-                        out[i * self.cols + j] = self.at(i, j);
+                        row[j] = self.at(i0 + r, j);
                     }
                 }
             }
-        }
+        });
         std::borrow::Cow::Owned(out)
     }
 }
@@ -361,13 +394,10 @@ fn gemm_avx2(
     act: Activation,
     out: &mut [f32],
 ) {
-    // Enough row blocks that both cores get work even for a few hundred tokens.
-    let mc = (m.div_ceil(4).next_multiple_of(MR)).clamp(MR, MC_MAX);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    let blocks: Vec<usize> = (0..m).step_by(mc).collect();
     let block_count = k.div_ceil(kc);
-    blocks.par_iter().with_max_len(1).for_each(|&i0| {
-        let rows = mc.min(m - i0);
+    tasks(m, n.div_ceil(NR), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
+        let (i0, rows) = (task.first_row, task.rows);
         for (blk, p0) in (0..k).step_by(kc).enumerate() {
             let tile = TileArgs {
                 first: blk == 0,
@@ -375,7 +405,7 @@ fn gemm_avx2(
                 act,
                 depth: kc.min(k - p0),
             };
-            for panel in 0..n.div_ceil(NR) {
+            for panel in task.panels.clone() {
                 let b = f32_panel(data, kc, n, blk, panel);
                 let cols = NR.min(n - panel * NR);
                 for ir in (0..rows).step_by(MR) {
@@ -385,8 +415,8 @@ fn gemm_avx2(
                     let a: [*const f32; MR] = std::array::from_fn(|r| {
                         x[(i0 + ir + r.min(tile_rows - 1)) * k + p0..].as_ptr()
                     });
-                    // SAFETY: AVX2+FMA detected by the caller; the tile's output rows belong
-                    // to this row block alone; each `a` row has `depth` values from p0.
+                    // SAFETY: AVX2+FMA detected by the caller; the tile belongs to this task
+                    // alone; each `a` row has `depth` values from p0.
                     unsafe {
                         let c = out_ptr.at((i0 + ir) * n + panel * NR);
                         let dst = Dst {
@@ -724,6 +754,70 @@ mod tests {
             let a_tt = a_m.t().to_row_major().into_owned();
             let again = MatRef::row_major(&a_tt, k, m).unwrap().t();
             assert_eq!(gemm_nt_bf16(again, b_t, Some(&bias)).unwrap(), got);
+        }
+    }
+
+    fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
+    }
+
+    #[test]
+    fn tasks_cover_every_output_once_and_feed_every_thread() {
+        let (mr, mc_max) = (8, 128);
+        for threads in [1, 2, 3, 12, 16] {
+            for m in [1, 5, 8, 100, 300, 2048, 5000] {
+                for panels in [1, 3, 24, 96] {
+                    let tasks = in_pool(threads, || tasks(m, panels, mr, mc_max));
+                    let mut covered = vec![0u8; m * panels];
+                    for t in &tasks {
+                        assert!(t.rows <= mc_max && !t.panels.is_empty(), "{t:?}");
+                        assert!(t.rows % mr == 0 || t.first_row + t.rows == m, "a ragged block ends the rows: {t:?}");
+                        for row in t.first_row..t.first_row + t.rows {
+                            for panel in t.panels.clone() {
+                                covered[row * panels + panel] += 1;
+                            }
+                        }
+                    }
+                    assert!(covered.iter().all(|c| *c == 1), "{threads} threads, m {m}, {panels} panels: {tasks:?}");
+                    // Every thread gets work wherever the tiles allow it.
+                    let tiles = m.div_ceil(mr) * panels;
+                    assert!(tasks.len() >= threads.min(tiles), "{threads} threads, m {m}, {panels} panels: {} tasks", tasks.len());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_number_of_threads() {
+        let mut rng = Rng::new(45);
+        // A few rows (the panels are cut too) and many (only the rows are).
+        for (m, k, n) in [(9, 301, 150), (300, 384, 96)] {
+            let x = rng.tensor(&[m, k], 1.0);
+            let w = rng.tensor(&[n, k], 0.1);
+            let b = rng.tensor(&[n], 0.5);
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let ws = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let quantised = |v: &[f32]| -> Vec<i8> { v.iter().map(|v| (v * 100.0).round().clamp(-127.0, 127.0) as i8).collect() };
+            let (xq, wq) = (quantised(&xs), quantised(&ws));
+            let run = |threads: usize| {
+                in_pool(threads, || {
+                    let linear: Vec<Vec<f32>> = available_inputs()
+                        .into_iter()
+                        .map(|(inputs, _)| {
+                            let op = Linear { weight: Arc::new(PackedWeight::new(&w, inputs).unwrap()), activation: Activation::Gelu };
+                            x.apply_op2_no_bwd(&b, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+                        })
+                        .collect();
+                    let a = MatRef::row_major(&xs, m, k).unwrap();
+                    let bf16 = gemm_nt_bf16(a, MatRef::row_major(&ws, n, k).unwrap(), None).unwrap();
+                    let transposed = MatRef::row_major(&xs, m, k).unwrap().t().to_row_major().into_owned();
+                    (linear, bf16, gemm_nt_i8(&xq, &wq, (m, k, n)).unwrap(), transposed)
+                })
+            };
+            let one = run(1);
+            for threads in [2, 7] {
+                assert!(run(threads) == one, "[{m}, {k}, {n}] on {threads} threads differs from one thread");
+            }
         }
     }
 

@@ -12,7 +12,7 @@
 //! Same blocking as the f32 kernel (see the parent module), with the depth taken in pairs:
 //! an 8×32 register tile (16 zmm accumulators), weight panels of `kc/2` pairs × 32 columns.
 
-use super::{Activation, Dst, TileArgs, KC_MAX};
+use super::{tasks, Activation, Dst, TileArgs, KC_MAX};
 use crate::engine::ops::SharedMut;
 use rayon::prelude::*;
 
@@ -39,22 +39,20 @@ impl Panels {
 
     /// Packs the `[n, k]` matrix whose element `(j, p)` is `at(j, p)`, so training can pack a
     /// transposed view (`Wᵀ`, `Xᵀ`) without copying it first.
-    pub fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> f32) -> Self {
+    /// Training packs both operands on every call, so the panels are packed in parallel.
+    pub fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> Self {
         let blocks = k.div_ceil(KC_MAX).max(1);
         let kc = k.div_ceil(blocks).next_multiple_of(2);
         let panels = n.div_ceil(NR);
         let mut data = vec![0u16; k.div_ceil(kc).max(1) * panels * kc * NR];
-        for (blk, p0) in (0..k).step_by(kc).enumerate() {
-            for panel in 0..panels {
-                let base = (blk * panels + panel) * kc * NR;
-                for kk in 0..kc.min(k - p0) {
-                    for j in 0..NR.min(n - panel * NR) {
-                        let slot = base + (kk / 2) * 2 * NR + 2 * j + kk % 2;
-                        data[slot] = to_bf16(at(panel * NR + j, p0 + kk));
-                    }
+        data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
+            let (p0, panel) = (i / panels * kc, i % panels);
+            for kk in 0..kc.min(k - p0) {
+                for j in 0..NR.min(n - panel * NR) {
+                    chunk[(kk / 2) * 2 * NR + 2 * j + kk % 2] = to_bf16(at(panel * NR + j, p0 + kk));
                 }
             }
-        }
+        });
         Self { kc, data }
     }
 
@@ -92,13 +90,10 @@ pub(super) unsafe fn gemm(
     out: &mut [f32],
 ) {
     let pairs = k.div_ceil(2);
-    // Enough row blocks that both cores get work even for a few hundred tokens.
-    let mc = (m.div_ceil(4).next_multiple_of(MR)).clamp(MR, MC_MAX);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    let blocks: Vec<usize> = (0..m).step_by(mc).collect();
     let block_count = k.div_ceil(w.kc);
-    blocks.par_iter().with_max_len(1).for_each(|&i0| {
-        let rows = mc.min(m - i0);
+    tasks(m, n.div_ceil(NR), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
+        let (i0, rows) = (task.first_row, task.rows);
         // This block's activations as bf16 pairs, one row of `pairs` after another.
         let mut a = vec![0u32; rows * pairs];
         for (r, packed) in a.chunks_exact_mut(pairs).enumerate() {
@@ -111,7 +106,7 @@ pub(super) unsafe fn gemm(
                 act,
                 depth: w.kc.min(k - p0).div_ceil(2),
             };
-            for panel in 0..n.div_ceil(NR) {
+            for panel in task.panels.clone() {
                 let b = w.panel(n, blk, panel);
                 let cols = NR.min(n - panel * NR);
                 for ir in (0..rows).step_by(MR) {
@@ -126,8 +121,8 @@ pub(super) unsafe fn gemm(
                         rows: tile_rows,
                         cols,
                     };
-                    // SAFETY: the caller checked the CPU; the tile's output rows belong to this
-                    // row block alone; each `a` row has `depth` pairs from p0 / 2.
+                    // SAFETY: the caller checked the CPU; the tile belongs to this task alone;
+                    // each `a` row has `depth` pairs from p0 / 2.
                     kernel_8x32(&tile, a_rows, b, &bias[panel * NR..], dst);
                 }
             }

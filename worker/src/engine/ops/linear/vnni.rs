@@ -12,6 +12,7 @@
 //! register tile (16 zmm accumulators), weight panels of `kc/4` quads × 32 columns. Without
 //! AVX512-VNNI the same sums come from plain loops.
 
+use super::tasks;
 use crate::engine::ops::has_avx512_vnni;
 use rayon::prelude::*;
 
@@ -40,18 +41,17 @@ impl Panels {
         let kc = k.div_ceil(blocks).next_multiple_of(4);
         let panels = n.div_ceil(NR);
         let mut data = vec![0i8; k.div_ceil(kc).max(1) * panels * kc * NR];
-        for (blk, p0) in (0..k).step_by(kc).enumerate() {
-            for panel in 0..panels {
-                let base = (blk * panels + panel) * kc * NR;
-                for kk in 0..kc.min(k - p0) {
-                    for j in 0..NR.min(n - panel * NR) {
-                        let slot = base + (kk / 4) * 4 * NR + 4 * j + kk % 4;
-                        data[slot] = w[(panel * NR + j) * k + p0 + kk];
-                    }
+        // Training packs the weights on every call: in parallel.
+        data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
+            let (p0, panel) = (i / panels * kc, i % panels);
+            for kk in 0..kc.min(k - p0) {
+                for j in 0..NR.min(n - panel * NR) {
+                    chunk[(kk / 4) * 4 * NR + 4 * j + kk % 4] = w[(panel * NR + j) * k + p0 + kk];
                 }
             }
-        }
+        });
         let col_sums = (0..n)
+            .into_par_iter()
             .map(|j| w[j * k..(j + 1) * k].iter().map(|v| *v as i32).sum())
             .collect();
         Self { kc, data, col_sums }
@@ -98,12 +98,9 @@ pub(super) fn gemm_scalar(x: &[i8], (_, k, n): (usize, usize, usize), w: &Panels
 /// The CPU must have AVX512F and AVX512-VNNI.
 unsafe fn gemm_vnni(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out: &mut [i32]) {
     let quads = k.div_ceil(4);
-    // Enough row blocks that both cores get work even for a few hundred rows.
-    let mc = (m.div_ceil(4).next_multiple_of(MR)).clamp(MR, MC_MAX);
     let out_ptr = SharedMutI32(out.as_mut_ptr());
-    let blocks: Vec<usize> = (0..m).step_by(mc).collect();
-    blocks.par_iter().with_max_len(1).for_each(|&i0| {
-        let rows = mc.min(m - i0);
+    tasks(m, n.div_ceil(NR), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
+        let (i0, rows) = (task.first_row, task.rows);
         // This block's activations offset to u8, four to an i32, a row of `quads` after
         // another; the padding past `k` meets zero weights.
         let mut a = vec![0u32; rows * quads];
@@ -125,7 +122,7 @@ unsafe fn gemm_vnni(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out:
         }
         for (blk, p0) in (0..k).step_by(w.kc).enumerate() {
             let depth = w.kc.min(k - p0).div_ceil(4);
-            for panel in 0..n.div_ceil(NR) {
+            for panel in task.panels.clone() {
                 let b = w.panel(n, blk, panel);
                 let cols = NR.min(n - panel * NR);
                 for ir in (0..rows).step_by(MR) {
@@ -142,17 +139,18 @@ unsafe fn gemm_vnni(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out:
                         first: blk == 0,
                         depth,
                     };
-                    // SAFETY: the caller checked the CPU; the tile's output rows belong to this
-                    // row block alone; each `a` row has `depth` quads from p0 / 4.
+                    // SAFETY: the caller checked the CPU; the tile belongs to this task alone;
+                    // each `a` row has `depth` quads from p0 / 4.
                     kernel_8x32(&tile, a_rows, b);
                 }
             }
         }
-        // The +128 offset, taken back: Σ (a + 128)·w − 128·Σ w.
+        // The +128 offset, taken back from this task's columns: Σ (a + 128)·w − 128·Σ w.
+        let columns = task.panels.start * NR..(task.panels.end * NR).min(n);
         for r in 0..rows {
             let row = out_ptr.at((i0 + r) * n);
-            for (j, sum) in w.col_sums.iter().enumerate() {
-                *row.add(j) -= 128 * sum;
+            for j in columns.clone() {
+                *row.add(j) -= 128 * w.col_sums[j];
             }
         }
     });
@@ -217,10 +215,10 @@ unsafe fn kernel_8x32(t: &Tile, a: [*const u32; MR], b: *const i8) {
     }
 }
 
-/// A raw i32 output pointer shared by workers that write disjoint rows of one buffer.
+/// A raw i32 output pointer shared by tasks that write disjoint tiles of one buffer.
 #[derive(Clone, Copy)]
 struct SharedMutI32(*mut i32);
-// SAFETY: every row block writes only its own rows, and the buffer outlives the loop.
+// SAFETY: every task writes only its own rows × columns, and the buffer outlives the loop.
 unsafe impl Send for SharedMutI32 {}
 unsafe impl Sync for SharedMutI32 {}
 
