@@ -146,11 +146,12 @@ unsafe fn gemm_vnni(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out:
             }
         }
         // The +128 offset, taken back from this task's columns: Σ (a + 128)·w − 128·Σ w.
-        let columns = task.panels.start * NR..(task.panels.end * NR).min(n);
+        let first = task.panels.start * NR;
+        let sums = &w.col_sums[first..(task.panels.end * NR).min(n)];
         for r in 0..rows {
-            let row = out_ptr.at((i0 + r) * n);
-            for j in columns.clone() {
-                *row.add(j) -= 128 * w.col_sums[j];
+            let row = out_ptr.at((i0 + r) * n + first);
+            for (j, sum) in sums.iter().enumerate() {
+                *row.add(j) -= 128 * sum;
             }
         }
     });
