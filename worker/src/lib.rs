@@ -7,6 +7,7 @@ pub mod collective;
 pub mod engine;
 pub mod inventory;
 pub mod jobs;
+pub mod memory;
 pub mod serve;
 pub mod slices;
 pub mod train;

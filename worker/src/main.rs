@@ -74,11 +74,15 @@ struct EngineCli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let kept = tessera_worker::memory::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
+    if !kept {
+        tracing::warn!("the C library refused the heap settings; CPU training may spend its time zeroing pages");
+    }
     if std::env::args().nth(1).as_deref() == Some("engine") {
         let engine = EngineCli::parse_from(std::env::args().skip(1));
         return Ok(run_engine(engine.args).await?);

@@ -623,6 +623,8 @@ const ENCODER_STEPS: u64 = 100;
 const ENCODER_LR: f64 = 1e-4;
 
 fn main() -> anyhow::Result<()> {
+    // As the worker runs its ranks.
+    tessera_worker::memory::keep_freed_memory();
     let cli = Cli::parse();
     let assets = assets_dir(cli.assets.clone());
     let seeds: Vec<u64> = (1..=if cli.quick { 2 } else { cli.seeds.max(1) }).collect();

@@ -401,6 +401,8 @@ fn ratio_text(a: f64, b: f64) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the worker runs its ranks.
+    tessera_worker::memory::keep_freed_memory();
     let cli = Cli::parse();
     anyhow::ensure!(
         cli.threads.len() == 2 && cli.threads.iter().all(|&t| t > 0),
