@@ -81,7 +81,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     if !kept {
-        tracing::warn!("the C library refused the heap settings; CPU training may spend its time zeroing pages");
+        tracing::warn!("heap settings not applied (not glibc, or glibc refused them): CPU training may spend its time zeroing pages");
     }
     if std::env::args().nth(1).as_deref() == Some("engine") {
         let engine = EngineCli::parse_from(std::env::args().skip(1));
