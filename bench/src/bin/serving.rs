@@ -3,10 +3,10 @@
 //! 256 tokens), all in one run so the ratios share this machine's noise:
 //!
 //! 1. in process, batches of 32 texts in arrival order, tokenization included: the packed
-//!    engine (as the worker loads it by default, and with f32 GEMMs where that default is
-//!    bf16) against candle-transformers' padded `BertModel` (each batch padded to its
-//!    longest, masked mean pooling, L2 normalisation); then all at batch sizes equal to
-//!    the HTTP concurrency levels;
+//!    engine (as the worker loads it by default, and with the other of f32 and bf16 GEMMs
+//!    where the CPU has both) against candle-transformers' padded `BertModel` (each batch
+//!    padded to its longest, masked mean pooling, L2 normalisation); then all at batch
+//!    sizes equal to the HTTP concurrency levels;
 //! 2. sentence-transformers on PyTorch CPU over the same texts (bench/scripts/
 //!    sentence_transformers_baseline.py as a subprocess), when a Python with it is found;
 //! 3. the release `tessera-server` and `tessera-worker` on loopback, one deployment with the
@@ -37,7 +37,7 @@ use clap::{Parser, ValueEnum};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use tessera_worker::engine::{EmbeddingModel, LoadOptions};
+use tessera_worker::engine::{EmbeddingModel, EngineError, LoadOptions};
 
 /// Serving benchmark: packed engine vs padded candle vs sentence-transformers, and the
 /// real server + worker over HTTP.
@@ -342,18 +342,21 @@ impl Comparison {
 }
 
 struct InProcess {
-    /// The engine as the worker loads it by default (bf16 GEMMs on a CPU with AVX512-BF16),
-    /// then with f32 GEMMs where that is not the default.
+    /// The engine as the worker loads it by default (bf16 GEMMs where the CPU has AVX512-BF16
+    /// and runs them clearly faster, else f32), then with the other of the two where the CPU
+    /// has it.
     engines: Vec<EmbeddingModel>,
     padded: PaddedBert,
 }
 
 impl InProcess {
     fn load(model_dir: &Path, default: EmbeddingModel) -> Result<InProcess> {
+        let other = if default.gemm_dtype() == "f32" { DType::BF16 } else { DType::F32 };
         let mut engines = vec![default];
-        if engines[0].gemm_dtype() != "f32" {
-            let f32_gemms = LoadOptions { dtype: Some(DType::F32), ..LoadOptions::default() };
-            engines.push(EmbeddingModel::load_with(model_dir, &f32_gemms).context("loading the engine with f32 GEMMs")?);
+        match EmbeddingModel::load_with(model_dir, &LoadOptions { dtype: Some(other), ..LoadOptions::default() }) {
+            Ok(engine) => engines.push(engine),
+            Err(EngineError::Unsupported(why)) => println!("engine with {other:?} GEMMs not measured: {why}"),
+            Err(e) => return Err(e).context(format!("loading the engine with {other:?} GEMMs")),
         }
         Ok(InProcess { engines, padded: PaddedBert::load(model_dir)? })
     }

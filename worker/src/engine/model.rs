@@ -25,8 +25,8 @@ pub struct LoadOptions {
     /// Element type the GEMMs multiply in, always accumulating in f32. On a CUDA device it is
     /// also the weights' and activations' type (f32, f16 or bf16; f32 when unset). On the CPU
     /// it is f32, or bf16 on a CPU with AVX512-BF16 (weights and the GEMMs' inputs rounded to
-    /// bf16, everything else f32, about twice as fast); unset, the CPU takes bf16 where it
-    /// has it, as OpenVINO's CPU plugin does.
+    /// bf16, everything else f32); unset, the CPU takes bf16 where it has it and runs it
+    /// clearly faster (`GemmInputs::fastest`), as OpenVINO's CPU plugin does.
     pub dtype: Option<DType>,
 }
 

@@ -50,7 +50,8 @@ impl Policy {
 /// `engine::LoadOptions::dtype`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum CpuPrecision {
-    /// bf16 where the CPU has AVX512-BF16, else f32.
+    /// bf16 where the CPU has AVX512-BF16 and runs it clearly faster, else f32
+    /// (`GemmInputs::fastest`).
     #[default]
     Auto,
     F32,

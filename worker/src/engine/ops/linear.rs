@@ -19,11 +19,13 @@
 //! candle's matmul there instead (see `layer.rs`).
 
 use super::vector_math::gelu_scalar;
-use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, SharedMut};
+use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, has_avx512f, SharedMut};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod bf16;
 mod vnni;
 
@@ -53,14 +55,82 @@ pub enum GemmInputs {
 }
 
 impl GemmInputs {
-    /// bf16 where the CPU multiplies it natively, else f32.
+    /// bf16 where the CPU multiplies it natively and clearly faster, else f32. AVX512-BF16
+    /// alone does not say which: on AMD Zen 4 the bf16 kernel runs 2.4–3.3× faster than f32
+    /// (bench/results/qsync_gemm.md), on an Intel Xeon without AMX no faster, as
+    /// `vdpbf16ps` does the multiply-adds of two f32 FMAs (bench/results/cpu_gemm_tasks.md),
+    /// and there bf16 would cost precision for nothing. So the first call times both kernels
+    /// on an encoder-sized GEMM ([`measure_bf16_speedup`]) and the answer holds for the process.
     pub fn fastest() -> Self {
-        if has_avx512_bf16() {
+        static CHOICE: std::sync::OnceLock<GemmInputs> = std::sync::OnceLock::new();
+        *CHOICE.get_or_init(|| {
+            if !has_avx512_bf16() {
+                return Self::F32;
+            }
+            match measure_bf16_speedup() {
+                Ok(speedup) => {
+                    let choice = Self::by_speedup(speedup);
+                    tracing::info!("bf16 GEMMs run {speedup:.2}x as fast as f32 on this CPU: using {choice:?}");
+                    choice
+                }
+                Err(err) => {
+                    tracing::warn!("timing the bf16 GEMM failed ({err}): using f32");
+                    Self::F32
+                }
+            }
+        })
+    }
+
+    /// bf16 only where it is at least [`BF16_WORTH`] times as fast as f32.
+    fn by_speedup(speedup: f64) -> Self {
+        if speedup >= BF16_WORTH {
             Self::Bf16
         } else {
             Self::F32
         }
     }
+}
+
+/// How much faster the bf16 GEMM must be for `GemmInputs::fastest` to give up f32's
+/// precision for it. The two kinds of CPU measured sit far on either side (≈1× and 2.4×), so
+/// a timing disturbed by other work does not flip the choice.
+const BF16_WORTH: f64 = 1.3;
+
+/// f32 time over bf16 time of one GEMM the size of a MiniLM feed-forward layer over 128
+/// tokens (`[128, 384] · [1536, 384]ᵀ`, ~0.15 GFLOP) on the current pool: the median of 5
+/// timings of each, interleaved, after one untimed call of each. Errors on a CPU without
+/// AVX512-BF16.
+pub fn measure_bf16_speedup() -> Result<f64> {
+    let (m, k, n) = (128, 384, 1536);
+    // Any values do: the kernels' speed does not depend on them.
+    let values = |len: usize, scale: f32| -> Vec<f32> {
+        (0..len).map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * scale).collect()
+    };
+    let device = candle_core::Device::Cpu;
+    let x = Tensor::from_vec(values(m * k, 2.0), (m, k), &device)?;
+    let weight = Tensor::from_vec(values(n * k, 0.1), (n, k), &device)?;
+    let bias = Tensor::zeros(n, candle_core::DType::F32, &device)?;
+    let op = |inputs| -> Result<Linear> {
+        Ok(Linear { weight: Arc::new(PackedWeight::new(&weight, inputs)?), activation: Activation::None })
+    };
+    let (f32_op, bf16_op) = (op(GemmInputs::F32)?, op(GemmInputs::Bf16)?);
+    let time = |op: &Linear| -> Result<f64> {
+        let started = std::time::Instant::now();
+        x.apply_op2_no_bwd(&bias, op)?;
+        Ok(started.elapsed().as_secs_f64())
+    };
+    time(&f32_op)?;
+    time(&bf16_op)?;
+    let (mut f32_secs, mut bf16_secs) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        f32_secs.push(time(&f32_op)?);
+        bf16_secs.push(time(&bf16_op)?);
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(median(f32_secs) / median(bf16_secs))
 }
 
 /// A weight matrix packed once, at load, for one of the micro-kernels.
@@ -276,12 +346,7 @@ pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Resul
     let Panels::F32 { kc, data } = pack_f32(&w, n, k) else {
         unreachable!("pack_f32 packs f32 panels")
     };
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        gemm_avx2(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
-        return Ok(out);
-    }
-    gemm_scalar(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
+    gemm_f32(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
     Ok(out)
 }
 
@@ -339,13 +404,7 @@ impl CustomOp2 for Linear {
         }
         let shape = (m, k, w.n);
         match &w.panels {
-            #[cfg(target_arch = "x86_64")]
-            Panels::F32 { kc, data } if has_avx2_fma() => {
-                gemm_avx2(x, shape, (data, *kc), bias, self.activation, &mut out)
-            }
-            Panels::F32 { kc, data } => {
-                gemm_scalar(x, shape, (data, *kc), bias, self.activation, &mut out)
-            }
+            Panels::F32 { kc, data } => gemm_f32(x, shape, (data, *kc), bias, self.activation, &mut out),
             // SAFETY: bf16 panels are only packed on a CPU with AVX512-BF16.
             #[cfg(target_arch = "x86_64")]
             Panels::Bf16(panels) => unsafe {
@@ -356,6 +415,30 @@ impl CustomOp2 for Linear {
         }
         Ok((CpuStorage::F32(out), Shape::from((m, w.n))))
     }
+}
+
+/// The f32 GEMM on the widest kernel the CPU has: AVX-512, AVX2 (the two bit-identical), or
+/// plain loops.
+fn gemm_f32(
+    x: &[f32],
+    shape: (usize, usize, usize),
+    weights: (&[f32], usize),
+    bias: &[f32],
+    act: Activation,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512f() {
+        // SAFETY: AVX512F and AVX2+FMA detected just above.
+        unsafe { avx512::gemm(x, shape, weights, bias, act, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        gemm_avx2(x, shape, weights, bias, act, out);
+        return;
+    }
+    gemm_scalar(x, shape, weights, bias, act, out);
 }
 
 /// Reference path: the same packed weights, plain loops.
@@ -588,6 +671,22 @@ mod tests {
     }
 
     #[test]
+    fn bf16_is_chosen_only_where_it_is_clearly_faster() {
+        assert_eq!(GemmInputs::by_speedup(1.0), GemmInputs::F32);
+        assert_eq!(GemmInputs::by_speedup(1.29), GemmInputs::F32);
+        assert_eq!(GemmInputs::by_speedup(BF16_WORTH), GemmInputs::Bf16);
+        assert_eq!(GemmInputs::by_speedup(2.4), GemmInputs::Bf16);
+        if !has_avx512_bf16() {
+            assert_eq!(GemmInputs::fastest(), GemmInputs::F32);
+            assert!(measure_bf16_speedup().is_err(), "no bf16 kernel to time without AVX512-BF16");
+            return;
+        }
+        let speedup = measure_bf16_speedup().unwrap();
+        eprintln!("bf16 GEMM speed-up on this CPU: {speedup:.2}x");
+        assert!(speedup.is_finite() && speedup > 0.1 && speedup < 20.0, "{speedup}");
+    }
+
+    #[test]
     fn matches_a_naive_matmul_on_ragged_shapes() {
         let mut rng = Rng::new(41);
         // Rows not a multiple of the tile's, columns not a multiple of 16 or 32, odd depths,
@@ -660,6 +759,35 @@ mod tests {
             .unwrap();
         let want: Vec<f64> = scalar.iter().map(|v| *v as f64).collect();
         assert!(max_abs_diff(&fast, &want) < 1e-4);
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx512_kernel_is_bit_identical_to_the_avx2_kernel() {
+        if !has_avx512f() {
+            eprintln!("no AVX512F on this CPU: the AVX-512 f32 kernel is not tested");
+            return;
+        }
+        let mut rng = Rng::new(43);
+        // Odd panel counts (a last tile 16 or fewer columns wide), partial tiles in both
+        // directions, several depth blocks (partial tiles then accumulate in a buffer), and
+        // the model's shapes.
+        for (m, k, n) in [(1, 1, 1), (9, 301, 45), (13, 769, 70), (17, 600, 33), (130, 384, 1536), (64, 1536, 384)] {
+            let xs = rng.tensor(&[m, k], 1.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let w = PackedWeight::new(&rng.tensor(&[n, k], 0.1), GemmInputs::F32).unwrap();
+            let b = rng.tensor(&[n], 0.5).to_vec1::<f32>().unwrap();
+            let Panels::F32 { kc, data } = &w.panels else {
+                unreachable!("packed as f32")
+            };
+            for act in [Activation::None, Activation::Gelu] {
+                let (mut avx2, mut avx512) = (vec![0f32; m * n], vec![0f32; m * n]);
+                gemm_avx2(&xs, (m, k, n), (data, *kc), &b, act, &mut avx2);
+                // SAFETY: AVX512F (and AVX2+FMA) checked above.
+                unsafe { avx512::gemm(&xs, (m, k, n), (data, *kc), &b, act, &mut avx512) };
+                let same = avx2.iter().zip(&avx512).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "[{m}, {k}] × [{k}, {n}] {act:?}: the kernels differ");
+            }
+        }
     }
 
     /// `Σ_p a[i, p] · b[j, p]` in i32, the plainest way.

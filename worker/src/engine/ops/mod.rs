@@ -104,6 +104,20 @@ pub(crate) fn has_avx2_fma() -> bool {
     }
 }
 
+/// Whether the AVX-512 f32 GEMM kernel may run on this CPU (AVX512F, and AVX2+FMA for its
+/// epilogue).
+#[inline]
+pub(crate) fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether the bf16 GEMM kernel may run on this CPU (AVX512F with AVX512-BF16, and AVX2+FMA
 /// for its epilogue).
 #[inline]
