@@ -286,29 +286,10 @@ fn plan_label(plan: &[Precision]) -> String {
         .join(" ")
 }
 
-extern "C" {
-    /// glibc's allocator tuning (`malloc.h`).
-    fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-}
-
-/// Keeps freed memory in the process. By default glibc returns every large freed block to
-/// the kernel, so each large temporary is page-faulted in afresh: an operator timed alone
-/// in a loop pays that on every run while the training loop, holding its activations,
-/// mostly does not, and the difference is the allocator's, not the operators'. A training
-/// engine reuses its buffers (PyTorch's caching allocator); this is the nearest without one.
-fn keep_freed_memory() {
-    const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
-    const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
-    // SAFETY: mallopt only sets two of glibc's allocator parameters; called before any
-    // other thread exists.
-    unsafe {
-        mallopt(M_MMAP_THRESHOLD, 32 << 20);
-        mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    }
-}
-
 fn main() -> anyhow::Result<()> {
-    keep_freed_memory();
+    // An operator timed alone in a loop would otherwise page-fault its large temporaries in
+    // afresh on every run, which the training loop (holding its activations) mostly does not.
+    tessera_worker::memory::keep_freed_memory();
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // Before any GEMM reads it; no other thread runs yet.
         std::env::set_var("RAYON_NUM_THREADS", "1");

@@ -94,6 +94,8 @@ enum Only {
 }
 
 fn main() -> Result<()> {
+    // The in-process engines run in a heap set up as the worker's (`tessera_worker::memory`).
+    tessera_worker::memory::keep_freed_memory();
     let cli = Cli::parse();
     let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let model_dir = cli.model.clone().unwrap_or_else(|| workspace.join(".assets/all-MiniLM-L6-v2"));

@@ -15,8 +15,10 @@
 //! token count, large; N is at most a few thousand) and over column panels only where the
 //! rows run short of the pool's threads ([`tasks`]), and in fusing the bias/GELU epilogue.
 //!
-//! Without AVX2+FMA the op computes the same result with plain loops; the model code uses
-//! candle's matmul there instead (see `layer.rs`).
+//! On a CPU with AVX512F the same panels go through an 8×32-tile AVX-512 kernel
+//! (`avx512.rs`), bit-identical to the AVX2 one. Without AVX2+FMA the op computes the same
+//! result with plain loops; the model code uses candle's matmul there instead (see
+//! `layer.rs`).
 
 use super::vector_math::gelu_scalar;
 use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, has_avx512f, SharedMut};
@@ -56,11 +58,12 @@ pub enum GemmInputs {
 
 impl GemmInputs {
     /// bf16 where the CPU multiplies it natively and clearly faster, else f32. AVX512-BF16
-    /// alone does not say which: on AMD Zen 4 the bf16 kernel runs 2.4–3.3× faster than f32
-    /// (bench/results/qsync_gemm.md), on an Intel Xeon without AMX no faster, as
-    /// `vdpbf16ps` does the multiply-adds of two f32 FMAs (bench/results/cpu_gemm_tasks.md),
-    /// and there bf16 would cost precision for nothing. So the first call times both kernels
-    /// on an encoder-sized GEMM ([`measure_bf16_speedup`]) and the answer holds for the process.
+    /// alone does not say which: on AMD Zen 4 the bf16 kernel ran 2.4× as fast as the AVX2
+    /// f32 one end to end (bench/results/serving.md), while on an Intel Xeon (Sapphire Rapids
+    /// class, no AMX exposed) the AVX-512 f32 kernel runs 1.5× as fast as bf16
+    /// (bench/results/cpu_f32_avx512.md), and there bf16 would cost precision and speed. So
+    /// the first call times both kernels on an encoder-sized GEMM ([`measure_bf16_speedup`])
+    /// and the answer holds for the process.
     pub fn fastest() -> Self {
         static CHOICE: std::sync::OnceLock<GemmInputs> = std::sync::OnceLock::new();
         *CHOICE.get_or_init(|| {
@@ -92,8 +95,9 @@ impl GemmInputs {
 }
 
 /// How much faster the bf16 GEMM must be for `GemmInputs::fastest` to give up f32's
-/// precision for it. The two kinds of CPU measured sit far on either side (≈1× and 2.4×), so
-/// a timing disturbed by other work does not flip the choice.
+/// precision for it. The two kinds of CPU measured sit far on either side (0.6–0.7× on the
+/// Intel Xeon; about 2× expected on Zen 4, whose 512-bit FMAs take two cycles), so a timing
+/// disturbed by other work does not flip the choice.
 const BF16_WORTH: f64 = 1.3;
 
 /// f32 time over bf16 time of one GEMM the size of a MiniLM feed-forward layer over 128
