@@ -1,8 +1,9 @@
 //! QSync's per-operator precision on the CPU: the trainable linear layer
 //! (`tessera_worker::train::precision::linear`) at f32, bf16 and int8, forward and backward,
 //! on all-MiniLM-L6-v2's and BERT-base's linear shapes at a training batch (16 sequences of
-//! 128 tokens = 2048 rows). f32 is candle's matmul with its autograd; bf16 the AVX512-BF16
-//! GEMM; int8 the AVX512-VNNI GEMM with per-tensor quantisation, backward at bf16.
+//! 128 tokens = 2048 rows). f32 is candle's matmul with its autograd; bf16 `gemm_nt_bf16`
+//! (the AVX512-BF16 kernel, or the AVX-512 f32 one on rounded values where that is faster);
+//! int8 the AVX512-VNNI GEMM with per-tensor quantisation, backward at bf16.
 //!
 //! The layer timings include what the layer does besides the GEMM (casting or quantising
 //! the master weights and the input, dequantising, packing), since that is what a plan pays.
@@ -23,7 +24,7 @@ use candle_transformers::models::bert::Config;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_bench::machine;
-use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_i8, MatRef};
+use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_i8, GemmInputs, MatRef};
 use tessera_worker::train::model::encoder::Encoder;
 use tessera_worker::train::precision::{linear, Precision, PrecisionPlan, IMPLEMENTED};
 
@@ -180,6 +181,7 @@ fn main() -> Result<()> {
     let result = json!({
         "machine": machine(), "flags": flags, "date": date, "command": command,
         "runs": args.runs, "rows": m, "shapes": rows, "encoder_steps": encoder, "load_average_before": load_before, "load_average_after": load(),
+        "bf16_kernel": format!("{:?}", GemmInputs::fastest()).to_lowercase(),
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::write(format!("{dir}/qsync_gemm.json"), serde_json::to_string_pretty(&result)? + "\n")?;
@@ -281,7 +283,10 @@ fn markdown(r: &Value) -> String {
         );
     }
     s += "\n## The bare GEMMs (forward, ready operands)\n\n";
-    s += "f32: candle's `matmul` of x by Wᵀ (no bias). bf16: `gemm_nt_bf16` from f32 operands (it rounds while packing). int8: `gemm_nt_i8` on int8 operands, i32 out.\n\n";
+    s += &format!(
+        "f32: candle's `matmul` of x by Wᵀ (no bias). bf16: `gemm_nt_bf16` from f32 operands (it rounds while packing), here on the {} kernel (`GemmInputs::fastest`). int8: `gemm_nt_i8` on int8 operands, i32 out.\n\n",
+        r["bf16_kernel"].as_str().unwrap_or("?")
+    );
     s += "| model | layer | in → out | f32 ms | bf16 ms (×) | int8 ms (×) | f32 GFLOP/s | bf16 GFLOP/s | int8 GOP/s |\n|---|---|---|---|---|---|---|---|---|\n";
     for row in r["shapes"].as_array().into_iter().flatten() {
         let t = |p: &str| row["kernel_ms"][p].as_f64().unwrap_or(f64::NAN);

@@ -310,10 +310,16 @@ impl<'a> MatRef<'a> {
 
 /// `a [m, k] · bᵀ (+ bias)` for `b` `[n, k]`, both operands rounded to bf16 (nearest even)
 /// and the sums in f32: the GEMMs of training's bf16 layers (`crate::train::precision`),
-/// whose operands change every step, so both are packed on every call. On a CPU without
-/// AVX512-BF16 the rounded values go through the f32 kernel: the same products, summed in
-/// another order.
+/// whose operands change every step, so both are packed on every call. They run on the bf16
+/// kernel where it is the faster one (`GemmInputs::fastest`); elsewhere (no AVX512-BF16, or
+/// an Intel Xeon, where the AVX-512 f32 kernel is faster) the rounded values go through the
+/// f32 kernel: the same products (exact in f32), summed in another order.
 pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    gemm_nt_bf16_on(GemmInputs::fastest(), a, b, bias)
+}
+
+/// `gemm_nt_bf16` on the given kernel: `Bf16` (where the CPU has AVX512-BF16) or `F32`.
+fn gemm_nt_bf16_on(kernel: GemmInputs, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
     let ((m, k), (n, kb)) = (a.dims(), b.dims());
     if k != kb {
         bail!("gemm: [{m}, {k}] times the transpose of [{n}, {kb}]");
@@ -337,16 +343,16 @@ pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Resul
         return Ok(out);
     }
     #[cfg(target_arch = "x86_64")]
-    if has_avx512_bf16() {
+    if kernel == GemmInputs::Bf16 && has_avx512_bf16() {
         let panels = bf16::Panels::pack(n, k, |j, p| b.at(j, p));
         let x = a.to_row_major();
         // SAFETY: the CPU has AVX512-BF16 (checked just above).
         unsafe { bf16::gemm(&x, (m, k, n), &panels, bias, Activation::None, &mut out) };
         return Ok(out);
     }
-    let round = |v: f32| f32::from_bits((bf16::to_bf16(v) as u32) << 16);
-    let x: Vec<f32> = a.to_row_major().iter().map(|v| round(*v)).collect();
-    let w: Vec<f32> = b.to_row_major().iter().map(|v| round(*v)).collect();
+    let round = |v: &f32| f32::from_bits((bf16::to_bf16(*v) as u32) << 16);
+    let x: Vec<f32> = a.to_row_major().par_iter().map(round).collect();
+    let w: Vec<f32> = b.to_row_major().par_iter().map(round).collect();
     let Panels::F32 { kc, data } = pack_f32(&w, n, k) else {
         unreachable!("pack_f32 packs f32 panels")
     };
@@ -870,7 +876,6 @@ mod tests {
             // `b` is stored [k, n]: its transpose view is the [n, k] operand.
             let b_t = MatRef::row_major(&b, k, n).unwrap().t();
             let a_m = MatRef::row_major(&a, m, k).unwrap();
-            let got = gemm_nt_bf16(a_m, b_t, Some(&bias)).unwrap();
             let mut want = vec![0f64; m * n];
             for i in 0..m {
                 for j in 0..n {
@@ -880,12 +885,16 @@ mod tests {
                             .sum::<f64>();
                 }
             }
-            let diff = max_abs_diff(&got, &want);
-            assert!(diff < 1e-4, "[{m}, {k}, {n}]: max diff {diff}");
-            // And with the left operand a transposed view too: (aᵀ)ᵀ = a.
-            let a_tt = a_m.t().to_row_major().into_owned();
-            let again = MatRef::row_major(&a_tt, k, m).unwrap().t();
-            assert_eq!(gemm_nt_bf16(again, b_t, Some(&bias)).unwrap(), got);
+            // Both kernels: the bf16 one and the f32 one on rounded copies.
+            for (kernel, _) in available_inputs() {
+                let got = gemm_nt_bf16_on(kernel, a_m, b_t, Some(&bias)).unwrap();
+                let diff = max_abs_diff(&got, &want);
+                assert!(diff < 1e-4, "{kernel:?} kernel, [{m}, {k}, {n}]: max diff {diff}");
+                // And with the left operand a transposed view too: (aᵀ)ᵀ = a.
+                let a_tt = a_m.t().to_row_major().into_owned();
+                let again = MatRef::row_major(&a_tt, k, m).unwrap().t();
+                assert_eq!(gemm_nt_bf16_on(kernel, again, b_t, Some(&bias)).unwrap(), got);
+            }
         }
     }
 

@@ -3,8 +3,9 @@
 //!
 //! - f32: candle's matmul and its autograd (the reference).
 //! - bf16: forward `bf16(x)·bf16(W)ᵀ`, backward `dX = bf16(dY)·bf16(W)` and
-//!   `dW = bf16(dY)ᵀ·bf16(x)`, all summed in f32, on the engine's AVX512-BF16 GEMM
-//!   (`engine::ops::gemm_nt_bf16`): PyTorch AMP's recipe.
+//!   `dW = bf16(dY)ᵀ·bf16(x)`, all summed in f32, on the engine's bf16 GEMM
+//!   (`engine::ops::gemm_nt_bf16`: the AVX512-BF16 kernel, or the AVX-512 f32 one on the
+//!   rounded values where that is faster): PyTorch AMP's recipe.
 //! - int8 (QSync's `LpTorch` linear): x and W quantised per tensor (`s = absmax/127`, round
 //!   half to even), an exact i32 GEMM (`engine::ops::gemm_nt_i8`, AVX512-VNNI), the sums
 //!   dequantised to f32 (`acc · s_x · s_w + b`). The backward runs at 16 bits from the saved
