@@ -481,49 +481,87 @@ fn gemm_scalar(
 #[cfg(target_arch = "x86_64")]
 fn gemm_avx2(
     x: &[f32],
+    shape: (usize, usize, usize),
+    weights: (&[f32], usize),
+    bias: &[f32],
+    act: Activation,
+    out: &mut [f32],
+) {
+    drive_f32::<MR>(x, shape, weights, bias, act, out, (1, MC_MAX), |tile, a, b, bias, dst| {
+        // SAFETY: AVX2+FMA detected by the caller; `drive_f32`'s tiles are as it says.
+        unsafe { kernel_6x16(tile, a, b, bias, dst) }
+    });
+}
+
+/// Runs an f32 micro-kernel over weights packed by `pack_f32` (`data`, depth blocks of
+/// `kc`): the GEMM cut into tasks ([`tasks`]) over groups of `group` panels (one tile's
+/// columns, `group × NR`) and `mc_max` rows, each task over its depth blocks, groups and
+/// rows, `MR` at a time. `tile` gets the depth block's arguments, the tile's rows of
+/// activations (read in place, each `depth` values from the block's start; rows past the
+/// end repeat the last one, whose results are never stored), the group's first panel (the
+/// next follows `kc × NR` values on), the group's bias and where the tile goes, which
+/// belongs to this task alone.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn drive_f32<const MR: usize>(
+    x: &[f32],
     (m, k, n): (usize, usize, usize),
     (data, kc): (&[f32], usize),
     bias: &[f32],
     act: Activation,
     out: &mut [f32],
+    (group, mc_max): (usize, usize),
+    tile: impl Fn(&TileArgs, [*const f32; MR], *const f32, &[f32], Dst) + Sync,
 ) {
     let out_ptr = SharedMut(out.as_mut_ptr());
     let block_count = k.div_ceil(kc);
-    tasks(m, n.div_ceil(NR), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
+    tasks(m, n.div_ceil(NR).div_ceil(group), MR, mc_max).par_iter().with_max_len(1).for_each(|task| {
         let (i0, rows) = (task.first_row, task.rows);
         for (blk, p0) in (0..k).step_by(kc).enumerate() {
-            let tile = TileArgs {
+            let args = TileArgs {
                 first: blk == 0,
                 last: blk + 1 == block_count,
                 act,
                 depth: kc.min(k - p0),
             };
-            for panel in task.panels.clone() {
+            for panel in task.panels.clone().map(|g| g * group) {
                 let b = f32_panel(data, kc, n, blk, panel);
-                let cols = NR.min(n - panel * NR);
+                let cols = (group * NR).min(n - panel * NR);
                 for ir in (0..rows).step_by(MR) {
                     let tile_rows = MR.min(rows - ir);
-                    // The activations are read in place, one pointer per tile row; rows past
-                    // the end repeat the last one (their results are never stored).
                     let a: [*const f32; MR] = std::array::from_fn(|r| {
                         x[(i0 + ir + r.min(tile_rows - 1)) * k + p0..].as_ptr()
                     });
-                    // SAFETY: AVX2+FMA detected by the caller; the tile belongs to this task
-                    // alone; each `a` row has `depth` values from p0.
-                    unsafe {
-                        let c = out_ptr.at((i0 + ir) * n + panel * NR);
-                        let dst = Dst {
-                            c,
-                            ldc: n,
-                            rows: tile_rows,
-                            cols,
-                        };
-                        kernel_6x16(&tile, a, b, &bias[panel * NR..], dst);
-                    }
+                    let dst = Dst {
+                        // SAFETY: the tile lies inside `out`.
+                        c: unsafe { out_ptr.at((i0 + ir) * n + panel * NR) },
+                        ldc: n,
+                        rows: tile_rows,
+                        cols,
+                    };
+                    tile(&args, a, b, &bias[panel * NR..], dst);
                 }
             }
         }
     });
+}
+
+/// Applies GELU in place to a stored tile: `rows` rows of `width` (a multiple of 8) at `c`,
+/// row stride `ldc`.
+///
+/// # Safety
+/// AVX2+FMA; the tile is valid, writable memory.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_stored_tile(c: *mut f32, ldc: usize, rows: usize, width: usize) {
+    use super::vector_math::avx2::gelu;
+    use std::arch::x86_64::*;
+    for r in 0..rows {
+        for q in (0..width).step_by(8) {
+            let v = c.add(r * ldc + q);
+            _mm256_storeu_ps(v, gelu(_mm256_loadu_ps(v)));
+        }
+    }
 }
 
 struct TileArgs {

@@ -7,9 +7,7 @@
 //! bf16 kernel's speed-up was mostly made of on those CPUs; on AMD Zen 4, which splits a
 //! 512-bit FMA in two, it issues half the instructions for the same work.
 
-use super::{f32_panel, tasks, Activation, Dst, TileArgs, NR};
-use crate::engine::ops::SharedMut;
-use rayon::prelude::*;
+use super::{drive_f32, gelu_stored_tile, Activation, Dst, TileArgs, NR};
 
 /// Rows of the register tile; it is one or two panels (16 or 32 columns) wide.
 const MR: usize = 8;
@@ -23,50 +21,21 @@ const MC_MAX: usize = 128;
 /// The CPU must have AVX512F, and AVX2+FMA for the GELU.
 pub(super) unsafe fn gemm(
     x: &[f32],
-    (m, k, n): (usize, usize, usize),
+    shape: (usize, usize, usize),
     (data, kc): (&[f32], usize),
     bias: &[f32],
     act: Activation,
     out: &mut [f32],
 ) {
-    let panels = n.div_ceil(NR);
-    let out_ptr = SharedMut(out.as_mut_ptr());
-    let block_count = k.div_ceil(kc);
-    // Tasks cut pairs of panels: one tile's columns.
-    tasks(m, panels.div_ceil(2), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
-        let (i0, rows) = (task.first_row, task.rows);
-        for (blk, p0) in (0..k).step_by(kc).enumerate() {
-            let tile = TileArgs {
-                first: blk == 0,
-                last: blk + 1 == block_count,
-                act,
-                depth: kc.min(k - p0),
-            };
-            for pair in task.panels.clone() {
-                let panel = 2 * pair;
-                let cols = (2 * NR).min(n - panel * NR);
-                let b = f32_panel(data, kc, n, blk, panel);
-                for ir in (0..rows).step_by(MR) {
-                    let tile_rows = MR.min(rows - ir);
-                    // Rows past the end repeat the last one (their results are never stored).
-                    let a: [*const f32; MR] = std::array::from_fn(|r| {
-                        x[(i0 + ir + r.min(tile_rows - 1)) * k + p0..].as_ptr()
-                    });
-                    let dst = Dst {
-                        c: out_ptr.at((i0 + ir) * n + panel * NR),
-                        ldc: n,
-                        rows: tile_rows,
-                        cols,
-                    };
-                    // SAFETY: the caller checked the CPU; the tile belongs to this task alone;
-                    // each `a` row has `depth` values from p0; a second panel exists when
-                    // the tile is wider than one.
-                    if cols > NR {
-                        kernel::<2>(&tile, a, [b, f32_panel(data, kc, n, blk, panel + 1)], &bias[panel * NR..], dst);
-                    } else {
-                        kernel::<1>(&tile, a, [b], &bias[panel * NR..], dst);
-                    }
-                }
+    // Groups of two panels: one 8×32 tile's columns.
+    drive_f32::<MR>(x, shape, (data, kc), bias, act, out, (2, MC_MAX), |tile, a, b, bias, dst| {
+        // SAFETY: the caller checked the CPU; `drive_f32`'s tiles are as it says, and a second
+        // panel exists when the tile is wider than one.
+        unsafe {
+            if dst.cols > NR {
+                kernel::<2>(tile, a, [b, b.add(kc * NR)], bias, dst)
+            } else {
+                kernel::<1>(tile, a, [b], bias, dst)
             }
         }
     });
@@ -82,7 +51,6 @@ unsafe fn kernel<const W: usize>(
     bias: &[f32],
     dst: Dst,
 ) {
-    use super::super::vector_math::avx2::gelu;
     use std::arch::x86_64::*;
 
     let width = W * NR;
@@ -134,12 +102,7 @@ unsafe fn kernel<const W: usize>(
         }
     }
     if t.last && t.act == Activation::Gelu {
-        for r in 0..MR {
-            for q in (0..width).step_by(8) {
-                let v = c.add(r * ldc + q);
-                _mm256_storeu_ps(v, gelu(_mm256_loadu_ps(v)));
-            }
-        }
+        gelu_stored_tile(c, ldc, MR, width);
     }
     if !full {
         dst.copy_from(c, width);

@@ -15,6 +15,8 @@
 //! an 8×32 register tile (16 zmm accumulators), weight panels of `kc/2` pairs × 32 columns.
 
 use super::{tasks, Activation, Dst, TileArgs, KC_MAX};
+#[cfg(target_arch = "x86_64")]
+use super::gelu_stored_tile;
 use crate::engine::ops::SharedMut;
 use rayon::prelude::*;
 
@@ -165,7 +167,6 @@ unsafe fn pack_32(x: &[f32], out: &mut [u32]) {
 /// C[0..8, 0..32] (+)= A[0..8, pairs] · B_panel, 16 accumulators in zmm registers.
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
 unsafe fn kernel_8x32(t: &TileArgs, a: [*const u32; MR], b: *const u16, bias: &[f32], dst: Dst) {
-    use super::super::vector_math::avx2::gelu;
     use std::arch::x86_64::*;
 
     let full = dst.rows == MR && dst.cols == NR;
@@ -212,12 +213,7 @@ unsafe fn kernel_8x32(t: &TileArgs, a: [*const u32; MR], b: *const u16, bias: &[
         _mm512_storeu_ps(c.add(r * ldc + 16), acc[2 * r + 1]);
     }
     if t.last && t.act == Activation::Gelu {
-        for r in 0..MR {
-            for q in (0..NR).step_by(8) {
-                let v = c.add(r * ldc + q);
-                _mm256_storeu_ps(v, gelu(_mm256_loadu_ps(v)));
-            }
-        }
+        gelu_stored_tile(c, ldc, MR, NR);
     }
     if !full {
         dst.copy_from(c, NR);
