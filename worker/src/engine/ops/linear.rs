@@ -104,7 +104,7 @@ const BF16_WORTH: f64 = 1.3;
 /// tokens (`[128, 384] · [1536, 384]ᵀ`, ~0.15 GFLOP) on the current pool: the median of 5
 /// timings of each, interleaved, after one untimed call of each. Errors on a CPU without
 /// AVX512-BF16.
-pub fn measure_bf16_speedup() -> Result<f64> {
+fn measure_bf16_speedup() -> Result<f64> {
     let (m, k, n) = (128, 384, 1536);
     // Any values do: the kernels' speed does not depend on them.
     let values = |len: usize, scale: f32| -> Vec<f32> {

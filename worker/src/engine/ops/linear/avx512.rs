@@ -3,9 +3,10 @@
 //! register tile, 16 zmm accumulators; an odd last panel an 8×16 one) and adds every
 //! product with the same FMA in the same order from the same bias, so its results are
 //! bit-identical to the AVX2 kernel's. Where a core runs 512-bit FMAs at full rate (Intel
-//! Xeons since Skylake-SP) this doubles the multiply-adds per instruction, which is what the
-//! bf16 kernel's speed-up was mostly made of on those CPUs; on AMD Zen 4, which splits a
-//! 512-bit FMA in two, it issues half the instructions for the same work.
+//! Xeons since Skylake-SP) this doubles the multiply-adds per instruction: on a Sapphire
+//! Rapids class Xeon it made the engine's f32 1.5× faster end to end, past its bf16
+//! (bench/results/cpu_f32_avx512.md). On AMD Zen 4, which splits a 512-bit FMA in two, it
+//! issues half the instructions for the same work.
 
 use super::{drive_f32, gelu_stored_tile, Activation, Dst, TileArgs, NR};
 

@@ -4,8 +4,8 @@
 //! multiply-adds per instruction, about twice the f32 FMA rate of the same core on AMD Zen 4.
 //! An Intel Xeon runs 512-bit f32 FMAs at full rate, and there this kernel runs at about
 //! 0.6 of the AVX-512 f32 kernel's speed (`avx512.rs`; bench/results/cpu_f32_avx512.md), so
-//! `GemmInputs::fastest` keeps f32 on such CPUs. The weights are rounded to bf16 once, when packed; each call
-//! rounds its rows of activations as it packs them. Rounding is to nearest even, as PyTorch's
+//! `GemmInputs::fastest` keeps f32 on such CPUs. The weights are rounded to bf16 once, when
+//! packed; each call rounds its rows of activations as it packs them. Rounding is to nearest even, as PyTorch's
 //! `.to(torch.bfloat16)`. The bias, the epilogue's GELU and every op outside the GEMMs stay
 //! f32, which is what OpenVINO's CPU plugin does by default on such CPUs (its bf16 "inference
 //! precision hint"). On all-MiniLM-L6-v2 the embeddings stay within cosine 0.99997 of
