@@ -82,6 +82,10 @@ fn has(flag: &str) -> bool {
 }
 
 fn main() -> Result<()> {
+    // As the worker runs its ranks (`tessera_worker::memory`): on glibc's defaults the
+    // layers' large temporaries come back as fresh pages every call (page faults and TLB
+    // shootdowns were ~15 % of this bench's profile).
+    tessera_worker::memory::keep_freed_memory();
     let args = Args::parse();
     // Other work on the machine (a shared host) shows in the load average; recorded with the figures.
     let load = || {
