@@ -1,7 +1,8 @@
 //! QSync's per-operator precision on the CPU: the trainable linear layer
 //! (`tessera_worker::train::precision::linear`) at f32, bf16 and int8, forward and backward,
 //! on all-MiniLM-L6-v2's and BERT-base's linear shapes at a training batch (16 sequences of
-//! 128 tokens = 2048 rows). f32 is candle's matmul with its autograd; bf16 `gemm_nt_bf16`
+//! 128 tokens = 2048 rows), and the f32 layer as it ran before on candle's matmul and
+//! autograd beside it. f32 is `gemm_nt_f32` (the engine's AVX-512/AVX2 kernel); bf16 `gemm_nt_bf16`
 //! (the AVX512-BF16 kernel, or the AVX-512 f32 one on rounded values where that is faster);
 //! int8 the AVX512-VNNI GEMM with per-tensor quantisation, backward at bf16.
 //!
@@ -24,7 +25,7 @@ use candle_transformers::models::bert::Config;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_bench::machine;
-use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_i8, GemmInputs, MatRef};
+use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, GemmInputs, MatRef};
 use tessera_worker::train::model::encoder::Encoder;
 use tessera_worker::train::precision::{linear, Precision, PrecisionPlan, IMPLEMENTED};
 
@@ -62,6 +63,23 @@ fn time(runs: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
         all.push(f()? * 1e3);
     }
     Ok(median(all))
+}
+
+/// Median forward and backward milliseconds of a layer: `layer()` timed, then
+/// `Tensor::backward` of a fresh output timed alone.
+fn forward_backward(runs: usize, layer: impl Fn() -> Result<Tensor>) -> Result<(f64, f64)> {
+    let forward = time(runs, || {
+        let start = Instant::now();
+        let y = layer()?;
+        Ok((start.elapsed().as_secs_f64(), y).0)
+    })?;
+    let backward = time(runs, || {
+        let y = layer()?;
+        let start = Instant::now();
+        let grads = y.backward()?;
+        Ok((start.elapsed().as_secs_f64(), grads).0)
+    })?;
+    Ok((forward, backward))
 }
 
 fn uniform(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -109,34 +127,31 @@ fn main() -> Result<()> {
         let flops = 2.0 * (m * n * k) as f64;
         let mut layer_ms = Vec::new();
         for precision in IMPLEMENTED {
-            let fwd = time(args.runs, || {
-                let start = Instant::now();
-                let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor(), precision)?;
-                let elapsed = start.elapsed().as_secs_f64();
-                drop(y);
-                Ok(elapsed)
-            })?;
-            let bwd = time(args.runs, || {
-                let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor(), precision)?;
-                let start = Instant::now();
-                let grads = y.backward()?;
-                let elapsed = start.elapsed().as_secs_f64();
-                drop(grads);
-                Ok(elapsed)
-            })?;
+            let (fwd, bwd) =
+                forward_backward(args.runs, || Ok(linear(x.as_tensor(), w.as_tensor(), b.as_tensor(), precision)?))?;
             layer_ms.push((precision, fwd, bwd));
         }
+        // The f32 layer as it was before it ran on the engine's GEMM: candle's matmul and autograd.
+        let candle_layer = forward_backward(args.runs, || {
+            Ok(x.as_tensor().matmul(&w.as_tensor().t()?)?.broadcast_add(b.as_tensor())?)
+        })?;
 
-        // The bare kernels on ready operands: candle's f32 matmul, the bf16 GEMM from f32
-        // (it rounds while packing; that is part of the kernel), the int8 GEMM on i8.
+        // The bare kernels on ready operands: the f32 GEMM (packing W is part of it) and
+        // candle's f32 matmul, the bf16 GEMM from f32 (it rounds while packing), the int8
+        // GEMM on i8.
         let xs = x.as_tensor().flatten_all()?.to_vec1::<f32>()?;
         let ws = w.as_tensor().flatten_all()?.to_vec1::<f32>()?;
         let qx: Vec<i8> = xs.iter().map(|v| (v / 2.0 * 127.0).round() as i8).collect();
         let qw: Vec<i8> = ws.iter().map(|v| (v / 0.05 * 127.0).round() as i8).collect();
         let wt = w.as_tensor().t()?;
-        let kernel_f32 = time(args.runs, || {
+        let kernel_candle = time(args.runs, || {
             let start = Instant::now();
             let y = x.as_tensor().matmul(&wt)?;
+            Ok((start.elapsed().as_secs_f64(), y).0)
+        })?;
+        let kernel_f32 = time(args.runs, || {
+            let start = Instant::now();
+            let y = gemm_nt_f32(MatRef::row_major(&xs, m, k)?, MatRef::row_major(&ws, n, k)?, None)?;
             Ok((start.elapsed().as_secs_f64(), y).0)
         })?;
         let kernel_bf16 = time(args.runs, || {
@@ -153,7 +168,8 @@ fn main() -> Result<()> {
         let (_, f32_fwd, f32_bwd) = *layer_ms.iter().find(|(p, ..)| *p == Precision::F32).expect("f32 is timed");
         let mut row = json!({
             "model": model, "layer": layer, "m": m, "k": k, "n": n,
-            "kernel_ms": {"f32": kernel_f32, "bf16": kernel_bf16, "int8": kernel_int8},
+            "kernel_ms": {"f32": kernel_f32, "bf16": kernel_bf16, "int8": kernel_int8, "f32_candle": kernel_candle},
+            "f32_candle": {"forward_ms": candle_layer.0, "backward_ms": candle_layer.1},
         });
         for (precision, fwd, bwd) in &layer_ms {
             let p = precision.as_str();
@@ -170,6 +186,14 @@ fn main() -> Result<()> {
                 f32_bwd / bwd
             );
         }
+        println!(
+            "{model} {layer} f32 on candle's matmul: forward {:.2} ms ({:.2}x the engine GEMM's time), backward {:.2} ms ({:.2}x), bare {kernel_candle:.2} ms ({:.2}x)",
+            candle_layer.0,
+            candle_layer.0 / f32_fwd,
+            candle_layer.1,
+            candle_layer.1 / f32_bwd,
+            kernel_candle / kernel_f32
+        );
         println!(
             "{model} {layer} kernels: f32 {kernel_f32:.2} ms, bf16 {kernel_bf16:.2} ms ({:.2}x), int8 {kernel_int8:.2} ms ({:.2}x)",
             kernel_f32 / kernel_bf16,
@@ -258,7 +282,7 @@ fn markdown(r: &Value) -> String {
     );
     s += &format!(
         "Each layer is `y = x Wᵀ + b` with x `[{} × in]` (a training batch of 16 × 128 tokens), W `[out × in]` f32 master weights. \
-         f32 is candle's matmul and autograd; bf16 rounds x and W to bf16 on every call and runs the AVX512-BF16 GEMM (backward: dX and dW at bf16); \
+         f32 runs the engine's f32 GEMM (forward and backward); bf16 rounds x and W to bf16 on every call and runs the AVX512-BF16 GEMM (backward: dX and dW at bf16); \
          int8 quantises x and W per tensor on every call, runs the AVX512-VNNI GEMM and dequantises (backward at bf16 from the saved int8 input, as QSync). \
          Layer times include those casts; backward is `Tensor::backward` of the output alone (dX, dW, db). \
          Speed-up is f32 time / this time (above 1 = faster than f32).\n\n",
@@ -288,7 +312,7 @@ fn markdown(r: &Value) -> String {
     }
     s += "\n## The bare GEMMs (forward, ready operands)\n\n";
     s += &format!(
-        "f32: candle's `matmul` of x by Wᵀ (no bias). bf16: `gemm_nt_bf16` from f32 operands (it rounds while packing), here on the {} kernel (`GemmInputs::fastest`). int8: `gemm_nt_i8` on int8 operands, i32 out.\n\n",
+        "f32: `gemm_nt_f32` (packing W is part of it; candle's `matmul` of x by Wᵀ in the last table). bf16: `gemm_nt_bf16` from f32 operands (it rounds while packing), here on the {} kernel (`GemmInputs::fastest`). int8: `gemm_nt_i8` on int8 operands, i32 out.\n\n",
         r["bf16_kernel"].as_str().unwrap_or("?")
     );
     s += "| model | layer | in → out | f32 ms | bf16 ms (×) | int8 ms (×) | f32 GFLOP/s | bf16 GFLOP/s | int8 GOP/s |\n|---|---|---|---|---|---|---|---|---|\n";
@@ -312,6 +336,24 @@ fn markdown(r: &Value) -> String {
             flops / t("f32") / 1e6,
             flops / t("bf16") / 1e6,
             flops / t("int8") / 1e6,
+        );
+    }
+    s += "\n## The f32 layer: the engine's GEMM against candle's matmul\n\n";
+    s += "The same f32 layer on candle's `matmul` and autograd (how it ran before) beside the engine's f32 GEMM, in the same run; \
+          × is candle's time over the engine's (above 1 = the engine's is faster).\n\n";
+    s += "| model | layer | in → out | forward ms, engine | candle (×) | backward ms, engine | candle (×) | bare GEMM ms, engine | candle (×) |\n|---|---|---|---|---|---|---|---|---|\n";
+    for row in r["shapes"].as_array().into_iter().flatten() {
+        let v = |a: &str, b: &str| row[a][b].as_f64().unwrap_or(f64::NAN);
+        let pair = |ours: f64, theirs: f64| format!("{ours:.2} | {theirs:.2} ({:.2}×)", theirs / ours);
+        s += &format!(
+            "| {} | {} | {} → {} | {} | {} | {} |\n",
+            row["model"].as_str().unwrap_or(""),
+            row["layer"].as_str().unwrap_or(""),
+            row["k"],
+            row["n"],
+            pair(v("f32", "forward_ms"), v("f32_candle", "forward_ms")),
+            pair(v("f32", "backward_ms"), v("f32_candle", "backward_ms")),
+            pair(v("kernel_ms", "f32"), v("kernel_ms", "f32_candle")),
         );
     }
     if let Some(plans) = r["encoder_steps"]["plans"].as_object() {

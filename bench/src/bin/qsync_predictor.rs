@@ -4,7 +4,7 @@
 //!
 //! The model is a chain of linear layers and ReLUs at MiniLM's widths (384 ↔ 1536, 256
 //! tokens) trained with plain SGD. Every linear is `train::precision::linear` at the plan's
-//! precision (f32: candle's matmul; bf16: the AVX512-BF16 GEMM; int8: per-tensor quantised
+//! precision (f32: the engine's f32 GEMM; bf16: the AVX512-BF16 GEMM; int8: per-tensor quantised
 //! VNNI GEMM, backward at bf16), which takes f32, casts or quantises inside and returns f32;
 //! ReLUs stay f32. The predictor sees only what a rank of a hybrid job profiles, through the
 //! worker's own pieces (`train::hybrid::ops`): one traced f32 forward, each traced operator
@@ -500,7 +500,7 @@ fn markdown(
     md += &format!("- Date: {}\n", result["date"].as_str().unwrap_or(""));
     md += &format!(
         "- Model: linear + ReLU chain at widths {WIDTHS:?}, {TOKENS} tokens, SGD; one rank, no all-reduce. Every linear is the project's \
-         `train::precision::linear` at the plan's precision (f32: candle matmul; bf16: AVX512-BF16 GEMM; int8: per-tensor quantised VNNI GEMM, backward at bf16), \
+         `train::precision::linear` at the plan's precision (f32: the engine's f32 GEMM; bf16: AVX512-BF16 GEMM; int8: per-tensor quantised VNNI GEMM, backward at bf16), \
          f32 in and out with the casts inside the op; ReLUs at f32.\n"
     );
     md += &format!(

@@ -308,18 +308,34 @@ impl<'a> MatRef<'a> {
     }
 }
 
-/// `a [m, k] · bᵀ (+ bias)` for `b` `[n, k]`, both operands rounded to bf16 (nearest even)
-/// and the sums in f32: the GEMMs of training's bf16 layers (`crate::train::precision`),
-/// whose operands change every step, so both are packed on every call. They run on the bf16
-/// kernel where it is the faster one (`GemmInputs::fastest`); elsewhere (no AVX512-BF16, or
-/// an Intel Xeon, where the AVX-512 f32 kernel is faster) the rounded values go through the
-/// f32 kernel: the same products (exact in f32), summed in another order.
-pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
-    gemm_nt_bf16_on(GemmInputs::fastest(), a, b, bias)
+/// `a [m, k] · bᵀ (+ bias)` for `b` `[n, k]` in f32 on the engine's f32 kernel (AVX-512,
+/// AVX2 or plain loops): the GEMMs of training's f32 layers on the CPU
+/// (`crate::train::precision`), whose operands change every step, so `b` is packed on every
+/// call. Each output is summed by one task in a fixed order, so the result does not depend on
+/// the thread count.
+pub fn gemm_nt_f32(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    gemm_nt(a, b, bias, GemmInputs::F32, GemmInputs::F32)
 }
 
-/// `gemm_nt_bf16` on the given kernel: `Bf16` (where the CPU has AVX512-BF16) or `F32`.
-fn gemm_nt_bf16_on(kernel: GemmInputs, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+/// `a [m, k] · bᵀ (+ bias)` for `b` `[n, k]`, both operands rounded to bf16 (nearest even)
+/// and the sums in f32: the GEMMs of training's bf16 layers. They run on the bf16 kernel
+/// where it is the faster one (`GemmInputs::fastest`); elsewhere (no AVX512-BF16, or an
+/// Intel Xeon, where the AVX-512 f32 kernel is faster) the rounded values go through the
+/// f32 kernel: the same products (exact in f32), summed in another order.
+pub fn gemm_nt_bf16(a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    gemm_nt(a, b, bias, GemmInputs::Bf16, GemmInputs::fastest())
+}
+
+/// `a · bᵀ (+ bias)` of the operands as given (`values` F32) or rounded to bf16 (`values`
+/// Bf16), on the f32 kernel or, for bf16 values on a CPU with AVX512-BF16, the bf16 one
+/// (`kernel`).
+fn gemm_nt(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    bias: Option<&[f32]>,
+    values: GemmInputs,
+    kernel: GemmInputs,
+) -> Result<Vec<f32>> {
     let ((m, k), (n, kb)) = (a.dims(), b.dims());
     if k != kb {
         bail!("gemm: [{m}, {k}] times the transpose of [{n}, {kb}]");
@@ -343,21 +359,32 @@ fn gemm_nt_bf16_on(kernel: GemmInputs, a: MatRef<'_>, b: MatRef<'_>, bias: Optio
         return Ok(out);
     }
     #[cfg(target_arch = "x86_64")]
-    if kernel == GemmInputs::Bf16 && has_avx512_bf16() {
+    if values == GemmInputs::Bf16 && kernel == GemmInputs::Bf16 && has_avx512_bf16() {
         let panels = bf16::Panels::pack(n, k, |j, p| b.at(j, p));
         let x = a.to_row_major();
         // SAFETY: the CPU has AVX512-BF16 (checked just above).
         unsafe { bf16::gemm(&x, (m, k, n), &panels, bias, Activation::None, &mut out) };
         return Ok(out);
     }
-    let round = |v: &f32| f32::from_bits((bf16::to_bf16(*v) as u32) << 16);
-    let x: Vec<f32> = a.to_row_major().par_iter().map(round).collect();
-    let w: Vec<f32> = b.to_row_major().par_iter().map(round).collect();
-    let Panels::F32 { kc, data } = pack_f32(&w, n, k) else {
+    let x = row_major_values(a, values);
+    let Panels::F32 { kc, data } = pack_f32(&row_major_values(b, values), n, k) else {
         unreachable!("pack_f32 packs f32 panels")
     };
     gemm_f32(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
     Ok(out)
+}
+
+/// `matrix` row after row, as given (`values` F32: borrowed where already so laid out) or
+/// rounded to bf16 (`values` Bf16).
+fn row_major_values(matrix: MatRef<'_>, values: GemmInputs) -> std::borrow::Cow<'_, [f32]> {
+    let rows = matrix.to_row_major();
+    match values {
+        GemmInputs::F32 => rows,
+        GemmInputs::Bf16 => rows
+            .par_iter()
+            .map(|v| bf16::from_bf16(bf16::to_bf16(*v)))
+            .collect(),
+    }
 }
 
 /// `a [m, k] · bᵀ` for `b` `[n, k]`, both row-major int8, exact in i32: the GEMM of
@@ -893,46 +920,41 @@ mod tests {
         assert!(gemm_nt_i8(&[1, 2], &[1], (1, 2, 1)).is_err());
     }
 
+    /// The training GEMMs (`gemm_nt_f32`, and `gemm_nt_bf16` on each kernel) against an f64
+    /// reference on the values they multiply, with transposed views for operands; the f32 one
+    /// gives the same bits on any thread pool.
     #[test]
-    fn bf16_gemm_multiplies_transposed_views_of_rounded_values() {
+    fn nt_gemms_multiply_transposed_views() {
         let mut rng = Rng::new(44);
-        let round = |v: f32| f32::from_bits((bf16::to_bf16(v) as u32) << 16) as f64;
+        let bf16_round = |v: f32| bf16::from_bf16(bf16::to_bf16(v));
+        let mut cases: Vec<(GemmInputs, GemmInputs, fn(f32) -> f32)> = vec![(GemmInputs::F32, GemmInputs::F32, |v| v)];
+        // bf16 values on both kernels: the bf16 one and the f32 one on rounded copies.
+        cases.extend(available_inputs().into_iter().map(|(kernel, _)| (GemmInputs::Bf16, kernel, bf16_round as fn(f32) -> f32)));
         for (m, k, n) in [(1, 1, 1), (9, 301, 45), (70, 384, 130), (33, 1100, 17)] {
-            let a = rng
-                .tensor(&[m, k], 1.0)
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let b = rng
-                .tensor(&[k, n], 0.1)
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let a = rng.tensor(&[m, k], 1.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let b = rng.tensor(&[k, n], 0.1).flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
             // `b` is stored [k, n]: its transpose view is the [n, k] operand.
             let b_t = MatRef::row_major(&b, k, n).unwrap().t();
             let a_m = MatRef::row_major(&a, m, k).unwrap();
-            let mut want = vec![0f64; m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    want[i * n + j] = bias[j] as f64
-                        + (0..k)
-                            .map(|p| round(a[i * k + p]) * round(b[p * n + j]))
-                            .sum::<f64>();
+            for (values, kernel, round) in &cases {
+                let mut want = vec![0f64; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        want[i * n + j] = bias[j] as f64
+                            + (0..k).map(|p| round(a[i * k + p]) as f64 * round(b[p * n + j]) as f64).sum::<f64>();
+                    }
                 }
-            }
-            // Both kernels: the bf16 one and the f32 one on rounded copies.
-            for (kernel, _) in available_inputs() {
-                let got = gemm_nt_bf16_on(kernel, a_m, b_t, Some(&bias)).unwrap();
+                let got = gemm_nt(a_m, b_t, Some(&bias), *values, *kernel).unwrap();
                 let diff = max_abs_diff(&got, &want);
-                assert!(diff < 1e-4, "{kernel:?} kernel, [{m}, {k}, {n}]: max diff {diff}");
+                assert!(diff < 1e-4, "{values:?} on the {kernel:?} kernel, [{m}, {k}, {n}]: max diff {diff}");
                 // And with the left operand a transposed view too: (aᵀ)ᵀ = a.
                 let a_tt = a_m.t().to_row_major().into_owned();
                 let again = MatRef::row_major(&a_tt, k, m).unwrap().t();
-                assert_eq!(gemm_nt_bf16_on(kernel, again, b_t, Some(&bias)).unwrap(), got);
+                assert_eq!(gemm_nt(again, b_t, Some(&bias), *values, *kernel).unwrap(), got);
             }
+            let f32_on = |threads| in_pool(threads, || gemm_nt_f32(a_m, b_t, Some(&bias)).unwrap());
+            assert_eq!(f32_on(1), f32_on(3), "[{m}, {k}, {n}] on 1 and 3 threads");
         }
     }
 

@@ -1,11 +1,13 @@
 //! The trainable linear layer `y = x Wᵀ + b` at f32, bf16 or int8, as candle custom ops with
 //! a backward, so it composes with candle's autograd (`Tensor::backward`).
 //!
-//! - f32: candle's matmul and its autograd (the reference).
-//! - bf16: forward `bf16(x)·bf16(W)ᵀ`, backward `dX = bf16(dY)·bf16(W)` and
-//!   `dW = bf16(dY)ᵀ·bf16(x)`, all summed in f32, on the engine's bf16 GEMM
-//!   (`engine::ops::gemm_nt_bf16`: the AVX512-BF16 kernel, or the AVX-512 f32 one on the
-//!   rounded values where that is faster): PyTorch AMP's recipe.
+//! - f32: forward `x·Wᵀ`, backward `dX = dY·W` and `dW = dYᵀ·x`, on the engine's f32 GEMM
+//!   (`engine::ops::gemm_nt_f32`, AVX-512 or AVX2), which ran the training shapes about
+//!   1.5–1.8× as fast as candle's matmul (bench/results/cpu_f32_avx512.md). On a CPU without
+//!   AVX2 and FMA, and on other devices, candle's matmul and its autograd.
+//! - bf16: the same products of `bf16(x)`, `bf16(W)`, `bf16(dY)`, all summed in f32, on the
+//!   engine's bf16 GEMM (`engine::ops::gemm_nt_bf16`: the AVX512-BF16 kernel, or the AVX-512
+//!   f32 one on the rounded values where that is faster): PyTorch AMP's recipe.
 //! - int8 (QSync's `LpTorch` linear): x and W quantised per tensor (`s = absmax/127`, round
 //!   half to even), an exact i32 GEMM (`engine::ops::gemm_nt_i8`, AVX512-VNNI), the sums
 //!   dequantised to f32 (`acc · s_x · s_w + b`). The backward runs at 16 bits from the saved
@@ -24,7 +26,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use super::Precision;
-use crate::engine::ops::{gemm_nt_bf16, gemm_nt_i8, MatRef};
+use crate::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, has_avx2_fma, GemmInputs, MatRef};
 
 /// `x [.., k] Wᵀ + b` for `W` `[n, k]`, `b` `[n]`, at `precision`; f32 in and out.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, precision: Precision) -> Result<Tensor> {
@@ -36,8 +38,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, precision: Precision) 
     let rows = x.elem_count() / k.max(1);
     let x2 = x.reshape((rows, k))?;
     let y = match precision {
-        // On the CPU the bias goes through `AddBias` for its faster gradient.
-        Precision::F32 if x.device().is_cpu() => x2.matmul(&weight.t()?)?.apply_op2(&bias.contiguous()?, AddBias)?,
+        Precision::F32 if x.device().is_cpu() && has_avx2_fma() => {
+            x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, GemmLinear(GemmInputs::F32))?
+        }
         Precision::F32 => x2.matmul(&weight.t()?)?.broadcast_add(bias)?,
         #[cfg(feature = "cuda")]
         _ if x.device().is_cuda() => super::cuda::linear(&x2, weight, bias, precision)?,
@@ -45,7 +48,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, precision: Precision) 
             bail!("linear: {precision} runs on the CPU or a CUDA device; use f32 on {:?}", x.device().location())
         }
         Precision::F16 => bail!("linear: f16 is not implemented by the training operators; use bf16, int8 or f32"),
-        Precision::Bf16 => x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Bf16Linear)?,
+        Precision::Bf16 => {
+            x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, GemmLinear(GemmInputs::Bf16))?
+        }
         Precision::Int8 => {
             x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Int8Linear::default())?
         }
@@ -115,39 +120,23 @@ fn bias_gradient(grad: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(sums, cols, grad.device())
 }
 
-/// `y + b` on every row of `y [m, n]` for `b [n]`: the f32 linear's bias, so its gradient is
-/// `bias_gradient` as at the other precisions (the matmul keeps candle's autograd).
-struct AddBias;
-
-impl CustomOp2 for AddBias {
-    fn name(&self) -> &'static str {
-        "add-bias"
-    }
-
-    fn cpu_fwd(&self, y_s: &CpuStorage, y_l: &Layout, b_s: &CpuStorage, b_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (y, m, n) = matrix(self.name(), "input", y_s, y_l)?;
-        let bias = match (b_s, b_l.contiguous_offsets()) {
-            (CpuStorage::F32(data), Some((start, end))) if end - start == n => &data[start..end],
-            _ => bail!("{}: the bias must be a contiguous f32 vector of {n}", self.name()),
-        };
-        let mut out = y.to_vec();
-        if n > 0 {
-            out.par_chunks_mut(n).for_each(|row| row.iter_mut().zip(bias).for_each(|(o, b)| *o += b));
-        }
-        Ok((CpuStorage::F32(out), Shape::from((m, n))))
-    }
-
-    fn bwd(&self, _y: &Tensor, _b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.clone()), Some(bias_gradient(grad)?)))
+/// `a · bᵀ (+ bias)` on the engine's GEMM of `values`: `gemm_nt_f32` or `gemm_nt_bf16`.
+fn gemm_nt(values: GemmInputs, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    match values {
+        GemmInputs::F32 => gemm_nt_f32(a, b, bias),
+        GemmInputs::Bf16 => gemm_nt_bf16(a, b, bias),
     }
 }
 
-/// The bf16 linear: `(x, W, b) → bf16(x)·bf16(W)ᵀ + b`.
-struct Bf16Linear;
+/// The f32 or bf16 linear: `(x, W, b) → x·Wᵀ + b` on the engine's GEMM of those values.
+struct GemmLinear(GemmInputs);
 
-impl CustomOp3 for Bf16Linear {
+impl CustomOp3 for GemmLinear {
     fn name(&self) -> &'static str {
-        "linear-bf16"
+        match self.0 {
+            GemmInputs::F32 => "linear-f32",
+            GemmInputs::Bf16 => "linear-bf16",
+        }
     }
 
     fn cpu_fwd(
@@ -161,7 +150,7 @@ impl CustomOp3 for Bf16Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w, bias) = operands(self.name(), (x_s, x_l), (w_s, w_l), (b_s, b_l))?;
         let shape = Shape::from((x.dims().0, w.dims().0));
-        Ok((CpuStorage::F32(gemm_nt_bf16(x, w, Some(bias))?), shape))
+        Ok((CpuStorage::F32(gemm_nt(self.0, x, w, Some(bias))?), shape))
     }
 
     fn bwd(
@@ -173,8 +162,8 @@ impl CustomOp3 for Bf16Linear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let dx = grad.apply_op2_no_bwd(w, &Bf16Product::Nn)?;
-        let dw = grad.apply_op2_no_bwd(x, &Bf16Product::Tn)?;
+        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: self.0 })?;
+        let dw = grad.apply_op2_no_bwd(x, &Product { form: Form::Tn, values: self.0 })?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
 }
@@ -237,26 +226,33 @@ impl CustomOp3 for Int8Linear {
         // q_x as f32 holds small integers, exact in bf16: the GEMM sees the quantised input.
         let qx: Vec<f32> = saved.values.par_iter().map(|v| *v as f32).collect();
         let qx = Tensor::from_vec(qx, (saved.rows, saved.cols), grad.device())?;
-        let dw = (grad.apply_op2_no_bwd(&qx, &Bf16Product::Tn)? * saved.scale as f64)?;
-        let dx = grad.apply_op2_no_bwd(w, &Bf16Product::Nn)?;
+        let dw = (grad.apply_op2_no_bwd(&qx, &Product { form: Form::Tn, values: GemmInputs::Bf16 })? * saved.scale as f64)?;
+        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: GemmInputs::Bf16 })?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
 }
 
-/// The backward's GEMMs at bf16 (operands rounded, sums in f32).
+/// One of the backward's GEMMs, on the engine's GEMM of `values` (sums in f32).
+struct Product {
+    form: Form,
+    values: GemmInputs,
+}
+
 #[derive(Debug, Clone, Copy)]
-enum Bf16Product {
+enum Form {
     /// `a [m, n] · b [n, k]` (dX = dY·W).
     Nn,
     /// `aᵀ · b` for `a [m, n]`, `b [m, k]` (dW = dYᵀ·x).
     Tn,
 }
 
-impl CustomOp2 for Bf16Product {
+impl CustomOp2 for Product {
     fn name(&self) -> &'static str {
-        match self {
-            Bf16Product::Nn => "matmul-nn-bf16",
-            Bf16Product::Tn => "matmul-tn-bf16",
+        match (self.form, self.values) {
+            (Form::Nn, GemmInputs::F32) => "matmul-nn-f32",
+            (Form::Tn, GemmInputs::F32) => "matmul-tn-f32",
+            (Form::Nn, GemmInputs::Bf16) => "matmul-nn-bf16",
+            (Form::Tn, GemmInputs::Bf16) => "matmul-tn-bf16",
         }
     }
 
@@ -265,13 +261,13 @@ impl CustomOp2 for Bf16Product {
         let (b, rows, k) = matrix(self.name(), "right operand", b_s, b_l)?;
         let (a, b) = (MatRef::row_major(a, m, n)?, MatRef::row_major(b, rows, k)?);
         // Both as `left · rightᵀ`, the form the GEMM takes.
-        let (left, right) = match self {
-            Bf16Product::Nn if rows == n => (a, b.t()),
-            Bf16Product::Tn if rows == m => (a.t(), b.t()),
+        let (left, right) = match self.form {
+            Form::Nn if rows == n => (a, b.t()),
+            Form::Tn if rows == m => (a.t(), b.t()),
             _ => bail!("{}: [{m}, {n}] and [{rows}, {k}] do not fit", self.name()),
         };
         let shape = Shape::from((left.dims().0, k));
-        Ok((CpuStorage::F32(gemm_nt_bf16(left, right, None)?), shape))
+        Ok((CpuStorage::F32(gemm_nt(self.values, left, right, None)?), shape))
     }
 }
 
@@ -363,25 +359,39 @@ mod tests {
         }
     }
 
-    /// The f32 layer on the CPU (candle's matmul, `AddBias`) against candle's own
-    /// `broadcast_add` autograd: the same output and dX, dW bit for bit (the same matmuls),
-    /// the bias gradient within f32 rounding of the other order of sums; and
+    /// The f32 layer on the CPU (the engine's f32 GEMM) against candle's autograd in f64: the
+    /// output and every gradient within f32 rounding, the same bits on any thread pool; and
     /// `bias_gradient` is the column sums whatever the thread pool.
     #[test]
-    fn the_f32_layer_matches_candle_autograd_and_its_bias_gradient_any_pool() {
-        for (m, k, n) in [(2048, 16, 1536), (7, 33, 5), (130, 8, 1)] {
+    fn the_f32_layer_matches_f64_autograd_and_gives_the_same_bits_on_any_pool() {
+        for (m, k, n) in [(2048, 16, 1536), (7, 33, 5), (130, 8, 1), (64, 384, 96)] {
             let x = Var::from_tensor(&tensor(1, (m, k), 2.0)).unwrap();
             let w = Var::from_tensor(&tensor(2, (n, k), 0.05)).unwrap();
             let b = Var::from_tensor(&tensor(3, (1, n), 0.1).flatten_all().unwrap()).unwrap();
             let probe = tensor(4, (m, n), 1.0);
-            let got = run(Precision::F32, &x, &w, &b, &probe);
-            let y = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap();
-            let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-            let want = [y.clone(), grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone(), grads.get(&b).unwrap().clone()];
-            for (i, what) in ["y", "dx", "dw"].iter().enumerate() {
-                assert_eq!(values(&got[i]), values(&want[i]), "[{m}, {k}, {n}] {what}");
+            let f64_var = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
+            let (x64, w64, b64) = (f64_var(&x), f64_var(&w), f64_var(&b));
+            let y = x64.as_tensor().matmul(&w64.as_tensor().t().unwrap()).unwrap().broadcast_add(b64.as_tensor()).unwrap();
+            let grads = (&y * &probe.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let want: Vec<Tensor> = [&y, grads.get(&x64).unwrap(), grads.get(&w64).unwrap(), grads.get(&b64).unwrap()]
+                .iter()
+                .map(|t| t.to_dtype(DType::F32).unwrap())
+                .collect();
+            let on = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| run(Precision::F32, &x, &w, &b, &probe))
+            };
+            let got = on(1);
+            for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
+                let err = relative_error(&got[i], &want[i]);
+                assert!(err < 1e-5, "[{m}, {k}, {n}] {what}: relative error {err}");
             }
-            assert!(relative_error(&got[3], &want[3]) < 1e-6, "[{m}, {k}, {n}] db");
+            for threads in [2, 7] {
+                let again = on(threads);
+                for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
+                    assert_eq!(values(&again[i]), values(&got[i]), "[{m}, {k}, {n}] {what} on {threads} threads");
+                }
+            }
 
             let sums = |threads: usize| {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
