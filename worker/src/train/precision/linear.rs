@@ -2,8 +2,9 @@
 //! a backward, so it composes with candle's autograd (`Tensor::backward`).
 //!
 //! - f32: forward `x·Wᵀ`, backward `dX = dY·W` and `dW = dYᵀ·x`, on the engine's f32 GEMM
-//!   (`engine::ops::gemm_nt_f32`, AVX-512 or AVX2), which ran the training shapes about
-//!   1.5–1.8× as fast as candle's matmul (bench/results/cpu_f32_avx512.md). On a CPU without
+//!   (`engine::ops::gemm_nt_f32`, AVX-512 or AVX2), which ran the training shapes' forward
+//!   1.3–2.0× and backward up to 1.4× as fast as candle's matmul and autograd
+//!   (bench/results/cpu_f32_avx512.md). On a CPU without
 //!   AVX2 and FMA, and on other devices, candle's matmul and its autograd.
 //! - bf16: the same products of `bf16(x)`, `bf16(W)`, `bf16(dY)`, all summed in f32, on the
 //!   engine's bf16 GEMM (`engine::ops::gemm_nt_bf16`: the AVX512-BF16 kernel, or the AVX-512
