@@ -39,8 +39,8 @@ const LR: f64 = 1e-4;
 /// Timed iterations per run, runs per plan (the figure is the median of the runs).
 const ITERATIONS: usize = 7;
 const RUNS: usize = 3;
-/// Timed rounds of the profile per precision (each operator's fastest kept, as the in-job
-/// planner does).
+/// Timed rounds of the profile per precision (the fastest round kept, as the in-job planner
+/// does).
 const PROFILE_ITERATIONS: usize = 15;
 /// Random mixed plans besides the three uniform ones.
 const RANDOM_PLANS: usize = 7;
@@ -211,16 +211,20 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     v[rank]
 }
 
-/// One run of a plan: the fastest of `ITERATIONS` iterations after a warm-up (the least
-/// disturbed by the processes sharing the cores, as the profile keeps each operator's).
-/// Also that iteration's forward and backward, to show where a prediction misses.
-fn run_plan(model: &Model, plan: &[Precision]) -> Result<(f64, f64, f64)> {
-    model.iteration(plan)?;
-    let mut best = (f64::INFINITY, 0.0, 0.0);
-    for _ in 0..ITERATIONS {
-        let t = model.iteration(plan)?;
-        if t.0 < best.0 {
-            best = t;
+/// One run of every plan: each plan's fastest of `ITERATIONS` iterations after a warm-up
+/// (the least disturbed by the processes sharing the cores, as the profile keeps each
+/// precision's least disturbed round), with that iteration's forward and backward, to show where a prediction
+/// misses. The iterations go round the plans, so a slow spell of the host costs each plan
+/// an iteration or two, which the minimum drops, never a whole run.
+fn run_plans(model: &Model, plans: &[(String, Vec<Precision>)]) -> Result<Vec<(f64, f64, f64)>> {
+    let mut best = vec![(f64::INFINITY, 0.0, 0.0); plans.len()];
+    for iteration in 0..=ITERATIONS {
+        for ((_, plan), best) in plans.iter().zip(&mut best) {
+            let t = model.iteration(plan)?;
+            // The first iteration warms up.
+            if iteration > 0 && t.0 < best.0 {
+                *best = t;
+            }
         }
     }
     Ok(best)
@@ -404,11 +408,10 @@ fn main() -> anyhow::Result<()> {
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mut rows = Vec::new();
     let mut errors = Vec::new();
-    // Runs go round the plans, so a change in the machine's load falls on every plan alike.
     let mut runs = vec![Vec::with_capacity(RUNS); plans.len()];
     for _ in 0..RUNS {
-        for (k, (_, plan)) in plans.iter().enumerate() {
-            runs[k].push(run_plan(&model, plan)?);
+        for (runs, run) in runs.iter_mut().zip(run_plans(&model, &plans)?) {
+            runs.push(run);
         }
     }
     for ((label, plan), runs) in plans.iter().zip(runs) {
@@ -504,9 +507,9 @@ fn markdown(
          f32 in and out with the casts inside the op; ReLUs at f32.\n"
     );
     md += &format!(
-        "- Measured: median of {RUNS} runs (taken round the plans), each the fastest of {ITERATIONS} iterations after a warm-up. Predicted: the replayer over the operators \
+        "- Measured: median of {RUNS} runs, each the fastest of {ITERATIONS} iterations after a warm-up, the iterations taken round the plans. Predicted: the replayer over the operators \
          profiled by the in-job planner's harness (`train::hybrid::ops::profile`: per precision, rounds of every traced operator's forward in model order \
-         then every backward in reverse, each operator timed inside the round, fastest of {PROFILE_ITERATIONS} rounds), the loss and the optimizer step, each timed alone; \
+         then every backward in reverse, the precisions' rounds taken in turn, each operator timed inside the round, each precision's fastest of {PROFILE_ITERATIONS} rounds as a whole kept), the loss and the optimizer step, each timed alone; \
          it never times a whole iteration.\n\n"
     );
     md += &format!(

@@ -74,7 +74,8 @@ impl ProfiledOp for TracedOp<'_> {
 /// Times every traced operator at each of its candidate precisions down to `low`, inside
 /// rounds of all of them in iteration order (see `profile_ops`: an operator's operands are
 /// as far out of cache as in a training step; `iterations` timed rounds per precision after
-/// one warm-up, each operator's fastest kept: the host is shared). A
+/// one warm-up, the precisions taking turns, each precision's fastest round kept: the host
+/// is shared). A
 /// precision the device refuses (int8 off the CPU) is left out of that operator's row;
 /// f32 must run. The table's overhead and optimizer times are the caller's to fill.
 pub fn profile(
@@ -100,7 +101,7 @@ pub fn profile(
         ops.push(op);
     }
     let mut runnable: Vec<&mut dyn ProfiledOp> = ops.iter_mut().map(|op| op as &mut dyn ProfiledOp).collect();
-    let config = ProfileConfig { warmup: 1, iterations: iterations.max(1), statistic: Statistic::Min };
+    let config = ProfileConfig { warmup: 1, iterations: iterations.max(1), statistic: Statistic::FastestRound };
     let mut table = profile_ops(device, &mut runnable, &config)?;
     // The operators take f32 and cast (or quantise) inside, so their times include it.
     table.casts_in_op_time = true;

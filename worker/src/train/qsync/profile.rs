@@ -4,6 +4,7 @@
 //! fitted to QSync's linear cast model `t = a·numel + b` by least squares
 //! (`Predictor/casting_cost.py` fits the same line with `curve_fit`).
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
@@ -48,13 +49,22 @@ pub enum Statistic {
     /// The least disturbed run: for a device other processes share, where the median
     /// measures the neighbours as much as the operator.
     Min,
+    /// The least disturbed round ([`profile_ops`]): every operator's times at a precision
+    /// come from the one round of that precision whose recorded runs took least in total;
+    /// for a single measured thing (a cast), its fastest run. A round is undisturbed only
+    /// when all its operators are, as an iteration is, so on a shared host this predicts
+    /// iterations better than `Min`, the sum of each operator's luckiest run, which came out
+    /// low by up to 10% (`bench/results/qsync_predictor.md`).
+    FastestRound,
 }
 
 impl Statistic {
     pub fn of(self, values: &mut [f64]) -> f64 {
         match self {
             Statistic::Median => median(values),
-            Statistic::Min => values.iter().copied().fold(f64::INFINITY, f64::min),
+            Statistic::Min | Statistic::FastestRound => {
+                values.iter().copied().fold(f64::INFINITY, f64::min)
+            }
         }
     }
 }
@@ -82,7 +92,15 @@ impl Default for ProfileConfig {
 /// each precision `p`, one round runs every operator's forward in model order, each at the
 /// lowest precision at or above `p` it supports (a uniform-`p` plan), then every backward
 /// in reverse order, keeping what each forward produced until its backward; an operator's
-/// times at `p` come from the rounds of `p`. The statistic is per operator over the rounds.
+/// times at `p` come from the rounds of `p`. The statistic is per operator over the rounds,
+/// or picks one round per precision ([`Statistic::FastestRound`]).
+///
+/// The precisions take turns round by round (a round of each, then the next round of each),
+/// so each precision's rounds spread over the whole profile: on a shared host a slow spell
+/// of a second or two then slows a round of every precision, which the statistic drops,
+/// rather than every round of one precision, which it cannot (one such spell once made
+/// every bf16 operator a third slower than the runs beside it, and the plans' predictions
+/// up to 24% off).
 pub fn profile_ops(
     device: &str,
     ops: &mut [&mut dyn ProfiledOp],
@@ -106,21 +124,27 @@ pub fn profile_ops(
         .iter()
         .map(|p| vec![Default::default(); p.len()])
         .collect();
+    // Per sweep, each operator at the lowest precision it supports at or above the sweep's;
+    // f32 is always there. Only the operators running at the sweep's own precision are
+    // recorded, so every (operator, precision) gets exactly `iterations` samples.
+    let sweeps: Vec<(Precision, Vec<usize>)> = sweeps
+        .into_iter()
+        .map(|sweep| {
+            let ran_at = supported
+                .iter()
+                .map(|p| {
+                    p.iter()
+                        .position(|&q| q >= sweep)
+                        .expect("f32 is supported")
+                })
+                .collect();
+            (sweep, ran_at)
+        })
+        .collect();
     let iterations = config.iterations.max(1);
-    for sweep in sweeps {
-        // Each operator at the lowest precision it supports at or above the sweep's; f32 is
-        // always there. Only the operators running at the sweep's own precision are recorded,
-        // so every (operator, precision) gets exactly `iterations` samples.
-        let ran_at: Vec<usize> = supported
-            .iter()
-            .map(|p| {
-                p.iter()
-                    .position(|&q| q >= sweep)
-                    .expect("f32 is supported")
-            })
-            .collect();
-        for round in 0..config.warmup + iterations {
-            let timed_round = round >= config.warmup;
+    for round in 0..config.warmup + iterations {
+        let timed_round = round >= config.warmup;
+        for &(sweep, ref ran_at) in &sweeps {
             for (i, op) in ops.iter_mut().enumerate() {
                 let precision = supported[i][ran_at[i]];
                 let ms = timed(|| op.run(precision, Pass::Forward))
@@ -139,6 +163,10 @@ pub fn profile_ops(
             }
         }
     }
+    let fastest = match config.statistic {
+        Statistic::FastestRound => fastest_rounds(&supported, &samples, iterations),
+        Statistic::Median | Statistic::Min => BTreeMap::new(),
+    };
     let ops = ops
         .iter()
         .zip(supported)
@@ -149,11 +177,20 @@ pub fn profile_ops(
             timings: precisions
                 .into_iter()
                 .zip(samples)
-                .map(|(precision, (mut forward, mut backward))| OpTiming {
-                    precision,
-                    forward_ms: config.statistic.of(&mut forward),
-                    backward_ms: config.statistic.of(&mut backward),
-                })
+                .map(
+                    |(precision, (mut forward, mut backward))| match fastest.get(&precision) {
+                        Some(&round) => OpTiming {
+                            precision,
+                            forward_ms: forward[round],
+                            backward_ms: backward[round],
+                        },
+                        None => OpTiming {
+                            precision,
+                            forward_ms: config.statistic.of(&mut forward),
+                            backward_ms: config.statistic.of(&mut backward),
+                        },
+                    },
+                )
                 .collect(),
         })
         .collect();
@@ -164,6 +201,31 @@ pub fn profile_ops(
         optimizer_ms: 0.0,
         casts_in_op_time: false,
     })
+}
+
+/// Per precision, the timed round whose recorded runs (every operator's forward and
+/// backward at that precision) took least in total.
+fn fastest_rounds(
+    supported: &[Vec<Precision>],
+    samples: &[Vec<(Vec<f64>, Vec<f64>)>],
+    rounds: usize,
+) -> BTreeMap<Precision, usize> {
+    let mut totals: BTreeMap<Precision, Vec<f64>> = BTreeMap::new();
+    for (precisions, samples) in supported.iter().zip(samples) {
+        for (&precision, (forward, backward)) in precisions.iter().zip(samples) {
+            let total = totals.entry(precision).or_insert_with(|| vec![0.0; rounds]);
+            for (total, ms) in total.iter_mut().zip(forward.iter().zip(backward)) {
+                *total += ms.0 + ms.1;
+            }
+        }
+    }
+    totals
+        .into_iter()
+        .map(|(precision, total)| {
+            let fastest = (0..rounds).min_by(|&a, &b| total[a].total_cmp(&total[b]));
+            (precision, fastest.unwrap_or(0))
+        })
+        .collect()
 }
 
 fn op_error(op: &dyn ProfiledOp, precision: Precision, source: candle_core::Error) -> QsyncError {
@@ -508,7 +570,8 @@ mod tests {
 
     /// Operators are timed inside iteration-like rounds, not rerun alone: per precision,
     /// every forward in model order at the precision nearest it, then every backward in
-    /// reverse; each (operator, precision) keeps the runs of its own precision's rounds.
+    /// reverse; the precisions take turns round by round; each (operator, precision) keeps
+    /// the runs of its own precision's rounds.
     #[test]
     fn harness_times_operators_inside_iteration_ordered_rounds() {
         use Precision::*;
@@ -530,9 +593,9 @@ mod tests {
         };
         let table = profile_ops("cpu", &mut [&mut a, &mut b, &mut c], &config).unwrap();
 
-        // Three sweeps (int8, bf16, f32) of four rounds each; a round is six runs.
+        // Four rounds, each a sweep of int8, then bf16, then f32; a sweep is six runs.
         let log = log.borrow();
-        assert_eq!(log.len(), 3 * 4 * 6);
+        assert_eq!(log.len(), 4 * 3 * 6);
         for (sweep, (pa, pc)) in [(Int8, Bf16), (Bf16, Bf16), (F32, F32)]
             .into_iter()
             .enumerate()
@@ -546,7 +609,7 @@ mod tests {
                 ("a", pa, Pass::Backward),
             ];
             for r in 0..4 {
-                let start = (sweep * 4 + r) * 6;
+                let start = (r * 3 + sweep) * 6;
                 assert_eq!(
                     &log[start..start + 6],
                     &round[..],
@@ -587,6 +650,67 @@ mod tests {
                 t.backward_ms >= 2.0 * forward && t.backward_ms < 2.0 * forward + 3.8,
                 "{op} {p}: {t:?}"
             );
+        }
+    }
+
+    /// An f32 operator whose forwards sleep the given milliseconds in turn (backwards: 0).
+    struct ScriptedOp {
+        name: &'static str,
+        forward_ms: std::vec::IntoIter<u64>,
+    }
+
+    impl ProfiledOp for ScriptedOp {
+        fn name(&self) -> &str {
+            self.name
+        }
+        fn kind(&self) -> OpKind {
+            OpKind::Linear
+        }
+        fn precisions(&self) -> Vec<Precision> {
+            vec![Precision::F32]
+        }
+        fn run(&mut self, _: Precision, pass: Pass) -> candle_core::Result<()> {
+            if pass == Pass::Forward {
+                let ms = self.forward_ms.next().expect("a time per round");
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+            Ok(())
+        }
+    }
+
+    /// `Min` adds each operator's luckiest run, though no round had both; `FastestRound`
+    /// keeps the round that was fastest as a whole, as an iteration's time is.
+    #[test]
+    fn fastest_round_keeps_one_whole_round() {
+        let profile = |statistic| {
+            let mut a = ScriptedOp {
+                name: "a",
+                forward_ms: vec![1, 20, 6].into_iter(),
+            };
+            let mut b = ScriptedOp {
+                name: "b",
+                forward_ms: vec![20, 1, 6].into_iter(),
+            };
+            let config = ProfileConfig {
+                warmup: 0,
+                iterations: 3,
+                statistic,
+            };
+            let table = profile_ops("cpu", &mut [&mut a, &mut b], &config).unwrap();
+            table
+                .ops
+                .iter()
+                .map(|op| op.timings[0].forward_ms)
+                .collect::<Vec<_>>()
+        };
+        // Sleeps overshoot, never undershoot; the rounds' totals are 21, 21 and 12 ms.
+        for (statistic, expected) in [(Statistic::Min, 1.0), (Statistic::FastestRound, 6.0)] {
+            for ms in profile(statistic) {
+                assert!(
+                    ms >= expected && ms < expected + 4.0,
+                    "{statistic:?}: {ms} ms, expected {expected}"
+                );
+            }
         }
     }
 
