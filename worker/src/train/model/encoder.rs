@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Result, Tensor, Var, D};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 
-use super::OpTrace;
+use super::{activations, OpTrace};
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 
 /// A dense layer `x Wᵀ + b`, named by its weights' prefix.
@@ -370,13 +370,13 @@ impl Encoder {
         let k = split(recorder.dense(&layer.key, hidden, from)?.0)?;
         let v = split(recorder.dense(&layer.value, hidden, from)?.0)?;
         let scores = (q.matmul(&k.t()?)? / (head_dim as f64).sqrt())?.broadcast_add(mask)?;
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let probs = activations::softmax_last_dim(&scores)?;
         let context = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.flatten_from(D::Minus2)?;
         let (projected, _) = recorder.dense(&layer.attention_output, &context, None)?;
         let (attended, attended_from) = recorder.norm(&layer.attention_norm, &(projected + hidden)?, None)?;
         let (inner, _) = recorder.dense(&layer.intermediate, &attended, attended_from)?;
         let inner = match self.activation {
-            HiddenAct::Gelu => inner.gelu_erf()?,
+            HiddenAct::Gelu => activations::gelu_erf(&inner)?,
             HiddenAct::GeluApproximate => inner.gelu()?,
             HiddenAct::Relu => inner.relu()?,
         };
