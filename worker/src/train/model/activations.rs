@@ -4,8 +4,9 @@
 //! a `[batch, heads, tokens, tokens]` or `[batch, tokens, intermediate]` tensor with a fresh
 //! output: together about a quarter of an f32 MiniLM training step on a 2-core Xeon (16 ×
 //! 128 tokens). There, per layer, the softmax's backward went from ~40 to ~5 ms and the
-//! GELU's from ~40 to ~30 (its erf dominates), and the step's backward ~1.15× faster
-//! (2026-11-29, a one-off harness, median of 3 alternating runs). Same functions: the GELU
+//! GELU's from ~40 to ~30 (its erf dominates); the step's backward 1.17× faster, its forward
+//! 0.89× (not explained), the whole f32 step 1.08× (bench/results/cpu_f32_avx512.md, last
+//! section). Same functions: the GELU
 //! forward is candle's own formula and erf (bit-identical), its derivative and the softmax
 //! within float rounding of candle's (tested against candle's autograd). On other devices,
 //! and for anything but f32, candle's expressions.
@@ -36,9 +37,12 @@ fn fused(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() > 0
 }
 
-/// Rows per rayon task: a few thousand values each, so a task outweighs its scheduling.
+/// Values per rayon task: enough that a task outweighs its scheduling.
+const CHUNK: usize = 4096;
+
+/// Rows per rayon task: about `CHUNK` values, whole rows.
 fn rows_per_task(row: usize) -> usize {
-    (4096 / row.max(1)).max(1)
+    (CHUNK / row.max(1)).max(1)
 }
 
 /// The contiguous f32 values of a CPU operand.
@@ -47,6 +51,19 @@ fn values<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
         Some((start, end)) => Ok(&s.as_slice::<f32>()?[start..end]),
         None => bail!("{op}: the operand must be contiguous"),
     }
+}
+
+/// A gradient op's saved operand and incoming gradient, of one length.
+fn with_gradient<'a>(
+    op: &str,
+    (s, l): (&'a CpuStorage, &Layout),
+    (g_s, g_l): (&'a CpuStorage, &Layout),
+) -> Result<(&'a [f32], &'a [f32])> {
+    let (saved, gradient) = (values(op, s, l)?, values(op, g_s, g_l)?);
+    if saved.len() != gradient.len() {
+        bail!("{op}: {} values against a gradient of {}", saved.len(), gradient.len());
+    }
+    Ok((saved, gradient))
 }
 
 struct Gelu;
@@ -59,7 +76,7 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = values(self.name(), s, l)?;
         let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(y, x)| {
+        y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
             for (y, &v) in y.iter_mut().zip(x) {
                 *y = (erf_f32(v * FRAC_1_SQRT_2) + 1.) * 0.5 * v;
             }
@@ -82,12 +99,9 @@ impl CustomOp2 for GeluGrad {
     }
 
     fn cpu_fwd(&self, x_s: &CpuStorage, x_l: &Layout, g_s: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, g) = (values(self.name(), x_s, x_l)?, values(self.name(), g_s, g_l)?);
-        if x.len() != g.len() {
-            bail!("{}: {} values against a gradient of {}", self.name(), x.len(), g.len());
-        }
+        let (x, g) = with_gradient(self.name(), (x_s, x_l), (g_s, g_l))?;
         let mut dx = vec![0f32; x.len()];
-        dx.par_chunks_mut(4096).zip(x.par_chunks(4096).zip(g.par_chunks(4096))).for_each(|(dx, (x, g))| {
+        dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(g.par_chunks(CHUNK))).for_each(|(dx, (x, g))| {
             for ((dx, &v), &g) in dx.iter_mut().zip(x).zip(g) {
                 let slope = 0.5 + 0.398942 * (-(v * v) / 2.).exp() * v + 0.5 * erf_f32(v * FRAC_1_SQRT_2);
                 *dx = g * slope;
@@ -139,10 +153,7 @@ impl CustomOp2 for SoftmaxGrad {
     }
 
     fn cpu_fwd(&self, y_s: &CpuStorage, y_l: &Layout, g_s: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (y, g) = (values(self.name(), y_s, y_l)?, values(self.name(), g_s, g_l)?);
-        if y.len() != g.len() {
-            bail!("{}: {} values against a gradient of {}", self.name(), y.len(), g.len());
-        }
+        let (y, g) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
         let row = y_l.dims().last().copied().unwrap_or(1).max(1);
         let task = rows_per_task(row) * row;
         let mut dx = vec![0f32; y.len()];

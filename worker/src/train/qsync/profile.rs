@@ -54,7 +54,7 @@ pub enum Statistic {
     /// for a single measured thing (a cast), its fastest run. A round is undisturbed only
     /// when all its operators are, as an iteration is, so on a shared host this predicts
     /// iterations better than `Min`, the sum of each operator's luckiest run, which came out
-    /// low by up to 10% (`bench/results/qsync_predictor.md`).
+    /// low (by 6% in the median run on a noisy 2-core host, `bench/results/qsync_predictor.md`).
     FastestRound,
 }
 
