@@ -5,8 +5,8 @@
 //! It computes what candle-transformers' `BertModel` computes (same graph, mask and GELU;
 //! `worker/tests/train_bert.rs` checks the outputs agree at all-f32), with two differences
 //! that training needs: its layers are ours, so each one can change precision, and its
-//! LayerNorm is written with differentiable tensor ops. candle-nn's fused LayerNorm (which
-//! `BertModel` uses) has no backward, so with it no gradient reached the encoder's weights.
+//! LayerNorm has a backward (`fused::layer_norm`). candle-nn's fused LayerNorm (which
+//! `BertModel` uses) has none, so with it no gradient reached the encoder's weights.
 //! A bf16 embedding or LayerNorm rounds its output to bf16 (QSync's 16-bit kernels store
 //! 16-bit outputs); on the CPU that buys no speed, only the numerics. A traced forward
 //! records each of these operators with what it read (`super::OpTrace`).
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Result, Tensor, Var, D};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 
-use super::{activations, OpTrace};
+use super::{fused, OpTrace};
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 
 /// A dense layer `x Wᵀ + b`, named by its weights' prefix.
@@ -47,13 +47,9 @@ impl Norm {
     }
 }
 
-/// LayerNorm over the last dimension, as candle-nn's unfused path computes it.
+/// LayerNorm over the last dimension at `precision`.
 fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, precision: Precision) -> Result<Tensor> {
-    let hidden = x.dim(D::Minus1)? as f64;
-    let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / hidden)?)?;
-    let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
-    let normed = centred.broadcast_div(&(variance + eps)?.sqrt()?)?;
-    round(normed.broadcast_mul(weight)?.broadcast_add(bias)?, precision)
+    round(fused::layer_norm(x, weight, bias, eps)?, precision)
 }
 
 /// Records the operators of a traced forward, in the order they run; a plain forward
@@ -370,13 +366,13 @@ impl Encoder {
         let k = split(recorder.dense(&layer.key, hidden, from)?.0)?;
         let v = split(recorder.dense(&layer.value, hidden, from)?.0)?;
         let scores = (q.matmul(&k.t()?)? / (head_dim as f64).sqrt())?.broadcast_add(mask)?;
-        let probs = activations::softmax_last_dim(&scores)?;
+        let probs = fused::softmax_last_dim(&scores)?;
         let context = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.flatten_from(D::Minus2)?;
         let (projected, _) = recorder.dense(&layer.attention_output, &context, None)?;
         let (attended, attended_from) = recorder.norm(&layer.attention_norm, &(projected + hidden)?, None)?;
         let (inner, _) = recorder.dense(&layer.intermediate, &attended, attended_from)?;
         let inner = match self.activation {
-            HiddenAct::Gelu => activations::gelu_erf(&inner)?,
+            HiddenAct::Gelu => fused::gelu_erf(&inner)?,
             HiddenAct::GeluApproximate => inner.gelu()?,
             HiddenAct::Relu => inner.relu()?,
         };

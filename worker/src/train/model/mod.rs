@@ -8,7 +8,7 @@
 //! (`forward_traced`) records each of those operators on the real batch, so the planner
 //! can time it at every precision and read its tensors ([`OpTrace`]).
 
-mod activations;
+mod fused;
 pub mod bert;
 pub mod encoder;
 pub mod mlp;

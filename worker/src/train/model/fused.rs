@@ -1,0 +1,434 @@
+//! The encoder's GELU (erf), attention softmax and LayerNorm as one-pass CPU ops with
+//! one-pass backwards. candle differentiates its `gelu_erf` through about ten elementwise
+//! tensor ops, its softmax (max, subtract, exp, sum, divide) and a LayerNorm written with
+//! tensor ops through more, each a full pass over a `[batch, heads, tokens, tokens]`,
+//! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output:
+//! together about a quarter of an f32 MiniLM training step on a 2-core Xeon (16 × 128
+//! tokens). There, per layer, the softmax's backward went from ~40 to ~5 ms and the
+//! GELU's from ~40 to ~30 (its erf dominates); the step's backward 1.17× faster, its forward
+//! 0.89× (not explained), the whole f32 step 1.08× (bench/results/cpu_f32_avx512.md, last
+//! section). Same functions: the GELU forward is candle's own formula and erf
+//! (bit-identical), its derivative, the softmax and the LayerNorm within float rounding of
+//! candle's (tested against candle's autograd). On other devices, and for anything but f32,
+//! candle's expressions.
+//!
+//! The ops split their work into rayon tasks, so a CPU rank's own thread pool bounds them
+//! (candle's barrier pool is one per process, whatever pool the caller installed).
+
+use std::f32::consts::FRAC_1_SQRT_2;
+
+use candle_core::cpu::erf::erf_f32;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+/// `x·Φ(x)` with the exact (erf) normal CDF, as candle's `gelu_erf`.
+pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    match fused(x) {
+        true => x.contiguous()?.apply_op1(Gelu),
+        false => x.gelu_erf(),
+    }
+}
+
+/// Softmax over the last dimension, as `candle_nn::ops::softmax(x, D::Minus1)`.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    match fused(x) {
+        true => x.contiguous()?.apply_op1(Softmax),
+        false => candle_nn::ops::softmax(x, D::Minus1),
+    }
+}
+
+/// LayerNorm over the last dimension, `(x − mean)/√(variance + eps) · weight + bias` (the
+/// biased variance, as candle-nn's).
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused(x) && fused(weight) && fused(bias) {
+        return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 });
+    }
+    let hidden = x.dim(D::Minus1)? as f64;
+    let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / hidden)?)?;
+    let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
+    let normed = centred.broadcast_div(&(variance + eps)?.sqrt()?)?;
+    normed.broadcast_mul(weight)?.broadcast_add(bias)
+}
+
+fn fused(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() > 0
+}
+
+/// Values per rayon task: enough that a task outweighs its scheduling.
+const CHUNK: usize = 4096;
+
+/// Rows per rayon task: about `CHUNK` values, whole rows.
+fn rows_per_task(row: usize) -> usize {
+    (CHUNK / row.max(1)).max(1)
+}
+
+/// The contiguous f32 values of a CPU operand.
+fn values<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&s.as_slice::<f32>()?[start..end]),
+        None => bail!("{op}: the operand must be contiguous"),
+    }
+}
+
+/// A gradient op's saved operand and incoming gradient, of one length.
+fn with_gradient<'a>(
+    op: &str,
+    (s, l): (&'a CpuStorage, &Layout),
+    (g_s, g_l): (&'a CpuStorage, &Layout),
+) -> Result<(&'a [f32], &'a [f32])> {
+    let (saved, gradient) = (values(op, s, l)?, values(op, g_s, g_l)?);
+    if saved.len() != gradient.len() {
+        bail!("{op}: {} values against a gradient of {}", saved.len(), gradient.len());
+    }
+    Ok((saved, gradient))
+}
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu-erf"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = values(self.name(), s, l)?;
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
+            for (y, &v) in y.iter_mut().zip(x) {
+                *y = (erf_f32(v * FRAC_1_SQRT_2) + 1.) * 0.5 * v;
+            }
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(arg.apply_op3_no_bwd(res, &grad.contiguous()?, &GeluGrad)?))
+    }
+}
+
+/// `(x, y, dy) → dy · gelu'(x)` for `y = gelu(x)`: `gelu'(x) = Φ(x) + x·φ(x)`, candle's
+/// `½ + x·e^(−x²/2)/√(2π) + ½·erf(x/√2)` with its constant, but `Φ(x)` read off the forward's
+/// output as `y/x` instead of a second erf (half the cost); ½ where `x` is too near 0 to
+/// divide by.
+struct GeluGrad;
+
+impl CustomOp3 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "gelu-erf-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        y_s: &CpuStorage,
+        y_l: &Layout,
+        g_s: &CpuStorage,
+        g_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = with_gradient(self.name(), (x_s, x_l), (g_s, g_l))?;
+        let (y, _) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
+        let mut dx = vec![0f32; x.len()];
+        dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))).for_each(
+            |(dx, (x, (y, g)))| {
+                for (((dx, &v), &y), &g) in dx.iter_mut().zip(x).zip(y).zip(g) {
+                    let cdf = if v.abs() < f32::MIN_POSITIVE { 0.5 } else { y / v };
+                    *dx = g * (cdf + 0.398942 * (-(v * v) / 2.).exp() * v);
+                }
+            },
+        );
+        Ok((CpuStorage::F32(dx), x_l.shape().clone()))
+    }
+}
+
+struct Softmax;
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        "softmax-last-dim"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = values(self.name(), s, l)?;
+        let row = l.dims().last().copied().unwrap_or(1).max(1);
+        let mut y = vec![0f32; x.len()];
+        let task = rows_per_task(row) * row;
+        y.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(y, x)| {
+            for (y, x) in y.chunks_exact_mut(row).zip(x.chunks_exact(row)) {
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for (y, &v) in y.iter_mut().zip(x) {
+                    *y = (v - max).exp();
+                    sum += *y;
+                }
+                for y in y.iter_mut() {
+                    *y /= sum;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)?))
+    }
+}
+
+/// `(y, dy) → y ⊙ (dy − Σ_row y ⊙ dy)` for `y` a softmax over rows.
+struct SoftmaxGrad;
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "softmax-last-dim-grad"
+    }
+
+    fn cpu_fwd(&self, y_s: &CpuStorage, y_l: &Layout, g_s: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (y, g) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
+        let row = y_l.dims().last().copied().unwrap_or(1).max(1);
+        let task = rows_per_task(row) * row;
+        let mut dx = vec![0f32; y.len()];
+        dx.par_chunks_mut(task).zip(y.par_chunks(task).zip(g.par_chunks(task))).for_each(|(dx, (y, g))| {
+            for ((dx, y), g) in dx.chunks_exact_mut(row).zip(y.chunks_exact(row)).zip(g.chunks_exact(row)) {
+                let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                    *dx = y * (g - dot);
+                }
+            }
+        });
+        Ok((CpuStorage::F32(dx), y_l.shape().clone()))
+    }
+}
+
+/// The length of `x`'s rows, which every one of `params` must have.
+fn row_length(op: &str, x: &Layout, params: &[&[f32]]) -> Result<usize> {
+    let hidden = x.dims().last().copied().unwrap_or(0);
+    if hidden == 0 || params.iter().any(|p| p.len() != hidden) {
+        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        bail!("{op}: rows of {hidden} values against parameters of {lengths:?}");
+    }
+    Ok(hidden)
+}
+
+/// A row's mean and `1/√(variance + eps)`.
+fn moments(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let variance = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1. / (variance + eps).sqrt())
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, b) = (values(self.name(), x_s, x_l)?, values(self.name(), w_s, w_l)?, values(self.name(), b_s, b_l)?);
+        let hidden = row_length(self.name(), x_l, &[w, b])?;
+        let task = rows_per_task(hidden) * hidden;
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(y, x)| {
+            for (y, x) in y.chunks_exact_mut(hidden).zip(x.chunks_exact(hidden)) {
+                let (mean, scale) = moments(x, self.eps);
+                for (((y, &v), &w), &b) in y.iter_mut().zip(x).zip(w).zip(b) {
+                    *y = (v - mean) * scale * w + b;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), x_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let hidden = weight.elem_count();
+        let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let rows = x.elem_count() / hidden;
+        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let (dw, db) = (all.get(rows)?, all.get(rows + 1)?);
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// `(x, weight, dy) → [dx; dweight; dbias]`, `[rows + 2, hidden]`: one pass makes all three.
+/// With `x̂ = (x − mean)·s`, `s = 1/√(variance + eps)` and `g = dy ⊙ weight` per row,
+/// `dx = s·(g − mean(g) − x̂·mean(g ⊙ x̂))`; `dweight = Σ_rows dy ⊙ x̂`, `dbias = Σ_rows dy`.
+/// Each task sums its rows' share of those two, and the shares add up in task order, so the
+/// result does not depend on how many threads ran.
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+        g_s: &CpuStorage,
+        g_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = with_gradient(self.name(), (x_s, x_l), (g_s, g_l))?;
+        let w = values(self.name(), w_s, w_l)?;
+        let hidden = row_length(self.name(), x_l, &[w])?;
+        let task = rows_per_task(hidden) * hidden;
+        let mut dx = vec![0f32; x.len() + 2 * hidden];
+        let shares: Vec<Vec<f32>> = dx[..x.len()]
+            .par_chunks_mut(task)
+            .zip(x.par_chunks(task).zip(g.par_chunks(task)))
+            .map(|(dx, (x, dy))| {
+                // This task's Σ dy ⊙ x̂, then its Σ dy.
+                let mut share = vec![0f32; 2 * hidden];
+                let (dw, db) = share.split_at_mut(hidden);
+                let mut normed = vec![0f32; hidden];
+                for ((dx, x), dy) in dx.chunks_exact_mut(hidden).zip(x.chunks_exact(hidden)).zip(dy.chunks_exact(hidden)) {
+                    let (mean, scale) = moments(x, self.eps);
+                    let (mut g_sum, mut g_dot) = (0f32, 0f32);
+                    for i in 0..hidden {
+                        normed[i] = (x[i] - mean) * scale;
+                        dw[i] += dy[i] * normed[i];
+                        db[i] += dy[i];
+                        let g = dy[i] * w[i];
+                        g_sum += g;
+                        g_dot += g * normed[i];
+                    }
+                    let (g_mean, g_dot_mean) = (g_sum / hidden as f32, g_dot / hidden as f32);
+                    for i in 0..hidden {
+                        dx[i] = scale * (dy[i] * w[i] - g_mean - normed[i] * g_dot_mean);
+                    }
+                }
+                share
+            })
+            .collect();
+        let sums = &mut dx[x.len()..];
+        for share in &shares {
+            for (sum, v) in sums.iter_mut().zip(share) {
+                *sum += v;
+            }
+        }
+        let rows = x.len() / hidden;
+        Ok((CpuStorage::F32(dx), Shape::from((rows + 2, hidden))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// `f`'s output and its input gradient under the loss `Σ f(x) ⊙ w`.
+    fn output_and_gradient(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> (Vec<f32>, Vec<f32>) {
+        let x = Var::from_tensor(x).unwrap();
+        let y = f(x.as_tensor()).unwrap();
+        let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).expect("a gradient reaches x");
+        (y.flatten_all().unwrap().to_vec1().unwrap(), dx.flatten_all().unwrap().to_vec1().unwrap())
+    }
+
+    fn assert_close(ours: &[f32], candle: &[f32], tolerance: f32, what: &str) {
+        assert_eq!(ours.len(), candle.len());
+        for (i, (a, b)) in ours.iter().zip(candle).enumerate() {
+            assert!((a - b).abs() <= tolerance * (1.0 + b.abs()), "{what}[{i}]: {a} against candle's {b}");
+        }
+    }
+
+    #[test]
+    fn gelu_matches_candle_forward_exactly_and_backward_closely() {
+        let x = (Tensor::randn(0f32, 2.0, (3, 70, 33), &Device::Cpu).unwrap() * 1.5).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (3, 70, 33), &Device::Cpu).unwrap();
+        let (y, dx) = output_and_gradient(&x, &w, gelu_erf);
+        let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| x.gelu_erf());
+        assert_eq!(y, candle_y);
+        assert_close(&dx, &candle_dx, 1e-6, "dx");
+        // A derivative that dropped a term would sit far off: gelu'(1) = 1.0833.
+        let one = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        let (_, slope) = output_and_gradient(&one, &one.ones_like().unwrap(), gelu_erf);
+        assert!((slope[0] - 1.0833).abs() < 1e-3, "gelu'(1) = {}", slope[0]);
+    }
+
+    #[test]
+    fn softmax_matches_candle_with_masked_rows() {
+        let mut x = Tensor::randn(0f32, 3.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
+        // The encoder's padding mask adds the most negative f32 to some scores.
+        let mask: Vec<f32> = (0..29).map(|j| if j % 5 == 4 { f32::MIN } else { 0.0 }).collect();
+        x = x.broadcast_add(&Tensor::new(mask.as_slice(), &Device::Cpu).unwrap()).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
+        let (y, dx) = output_and_gradient(&x, &w, softmax_last_dim);
+        let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| candle_nn::ops::softmax(x, D::Minus1));
+        assert_close(&y, &candle_y, 1e-6, "y");
+        assert_close(&dx, &candle_dx, 1e-6, "dx");
+        for row in y.chunks(29) {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            assert!(row.iter().skip(4).step_by(5).all(|&p| p == 0.0), "masked scores get no weight");
+        }
+    }
+
+    #[test]
+    fn layer_norm_matches_candle_nn_and_candles_autograd_at_f64() {
+        // 280 rows of 33: three tasks of rows, so the weight and bias gradients add shares.
+        let x = (Tensor::randn(0.5f32, 2.0, (4, 70, 33), &Device::Cpu).unwrap() * 3.0).unwrap();
+        let weight = Tensor::randn(1f32, 0.5, 33, &Device::Cpu).unwrap();
+        let bias = Tensor::randn(0f32, 0.5, 33, &Device::Cpu).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (4, 70, 33), &Device::Cpu).unwrap();
+        let run = |dtype| {
+            let vars: Vec<Var> = [&x, &weight, &bias].iter().map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect();
+            let y = layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), 1e-12).unwrap();
+            let grads = (&y * w.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut out = vec![as_f32(&y)];
+            out.extend(vars.iter().map(|v| as_f32(grads.get(v.as_tensor()).expect("a gradient reaches each input"))));
+            out
+        };
+        let (ours, reference) = (run(DType::F32), run(DType::F64));
+        let candle_nn = candle_nn::ops::layer_norm(&x, &weight, &bias, 1e-12).unwrap();
+        assert_close(&ours[0], &candle_nn.flatten_all().unwrap().to_vec1().unwrap(), 1e-5, "y against candle-nn's");
+        for (what, (a, b)) in ["y", "dx", "dweight", "dbias"].iter().zip(ours.iter().zip(&reference)) {
+            assert_close(a, b, 2e-5, what);
+        }
+    }
+
+    #[test]
+    fn layer_norm_gradients_do_not_depend_on_the_thread_count() {
+        let x = Tensor::randn(0f32, 1.0, (300, 64), &Device::Cpu).unwrap();
+        let (weight, bias) = (Tensor::randn(1f32, 0.2, 64, &Device::Cpu).unwrap(), Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap());
+        let grad = Tensor::randn(0f32, 1.0, (300, 64), &Device::Cpu).unwrap();
+        let with_threads = |n| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+            let all = pool.install(|| x.apply_op3_no_bwd(&weight, &grad, &LayerNormGrad { eps: 1e-12 })).unwrap();
+            assert_eq!(all.dims(), &[302, 64]);
+            all.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_eq!(with_threads(1), with_threads(3));
+    }
+
+    #[test]
+    fn other_dtypes_take_candles_expressions() {
+        let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+        let ours = softmax_last_dim(&x).unwrap().to_vec2::<f64>().unwrap();
+        let candle = candle_nn::ops::softmax(&x, D::Minus1).unwrap().to_vec2::<f64>().unwrap();
+        assert_eq!(ours, candle);
+        assert_eq!(gelu_erf(&x).unwrap().to_vec2::<f64>().unwrap(), x.gelu_erf().unwrap().to_vec2::<f64>().unwrap());
+    }
+}
