@@ -17,7 +17,7 @@
 #              own: on the H200 (2026-11-28) a run of the GPU one took 17-29 s, so its 12 runs
 #              need about 5 minutes, and it writes its section only when all have run;
 #   all        tests and bench (the default).
-# Every call also writes machine.txt (nvidia-smi, the build, torch and transformers), so at
+# Every call also writes machine.txt (nvidia-smi, the CPU, the build, torch and transformers), so at
 # most 8 files, what the device tool brings back. Steps run even when an earlier one fails;
 # the exit status is the first failure's. Copy the .md and .json results into bench/results/.
 #
@@ -137,6 +137,9 @@ run() {
     echo "build: $(cat "$bundle/build-info.json" 2>/dev/null || echo 'no build-info.json')"
     nvidia-smi
     nvidia-smi -L
+    # The host CPU decides what a CPU rank gains from bf16 and int8 (AMX, AVX512-BF16, VNNI).
+    grep -m1 'model name' /proc/cpuinfo
+    echo "cores: $(nproc); flags of note: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|fma|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' | tr '\n' ' ')"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     echo "CUDA_CACHE_PATH=$CUDA_CACHE_PATH CUDA_CACHE_MAXSIZE=$CUDA_CACHE_MAXSIZE"
     ls -l "$bin"

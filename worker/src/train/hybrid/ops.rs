@@ -75,9 +75,8 @@ impl ProfiledOp for TracedOp<'_> {
 /// rounds of all of them in iteration order (see `profile_ops`: an operator's operands are
 /// as far out of cache as in a training step; `iterations` timed rounds per precision after
 /// one warm-up, the precisions taking turns, each precision's fastest round kept: the host
-/// is shared). A
-/// precision the device refuses (int8 off the CPU) is left out of that operator's row;
-/// f32 must run. The table's overhead and optimizer times are the caller's to fill.
+/// is shared). A precision the device refuses (int8 off the CPU) is left out of that
+/// operator's row; f32 must run. The table's overhead and optimizer times are the caller's to fill.
 pub fn profile(
     device: &str,
     traces: &mut [OpTrace],
