@@ -10,7 +10,10 @@
 //! the master weights and the input, dequantising, packing), since that is what a plan pays.
 //! A second table times the bare kernels on ready operands. Backward is timed alone
 //! (`Tensor::backward` of the layer's output, its gradient all ones: dX, dW and db).
-//! Last, a whole all-MiniLM-L6-v2 encoder step per uniform plan ($TESSERA_ASSETS). Median of
+//! Then the encoder's one-pass softmax, GELU and LayerNorm
+//! (`tessera_worker::train::model::fused`) against candle's tensor expressions for them,
+//! forward and backward, on MiniLM's shapes at that batch. Last, a whole all-MiniLM-L6-v2
+//! encoder step per uniform plan ($TESSERA_ASSETS). Median of
 //! `--runs` runs after one warm-up. Prints one line per figure; writes
 //! bench/results/qsync_gemm.{json,md}.
 //!
@@ -27,6 +30,7 @@ use serde_json::{json, Value};
 use tessera_bench::machine;
 use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, GemmInputs, MatRef};
 use tessera_worker::train::model::encoder::Encoder;
+use tessera_worker::train::model::fused;
 use tessera_worker::train::precision::{linear, Precision, PrecisionPlan, IMPLEMENTED};
 
 #[derive(Parser)]
@@ -202,19 +206,74 @@ fn main() -> Result<()> {
         rows.push(row);
     }
 
+    let ops = fused_ops(&args)?;
     let encoder = encoder_steps(&args)?;
 
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
     let result = json!({
         "machine": machine(), "flags": flags, "date": date, "command": command,
-        "runs": args.runs, "rows": m, "shapes": rows, "encoder_steps": encoder, "load_average_before": load_before, "load_average_after": load(),
+        "runs": args.runs, "rows": m, "shapes": rows, "fused_ops": ops, "encoder_steps": encoder, "load_average_before": load_before, "load_average_after": load(),
         "bf16_kernel": format!("{:?}", GemmInputs::fastest()).to_lowercase(),
     });
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/results");
     std::fs::write(format!("{dir}/qsync_gemm.json"), serde_json::to_string_pretty(&result)? + "\n")?;
     std::fs::write(format!("{dir}/qsync_gemm.md"), markdown(&result))?;
     Ok(())
+}
+
+/// The encoder's one-pass ops against candle's expressions for the same functions, forward
+/// and backward (of the output alone, its gradient all ones), on a MiniLM layer's tensors at
+/// 16 sequences of 128 tokens: the attention scores `[16, 12, 128, 128]`, the intermediate
+/// activations `[16, 128, 1536]`, the hidden states `[16, 128, 384]`.
+fn fused_ops(args: &Args) -> Result<Value> {
+    let device = Device::Cpu;
+    let var = |seed, dims: &[usize], scale| -> Result<Var> {
+        let n = dims.iter().product();
+        Ok(Var::from_tensor(&Tensor::from_vec(uniform(seed, n, scale), dims, &device)?)?)
+    };
+    let scores = var(4, &[16, 12, 128, 128], 4.0)?;
+    let inner = var(5, &[16, 128, 1536], 3.0)?;
+    let (hidden, weight, bias) = (var(6, &[16, 128, 384], 2.0)?, var(7, &[384], 1.0)?, var(8, &[384], 0.1)?);
+    let (x, w, b) = (hidden.as_tensor(), weight.as_tensor(), bias.as_tensor());
+    let pairs = [
+        (
+            "softmax",
+            "[16, 12, 128, 128]",
+            forward_backward(args.runs, || Ok(fused::softmax_last_dim(scores.as_tensor())?))?,
+            forward_backward(args.runs, || Ok(candle_nn::ops::softmax(scores.as_tensor(), candle_core::D::Minus1)?))?,
+        ),
+        (
+            "GELU (erf)",
+            "[16, 128, 1536]",
+            forward_backward(args.runs, || Ok(fused::gelu_erf(inner.as_tensor())?))?,
+            forward_backward(args.runs, || Ok(inner.as_tensor().gelu_erf()?))?,
+        ),
+        (
+            "LayerNorm",
+            "[16, 128, 384]",
+            forward_backward(args.runs, || Ok(fused::layer_norm(x, w, b, 1e-12)?))?,
+            forward_backward(args.runs, || Ok(fused::layer_norm_expression(x, w, b, 1e-12)?))?,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (op, shape, ours, candle) in pairs {
+        println!(
+            "{op} {shape}: forward {:.2} ms (candle's expression {:.2}, {:.2}x), backward {:.2} ms (candle's {:.2}, {:.2}x)",
+            ours.0,
+            candle.0,
+            candle.0 / ours.0,
+            ours.1,
+            candle.1,
+            candle.1 / ours.1
+        );
+        out.push(json!({
+            "op": op, "shape": shape,
+            "forward_ms": ours.0, "backward_ms": ours.1,
+            "candle_forward_ms": candle.0, "candle_backward_ms": candle.1,
+        }));
+    }
+    Ok(Value::Array(out))
 }
 
 /// A whole all-MiniLM-L6-v2 encoder step (forward, mean-square loss, backward) on 16
@@ -356,12 +415,32 @@ fn markdown(r: &Value) -> String {
             pair(v("kernel_ms", "f32"), v("kernel_ms", "f32_candle")),
         );
     }
+    s += "\n## The encoder's one-pass ops against candle's expressions\n\n";
+    s += "Softmax (last dimension), GELU (erf) and LayerNorm as the trainable encoder runs them (`fused`: one pass forward, one backward) \
+          beside candle's tensor expressions for the same functions (`candle_nn::ops::softmax`, `Tensor::gelu_erf`, LayerNorm as candle-nn's unfused path), \
+          which autograd differentiates op by op; on a MiniLM layer's tensors at 16 × 128 tokens. \
+          × is candle's time over ours (above 1 = ours is faster).\n\n";
+    s += "| op | shape | forward ms, ours | candle (×) | backward ms, ours | candle (×) |\n|---|---|---|---|---|---|\n";
+    for row in r["fused_ops"].as_array().into_iter().flatten() {
+        let v = |what: &str| row[what].as_f64().unwrap_or(f64::NAN);
+        s += &format!(
+            "| {} | {} | {:.2} | {:.2} ({:.2}×) | {:.2} | {:.2} ({:.2}×) |\n",
+            row["op"].as_str().unwrap_or(""),
+            row["shape"].as_str().unwrap_or(""),
+            v("forward_ms"),
+            v("candle_forward_ms"),
+            v("candle_forward_ms") / v("forward_ms"),
+            v("backward_ms"),
+            v("candle_backward_ms"),
+            v("candle_backward_ms") / v("backward_ms"),
+        );
+    }
     if let Some(plans) = r["encoder_steps"]["plans"].as_object() {
         s += "\n## A whole MiniLM-L6 encoder step\n\n";
         s += &format!(
             "all-MiniLM-L6-v2 (our trainable encoder), {} sequences × {} tokens: forward, and forward + mean-square loss + backward, \
              every linear at the plan's precision (under int8 the embeddings and LayerNorms run at bf16, QSync's keep-list). \
-             The attention's own matmuls, softmax, GELU and LayerNorm stay f32 in every plan.\n\n",
+             The attention's own matmuls, softmax and GELU stay f32 in every plan.\n\n",
             r["encoder_steps"]["batch"], r["encoder_steps"]["tokens"]
         );
         s += "| plan | forward ms | × f32 | forward + backward ms | × f32 |\n|---|---|---|---|---|\n";

@@ -2,12 +2,12 @@
 //! one-pass backwards. candle differentiates its `gelu_erf` through about ten elementwise
 //! tensor ops, its softmax (max, subtract, exp, sum, divide) and a LayerNorm written with
 //! tensor ops through more, each a full pass over a `[batch, heads, tokens, tokens]`,
-//! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output:
-//! together about a quarter of an f32 MiniLM training step on a 2-core Xeon (16 × 128
-//! tokens). There, per layer, the softmax's backward went from ~40 to ~5 ms and the
-//! GELU's from ~40 to ~30 (its erf dominates); the step's backward 1.17× faster, its forward
-//! 0.89× (not explained), the whole f32 step 1.08× (bench/results/cpu_f32_avx512.md, last
-//! section). Same functions: the GELU forward is candle's own formula and erf
+//! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output.
+//! On a 2-core Xeon at MiniLM's shapes (16 × 128 tokens) the backwards are 4–6× (softmax),
+//! 3.3–4× (GELU) and ~10× (LayerNorm) faster than candle's autograd of its expressions; an
+//! f32 encoder step got 1.08× faster from the softmax and GELU, then 1.27× from the
+//! LayerNorm and the GELU's cheaper backward (`qsync_gemm`;
+//! bench/results/cpu_f32_avx512.md, last two sections). Same functions: the GELU forward is candle's own formula and erf
 //! (bit-identical), its derivative, the softmax and the LayerNorm within float rounding of
 //! candle's (tested against candle's autograd). On other devices, and for anything but f32,
 //! candle's expressions.
@@ -43,6 +43,12 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if fused(x) && fused(weight) && fused(bias) {
         return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 });
     }
+    layer_norm_expression(x, weight, bias, eps)
+}
+
+/// [`layer_norm`] as candle tensor ops (candle-nn's unfused path), differentiable on every
+/// device and dtype: what runs where the one-pass op does not, and the benchmark's baseline.
+pub fn layer_norm_expression(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let hidden = x.dim(D::Minus1)? as f64;
     let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / hidden)?)?;
     let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
@@ -92,12 +98,7 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = values(self.name(), s, l)?;
-        let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-            for (y, &v) in y.iter_mut().zip(x) {
-                *y = (erf_f32(v * FRAC_1_SQRT_2) + 1.) * 0.5 * v;
-            }
-        });
+        let y: Vec<f32> = x.par_iter().with_min_len(CHUNK).map(|&v| (erf_f32(v * FRAC_1_SQRT_2) + 1.) * 0.5 * v).collect();
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 

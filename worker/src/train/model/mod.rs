@@ -8,9 +8,9 @@
 //! (`forward_traced`) records each of those operators on the real batch, so the planner
 //! can time it at every precision and read its tensors ([`OpTrace`]).
 
-mod fused;
 pub mod bert;
 pub mod encoder;
+pub mod fused;
 pub mod mlp;
 
 use candle_core::{Result, Tensor, Var};
