@@ -13,7 +13,7 @@ pub mod int8;
 pub mod linear;
 pub mod pooling;
 pub mod varlen_attention;
-mod vector_math;
+pub(crate) mod vector_math;
 
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;

@@ -7,19 +7,22 @@
 //! 3.3–4× (GELU) and ~10× (LayerNorm) faster than candle's autograd of its expressions; an
 //! f32 encoder step got 1.08× faster from the softmax and GELU, then 1.27× from the
 //! LayerNorm and the GELU's cheaper backward (`qsync_gemm`;
-//! bench/results/cpu_f32_avx512.md, last two sections). Same functions: the GELU forward is candle's own formula and erf
-//! (bit-identical), its derivative, the softmax and the LayerNorm within float rounding of
-//! candle's (tested against candle's autograd). On other devices, and for anything but f32,
-//! candle's expressions.
+//! bench/results/cpu_f32_avx512.md, last two sections). exp and erf are the serving
+//! engine's (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few ulp),
+//! so training's GELU is the function the engine serves the model with. The same functions
+//! as candle's within float rounding (tested against candle's autograd); on other devices,
+//! and for anything but f32, candle's expressions.
 //!
 //! The ops split their work into rayon tasks, so a CPU rank's own thread pool bounds them
 //! (candle's barrier pool is one per process, whatever pool the caller installed).
 
-use std::f32::consts::FRAC_1_SQRT_2;
-
-use candle_core::cpu::erf::erf_f32;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
+
+use crate::engine::ops::vector_math::{exp_in_place, gelu_in_place};
+
+/// `1/√(2π)`, the standard normal density at 0.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
 /// `x·Φ(x)` with the exact (erf) normal CDF, as candle's `gelu_erf`.
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
@@ -97,8 +100,8 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = values(self.name(), s, l)?;
-        let y: Vec<f32> = x.par_iter().with_min_len(CHUNK).map(|&v| (erf_f32(v * FRAC_1_SQRT_2) + 1.) * 0.5 * v).collect();
+        let mut y = values(self.name(), s, l)?.to_vec();
+        y.par_chunks_mut(CHUNK).for_each(gelu_in_place);
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
@@ -107,10 +110,9 @@ impl CustomOp1 for Gelu {
     }
 }
 
-/// `(x, y, dy) → dy · gelu'(x)` for `y = gelu(x)`: `gelu'(x) = Φ(x) + x·φ(x)`, candle's
-/// `½ + x·e^(−x²/2)/√(2π) + ½·erf(x/√2)` with its constant, but `Φ(x)` read off the forward's
-/// output as `y/x` instead of a second erf (half the cost); ½ where `x` is too near 0 to
-/// divide by.
+/// `(x, y, dy) → dy · gelu'(x)` for `y = gelu(x)`: `gelu'(x) = Φ(x) + x·φ(x)` with
+/// `φ(x) = e^(−x²/2)/√(2π)` and `Φ(x)` read off the forward's output as `y/x` instead of a
+/// second erf; ½ where `x` is too near 0 to divide by.
 struct GeluGrad;
 
 impl CustomOp3 for GeluGrad {
@@ -132,9 +134,12 @@ impl CustomOp3 for GeluGrad {
         let mut dx = vec![0f32; x.len()];
         dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))).for_each(
             |(dx, (x, (y, g)))| {
+                // e^(−x²/2) first, 8 lanes at a time.
+                dx.iter_mut().zip(x).for_each(|(d, v)| *d = -(v * v) / 2.);
+                exp_in_place(dx);
                 for (((dx, &v), &y), &g) in dx.iter_mut().zip(x).zip(y).zip(g) {
                     let cdf = if v.abs() < f32::MIN_POSITIVE { 0.5 } else { y / v };
-                    *dx = g * (cdf + 0.398942 * (-(v * v) / 2.).exp() * v);
+                    *dx = g * (cdf + FRAC_1_SQRT_2PI * *dx * v);
                 }
             },
         );
@@ -157,14 +162,10 @@ impl CustomOp1 for Softmax {
         y.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(y, x)| {
             for (y, x) in y.chunks_exact_mut(row).zip(x.chunks_exact(row)) {
                 let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for (y, &v) in y.iter_mut().zip(x) {
-                    *y = (v - max).exp();
-                    sum += *y;
-                }
-                for y in y.iter_mut() {
-                    *y /= sum;
-                }
+                y.iter_mut().zip(x).for_each(|(y, v)| *y = v - max);
+                exp_in_place(y);
+                let sum: f32 = y.iter().sum();
+                y.iter_mut().for_each(|y| *y /= sum);
             }
         });
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -356,12 +357,12 @@ mod tests {
     }
 
     #[test]
-    fn gelu_matches_candle_forward_exactly_and_backward_closely() {
+    fn gelu_matches_candles_forward_and_autograd() {
         let x = (Tensor::randn(0f32, 2.0, (3, 70, 33), &Device::Cpu).unwrap() * 1.5).unwrap();
         let w = Tensor::randn(0f32, 1.0, (3, 70, 33), &Device::Cpu).unwrap();
         let (y, dx) = output_and_gradient(&x, &w, gelu_erf);
         let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| x.gelu_erf());
-        assert_eq!(y, candle_y);
+        assert_close(&y, &candle_y, 1e-6, "y");
         assert_close(&dx, &candle_dx, 1e-6, "dx");
         // A derivative that dropped a term would sit far off: gelu'(1) = 1.0833.
         let one = Tensor::new(&[1f32], &Device::Cpu).unwrap();
