@@ -3,15 +3,15 @@
 //! tensor ops, its softmax (max, subtract, exp, sum, divide) and a LayerNorm written with
 //! tensor ops through more, each a full pass over a `[batch, heads, tokens, tokens]`,
 //! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output.
-//! On a 2-core Xeon at MiniLM's shapes (16 × 128 tokens) the backwards are 4–6× (softmax),
-//! 3.3–4× (GELU) and ~10× (LayerNorm) faster than candle's autograd of its expressions; an
-//! f32 encoder step got 1.08× faster from the softmax and GELU, then 1.27× from the
-//! LayerNorm and the GELU's cheaper backward (`qsync_gemm`;
-//! bench/results/cpu_f32_avx512.md, last two sections). exp and erf are the serving
-//! engine's (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few ulp),
-//! so training's GELU is the function the engine serves the model with. The same functions
-//! as candle's within float rounding (tested against candle's autograd); on other devices,
-//! and for anything but f32, candle's expressions.
+//! On a 2-core Xeon at MiniLM's shapes (16 × 128 tokens), against candle's autograd of its
+//! expressions: softmax ~3× forward and 5–6× backward, GELU ~16× and ~6×, LayerNorm at
+//! parity forward and ~10× backward. In an f32 encoder step, the LayerNorm made the
+//! backward ~1.3× faster and the vector exp and erf the forward ~1.5× (`qsync_gemm`;
+//! bench/results/cpu_f32_avx512.md, last three sections). exp and erf are the serving
+//! engine's (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few
+//! ulp), so training's GELU is the function the engine serves the model with. The same
+//! functions as candle's within float rounding (tested against candle's autograd); on other
+//! devices, and for anything but f32, candle's expressions.
 //!
 //! The ops split their work into rayon tasks, so a CPU rank's own thread pool bounds them
 //! (candle's barrier pool is one per process, whatever pool the caller installed).
