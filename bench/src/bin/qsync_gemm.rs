@@ -224,24 +224,31 @@ fn main() -> Result<()> {
 
 /// The encoder's one-pass ops against candle's expressions for the same functions, forward
 /// and backward (of the output alone, its gradient all ones), on a MiniLM layer's tensors at
-/// 16 sequences of 128 tokens: the attention scores `[16, 12, 128, 128]`, the intermediate
-/// activations `[16, 128, 1536]`, the hidden states `[16, 128, 384]`.
+/// 16 sequences of 128 tokens: the attention scores `[16, 12, 128, 128]` (scaled by √32,
+/// masked, softmax), the intermediate activations `[16, 128, 1536]`, the hidden states
+/// `[16, 128, 384]`.
 fn fused_ops(args: &Args) -> Result<Value> {
     let device = Device::Cpu;
     let var = |seed, dims: &[usize], scale| -> Result<Var> {
         let n = dims.iter().product();
         Ok(Var::from_tensor(&Tensor::from_vec(uniform(seed, n, scale), dims, &device)?)?)
     };
-    let scores = var(4, &[16, 12, 128, 128], 4.0)?;
+    let scores = var(4, &[16, 12, 128, 128], 20.0)?;
+    // The padding mask of sequences of 128 down to 68 tokens (the most negative f32 on padding).
+    let mask: Vec<f32> = (0..16 * 128).map(|i| if i % 128 >= 128 - (i / 128) * 4 { f32::MIN } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (16, 1, 1, 128), &device)?;
     let inner = var(5, &[16, 128, 1536], 3.0)?;
     let (hidden, weight, bias) = (var(6, &[16, 128, 384], 2.0)?, var(7, &[384], 1.0)?, var(8, &[384], 0.1)?);
     let (x, w, b) = (hidden.as_tensor(), weight.as_tensor(), bias.as_tensor());
     let pairs = [
         (
-            "softmax",
+            "attention softmax",
             "[16, 12, 128, 128]",
-            forward_backward(args.runs, || Ok(fused::softmax_last_dim(scores.as_tensor())?))?,
-            forward_backward(args.runs, || Ok(candle_nn::ops::softmax(scores.as_tensor(), candle_core::D::Minus1)?))?,
+            forward_backward(args.runs, || Ok(fused::attention_softmax(scores.as_tensor(), &mask, 32f64.sqrt())?))?,
+            forward_backward(args.runs, || {
+                let scaled = (scores.as_tensor() / 32f64.sqrt())?.broadcast_add(&mask)?;
+                Ok(candle_nn::ops::softmax(&scaled, candle_core::D::Minus1)?)
+            })?,
         ),
         (
             "GELU (erf)",
@@ -416,8 +423,9 @@ fn markdown(r: &Value) -> String {
         );
     }
     s += "\n## The encoder's one-pass ops against candle's expressions\n\n";
-    s += "Softmax (last dimension), GELU (erf) and LayerNorm as the trainable encoder runs them (`fused`: one pass forward, one backward) \
-          beside candle's tensor expressions for the same functions (`candle_nn::ops::softmax`, `Tensor::gelu_erf`, LayerNorm as candle-nn's unfused path), \
+    s += "The attention's softmax (of the scores over √head_dim plus the padding mask), GELU (erf) and LayerNorm as the trainable encoder runs them \
+          (`fused`: one pass forward, one backward) beside candle's tensor expressions for the same functions \
+          (divide, add and `candle_nn::ops::softmax`; `Tensor::gelu_erf`; LayerNorm as candle-nn's unfused path), \
           which autograd differentiates op by op; on a MiniLM layer's tensors at 16 × 128 tokens. \
           × is candle's time over ours (above 1 = ours is faster).\n\n";
     s += "| op | shape | forward ms, ours | candle (×) | backward ms, ours | candle (×) |\n|---|---|---|---|---|---|\n";

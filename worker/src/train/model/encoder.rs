@@ -365,8 +365,7 @@ impl Encoder {
         let q = split(recorder.dense(&layer.query, hidden, from)?.0)?;
         let k = split(recorder.dense(&layer.key, hidden, from)?.0)?;
         let v = split(recorder.dense(&layer.value, hidden, from)?.0)?;
-        let scores = (q.matmul(&k.t()?)? / (head_dim as f64).sqrt())?.broadcast_add(mask)?;
-        let probs = fused::softmax_last_dim(&scores)?;
+        let probs = fused::attention_softmax(&q.matmul(&k.t()?)?, mask, (head_dim as f64).sqrt())?;
         let context = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.flatten_from(D::Minus2)?;
         let (projected, _) = recorder.dense(&layer.attention_output, &context, None)?;
         let (attended, attended_from) = recorder.norm(&layer.attention_norm, &(projected + hidden)?, None)?;

@@ -32,12 +32,15 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Softmax over the last dimension, as `candle_nn::ops::softmax(x, D::Minus1)`.
-pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    match fused(x) {
-        true => x.contiguous()?.apply_op1(Softmax),
-        false => candle_nn::ops::softmax(x, D::Minus1),
+/// The attention's probabilities: softmax over the keys of `scores / divisor + mask`, for
+/// `scores` `[batch, heads, queries, keys]` and the additive padding mask `[batch, 1, 1,
+/// keys]`. One op instead of candle's three (divide, add, softmax), each a pass and a graph
+/// node over the scores; the mask gets no gradient.
+pub fn attention_softmax(scores: &Tensor, mask: &Tensor, divisor: f64) -> Result<Tensor> {
+    if fused(scores) && fused(mask) {
+        return scores.contiguous()?.apply_op2(&mask.contiguous()?, AttentionSoftmax { divisor: divisor as f32 });
     }
+    candle_nn::ops::softmax(&(scores / divisor)?.broadcast_add(mask)?, D::Minus1)
 }
 
 /// LayerNorm over the last dimension, `(x − mean)/√(variance + eps) · weight + bias` (the
@@ -147,22 +150,32 @@ impl CustomOp3 for GeluGrad {
     }
 }
 
-struct Softmax;
+struct AttentionSoftmax {
+    divisor: f32,
+}
 
-impl CustomOp1 for Softmax {
+impl CustomOp2 for AttentionSoftmax {
     fn name(&self) -> &'static str {
-        "softmax-last-dim"
+        "attention-softmax"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = values(self.name(), s, l)?;
-        let row = l.dims().last().copied().unwrap_or(1).max(1);
-        let mut y = vec![0f32; x.len()];
-        let task = rows_per_task(row) * row;
-        y.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(y, x)| {
-            for (y, x) in y.chunks_exact_mut(row).zip(x.chunks_exact(row)) {
-                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                y.iter_mut().zip(x).for_each(|(y, v)| *y = v - max);
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, m_s: &CpuStorage, m_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (scores, mask) = (values(self.name(), s, l)?, values(self.name(), m_s, m_l)?);
+        let (batch, heads, queries, keys) = l.shape().dims4()?;
+        if m_l.dims() != [batch, 1, 1, keys] {
+            bail!("{}: a mask of {:?} for scores of {:?}", self.name(), m_l.dims(), l.dims());
+        }
+        // candle's `scores / divisor` multiplies by the reciprocal; so does this.
+        let (scale, rows_per_sequence) = (1.0 / self.divisor, heads * queries);
+        let task = rows_per_task(keys);
+        let mut y = vec![0f32; scores.len()];
+        y.par_chunks_mut(task * keys).zip(scores.par_chunks(task * keys)).enumerate().for_each(|(i, (y, x))| {
+            for (r, (y, x)) in y.chunks_exact_mut(keys).zip(x.chunks_exact(keys)).enumerate() {
+                let sequence = (i * task + r) / rows_per_sequence;
+                let mask = &mask[sequence * keys..][..keys];
+                y.iter_mut().zip(x).zip(mask).for_each(|((y, v), m)| *y = v * scale + m);
+                let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                y.iter_mut().for_each(|y| *y -= max);
                 exp_in_place(y);
                 let sum: f32 = y.iter().sum();
                 y.iter_mut().for_each(|y| *y /= sum);
@@ -171,13 +184,17 @@ impl CustomOp1 for Softmax {
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)?))
+    fn bwd(&self, _scores: &Tensor, _mask: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { divisor: self.divisor })?;
+        Ok((Some(grad), None))
     }
 }
 
-/// `(y, dy) → y ⊙ (dy − Σ_row y ⊙ dy)` for `y` a softmax over rows.
-struct SoftmaxGrad;
+/// `(y, dy) → y ⊙ (dy − Σ_row y ⊙ dy) / divisor` for `y` a softmax over rows of scores
+/// divided by `divisor`: the gradient reaching the scores.
+struct SoftmaxGrad {
+    divisor: f32,
+}
 
 impl CustomOp2 for SoftmaxGrad {
     fn name(&self) -> &'static str {
@@ -188,12 +205,12 @@ impl CustomOp2 for SoftmaxGrad {
         let (y, g) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
         let row = y_l.dims().last().copied().unwrap_or(1).max(1);
         let task = rows_per_task(row) * row;
-        let mut dx = vec![0f32; y.len()];
+        let (scale, mut dx) = (1.0 / self.divisor, vec![0f32; y.len()]);
         dx.par_chunks_mut(task).zip(y.par_chunks(task).zip(g.par_chunks(task))).for_each(|(dx, (y, g))| {
             for ((dx, y), g) in dx.chunks_exact_mut(row).zip(y.chunks_exact(row)).zip(g.chunks_exact(row)) {
                 let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
                 for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                    *dx = y * (g - dot);
+                    *dx = y * (g - dot) * scale;
                 }
             }
         });
@@ -371,19 +388,25 @@ mod tests {
     }
 
     #[test]
-    fn softmax_matches_candle_with_masked_rows() {
-        let mut x = Tensor::randn(0f32, 3.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
-        // The encoder's padding mask adds the most negative f32 to some scores.
-        let mask: Vec<f32> = (0..29).map(|j| if j % 5 == 4 { f32::MIN } else { 0.0 }).collect();
-        x = x.broadcast_add(&Tensor::new(mask.as_slice(), &Device::Cpu).unwrap()).unwrap();
+    fn attention_softmax_matches_candle_with_masked_keys() {
+        let x = Tensor::randn(0f32, 3.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
+        // The encoder's padding mask adds the most negative f32 to padded keys, per sequence.
+        let mask: Vec<f32> = (0..2 * 29).map(|j| if j % 5 == 4 || j > 50 { f32::MIN } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (2, 1, 1, 29), &Device::Cpu).unwrap();
         let w = Tensor::randn(0f32, 1.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
-        let (y, dx) = output_and_gradient(&x, &w, softmax_last_dim);
-        let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| candle_nn::ops::softmax(x, D::Minus1));
+        let (y, dx) = output_and_gradient(&x, &w, |x| attention_softmax(x, &mask, 8f64.sqrt()));
+        let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| {
+            candle_nn::ops::softmax(&(x / 8f64.sqrt())?.broadcast_add(&mask)?, D::Minus1)
+        });
         assert_close(&y, &candle_y, 1e-6, "y");
         assert_close(&dx, &candle_dx, 1e-6, "dx");
-        for row in y.chunks(29) {
-            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
-            assert!(row.iter().skip(4).step_by(5).all(|&p| p == 0.0), "masked scores get no weight");
+        let masked: Vec<bool> = mask.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&m| m < 0.0).collect();
+        for (row, probs) in y.chunks(29).enumerate() {
+            let sequence = row / (3 * 17);
+            assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            for (key, p) in probs.iter().enumerate() {
+                assert!(!masked[sequence * 29 + key] || *p == 0.0, "masked key {key} of sequence {sequence} got {p}");
+            }
         }
     }
 
@@ -428,8 +451,9 @@ mod tests {
     #[test]
     fn other_dtypes_take_candles_expressions() {
         let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
-        let ours = softmax_last_dim(&x).unwrap().to_vec2::<f64>().unwrap();
-        let candle = candle_nn::ops::softmax(&x, D::Minus1).unwrap().to_vec2::<f64>().unwrap();
+        let (scores, mask) = (x.reshape((1, 1, 4, 8)).unwrap(), Tensor::zeros((1, 1, 1, 8), DType::F64, &Device::Cpu).unwrap());
+        let ours = attention_softmax(&scores, &mask, 2.0).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let candle = candle_nn::ops::softmax(&(&scores / 2.0).unwrap(), D::Minus1).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
         assert_eq!(ours, candle);
         assert_eq!(gelu_erf(&x).unwrap().to_vec2::<f64>().unwrap(), x.gelu_erf().unwrap().to_vec2::<f64>().unwrap());
     }
