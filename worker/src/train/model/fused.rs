@@ -4,10 +4,11 @@
 //! tensor ops through more, each a full pass over a `[batch, heads, tokens, tokens]`,
 //! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output.
 //! On a 2-core Xeon at MiniLM's shapes (16 × 128 tokens), against candle's autograd of its
-//! expressions: softmax ~3× forward and 5–6× backward, GELU ~16× and ~6×, LayerNorm at
-//! parity forward and ~10× backward. In an f32 encoder step, the LayerNorm made the
-//! backward ~1.3× faster and the vector exp and erf the forward ~1.5× (`qsync_gemm`;
-//! bench/results/cpu_f32_avx512.md, last three sections). exp and erf are the serving
+//! expressions: the attention softmax (with its scale and mask) ~3.8× forward and ~6×
+//! backward, GELU ~16× and ~6×, LayerNorm at parity forward and ~10× backward. In an f32
+//! encoder step, the LayerNorm made the backward ~1.3× faster, the vector exp and erf the
+//! forward ~1.5×, the attention softmax the step ~1.1× (`qsync_gemm`;
+//! bench/results/cpu_f32_avx512.md, last four sections). exp and erf are the serving
 //! engine's (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few
 //! ulp), so training's GELU is the function the engine serves the model with. The same
 //! functions as candle's within float rounding (tested against candle's autograd); on other
