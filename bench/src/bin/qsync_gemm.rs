@@ -10,7 +10,7 @@
 //! the master weights and the input, dequantising, packing), since that is what a plan pays.
 //! A second table times the bare kernels on ready operands. Backward is timed alone
 //! (`Tensor::backward` of the layer's output, its gradient all ones: dX, dW and db).
-//! Then the encoder's one-pass softmax, GELU and LayerNorm
+//! Then the encoder's one-op self-attention, GELU and LayerNorm
 //! (`tessera_worker::train::model::fused`) against candle's tensor expressions for them,
 //! forward and backward, on MiniLM's shapes at that batch. Last, a whole all-MiniLM-L6-v2
 //! encoder step per uniform plan ($TESSERA_ASSETS). Median of
@@ -224,8 +224,8 @@ fn main() -> Result<()> {
 
 /// The encoder's one-pass ops against candle's expressions for the same functions, forward
 /// and backward (of the output alone, its gradient all ones), on a MiniLM layer's tensors at
-/// 16 sequences of 128 tokens: the attention scores `[16, 12, 128, 128]` (scaled by √32,
-/// masked, softmax), the intermediate activations `[16, 128, 1536]`, the hidden states
+/// 16 sequences of 128 tokens: self-attention over q, k, v `[16, 128, 384]` (12 heads of
+/// 32, masked), the intermediate activations `[16, 128, 1536]`, the hidden states
 /// `[16, 128, 384]`.
 fn fused_ops(args: &Args) -> Result<Value> {
     let device = Device::Cpu;
@@ -233,7 +233,8 @@ fn fused_ops(args: &Args) -> Result<Value> {
         let n = dims.iter().product();
         Ok(Var::from_tensor(&Tensor::from_vec(uniform(seed, n, scale), dims, &device)?)?)
     };
-    let scores = var(4, &[16, 12, 128, 128], 20.0)?;
+    let (q, k, v) = (var(4, &[16, 128, 384], 2.0)?, var(9, &[16, 128, 384], 2.0)?, var(10, &[16, 128, 384], 1.0)?);
+    let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
     // The padding mask of sequences of 128 down to 68 tokens (the most negative f32 on padding).
     let mask: Vec<f32> = (0..16 * 128).map(|i| if i % 128 >= 128 - (i / 128) * 4 { f32::MIN } else { 0.0 }).collect();
     let mask = Tensor::from_vec(mask, (16, 1, 1, 128), &device)?;
@@ -242,13 +243,10 @@ fn fused_ops(args: &Args) -> Result<Value> {
     let (x, w, b) = (hidden.as_tensor(), weight.as_tensor(), bias.as_tensor());
     let pairs = [
         (
-            "attention softmax",
-            "[16, 12, 128, 128]",
-            forward_backward(args.runs, || Ok(fused::attention_softmax(scores.as_tensor(), &mask, 32f64.sqrt())?))?,
-            forward_backward(args.runs, || {
-                let scaled = (scores.as_tensor() / 32f64.sqrt())?.broadcast_add(&mask)?;
-                Ok(candle_nn::ops::softmax(&scaled, candle_core::D::Minus1)?)
-            })?,
+            "self-attention, 12 heads",
+            "[16, 128, 384]",
+            forward_backward(args.runs, || Ok(fused::self_attention(q, k, v, &mask, 12)?))?,
+            forward_backward(args.runs, || Ok(fused::self_attention_expression(q, k, v, &mask, 12)?))?,
         ),
         (
             "GELU (erf)",
@@ -423,9 +421,9 @@ fn markdown(r: &Value) -> String {
         );
     }
     s += "\n## The encoder's one-pass ops against candle's expressions\n\n";
-    s += "The attention's softmax (of the scores over √head_dim plus the padding mask), GELU (erf) and LayerNorm as the trainable encoder runs them \
-          (`fused`: one pass forward, one backward) beside candle's tensor expressions for the same functions \
-          (divide, add and `candle_nn::ops::softmax`; `Tensor::gelu_erf`; LayerNorm as candle-nn's unfused path), \
+    s += "Self-attention (the heads' `softmax(q kᵀ/√d + mask) v` with its padding mask), GELU (erf) and LayerNorm as the trainable encoder runs them \
+          (`fused`: one op forward, one backward) beside candle's tensor expressions for the same functions \
+          (heads split by copies, batched `matmul`, `candle_nn::ops::softmax`, heads joined; `Tensor::gelu_erf`; LayerNorm as candle-nn's unfused path), \
           which autograd differentiates op by op; on a MiniLM layer's tensors at 16 × 128 tokens. \
           × is candle's time over ours (above 1 = ours is faster).\n\n";
     s += "| op | shape | forward ms, ours | candle (×) | backward ms, ours | candle (×) |\n|---|---|---|---|---|---|\n";

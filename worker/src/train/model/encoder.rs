@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Result, Tensor, Var, D};
+use candle_core::{DType, Result, Tensor, Var};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 
 use super::{fused, OpTrace};
@@ -359,14 +359,10 @@ impl Encoder {
         mask: &Tensor,
         recorder: &mut Recorder,
     ) -> Result<(Tensor, Option<usize>)> {
-        let (batch, tokens, width) = hidden.dims3()?;
-        let head_dim = width / self.heads;
-        let split = |x: Tensor| x.reshape((batch, tokens, self.heads, head_dim))?.transpose(1, 2)?.contiguous();
-        let q = split(recorder.dense(&layer.query, hidden, from)?.0)?;
-        let k = split(recorder.dense(&layer.key, hidden, from)?.0)?;
-        let v = split(recorder.dense(&layer.value, hidden, from)?.0)?;
-        let probs = fused::attention_softmax(&q.matmul(&k.t()?)?, mask, (head_dim as f64).sqrt())?;
-        let context = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.flatten_from(D::Minus2)?;
+        let (q, _) = recorder.dense(&layer.query, hidden, from)?;
+        let (k, _) = recorder.dense(&layer.key, hidden, from)?;
+        let (v, _) = recorder.dense(&layer.value, hidden, from)?;
+        let context = fused::self_attention(&q, &k, &v, mask, self.heads)?;
         let (projected, _) = recorder.dense(&layer.attention_output, &context, None)?;
         let (attended, attended_from) = recorder.norm(&layer.attention_norm, &(projected + hidden)?, None)?;
         let (inner, _) = recorder.dense(&layer.intermediate, &attended, attended_from)?;

@@ -1,23 +1,27 @@
-//! The encoder's GELU (erf), attention softmax and LayerNorm as one-pass CPU ops with
-//! one-pass backwards. candle differentiates its `gelu_erf` through about ten elementwise
-//! tensor ops, its softmax (max, subtract, exp, sum, divide) and a LayerNorm written with
-//! tensor ops through more, each a full pass over a `[batch, heads, tokens, tokens]`,
-//! `[batch, tokens, intermediate]` or `[batch, tokens, hidden]` tensor with a fresh output.
+//! The encoder's GELU (erf), LayerNorm and multi-head self-attention as one-pass CPU ops
+//! with one-pass backwards. candle differentiates its `gelu_erf` through about ten
+//! elementwise tensor ops, a LayerNorm written with tensor ops through more, and attention
+//! through head-splitting copies, batched matmuls and a softmax (max, subtract, exp, sum,
+//! divide), each a full pass over a `[batch, tokens, intermediate]`, `[batch, tokens,
+//! hidden]` or `[batch, heads, tokens, tokens]` tensor with a fresh output.
 //! On a 2-core Xeon at MiniLM's shapes (16 × 128 tokens), against candle's autograd of its
-//! expressions: the attention softmax (with its scale and mask) ~3.8× forward and ~6×
-//! backward, GELU ~16× and ~6×, LayerNorm at parity forward and ~10× backward. In an f32
-//! encoder step, the LayerNorm made the backward ~1.3× faster, the vector exp and erf the
-//! forward ~1.5×, the attention softmax the step ~1.1× (`qsync_gemm`;
-//! bench/results/cpu_f32_avx512.md, last four sections). exp and erf are the serving
-//! engine's (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few
-//! ulp), so training's GELU is the function the engine serves the model with. The same
-//! functions as candle's within float rounding (tested against candle's autograd); on other
-//! devices, and for anything but f32, candle's expressions.
+//! expressions: GELU ~16× forward and ~6× backward, LayerNorm at parity forward and ~10×
+//! backward. In an f32 encoder step, the LayerNorm made the backward ~1.3× faster, the
+//! vector exp and erf the forward ~1.5× (`qsync_gemm`; bench/results/cpu_f32_avx512.md).
+//! Attention: `attention.rs`. exp and erf are the serving engine's
+//! (`engine::ops::vector_math`: 8 AVX2 lanes at a time, about 1 ulp and a few ulp), so
+//! training's GELU is the function the engine serves the model with. The same functions as
+//! candle's within float rounding (tested against candle's autograd); on other devices, and
+//! for anything but f32, candle's expressions.
 //!
 //! The ops split their work into rayon tasks, so a CPU rank's own thread pool bounds them
 //! (candle's barrier pool is one per process, whatever pool the caller installed).
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+mod attention;
+
+pub use attention::{self_attention, self_attention_expression};
+
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use crate::engine::ops::vector_math::{exp_in_place, gelu_in_place};
@@ -31,17 +35,6 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
         true => x.contiguous()?.apply_op1(Gelu),
         false => x.gelu_erf(),
     }
-}
-
-/// The attention's probabilities: softmax over the keys of `scores / divisor + mask`, for
-/// `scores` `[batch, heads, queries, keys]` and the additive padding mask `[batch, 1, 1,
-/// keys]`. One op instead of candle's three (divide, add, softmax), each a pass and a graph
-/// node over the scores; the mask gets no gradient.
-pub fn attention_softmax(scores: &Tensor, mask: &Tensor, divisor: f64) -> Result<Tensor> {
-    if fused(scores) && fused(mask) {
-        return scores.contiguous()?.apply_op2(&mask.contiguous()?, AttentionSoftmax { divisor: divisor as f32 });
-    }
-    candle_nn::ops::softmax(&(scores / divisor)?.broadcast_add(mask)?, D::Minus1)
 }
 
 /// LayerNorm over the last dimension, `(x − mean)/√(variance + eps) · weight + bias` (the
@@ -148,74 +141,6 @@ impl CustomOp3 for GeluGrad {
             },
         );
         Ok((CpuStorage::F32(dx), x_l.shape().clone()))
-    }
-}
-
-struct AttentionSoftmax {
-    divisor: f32,
-}
-
-impl CustomOp2 for AttentionSoftmax {
-    fn name(&self) -> &'static str {
-        "attention-softmax"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, m_s: &CpuStorage, m_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (scores, mask) = (values(self.name(), s, l)?, values(self.name(), m_s, m_l)?);
-        let (batch, heads, queries, keys) = l.shape().dims4()?;
-        if m_l.dims() != [batch, 1, 1, keys] {
-            bail!("{}: a mask of {:?} for scores of {:?}", self.name(), m_l.dims(), l.dims());
-        }
-        // candle's `scores / divisor` multiplies by the reciprocal; so does this.
-        let (scale, rows_per_sequence) = (1.0 / self.divisor, heads * queries);
-        let task = rows_per_task(keys);
-        let mut y = vec![0f32; scores.len()];
-        y.par_chunks_mut(task * keys).zip(scores.par_chunks(task * keys)).enumerate().for_each(|(i, (y, x))| {
-            for (r, (y, x)) in y.chunks_exact_mut(keys).zip(x.chunks_exact(keys)).enumerate() {
-                let sequence = (i * task + r) / rows_per_sequence;
-                let mask = &mask[sequence * keys..][..keys];
-                y.iter_mut().zip(x).zip(mask).for_each(|((y, v), m)| *y = v * scale + m);
-                let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                y.iter_mut().for_each(|y| *y -= max);
-                exp_in_place(y);
-                let sum: f32 = y.iter().sum();
-                y.iter_mut().for_each(|y| *y /= sum);
-            }
-        });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
-    }
-
-    fn bwd(&self, _scores: &Tensor, _mask: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { divisor: self.divisor })?;
-        Ok((Some(grad), None))
-    }
-}
-
-/// `(y, dy) → y ⊙ (dy − Σ_row y ⊙ dy) / divisor` for `y` a softmax over rows of scores
-/// divided by `divisor`: the gradient reaching the scores.
-struct SoftmaxGrad {
-    divisor: f32,
-}
-
-impl CustomOp2 for SoftmaxGrad {
-    fn name(&self) -> &'static str {
-        "softmax-last-dim-grad"
-    }
-
-    fn cpu_fwd(&self, y_s: &CpuStorage, y_l: &Layout, g_s: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (y, g) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
-        let row = y_l.dims().last().copied().unwrap_or(1).max(1);
-        let task = rows_per_task(row) * row;
-        let (scale, mut dx) = (1.0 / self.divisor, vec![0f32; y.len()]);
-        dx.par_chunks_mut(task).zip(y.par_chunks(task).zip(g.par_chunks(task))).for_each(|(dx, (y, g))| {
-            for ((dx, y), g) in dx.chunks_exact_mut(row).zip(y.chunks_exact(row)).zip(g.chunks_exact(row)) {
-                let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
-                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                    *dx = y * (g - dot) * scale;
-                }
-            }
-        });
-        Ok((CpuStorage::F32(dx), y_l.shape().clone()))
     }
 }
 
@@ -389,29 +314,6 @@ mod tests {
     }
 
     #[test]
-    fn attention_softmax_matches_candle_with_masked_keys() {
-        let x = Tensor::randn(0f32, 3.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
-        // The encoder's padding mask adds the most negative f32 to padded keys, per sequence.
-        let mask: Vec<f32> = (0..2 * 29).map(|j| if j % 5 == 4 || j > 50 { f32::MIN } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (2, 1, 1, 29), &Device::Cpu).unwrap();
-        let w = Tensor::randn(0f32, 1.0, (2, 3, 17, 29), &Device::Cpu).unwrap();
-        let (y, dx) = output_and_gradient(&x, &w, |x| attention_softmax(x, &mask, 8f64.sqrt()));
-        let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| {
-            candle_nn::ops::softmax(&(x / 8f64.sqrt())?.broadcast_add(&mask)?, D::Minus1)
-        });
-        assert_close(&y, &candle_y, 1e-6, "y");
-        assert_close(&dx, &candle_dx, 1e-6, "dx");
-        let masked: Vec<bool> = mask.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&m| m < 0.0).collect();
-        for (row, probs) in y.chunks(29).enumerate() {
-            let sequence = row / (3 * 17);
-            assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-5);
-            for (key, p) in probs.iter().enumerate() {
-                assert!(!masked[sequence * 29 + key] || *p == 0.0, "masked key {key} of sequence {sequence} got {p}");
-            }
-        }
-    }
-
-    #[test]
     fn layer_norm_matches_candle_nn_and_candles_autograd_at_f64() {
         // 280 rows of 33: three tasks of rows, so the weight and bias gradients add shares.
         let x = (Tensor::randn(0.5f32, 2.0, (4, 70, 33), &Device::Cpu).unwrap() * 3.0).unwrap();
@@ -452,10 +354,6 @@ mod tests {
     #[test]
     fn other_dtypes_take_candles_expressions() {
         let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
-        let (scores, mask) = (x.reshape((1, 1, 4, 8)).unwrap(), Tensor::zeros((1, 1, 1, 8), DType::F64, &Device::Cpu).unwrap());
-        let ours = attention_softmax(&scores, &mask, 2.0).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let candle = candle_nn::ops::softmax(&(&scores / 2.0).unwrap(), D::Minus1).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        assert_eq!(ours, candle);
         assert_eq!(gelu_erf(&x).unwrap().to_vec2::<f64>().unwrap(), x.gelu_erf().unwrap().to_vec2::<f64>().unwrap());
     }
 }
