@@ -29,40 +29,43 @@ use rayon::prelude::*;
 use super::Precision;
 use crate::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, has_avx2_fma, GemmInputs, MatRef};
 
-/// `x [.., k] Wᵀ + b` for `W` `[n, k]`, `b` `[n]`, at `precision`; f32 in and out.
+/// `x [.., k] Wᵀ + b` for `W` `[n, k]`, `b` `[n]`, at `precision`; f32 in and out. On the
+/// CPU the op takes `x` with its leading dimensions as they are: a reshape to `[rows, k]`
+/// and back would be two more graph nodes, each a zeroed gradient and an add in candle's
+/// backward.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, precision: Precision) -> Result<Tensor> {
     let (n, k) = weight.dims2()?;
     let mut dims = x.dims().to_vec();
     if dims.last() != Some(&k) {
         bail!("linear: input {:?} does not end in the weight's {k} inputs", x.dims());
     }
-    let rows = x.elem_count() / k.max(1);
-    let x2 = x.reshape((rows, k))?;
-    let y = match precision {
-        Precision::F32 if x.device().is_cpu() && has_avx2_fma() => {
-            x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, GemmLinear(GemmInputs::F32))?
-        }
-        Precision::F32 => x2.matmul(&weight.t()?)?.broadcast_add(bias)?,
+    let on_cpu = x.device().is_cpu();
+    let rows = || x.reshape((x.elem_count() / k.max(1), k));
+    *dims.last_mut().expect("checked above") = n;
+    match precision {
+        Precision::F32 if on_cpu && has_avx2_fma() => cpu_op(x, weight, bias, GemmLinear(GemmInputs::F32)),
+        Precision::F32 => rows()?.matmul(&weight.t()?)?.broadcast_add(bias)?.reshape(dims),
         #[cfg(feature = "cuda")]
-        _ if x.device().is_cuda() => super::cuda::linear(&x2, weight, bias, precision)?,
-        _ if !x.device().is_cpu() => {
+        _ if x.device().is_cuda() => super::cuda::linear(&rows()?, weight, bias, precision)?.reshape(dims),
+        _ if !on_cpu => {
             bail!("linear: {precision} runs on the CPU or a CUDA device; use f32 on {:?}", x.device().location())
         }
         Precision::F16 => bail!("linear: f16 is not implemented by the training operators; use bf16, int8 or f32"),
-        Precision::Bf16 => {
-            x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, GemmLinear(GemmInputs::Bf16))?
-        }
-        Precision::Int8 => {
-            x2.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Int8Linear::default())?
-        }
-    };
-    *dims.last_mut().expect("checked above") = n;
-    y.reshape(dims)
+        Precision::Bf16 => cpu_op(x, weight, bias, GemmLinear(GemmInputs::Bf16)),
+        Precision::Int8 => cpu_op(x, weight, bias, Int8Linear::default()),
+    }
 }
 
-/// The data of a contiguous 2-D f32 CPU tensor and its dims.
+/// `op` on `(x, weight, bias)`, made contiguous.
+fn cpu_op(x: &Tensor, weight: &Tensor, bias: &Tensor, op: impl CustomOp3 + Send + Sync + 'static) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
+}
+
+/// The data of a contiguous f32 CPU tensor as a matrix, its last dimension against all the
+/// others: `(data, rows, columns)`.
 fn matrix<'a>(op: &str, what: &str, s: &'a CpuStorage, l: &Layout) -> Result<(&'a [f32], usize, usize)> {
-    let (rows, cols) = l.shape().dims2()?;
+    let Some(&cols) = l.dims().last() else { bail!("{op}: {what} must have at least one dimension") };
+    let rows = l.shape().elem_count() / cols.max(1);
     let data = match s {
         CpuStorage::F32(data) => data.as_slice(),
         other => bail!("{op}: {what} must be f32, got {:?}", other.dtype()),
@@ -71,6 +74,15 @@ fn matrix<'a>(op: &str, what: &str, s: &'a CpuStorage, l: &Layout) -> Result<(&'
         Some((start, end)) => Ok((&data[start..end], rows, cols)),
         None => bail!("{op}: {what} must be contiguous"),
     }
+}
+
+/// `x`'s dimensions with the last one `n`: the layer's output shape.
+fn output_shape(x: &Layout, n: usize) -> Shape {
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = n;
+    }
+    Shape::from(dims)
 }
 
 /// `(x [m, k], W [n, k], b [n])` checked against each other.
@@ -150,7 +162,7 @@ impl CustomOp3 for GemmLinear {
         b_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w, bias) = operands(self.name(), (x_s, x_l), (w_s, w_l), (b_s, b_l))?;
-        let shape = Shape::from((x.dims().0, w.dims().0));
+        let shape = output_shape(x_l, w.dims().0);
         Ok((CpuStorage::F32(gemm_nt(self.0, x, w, Some(bias))?), shape))
     }
 
@@ -163,7 +175,7 @@ impl CustomOp3 for GemmLinear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: self.0 })?;
+        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: self.0 })?.reshape(x.shape())?;
         let dw = grad.apply_op2_no_bwd(x, &Product { form: Form::Tn, values: self.0 })?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
@@ -211,12 +223,12 @@ impl CustomOp3 for Int8Linear {
         });
         // A second forward of the same op value cannot happen (each `linear` call makes one).
         let _ = self.saved.set(QuantisedInput { values: qx, scale: x_scale, rows: m, cols: k });
-        Ok((CpuStorage::F32(out), Shape::from((m, n))))
+        Ok((CpuStorage::F32(out), output_shape(x_l, n)))
     }
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
         w: &Tensor,
         _b: &Tensor,
         _res: &Tensor,
@@ -228,7 +240,7 @@ impl CustomOp3 for Int8Linear {
         let qx: Vec<f32> = saved.values.par_iter().map(|v| *v as f32).collect();
         let qx = Tensor::from_vec(qx, (saved.rows, saved.cols), grad.device())?;
         let dw = (grad.apply_op2_no_bwd(&qx, &Product { form: Form::Tn, values: GemmInputs::Bf16 })? * saved.scale as f64)?;
-        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: GemmInputs::Bf16 })?;
+        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: GemmInputs::Bf16 })?.reshape(x.shape())?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
 }
@@ -456,12 +468,21 @@ mod tests {
 
     #[test]
     fn keeps_leading_dims_and_refuses_mismatched_shapes() {
-        let x = tensor(9, (6, 8), 1.0).reshape((2, 3, 8)).unwrap();
-        let (w, b) = (tensor(10, (5, 8), 0.1), Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap());
+        let flat = Var::from_tensor(&tensor(9, (6, 8), 1.0)).unwrap();
+        let x = Var::from_tensor(&flat.as_tensor().reshape((2, 3, 8)).unwrap()).unwrap();
+        let (w, b) = (Var::from_tensor(&tensor(10, (5, 8), 0.1)).unwrap(), Var::zeros(5, DType::F32, &Device::Cpu).unwrap());
+        let probe = tensor(11, (6, 5), 1.0);
         for precision in crate::train::precision::IMPLEMENTED {
-            assert_eq!(linear(&x, &w, &b, precision).unwrap().dims(), [2, 3, 5]);
-            assert!(linear(&x, &w.t().unwrap(), &b, precision).is_err());
+            // The same layer on [2, 3, 8] as on [6, 8]: output, dx in x's shape, dw, db.
+            let [y, dx, dw, db] = run(precision, &x, &w, &b, &probe.reshape((2, 3, 5)).unwrap());
+            let want = run(precision, &flat, &w, &b, &probe);
+            assert_eq!((y.dims(), dx.dims()), ([2, 3, 5].as_slice(), [2, 3, 8].as_slice()));
+            for (got, want) in [y, dx, dw, db].iter().zip(&want) {
+                assert_eq!(values(got), values(want), "{precision}");
+            }
+            assert!(linear(x.as_tensor(), &w.t().unwrap(), &b, precision).is_err());
         }
+        let (x, w) = (x.as_tensor(), w.as_tensor());
         let short = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
         assert!(linear(&x, &w, &short, Precision::Int8).is_err());
     }
