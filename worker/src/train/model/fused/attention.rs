@@ -7,7 +7,9 @@
 //! backward `dP = dC·Vᵀ`, `dV = Pᵀ·dC`, `dS = P ⊙ (dP − Σ_row P ⊙ dP)/√d`, `dQ = dS·K`,
 //! `dK = dSᵀ·Q`. The products run on a 4 × 16 AVX2 register tile (plain loops on other
 //! CPUs and on the edges of a tile). Each task's sums run in a fixed order, so the results do
-//! not depend on the thread count.
+//! not depend on the thread count. At MiniLM's shapes (16 × 128 tokens, 12 heads) on a
+//! 2-core Xeon: forward 3.1–3.3× and backward 6.1–6.7× candle's ops, the f32 encoder step
+//! 1.31× (`qsync_gemm`; bench/results/cpu_f32_avx512.md).
 
 use std::sync::OnceLock;
 
