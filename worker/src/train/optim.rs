@@ -14,6 +14,8 @@ use candle_core::{CpuStorage, Device, Result, Storage, StorageRef, Tensor, Var};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::ops::zeros;
+
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum OptimizerKind {
     Sgd { momentum: f64, nesterov: bool, weight_decay: f64 },
@@ -199,7 +201,7 @@ fn adamw_on_cpu(
         candle_core::bail!("AdamW: parameter, gradient and moments differ in size");
     }
     const CHUNK: usize = 1 << 14;
-    let mut out = (vec![0f32; p.len()], vec![0f32; p.len()], vec![0f32; p.len()]);
+    let mut out = (zeros(p.len()), zeros(p.len()), zeros(p.len()));
     out.0
         .par_chunks_mut(CHUNK)
         .zip(out.1.par_chunks_mut(CHUNK))

@@ -185,7 +185,7 @@ fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
     let blocks = k.div_ceil(KC_MAX).max(1);
     let kc = k.div_ceil(blocks);
     let panels = n.div_ceil(NR);
-    let mut data = vec![0f32; blocks * panels * kc * NR];
+    let mut data = super::zeros(blocks * panels * kc * NR);
     data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
         let (p0, panel) = (i / panels * kc, i % panels);
         for kk in 0..kc.min(k - p0) {
@@ -290,7 +290,7 @@ impl<'a> MatRef<'a> {
         if self.col_stride == 1 && self.row_stride == self.cols {
             return std::borrow::Cow::Borrowed(&self.data[..self.rows * self.cols]);
         }
-        let mut out = vec![0f32; self.rows * self.cols];
+        let mut out = super::zeros(self.rows * self.cols);
         // Row-major writes, B rows to a task; a transposed read walks the source in B × B
         // blocks to stay in cache.
         const B: usize = 32;
@@ -349,7 +349,7 @@ fn gemm_nt(
             &zeros
         }
     };
-    let mut out = vec![0f32; m * n];
+    let mut out = super::zeros(m * n);
     if m == 0 || n == 0 {
         return Ok(out);
     }
@@ -397,7 +397,7 @@ pub fn gemm_nt_i8(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize)) -> Resul
             b.len()
         );
     }
-    let mut out = vec![0i32; m * n];
+    let mut out = super::zeros(m * n);
     if m == 0 || n == 0 || k == 0 {
         return Ok(out);
     }
@@ -435,7 +435,7 @@ impl CustomOp2 for Linear {
         if bias.len() != w.n {
             bail!("{name}: bias has {} values for {} outputs", bias.len(), w.n);
         }
-        let mut out = vec![0f32; m * w.n];
+        let mut out = super::zeros(m * w.n);
         if m == 0 || w.n == 0 {
             return Ok((CpuStorage::F32(out), Shape::from((m, w.n))));
         }

@@ -27,7 +27,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use super::Precision;
-use crate::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, has_avx2_fma, GemmInputs, MatRef};
+use crate::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, has_avx2_fma, zeros, GemmInputs, MatRef};
 
 /// `x [.., k] Wᵀ + b` for `W` `[n, k]`, `b` `[n]`, at `precision`; f32 in and out. On the
 /// CPU the op takes `x` with its leading dimensions as they are: a reshape to `[rows, k]`
@@ -215,7 +215,7 @@ impl CustomOp3 for Int8Linear {
         let (qx, qw) = (quantise(x, x_scale), quantise(w, w_scale));
         let sums = gemm_nt_i8(&qx, &qw, (m, k, n))?;
         let scale = x_scale * w_scale;
-        let mut out = vec![0f32; m * n];
+        let mut out = zeros(m * n);
         out.par_chunks_mut(n.max(1)).zip(sums.par_chunks(n.max(1))).for_each(|(row, acc)| {
             for ((o, a), b) in row.iter_mut().zip(acc).zip(bias) {
                 *o = *a as f32 * scale + b;
@@ -291,7 +291,7 @@ fn absmax(x: &[f32]) -> f32 {
 
 /// `clamp(round_half_even(x / scale), ±127)`, as `engine::ops::QuantizeInt8`; scale 0 gives 0.
 fn quantise(x: &[f32], scale: f32) -> Vec<i8> {
-    let mut out = vec![0i8; x.len()];
+    let mut out = zeros(x.len());
     if scale > 0.0 {
         // Adding and taking back 1.5·2²³ rounds half to even for |v| < 2²², here ≤ 127, and
         // unlike `round_ties_even` it vectorises on baseline x86-64.

@@ -48,7 +48,7 @@ impl Panels {
         let blocks = k.div_ceil(KC_MAX).max(1);
         let kc = k.div_ceil(blocks).next_multiple_of(2);
         let panels = n.div_ceil(NR);
-        let mut data = vec![0u16; k.div_ceil(kc).max(1) * panels * kc * NR];
+        let mut data = super::super::zeros(k.div_ceil(kc).max(1) * panels * kc * NR);
         data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
             let (p0, panel) = (i / panels * kc, i % panels);
             for kk in 0..kc.min(k - p0) {

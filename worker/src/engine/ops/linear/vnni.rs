@@ -40,7 +40,7 @@ impl Panels {
         let blocks = k.div_ceil(KC_MAX).max(1);
         let kc = k.div_ceil(blocks).next_multiple_of(4);
         let panels = n.div_ceil(NR);
-        let mut data = vec![0i8; k.div_ceil(kc).max(1) * panels * kc * NR];
+        let mut data = super::super::zeros(k.div_ceil(kc).max(1) * panels * kc * NR);
         // Training packs the weights on every call: in parallel.
         data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
             let (p0, panel) = (i / panels * kc, i % panels);

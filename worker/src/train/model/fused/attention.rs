@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use super::{fused, values};
 use crate::engine::ops::vector_math::exp_in_place;
+use crate::engine::ops::zeros;
 
 /// Self-attention over `q`, `k`, `v` `[batch, tokens, hidden]` (the projections, heads side
 /// by side) with the additive padding mask `[batch, 1, 1, tokens]` (0 for a token, the most
@@ -121,8 +122,8 @@ impl CustomOp3 for Attention {
         let dims = self.dims(q_l)?;
         let Dims { batch, tokens: t, heads, head_dim: d } = dims;
         let (hidden, scale) = (dims.hidden(), dims.scale());
-        let mut probs = vec![0f32; batch * heads * t * t];
-        let mut contexts = vec![0f32; q.len()];
+        let mut probs = zeros(batch * heads * t * t);
+        let mut contexts = zeros(q.len());
         probs.par_chunks_mut(t * t).zip(contexts.par_chunks_mut(t * d)).enumerate().for_each(|(task, (p, context))| {
             let (at, sequence) = dims.start(task);
             let mask = &self.mask[sequence * t..][..t];
@@ -167,7 +168,7 @@ impl CustomOp3 for Attention {
         let dims = self.dims(guards[0].1)?;
         let Dims { tokens: t, head_dim: d, .. } = dims;
         let (hidden, scale) = (dims.hidden(), dims.scale());
-        let (mut dq, mut dk, mut dv) = (vec![0f32; g.len()], vec![0f32; g.len()], vec![0f32; g.len()]);
+        let (mut dq, mut dk, mut dv) = (zeros(g.len()), zeros(g.len()), zeros(g.len()));
         let per_head = dq.par_chunks_mut(t * d).zip(dk.par_chunks_mut(t * d)).zip(dv.par_chunks_mut(t * d));
         per_head.zip(probs.par_chunks(t * t)).enumerate().for_each(|(task, (((dq, dk), dv), p))| {
             let (at, _) = dims.start(task);
@@ -193,7 +194,7 @@ impl CustomOp3 for Attention {
 fn side_by_side(per_head: &[f32], dims: Dims) -> Vec<f32> {
     let Dims { tokens, head_dim: d, .. } = dims;
     let hidden = dims.hidden();
-    let mut out = vec![0f32; per_head.len()];
+    let mut out = zeros(per_head.len());
     out.par_chunks_mut(tokens * hidden).zip(per_head.par_chunks(tokens * hidden)).for_each(|(out, sequence)| {
         for (i, row) in out.chunks_exact_mut(hidden).enumerate() {
             for (h, part) in row.chunks_exact_mut(d).enumerate() {

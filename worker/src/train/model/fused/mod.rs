@@ -25,6 +25,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result,
 use rayon::prelude::*;
 
 use crate::engine::ops::vector_math::{exp_in_place, gelu_in_place};
+use crate::engine::ops::zeros;
 
 /// `1/√(2π)`, the standard normal density at 0.
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
@@ -97,7 +98,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let mut y = values(self.name(), s, l)?.to_vec();
+        let mut y: Vec<f32> = values(self.name(), s, l)?.par_iter().copied().collect();
         y.par_chunks_mut(CHUNK).for_each(gelu_in_place);
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
@@ -128,7 +129,7 @@ impl CustomOp3 for GeluGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let (x, g) = with_gradient(self.name(), (x_s, x_l), (g_s, g_l))?;
         let (y, _) = with_gradient(self.name(), (y_s, y_l), (g_s, g_l))?;
-        let mut dx = vec![0f32; x.len()];
+        let mut dx = zeros(x.len());
         dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))).for_each(
             |(dx, (x, (y, g)))| {
                 // e^(−x²/2) first, 8 lanes at a time.
@@ -183,7 +184,7 @@ impl CustomOp3 for LayerNorm {
         let (x, w, b) = (values(self.name(), x_s, x_l)?, values(self.name(), w_s, w_l)?, values(self.name(), b_s, b_l)?);
         let hidden = row_length(self.name(), x_l, &[w, b])?;
         let task = rows_per_task(hidden) * hidden;
-        let mut y = vec![0f32; x.len()];
+        let mut y = zeros(x.len());
         y.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(y, x)| {
             for (y, x) in y.chunks_exact_mut(hidden).zip(x.chunks_exact(hidden)) {
                 let (mean, scale) = moments(x, self.eps);
@@ -239,7 +240,7 @@ impl CustomOp3 for LayerNormGrad {
         let w = values(self.name(), w_s, w_l)?;
         let hidden = row_length(self.name(), x_l, &[w])?;
         let task = rows_per_task(hidden) * hidden;
-        let mut dx = vec![0f32; x.len() + 2 * hidden];
+        let mut dx = zeros(x.len() + 2 * hidden);
         let shares: Vec<Vec<f32>> = dx[..x.len()]
             .par_chunks_mut(task)
             .zip(x.par_chunks(task).zip(g.par_chunks(task)))
