@@ -57,6 +57,14 @@ pub enum GemmInputs {
 }
 
 impl GemmInputs {
+    /// `v` as these inputs hold it: as is, or rounded to bf16 (nearest even).
+    fn round(self, v: f32) -> f32 {
+        match self {
+            GemmInputs::F32 => v,
+            GemmInputs::Bf16 => bf16::from_bf16(bf16::to_bf16(v)),
+        }
+    }
+
     /// bf16 where the CPU multiplies it natively and clearly faster, else f32. AVX512-BF16
     /// alone does not say which: on AMD Zen 4 the bf16 kernel ran 2.4× as fast as the AVX2
     /// f32 one end to end (bench/results/serving.md), while on an Intel Xeon (Sapphire Rapids
@@ -166,7 +174,7 @@ impl PackedWeight {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let panels = match inputs {
-            GemmInputs::F32 => pack_f32(&w, n, k),
+            GemmInputs::F32 => pack_f32(n, k, |j, p| w[j * k + p]),
             GemmInputs::Bf16 if has_avx512_bf16() => Panels::Bf16(bf16::Panels::new(&w, n, k)),
             GemmInputs::Bf16 => bail!("this CPU has no AVX512-BF16 for bf16 GEMMs; use f32"),
         };
@@ -181,7 +189,10 @@ impl PackedWeight {
     }
 }
 
-fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
+/// Packs the `[n, k]` matrix whose element `(j, p)` is `at(j, p)` into f32 panels, so
+/// training packs a transposed view (`Wᵀ`, `Xᵀ`) or rounds while packing, without a copy
+/// first.
+fn pack_f32(n: usize, k: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> Panels {
     let blocks = k.div_ceil(KC_MAX).max(1);
     let kc = k.div_ceil(blocks);
     let panels = n.div_ceil(NR);
@@ -190,7 +201,7 @@ fn pack_f32(w: &[f32], n: usize, k: usize) -> Panels {
         let (p0, panel) = (i / panels * kc, i % panels);
         for kk in 0..kc.min(k - p0) {
             for j in 0..NR.min(n - panel * NR) {
-                chunk[kk * NR + j] = w[(panel * NR + j) * k + p0 + kk];
+                chunk[kk * NR + j] = at(panel * NR + j, p0 + kk);
             }
         }
     });
@@ -367,7 +378,7 @@ fn gemm_nt(
         return Ok(out);
     }
     let x = row_major_values(a, values);
-    let Panels::F32 { kc, data } = pack_f32(&row_major_values(b, values), n, k) else {
+    let Panels::F32 { kc, data } = pack_f32(n, k, |j, p| values.round(b.at(j, p))) else {
         unreachable!("pack_f32 packs f32 panels")
     };
     gemm_f32(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
@@ -380,10 +391,7 @@ fn row_major_values(matrix: MatRef<'_>, values: GemmInputs) -> std::borrow::Cow<
     let rows = matrix.to_row_major();
     match values {
         GemmInputs::F32 => rows,
-        GemmInputs::Bf16 => rows
-            .par_iter()
-            .map(|v| bf16::from_bf16(bf16::to_bf16(*v)))
-            .collect(),
+        GemmInputs::Bf16 => rows.par_iter().map(|v| values.round(*v)).collect(),
     }
 }
 
