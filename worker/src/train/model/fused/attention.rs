@@ -124,7 +124,9 @@ impl CustomOp3 for Attention {
         let (hidden, scale) = (dims.hidden(), dims.scale());
         let mut probs = zeros(batch * heads * t * t);
         let mut contexts = zeros(q.len());
-        probs.par_chunks_mut(t * t).zip(contexts.par_chunks_mut(t * d)).enumerate().for_each(|(task, (p, context))| {
+        // `.max(1)`: an empty batch (no tokens, or no values a head) has no task, not a panic.
+        let (scores, head) = ((t * t).max(1), (t * d).max(1));
+        probs.par_chunks_mut(scores).zip(contexts.par_chunks_mut(head)).enumerate().for_each(|(task, (p, context))| {
             let (at, sequence) = dims.start(task);
             let mask = &self.mask[sequence * t..][..t];
             let keys = transposed(&k[at..], hidden, t, d);
@@ -169,8 +171,9 @@ impl CustomOp3 for Attention {
         let Dims { tokens: t, head_dim: d, .. } = dims;
         let (hidden, scale) = (dims.hidden(), dims.scale());
         let (mut dq, mut dk, mut dv) = (zeros(g.len()), zeros(g.len()), zeros(g.len()));
-        let per_head = dq.par_chunks_mut(t * d).zip(dk.par_chunks_mut(t * d)).zip(dv.par_chunks_mut(t * d));
-        per_head.zip(probs.par_chunks(t * t)).enumerate().for_each(|(task, (((dq, dk), dv), p))| {
+        let head = (t * d).max(1);
+        let per_head = dq.par_chunks_mut(head).zip(dk.par_chunks_mut(head)).zip(dv.par_chunks_mut(head));
+        per_head.zip(probs.par_chunks((t * t).max(1))).enumerate().for_each(|(task, (((dq, dk), dv), p))| {
             let (at, _) = dims.start(task);
             let grad = View::rows(&g[at..], hidden);
             // dS starts as dP = dC·Vᵀ.
@@ -195,7 +198,8 @@ fn side_by_side(per_head: &[f32], dims: Dims) -> Vec<f32> {
     let Dims { tokens, head_dim: d, .. } = dims;
     let hidden = dims.hidden();
     let mut out = zeros(per_head.len());
-    out.par_chunks_mut(tokens * hidden).zip(per_head.par_chunks(tokens * hidden)).for_each(|(out, sequence)| {
+    let sequence = (tokens * hidden).max(1);
+    out.par_chunks_mut(sequence).zip(per_head.par_chunks(sequence)).for_each(|(out, sequence)| {
         for (i, row) in out.chunks_exact_mut(hidden).enumerate() {
             for (h, part) in row.chunks_exact_mut(d).enumerate() {
                 part.copy_from_slice(&sequence[(h * tokens + i) * d..][..d]);
@@ -416,6 +420,13 @@ mod tests {
         let candle = self_attention_expression(&q, &k, &v, &mask, 2).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
         assert_eq!(ours, candle);
         assert!(self_attention(&q, &k, &v, &mask, 3).is_err(), "8 values do not split into 3 heads");
+        // No tokens: an empty output and empty gradients, not a panic.
+        let empty = Var::zeros((2, 0, 8), DType::F32, &Device::Cpu).unwrap();
+        let no_keys = Tensor::zeros((2, 1, 1, 0), DType::F32, &Device::Cpu).unwrap();
+        let y = self_attention(&empty, &empty, &empty, &no_keys, 2).unwrap();
+        assert_eq!(y.dims(), [2, 0, 8]);
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(grads.get(&empty).expect("a gradient reaches the input").dims(), [2, 0, 8]);
         assert!(self_attention(&q, &k.narrow(1, 0, 5).unwrap(), &v, &mask, 2).is_err());
         assert!(self_attention(&q, &k, &v, &mask.narrow(3, 0, 5).unwrap(), 2).is_err());
     }
