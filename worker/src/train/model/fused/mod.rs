@@ -306,8 +306,10 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (3, 70, 33), &Device::Cpu).unwrap();
         let (y, dx) = output_and_gradient(&x, &w, gelu_erf);
         let (candle_y, candle_dx) = output_and_gradient(&x, &w, |x| x.gelu_erf());
-        assert_close(&y, &candle_y, 1e-6, "y");
-        assert_close(&dx, &candle_dx, 1e-6, "dx");
+        // Below about −5 candle's f32 erf reaches −1 and its GELU gives exactly 0 where the
+        // true value (x·Φ(x), ours) is up to ~1.5e-6: the inputs are random, so allow that.
+        assert_close(&y, &candle_y, 5e-6, "y");
+        assert_close(&dx, &candle_dx, 5e-6, "dx");
         // A derivative that dropped a term would sit far off: gelu'(1) = 1.0833.
         let one = Tensor::new(&[1f32], &Device::Cpu).unwrap();
         let (_, slope) = output_and_gradient(&one, &one.ones_like().unwrap(), gelu_erf);
