@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use tessera_worker::engine::{EmbeddingModel, EngineError, LoadOptions, Pooling};
 use tessera_worker::engine::synthetic::word_level_tokenizer;
+use tessera_worker::train::rng::Rng;
 
 const HIDDEN: usize = 64;
 const HEADS: usize = 4;
@@ -100,12 +101,17 @@ fn random_weights(prefix: &str) -> HashMap<String, Tensor> {
         specs.push((format!("{norm}.weight"), vec![HIDDEN], 1.0, 0.1));
         specs.push((format!("{norm}.bias"), vec![HIDDEN], 0.0, 0.1));
     }
+    // From a fixed seed, so a run's weights are the last run's.
+    let mut rng = Rng::derive(44, prefix);
     specs
         .into_iter()
         .map(|(name, shape, mean, std)| {
+            let values = (0..shape.iter().product())
+                .map(|_| mean + std * rng.next_gaussian() as f32)
+                .collect();
             (
                 name,
-                Tensor::randn(mean, std, shape.as_slice(), &Device::Cpu).unwrap(),
+                Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).unwrap(),
             )
         })
         .collect()

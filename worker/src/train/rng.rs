@@ -40,6 +40,12 @@ impl Rng {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Standard normal (Box–Muller), from two uniform draws.
+    pub fn next_gaussian(&mut self) -> f64 {
+        let u = self.next_f64().max(1e-300);
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * self.next_f64()).cos()
+    }
+
     /// Uniform in `[0, n)`; `n` must be positive. Lemire's multiply-shift; the bias is
     /// below 2^-32 for the sizes a data set has, which shuffling does not notice.
     pub fn below(&mut self, n: usize) -> usize {

@@ -246,15 +246,10 @@ mod tests {
     use super::*;
     use crate::train::rng::Rng;
 
-    fn gaussian(rng: &mut Rng) -> f64 {
-        let u = rng.next_f64().max(1e-300);
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * rng.next_f64()).cos()
-    }
-
     fn noisy_curve(truth: ExpFit, points: usize, sd: f64, seed: u64) -> Vec<f64> {
         let mut rng = Rng::new(seed);
         (0..points)
-            .map(|t| truth.at(t as f64) + sd * gaussian(&mut rng))
+            .map(|t| truth.at(t as f64) + sd * rng.next_gaussian())
             .collect()
     }
 

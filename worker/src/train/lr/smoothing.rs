@@ -238,12 +238,6 @@ mod tests {
     use super::*;
     use crate::train::rng::Rng;
 
-    fn gaussian(rng: &mut Rng) -> f64 {
-        // Box–Muller.
-        let u = rng.next_f64().max(1e-300);
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * rng.next_f64()).cos()
-    }
-
     #[test]
     fn the_heaviest_penalty_leaves_the_least_squares_parabola() {
         let xs: Vec<f64> = (0..30).map(f64::from).collect();
@@ -280,7 +274,7 @@ mod tests {
             let mut rng = Rng::new(seed);
             let ys: Vec<f64> = xs
                 .iter()
-                .map(|&t| truth(t) + 0.02 * gaussian(&mut rng))
+                .map(|&t| truth(t) + 0.02 * rng.next_gaussian())
                 .collect();
             let spline = SmoothingSpline::fit(&xs, &ys);
             let error = |t: f64| spline.eval(t) - truth(t);

@@ -106,6 +106,18 @@ pub fn profile_ops(
     ops: &mut [&mut dyn ProfiledOp],
     config: &ProfileConfig,
 ) -> Result<CostTable, QsyncError> {
+    profile_ops_on(device, ops, config, &wall_clock())
+}
+
+/// [`profile_ops`] on the clock `now` (milliseconds since a fixed start): the tests' clock
+/// is one their operators advance, so what the harness records is exact, not a sleep's
+/// overshoot on a loaded host.
+fn profile_ops_on(
+    device: &str,
+    ops: &mut [&mut dyn ProfiledOp],
+    config: &ProfileConfig,
+    now: &dyn Fn() -> f64,
+) -> Result<CostTable, QsyncError> {
     let mut supported = Vec::with_capacity(ops.len());
     for op in ops.iter() {
         let mut precisions = op.precisions();
@@ -147,7 +159,7 @@ pub fn profile_ops(
         for &(sweep, ref ran_at) in &sweeps {
             for (i, op) in ops.iter_mut().enumerate() {
                 let precision = supported[i][ran_at[i]];
-                let ms = timed(|| op.run(precision, Pass::Forward))
+                let ms = timed(now, || op.run(precision, Pass::Forward))
                     .map_err(|source| op_error(&**op, precision, source))?;
                 if timed_round && precision == sweep {
                     samples[i][ran_at[i]].0.push(ms);
@@ -155,7 +167,7 @@ pub fn profile_ops(
             }
             for (i, op) in ops.iter_mut().enumerate().rev() {
                 let precision = supported[i][ran_at[i]];
-                let ms = timed(|| op.run(precision, Pass::Backward))
+                let ms = timed(now, || op.run(precision, Pass::Backward))
                     .map_err(|source| op_error(&**op, precision, source))?;
                 if timed_round && precision == sweep {
                     samples[i][ran_at[i]].1.push(ms);
@@ -261,7 +273,7 @@ pub fn measure_casts(
     sizes: &[usize],
     config: &ProfileConfig,
 ) -> Result<Vec<(Precision, Precision, usize, f64)>, QsyncError> {
-    let mut samples = Vec::new();
+    let (mut samples, now) = (Vec::new(), wall_clock());
     for (from, to) in caster.pairs() {
         let fail = |source| QsyncError::Op {
             op: format!("cast {from}->{to}"),
@@ -275,7 +287,7 @@ pub fn measure_casts(
             }
             let mut times = Vec::with_capacity(config.iterations);
             for _ in 0..config.iterations.max(1) {
-                times.push(timed(|| caster.cast()).map_err(fail)?);
+                times.push(timed(&now, || caster.cast()).map_err(fail)?);
             }
             samples.push((from, to, numel, config.statistic.of(&mut times)));
         }
@@ -411,10 +423,17 @@ impl ProfiledCast for CandleCasts {
     }
 }
 
-fn timed(run: impl FnOnce() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+/// Milliseconds since the call.
+fn wall_clock() -> impl Fn() -> f64 {
     let start = Instant::now();
+    move || start.elapsed().as_secs_f64() * 1e3
+}
+
+/// How long `run` took by the clock `now`, in milliseconds.
+fn timed(now: &dyn Fn() -> f64, run: impl FnOnce() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+    let start = now();
     run()?;
-    Ok(start.elapsed().as_secs_f64() * 1e3)
+    Ok(now() - start)
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -537,12 +556,21 @@ mod tests {
         );
     }
 
+    /// A clock the test operators advance by the time they say they took, so the harness
+    /// records those times exactly (sleeps overshoot on a loaded host).
+    type FakeClock = std::rc::Rc<std::cell::Cell<f64>>;
+
+    fn advance(clock: &FakeClock, ms: u64) {
+        clock.set(clock.get() + ms as f64);
+    }
+
     /// An operator that records every run in a log the model's operators share, and
     /// takes a time set per precision and pass, so the table shows which runs were kept.
     struct LoggedOp {
         name: &'static str,
         precisions: Vec<Precision>,
         log: std::rc::Rc<std::cell::RefCell<Vec<(&'static str, Precision, Pass)>>>,
+        clock: FakeClock,
     }
 
     impl ProfiledOp for LoggedOp {
@@ -563,7 +591,7 @@ mod tests {
                 Precision::Bf16 | Precision::F16 => 4,
                 Precision::F32 => 8,
             } * if pass == Pass::Backward { 2 } else { 1 };
-            std::thread::sleep(std::time::Duration::from_millis(ms));
+            advance(&self.clock, ms);
             Ok(())
         }
     }
@@ -575,11 +603,12 @@ mod tests {
     #[test]
     fn harness_times_operators_inside_iteration_ordered_rounds() {
         use Precision::*;
-        let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let (log, clock) = (std::rc::Rc::new(std::cell::RefCell::new(Vec::new())), FakeClock::default());
         let op = |name, precisions: &[Precision]| LoggedOp {
             name,
             precisions: precisions.to_vec(),
             log: log.clone(),
+            clock: clock.clone(),
         };
         let (mut a, mut b, mut c) = (
             op("a", &[F32, Int8, Bf16]),
@@ -591,7 +620,7 @@ mod tests {
             iterations: 3,
             statistic: Statistic::Min,
         };
-        let table = profile_ops("cpu", &mut [&mut a, &mut b, &mut c], &config).unwrap();
+        let table = profile_ops_on("cpu", &mut [&mut a, &mut b, &mut c], &config, &|| clock.get()).unwrap();
 
         // Four rounds, each a sweep of int8, then bf16, then f32; a sweep is six runs.
         let log = log.borrow();
@@ -631,8 +660,8 @@ mod tests {
         );
         assert_eq!(table.ops[0].timings.len(), 3);
         assert_eq!(table.ops[2].timings.len(), 2);
-        // Each figure comes from its own precision's runs: the sleeps set its floor, and a
-        // run at another precision kept by mistake would sit far off it.
+        // Each figure comes from its own precision's runs: a run at another precision kept by
+        // mistake would give another time.
         for (op, p, forward) in [
             (0, Int8, 2.0),
             (0, Bf16, 4.0),
@@ -642,21 +671,15 @@ mod tests {
             (2, F32, 8.0),
         ] {
             let t = timing(op, p);
-            assert!(
-                t.forward_ms >= forward && t.forward_ms < forward + 1.9,
-                "{op} {p}: {t:?}"
-            );
-            assert!(
-                t.backward_ms >= 2.0 * forward && t.backward_ms < 2.0 * forward + 3.8,
-                "{op} {p}: {t:?}"
-            );
+            assert_eq!((t.forward_ms, t.backward_ms), (forward, 2.0 * forward), "{op} {p}");
         }
     }
 
-    /// An f32 operator whose forwards sleep the given milliseconds in turn (backwards: 0).
+    /// An f32 operator whose forwards take the given milliseconds in turn (backwards: 0).
     struct ScriptedOp {
         name: &'static str,
         forward_ms: std::vec::IntoIter<u64>,
+        clock: FakeClock,
     }
 
     impl ProfiledOp for ScriptedOp {
@@ -672,7 +695,7 @@ mod tests {
         fn run(&mut self, _: Precision, pass: Pass) -> candle_core::Result<()> {
             if pass == Pass::Forward {
                 let ms = self.forward_ms.next().expect("a time per round");
-                std::thread::sleep(std::time::Duration::from_millis(ms));
+                advance(&self.clock, ms);
             }
             Ok(())
         }
@@ -683,35 +706,32 @@ mod tests {
     #[test]
     fn fastest_round_keeps_one_whole_round() {
         let profile = |statistic| {
+            let clock = FakeClock::default();
             let mut a = ScriptedOp {
                 name: "a",
                 forward_ms: vec![1, 20, 6].into_iter(),
+                clock: clock.clone(),
             };
             let mut b = ScriptedOp {
                 name: "b",
                 forward_ms: vec![20, 1, 6].into_iter(),
+                clock: clock.clone(),
             };
             let config = ProfileConfig {
                 warmup: 0,
                 iterations: 3,
                 statistic,
             };
-            let table = profile_ops("cpu", &mut [&mut a, &mut b], &config).unwrap();
+            let table = profile_ops_on("cpu", &mut [&mut a, &mut b], &config, &|| clock.get()).unwrap();
             table
                 .ops
                 .iter()
                 .map(|op| op.timings[0].forward_ms)
                 .collect::<Vec<_>>()
         };
-        // Sleeps overshoot, never undershoot; the rounds' totals are 21, 21 and 12 ms.
-        for (statistic, expected) in [(Statistic::Min, 1.0), (Statistic::FastestRound, 6.0)] {
-            for ms in profile(statistic) {
-                assert!(
-                    ms >= expected && ms < expected + 4.0,
-                    "{statistic:?}: {ms} ms, expected {expected}"
-                );
-            }
-        }
+        // The rounds' totals are 21, 21 and 12 ms.
+        assert_eq!(profile(Statistic::Min), [1.0, 1.0]);
+        assert_eq!(profile(Statistic::FastestRound), [6.0, 6.0]);
     }
 
     #[test]

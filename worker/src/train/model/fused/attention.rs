@@ -349,10 +349,10 @@ mod tests {
     /// Random q, k, v and a probe `[batch, tokens, hidden]`, and a mask that pads every
     /// fifth key and the last sequence's last three.
     fn inputs(batch: usize, tokens: usize, hidden: usize) -> ([Tensor; 4], Tensor) {
-        let x = || Tensor::randn(0f32, 1.0, (batch, tokens, hidden), &Device::Cpu).unwrap();
+        let x = |seed| super::super::tests::normal(seed, 0.0, 1.0, (batch, tokens, hidden));
         let padded = |i: usize| i % 5 == 4 || (i / tokens == batch - 1 && i % tokens >= tokens - 3);
         let mask: Vec<f32> = (0..batch * tokens).map(|i| if padded(i) { f32::MIN } else { 0.0 }).collect();
-        ([x(), x(), x(), x()], Tensor::from_vec(mask, (batch, 1, 1, tokens), &Device::Cpu).unwrap())
+        ([x(1), x(2), x(3), x(4)], Tensor::from_vec(mask, (batch, 1, 1, tokens), &Device::Cpu).unwrap())
     }
 
     fn as_f64(t: &Tensor) -> Tensor {
@@ -395,7 +395,7 @@ mod tests {
 
     #[test]
     fn the_tile_agrees_with_the_plain_loops() {
-        let values = Tensor::randn(0f32, 1.0, 4000, &Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+        let values = super::super::tests::normal(5, 0.0, 1.0, 4000).to_vec1::<f32>().unwrap();
         // a [m, k] read by columns (a transpose), b [k, n] rows 41 apart, c rows 37 apart.
         for (m, k, n) in [(8, 20, 32), (11, 13, 35), (3, 5, 7)] {
             let (a, b) = (View::columns(&values, 23), View::rows(&values[100..], 41));
