@@ -61,7 +61,7 @@ impl GemmInputs {
     fn round(self, v: f32) -> f32 {
         match self {
             GemmInputs::F32 => v,
-            GemmInputs::Bf16 => bf16::from_bf16(bf16::to_bf16(v)),
+            GemmInputs::Bf16 => round_bf16(v),
         }
     }
 
@@ -393,6 +393,11 @@ fn row_major_values(matrix: MatRef<'_>, values: GemmInputs) -> std::borrow::Cow<
         GemmInputs::F32 => rows,
         GemmInputs::Bf16 => rows.par_iter().map(|v| values.round(*v)).collect(),
     }
+}
+
+/// `v` rounded to the nearest bf16 (ties to even; NaN stays NaN), as an f32.
+pub fn round_bf16(v: f32) -> f32 {
+    bf16::from_bf16(bf16::to_bf16(v))
 }
 
 /// `a [m, k] · bᵀ` for `b` `[n, k]`, both row-major int8, exact in i32: the GEMM of
@@ -746,7 +751,7 @@ mod tests {
     fn available_inputs() -> Vec<(GemmInputs, fn(f32) -> f32)> {
         let mut inputs: Vec<(GemmInputs, fn(f32) -> f32)> = vec![(GemmInputs::F32, |v| v)];
         if has_avx512_bf16() {
-            inputs.push((GemmInputs::Bf16, |v| bf16::from_bf16(bf16::to_bf16(v))));
+            inputs.push((GemmInputs::Bf16, round_bf16));
         } else {
             eprintln!("no AVX512-BF16 on this CPU: the bf16 kernel is not tested");
         }
@@ -934,10 +939,9 @@ mod tests {
     #[test]
     fn nt_gemms_multiply_transposed_views() {
         let mut rng = Rng::new(44);
-        let bf16_round = |v: f32| bf16::from_bf16(bf16::to_bf16(v));
         let mut cases: Vec<(GemmInputs, GemmInputs, fn(f32) -> f32)> = vec![(GemmInputs::F32, GemmInputs::F32, |v| v)];
         // bf16 values on both kernels: the bf16 one and the f32 one on rounded copies.
-        cases.extend(available_inputs().into_iter().map(|(kernel, _)| (GemmInputs::Bf16, kernel, bf16_round as fn(f32) -> f32)));
+        cases.extend(available_inputs().into_iter().map(|(kernel, _)| (GemmInputs::Bf16, kernel, round_bf16 as fn(f32) -> f32)));
         for (m, k, n) in [(1, 1, 1), (9, 301, 45), (70, 384, 130), (33, 1100, 17)] {
             let a = rng.tensor(&[m, k], 1.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let b = rng.tensor(&[k, n], 0.1).flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -18,7 +18,7 @@ pub(crate) mod vector_math;
 pub use bias_gelu::BiasGelu;
 pub use bias_residual_layernorm::BiasResidualLayerNorm;
 pub use int8::{DequantizeInt8, DequantizeSums, Granularity, Int8Scales, QuantizeInt8};
-pub use linear::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, Activation, GemmInputs, Linear, MatRef, PackedWeight};
+pub use linear::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, round_bf16, Activation, GemmInputs, Linear, MatRef, PackedWeight};
 pub use pooling::{Pooling, SegmentedPool};
 pub use varlen_attention::VarlenAttention;
 

@@ -102,13 +102,14 @@ impl Recorder<'_> {
     }
 }
 
-/// `x` rounded to bf16 and back when `precision` asks for it (candle differentiates the
-/// casts as the identity: a straight-through rounding). The keep-list holds these operators
-/// at bf16 or more, so int8 never reaches here; were it to, it rounds as bf16.
+/// `x` rounded to bf16 and back when `precision` asks for it, its gradient rounded alike
+/// (a straight-through rounding, as candle differentiates the two casts). The keep-list
+/// holds these operators at bf16 or more, so int8 never reaches here; were it to, it rounds
+/// as bf16.
 fn round(x: Tensor, precision: Precision) -> Result<Tensor> {
     match precision {
         Precision::F32 => Ok(x),
-        Precision::Bf16 | Precision::Int8 => x.to_dtype(DType::BF16)?.to_dtype(DType::F32),
+        Precision::Bf16 | Precision::Int8 => fused::round_to_bf16(&x),
         Precision::F16 => candle_core::bail!("f16 is not implemented by the training operators; use bf16 or f32"),
     }
 }

@@ -25,7 +25,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result,
 use rayon::prelude::*;
 
 use crate::engine::ops::vector_math::{exp_in_place, gelu_in_place};
-use crate::engine::ops::zeros;
+use crate::engine::ops::{round_bf16, zeros};
 
 /// `1/√(2π)`, the standard normal density at 0.
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
@@ -55,6 +55,34 @@ pub fn layer_norm_expression(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f6
     let variance = (centred.sqr()?.sum_keepdim(D::Minus1)? / hidden)?;
     let normed = centred.broadcast_div(&(variance + eps)?.sqrt()?)?;
     normed.broadcast_mul(weight)?.broadcast_add(bias)
+}
+
+/// `x` rounded to bf16 (nearest even) and held in f32, as candle's
+/// `x.to_dtype(BF16)?.to_dtype(F32)` computes it, with the gradient candle gives those casts
+/// (the incoming gradient rounded to bf16): one pass each way, where candle's casts took two
+/// forward and, in its backward, two casts, two zeroed gradients and two adds.
+pub fn round_to_bf16(x: &Tensor) -> Result<Tensor> {
+    match fused(x) {
+        true => x.contiguous()?.apply_op1(RoundBf16),
+        false => x.to_dtype(DType::BF16)?.to_dtype(x.dtype()),
+    }
+}
+
+struct RoundBf16;
+
+impl CustomOp1 for RoundBf16 {
+    fn name(&self) -> &'static str {
+        "round-bf16"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = values(self.name(), s, l)?.par_iter().map(|v| round_bf16(*v)).collect();
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&RoundBf16)?))
+    }
 }
 
 fn fused(x: &Tensor) -> bool {
@@ -360,6 +388,30 @@ mod tests {
             all.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         };
         assert_eq!(with_threads(1), with_threads(3));
+    }
+
+    /// The same bits as candle's two casts, forward and backward, on normal values, exact
+    /// ties (both ways to even), subnormals, infinities and the largest finite values; NaN
+    /// stays NaN.
+    #[test]
+    fn bf16_rounding_matches_candles_casts_and_their_gradient() {
+        let mut special = vec![1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -1.0 - 2f32.powi(-8), 1e-40, -3e-39];
+        special.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN, f32::MIN_POSITIVE, 0.0, -0.0]);
+        let tail = normal(11, 0.0, 1.0, 300 - special.len()).to_vec1::<f32>().unwrap();
+        let x = Tensor::from_vec([special, tail].concat(), (3, 100), &Device::Cpu).unwrap();
+        let probe = (normal(12, 0.0, 1.0, (3, 100)) * 1e-3).unwrap();
+        let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+            let x = Var::from_tensor(&x).unwrap();
+            let y = f(x.as_tensor()).unwrap();
+            let dx = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap().get(x.as_tensor()).unwrap().clone();
+            let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (bits(&y), bits(&dx))
+        };
+        let (ours, candle) = (run(&round_to_bf16), run(&|x| x.to_dtype(DType::BF16)?.to_dtype(DType::F32)));
+        assert_eq!(ours, candle);
+        assert_ne!(ours.0, run(&|x| Ok(x.clone())).0, "the values were rounded");
+        let nan = round_to_bf16(&Tensor::new(&[f32::NAN], &Device::Cpu).unwrap()).unwrap();
+        assert!(nan.to_vec1::<f32>().unwrap()[0].is_nan());
     }
 
     #[test]
