@@ -174,7 +174,7 @@ impl PackedWeight {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let panels = match inputs {
-            GemmInputs::F32 => pack_f32(n, k, |j, p| w[j * k + p]),
+            GemmInputs::F32 => pack_f32(MatRef::row_major(&w, n, k)?, GemmInputs::F32),
             GemmInputs::Bf16 if has_avx512_bf16() => Panels::Bf16(bf16::Panels::new(&w, n, k)),
             GemmInputs::Bf16 => bail!("this CPU has no AVX512-BF16 for bf16 GEMMs; use f32"),
         };
@@ -189,19 +189,32 @@ impl PackedWeight {
     }
 }
 
-/// Packs the `[n, k]` matrix whose element `(j, p)` is `at(j, p)` into f32 panels, so
+/// Packs the `[n, k]` matrix `b` into f32 panels, its values as `values` holds them, so
 /// training packs a transposed view (`Wᵀ`, `Xᵀ`) or rounds while packing, without a copy
-/// first.
-fn pack_f32(n: usize, k: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> Panels {
+/// first. A panel row (`NR` values of one `p`) is contiguous in a transposed view of a
+/// row-major matrix: that case copies slices, which vectorises (rounding included); the
+/// others gather value by value.
+fn pack_f32(b: MatRef<'_>, values: GemmInputs) -> Panels {
+    let (n, k) = b.dims();
     let blocks = k.div_ceil(KC_MAX).max(1);
     let kc = k.div_ceil(blocks);
     let panels = n.div_ceil(NR);
     let mut data = super::zeros(blocks * panels * kc * NR);
     data.par_chunks_mut(kc * NR).enumerate().for_each(|(i, chunk)| {
         let (p0, panel) = (i / panels * kc, i % panels);
+        let (j0, width) = (panel * NR, NR.min(n - panel * NR));
         for kk in 0..kc.min(k - p0) {
-            for j in 0..NR.min(n - panel * NR) {
-                chunk[kk * NR + j] = at(panel * NR + j, p0 + kk);
+            let out = &mut chunk[kk * NR..kk * NR + width];
+            match b.row_stride {
+                1 => {
+                    let start = (p0 + kk) * b.col_stride + j0;
+                    let src = &b.data[start..start + width];
+                    match values {
+                        GemmInputs::F32 => out.copy_from_slice(src),
+                        GemmInputs::Bf16 => out.iter_mut().zip(src).for_each(|(o, v)| *o = round_bf16(*v)),
+                    }
+                }
+                _ => out.iter_mut().enumerate().for_each(|(j, o)| *o = values.round(b.at(j0 + j, p0 + kk))),
             }
         }
     });
@@ -378,7 +391,7 @@ fn gemm_nt(
         return Ok(out);
     }
     let x = row_major_values(a, values);
-    let Panels::F32 { kc, data } = pack_f32(n, k, |j, p| values.round(b.at(j, p))) else {
+    let Panels::F32 { kc, data } = pack_f32(b, values) else {
         unreachable!("pack_f32 packs f32 panels")
     };
     gemm_f32(&x, (m, k, n), (&data, kc), bias, Activation::None, &mut out);
@@ -395,9 +408,13 @@ fn row_major_values(matrix: MatRef<'_>, values: GemmInputs) -> std::borrow::Cow<
     }
 }
 
-/// `v` rounded to the nearest bf16 (ties to even; NaN stays NaN), as an f32.
+/// `v` rounded to the nearest bf16 (ties to even; NaN stays NaN, quiet), as an f32:
+/// `bf16::to_bf16` without a branch, so loops of it vectorise.
 pub fn round_bf16(v: f32) -> f32 {
-    bf16::from_bf16(bf16::to_bf16(v))
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
+    let quiet_nan = (bits | 0x0040_0000) & 0xFFFF_0000;
+    f32::from_bits(if v.is_nan() { quiet_nan } else { rounded })
 }
 
 /// `a [m, k] · bᵀ` for `b` `[n, k]`, both row-major int8, exact in i32: the GEMM of
@@ -1051,5 +1068,12 @@ mod tests {
         assert_eq!(bf16::from_bf16(bf16::to_bf16(1.0 + ulp * 0.6)), odd);
         assert!(bf16::from_bf16(bf16::to_bf16(f32::NAN)).is_nan());
         assert_eq!(bf16::from_bf16(bf16::to_bf16(f32::INFINITY)), f32::INFINITY);
+        // The branch-free rounding gives to_bf16's bits on a million patterns spread over
+        // all of f32 (NaNs, infinities and subnormals among them) and on every exact tie.
+        let patterns = (0..1u32 << 20).map(|i| i.wrapping_mul(0x9E37_79B1)).chain((0..1 << 16).map(|i| 0x3F80_8000 | i << 16));
+        for bits in patterns {
+            let v = f32::from_bits(bits);
+            assert_eq!(round_bf16(v).to_bits(), bf16::from_bf16(bf16::to_bf16(v)).to_bits(), "{bits:#x}");
+        }
     }
 }
