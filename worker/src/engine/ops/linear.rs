@@ -209,9 +209,11 @@ fn pack_f32(b: MatRef<'_>, values: GemmInputs) -> Panels {
                 1 => {
                     let start = (p0 + kk) * b.col_stride + j0;
                     let src = &b.data[start..start + width];
-                    match values {
-                        GemmInputs::F32 => out.copy_from_slice(src),
-                        GemmInputs::Bf16 => out.iter_mut().zip(src).for_each(|(o, v)| *o = round_bf16(*v)),
+                    match (values, <&mut [f32; NR]>::try_from(&mut *out), <&[f32; NR]>::try_from(src)) {
+                        // A whole panel row as an array: moved inline, not by a call to memmove.
+                        (GemmInputs::F32, Ok(out), Ok(src)) => *out = *src,
+                        (GemmInputs::F32, ..) => out.copy_from_slice(src),
+                        (GemmInputs::Bf16, ..) => out.iter_mut().zip(src).for_each(|(o, v)| *o = round_bf16(*v)),
                     }
                 }
                 _ => out.iter_mut().enumerate().for_each(|(j, o)| *o = values.round(b.at(j0 + j, p0 + kk))),
