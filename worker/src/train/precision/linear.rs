@@ -175,8 +175,8 @@ impl CustomOp3 for GemmLinear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: self.0 })?.reshape(x.shape())?;
-        let dw = grad.apply_op2_no_bwd(x, &Product { form: Form::Tn, values: self.0 })?;
+        let dx = grad.apply_op2_no_bwd(w, &Product::new(Form::Nn, self.0))?.reshape(x.shape())?;
+        let dw = grad.apply_op2_no_bwd(x, &Product::new(Form::Tn, self.0))?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
 }
@@ -239,16 +239,25 @@ impl CustomOp3 for Int8Linear {
         // q_x as f32 holds small integers, exact in bf16: the GEMM sees the quantised input.
         let qx: Vec<f32> = saved.values.par_iter().map(|v| *v as f32).collect();
         let qx = Tensor::from_vec(qx, (saved.rows, saved.cols), grad.device())?;
-        let dw = (grad.apply_op2_no_bwd(&qx, &Product { form: Form::Tn, values: GemmInputs::Bf16 })? * saved.scale as f64)?;
-        let dx = grad.apply_op2_no_bwd(w, &Product { form: Form::Nn, values: GemmInputs::Bf16 })?.reshape(x.shape())?;
+        let dw_of_qx = Product { scale: saved.scale, ..Product::new(Form::Tn, GemmInputs::Bf16) };
+        let dw = grad.apply_op2_no_bwd(&qx, &dw_of_qx)?;
+        let dx = grad.apply_op2_no_bwd(w, &Product::new(Form::Nn, GemmInputs::Bf16))?.reshape(x.shape())?;
         Ok((Some(dx), Some(dw), Some(bias_gradient(&grad)?)))
     }
 }
 
-/// One of the backward's GEMMs, on the engine's GEMM of `values` (sums in f32).
+/// One of the backward's GEMMs, on the engine's GEMM of `values` (sums in f32), its
+/// result times `scale` (int8's dW: the input's quantisation scale).
 struct Product {
     form: Form,
     values: GemmInputs,
+    scale: f32,
+}
+
+impl Product {
+    fn new(form: Form, values: GemmInputs) -> Product {
+        Product { form, values, scale: 1.0 }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -280,7 +289,11 @@ impl CustomOp2 for Product {
             _ => bail!("{}: [{m}, {n}] and [{rows}, {k}] do not fit", self.name()),
         };
         let shape = Shape::from((left.dims().0, k));
-        Ok((CpuStorage::F32(gemm_nt(self.values, left, right, None)?), shape))
+        let mut product = gemm_nt(self.values, left, right, None)?;
+        if self.scale != 1.0 {
+            product.par_iter_mut().for_each(|v| *v *= self.scale);
+        }
+        Ok((CpuStorage::F32(product), shape))
     }
 }
 
