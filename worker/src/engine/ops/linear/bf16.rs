@@ -75,6 +75,8 @@ pub(super) fn to_bf16(v: f32) -> u16 {
     (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
 }
 
+/// The reference `super::round_bf16` is tested against, with `to_bf16`.
+#[cfg(test)]
 pub(super) fn from_bf16(v: u16) -> f32 {
     f32::from_bits((v as u32) << 16)
 }
