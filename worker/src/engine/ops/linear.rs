@@ -175,7 +175,7 @@ impl PackedWeight {
             .to_vec1::<f32>()?;
         let panels = match inputs {
             GemmInputs::F32 => pack_f32(MatRef::row_major(&w, n, k)?, GemmInputs::F32),
-            GemmInputs::Bf16 if has_avx512_bf16() => Panels::Bf16(bf16::Panels::new(&w, n, k)),
+            GemmInputs::Bf16 if has_avx512_bf16() => Panels::Bf16(bf16::Panels::pack(MatRef::row_major(&w, n, k)?)),
             GemmInputs::Bf16 => bail!("this CPU has no AVX512-BF16 for bf16 GEMMs; use f32"),
         };
         Ok(Self { k, n, panels })
@@ -386,10 +386,8 @@ fn gemm_nt(
     }
     #[cfg(target_arch = "x86_64")]
     if values == GemmInputs::Bf16 && kernel == GemmInputs::Bf16 && has_avx512_bf16() {
-        let panels = bf16::Panels::pack(n, k, |j, p| b.at(j, p));
-        let x = a.to_row_major();
         // SAFETY: the CPU has AVX512-BF16 (checked just above).
-        unsafe { bf16::gemm(&x, (m, k, n), &panels, bias, Activation::None, &mut out) };
+        unsafe { bf16::gemm(a, n, &bf16::Panels::pack(b), bias, Activation::None, &mut out) };
         return Ok(out);
     }
     let x = row_major_values(a, values);
@@ -471,13 +469,12 @@ impl CustomOp2 for Linear {
         if m == 0 || w.n == 0 {
             return Ok((CpuStorage::F32(out), Shape::from((m, w.n))));
         }
-        let shape = (m, k, w.n);
         match &w.panels {
-            Panels::F32 { kc, data } => gemm_f32(x, shape, (data, *kc), bias, self.activation, &mut out),
+            Panels::F32 { kc, data } => gemm_f32(x, (m, k, w.n), (data, *kc), bias, self.activation, &mut out),
             // SAFETY: bf16 panels are only packed on a CPU with AVX512-BF16.
             #[cfg(target_arch = "x86_64")]
             Panels::Bf16(panels) => unsafe {
-                bf16::gemm(x, shape, panels, bias, self.activation, &mut out)
+                bf16::gemm(MatRef::row_major(x, m, k)?, w.n, panels, bias, self.activation, &mut out)
             },
             #[cfg(not(target_arch = "x86_64"))]
             Panels::Bf16(_) => unreachable!("bf16 panels need AVX512-BF16"),
