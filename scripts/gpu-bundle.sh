@@ -24,7 +24,8 @@
 # Environment: TESSERA_GPU_BUNDLE (the folder, default .gpu-bundle: two bundles for two calls
 # can be ready at once, so the second call goes out while the machine is still warm),
 # CUDA_COMPUTE_CAP (default 90), TESSERA_CUDA_TARGET_DIR (default
-# $CARGO_TARGET_DIR/cuda or target/cuda, the dir scripts/test.sh's CUDA build uses),
+# $CARGO_TARGET_DIR/cuda or target/cuda: its own dir, so that the CUDA release binaries
+# never replace the CPU ones),
 # TESSERA_ASSETS, TESSERA_GPU_BUNDLE_SKIP (names of binaries to leave out, e.g.
 # "gpu_serving qsync_throughput" for a tests-only bundle).
 set -euo pipefail

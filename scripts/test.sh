@@ -115,16 +115,21 @@ step "cargo build --features cuda,nccl"
 # NCCL for gangs of GPUs), the GPU test binaries (cuda_kernels, cuda_training,
 # cuda_embeddings) and the GPU benchmark (gpu_serving) are built here and run on a GPU
 # machine (scripts/gpu-bundle.sh, scripts/gpu-run.sh). nvcc, the CUDA libraries and NCCL
-# come from pinned wheels (scripts/cuda-toolchain.sh). Its own target dir: the CUDA
-# tessera-worker (which refuses to start without a GPU) must not replace the debug binary
-# the end-to-end and browser tests run. Both builds name the same features of the worker,
-# so the second reuses the first's cudarc and candle instead of building them again.
+# come from pinned wheels (scripts/cuda-toolchain.sh). One build, in the target dir and with
+# the feature resolution of `cargo test --workspace` above (the whole workspace selected,
+# tests among the targets), so only what the cuda features change compiles again (candle
+# and its users, cudarc, the kernels) rather than every dependency a second time.
 (
     eval "$(bash scripts/cuda-toolchain.sh)"
     export CUDA_COMPUTE_CAP=90
-    cargo build -p tessera-worker --features cuda,nccl --bins --tests --target-dir "$target_dir/cuda"
-    cargo build -p tessera-bench --features cuda,tessera-worker/nccl --bin gpu_serving --target-dir "$target_dir/cuda"
+    # Compiled, never run here: device code unoptimised halves nvcc's time on candle's GGUF
+    # kernels (about 14 of this step's minutes from nothing). gpu-bundle.sh builds what runs.
+    export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -Xcicc -O0 -Xptxas -O0"
+    cargo build --workspace --features tessera-worker/cuda,tessera-worker/nccl,tessera-bench/cuda \
+        --bin tessera-worker --bin gpu_serving --test cuda_kernels --test cuda_training --test cuda_embeddings
     python3 -m py_compile bench/scripts/hf_transformers_gpu.py
 )
-
+# That replaced the debug tessera-worker with the CUDA one, which refuses to start without a
+# GPU: put the CPU binaries back (nothing compiles, cargo links them again).
+cargo build --workspace --bins
 finish_step

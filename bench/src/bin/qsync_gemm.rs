@@ -28,7 +28,7 @@ use candle_transformers::models::bert::Config;
 use clap::Parser;
 use serde_json::{json, Value};
 use tessera_bench::machine;
-use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, GemmInputs, MatRef};
+use tessera_worker::engine::ops::{gemm_nt_bf16, gemm_nt_f32, gemm_nt_i8, has_avx512_vnni, GemmInputs, MatRef};
 use tessera_worker::train::model::encoder::Encoder;
 use tessera_worker::train::model::fused;
 use tessera_worker::train::precision::{linear, Precision, PrecisionPlan, IMPLEMENTED};
@@ -283,7 +283,9 @@ fn fused_ops(args: &Args) -> Result<Value> {
 
 /// A whole all-MiniLM-L6-v2 encoder step (forward, mean-square loss, backward) on 16
 /// sequences of 128 random tokens, per uniform plan (the keep-list holds: embeddings and
-/// LayerNorms at bf16 under an int8 plan). Null when the model asset is missing.
+/// LayerNorms at bf16 under an int8 plan). Null when the model asset is missing. The int8
+/// plan is skipped on a CPU without AVX512-VNNI: its GEMM falls back to plain loops there
+/// (the layer tables show how slow), and a step takes minutes per run.
 fn encoder_steps(args: &Args) -> Result<Value> {
     let root =
         std::env::var("TESSERA_ASSETS").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets").into());
@@ -306,6 +308,10 @@ fn encoder_steps(args: &Args) -> Result<Value> {
     let mut out = serde_json::Map::new();
     let mut f32_ms = (0.0, 0.0);
     for precision in [Precision::F32, Precision::Bf16, Precision::Int8] {
+        if precision == Precision::Int8 && !has_avx512_vnni() {
+            println!("MiniLM-L6 encoder, uniform int8: skipped, this CPU has no AVX512-VNNI");
+            continue;
+        }
         encoder.set_precision(&PrecisionPlan::uniform(&encoder.precision_ops(), precision))?;
         let forward = time(args.runs, || {
             let start = Instant::now();
@@ -452,6 +458,10 @@ fn markdown(r: &Value) -> String {
         s += "| plan | forward ms | × f32 | forward + backward ms | × f32 |\n|---|---|---|---|---|\n";
         let base = |what: &str| plans["f32"][what].as_f64().unwrap_or(f64::NAN);
         for p in ["f32", "bf16", "int8"] {
+            if plans.get(p).is_none() {
+                s += &format!("| uniform {p} | skipped: no AVX512-VNNI on this CPU | | | |\n");
+                continue;
+            }
             let (f, st) =
                 (plans[p]["forward_ms"].as_f64().unwrap_or(f64::NAN), plans[p]["step_ms"].as_f64().unwrap_or(f64::NAN));
             s += &format!(

@@ -149,9 +149,10 @@ pub(crate) fn has_avx512_bf16() -> bool {
     }
 }
 
-/// Whether the int8 GEMM may use AVX512-VNNI (`vpdpbusd` on 512-bit registers).
+/// Whether the int8 GEMM may use AVX512-VNNI (`vpdpbusd` on 512-bit registers); without it
+/// `gemm_nt_i8` falls back to plain loops, exact but far slower than f32.
 #[inline]
-pub(crate) fn has_avx512_vnni() -> bool {
+pub fn has_avx512_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
