@@ -234,7 +234,7 @@ async fn a_preempted_gang_resumes_and_ends_bit_identical_to_an_uninterrupted_run
     wait_for_step(&admin, &job, 100).await;
     // Both workers are free once it stops, so the gang may be running again already (CI
     // once saw all 3,500 remaining steps done before the next poll): where it stopped is
-    // read from the resumes, and checked against the checkpoints afterwards.
+    // read from the resumes, and rank 0's checkpoint there from the log.
     preempt(&admin, &job, &[&w1, &w2]).await;
 
     let finished = admin.finished(&job, &[&w1, &w2], Duration::from_secs(300)).await;
