@@ -21,7 +21,7 @@
 //! `layer.rs`).
 
 use super::vector_math::gelu_scalar;
-use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, has_avx512f, SharedMut};
+use super::{contiguous_f32, has_avx2_fma, has_avx512_bf16, has_avx512_vnni, has_avx512f, SharedMut};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -418,7 +418,8 @@ pub fn round_bf16(v: f32) -> f32 {
 }
 
 /// `a [m, k] · bᵀ` for `b` `[n, k]`, both row-major int8, exact in i32: the GEMM of
-/// training's int8 layers, on AVX512-VNNI (`vnni`) where the CPU has it, else plain loops.
+/// training's int8 layers, on AVX512-VNNI (`vnni`) where the CPU has it, else on the f32
+/// kernel ([`gemm_i8_on_f32`]).
 pub fn gemm_nt_i8(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize)) -> Result<Vec<i32>> {
     if a.len() != m * k || b.len() != n * k {
         bail!(
@@ -431,8 +432,36 @@ pub fn gemm_nt_i8(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize)) -> Resul
     if m == 0 || n == 0 || k == 0 {
         return Ok(out);
     }
-    vnni::gemm(a, (m, k, n), &vnni::Panels::new(b, n, k), &mut out);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_vnni() {
+        // SAFETY: the CPU has AVX512F and AVX512-VNNI (checked just above).
+        unsafe { vnni::gemm(a, (m, k, n), &vnni::Panels::new(b, n, k), &mut out) };
+        return Ok(out);
+    }
+    gemm_i8_on_f32(a, b, (m, k, n), &mut out)?;
     Ok(out)
+}
+
+/// Depth of one f32 pass of [`gemm_i8_on_f32`]: a product of two int8 values is at most 2¹⁴
+/// in magnitude, so every partial sum of 1024 of them is an integer of at most 2²⁴, and f32
+/// holds each of those exactly, whatever the order of the additions.
+const I8_DEPTH_PER_F32_PASS: usize = 1024;
+
+/// `out = a · bᵀ` (int8, exact in i32) on the f32 kernel, for CPUs without AVX512-VNNI: the
+/// values converted to f32, the depth taken [`I8_DEPTH_PER_F32_PASS`] at a time (each pass
+/// exact in f32) and the passes added in i32. As fast as the f32 GEMM of the same shape, where
+/// plain loops were tens of times slower; as `gemm_nt_bf16` does without AVX512-BF16.
+fn gemm_i8_on_f32(a: &[i8], b: &[i8], (m, k, n): (usize, usize, usize), out: &mut [i32]) -> Result<()> {
+    let slice = |values: &[i8], p0: usize, depth: usize| -> Vec<f32> {
+        values.par_chunks_exact(k).flat_map_iter(|row| row[p0..p0 + depth].iter().map(|v| *v as f32)).collect()
+    };
+    for p0 in (0..k).step_by(I8_DEPTH_PER_F32_PASS) {
+        let depth = I8_DEPTH_PER_F32_PASS.min(k - p0);
+        let (x, w) = (slice(a, p0, depth), slice(b, p0, depth));
+        let part = gemm_nt_f32(MatRef::row_major(&x, m, depth)?, MatRef::row_major(&w, n, depth)?, None)?;
+        out.par_iter_mut().zip(&part).for_each(|(o, p)| *o += *p as i32);
+    }
+    Ok(())
 }
 
 /// `x [M, K] → x Wᵀ + bias [M, N]`, then the activation. Inputs: `x`, `bias [N]`.
@@ -734,7 +763,6 @@ unsafe fn kernel_6x16(t: &TileArgs, a: [*const f32; MR], b: *const f32, bias: &[
 
 #[cfg(test)]
 mod tests {
-    use super::super::has_avx512_vnni;
     use super::super::test_inputs::{max_abs_diff, Rng};
     use super::*;
 
@@ -917,7 +945,7 @@ mod tests {
                 .collect()
         };
         if !has_avx512_vnni() {
-            eprintln!("no AVX512-VNNI on this CPU: only the portable int8 path is tested");
+            eprintln!("no AVX512-VNNI on this CPU: the int8 GEMM runs on the f32 kernel alone");
         }
         // Ragged tiles, depths that are not a multiple of 4 or split into blocks with a
         // remainder, the extremes ±127 everywhere, and MiniLM's shapes at a training batch.
@@ -937,14 +965,23 @@ mod tests {
                 want,
                 "[{m}, {k}, {n}]"
             );
-            let mut portable = vec![0i32; m * n];
-            vnni::gemm_scalar(&a, (m, k, n), &vnni::Panels::new(&b, n, k), &mut portable);
-            assert_eq!(portable, want, "portable [{m}, {k}, {n}]");
+            let mut on_f32 = vec![0i32; m * n];
+            gemm_i8_on_f32(&a, &b, (m, k, n), &mut on_f32).unwrap();
+            assert_eq!(on_f32, want, "on the f32 kernel [{m}, {k}, {n}]");
+            let mut packed = vec![0i32; m * n];
+            vnni::gemm_scalar(&a, (m, k, n), &vnni::Panels::new(&b, n, k), &mut packed);
+            assert_eq!(packed, want, "VNNI panels [{m}, {k}, {n}]");
         }
-        let (m, k, n) = (9, 1000, 40);
-        for (x, w) in [(127i8, 127i8), (-127, 127), (-127, -127)] {
-            let got = gemm_nt_i8(&vec![x; m * k], &vec![w; n * k], (m, k, n)).unwrap();
-            assert!(got.iter().all(|v| *v == x as i32 * w as i32 * k as i32));
+        // The extremes: past 1024 of them, sums of ±2¹⁴ leave the integers f32 holds exactly,
+        // so one f32 pass over the whole depth would round.
+        let (m, k, n) = (9, 2500, 40);
+        for (x, w) in [(127i8, 127i8), (-127, 127), (-128, -128), (-128, 127)] {
+            let (a, b) = (vec![x; m * k], vec![w; n * k]);
+            let want = x as i32 * w as i32 * k as i32;
+            assert!(gemm_nt_i8(&a, &b, (m, k, n)).unwrap().iter().all(|v| *v == want), "{x} · {w}");
+            let mut on_f32 = vec![0i32; m * n];
+            gemm_i8_on_f32(&a, &b, (m, k, n), &mut on_f32).unwrap();
+            assert!(on_f32.iter().all(|v| *v == want), "on the f32 kernel: {x} · {w}");
         }
         assert!(gemm_nt_i8(&[1, 2], &[1], (1, 2, 1)).is_err());
     }

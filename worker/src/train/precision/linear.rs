@@ -10,8 +10,9 @@
 //!   engine's bf16 GEMM (`engine::ops::gemm_nt_bf16`: the AVX512-BF16 kernel, or the AVX-512
 //!   f32 one on the rounded values where that is faster): PyTorch AMP's recipe.
 //! - int8 (QSync's `LpTorch` linear): x and W quantised per tensor (`s = absmax/127`, round
-//!   half to even), an exact i32 GEMM (`engine::ops::gemm_nt_i8`, AVX512-VNNI), the sums
-//!   dequantised to f32 (`acc · s_x · s_w + b`). The backward runs at 16 bits from the saved
+//!   half to even), an exact i32 GEMM (`engine::ops::gemm_nt_i8`: AVX512-VNNI, or the f32
+//!   kernel in exact passes without it), the sums dequantised to f32
+//!   (`acc · s_x · s_w + b`). The backward runs at 16 bits from the saved
 //!   quantised input, as QSync's does at fp16: `dW = s_x · bf16(dY)ᵀ·q_x` (q_x is exact in
 //!   bf16) and `dX = bf16(dY)·bf16(W)`. candle keeps the f32 `x` alive in its graph anyway, so
 //!   unlike QSync this saves no memory; the numerics are QSync's.

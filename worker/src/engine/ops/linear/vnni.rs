@@ -10,10 +10,9 @@
 //!
 //! Same blocking as the bf16 kernel (`bf16.rs`), with the depth taken in quads: an 8×32
 //! register tile (16 zmm accumulators), weight panels of `kc/4` quads × 32 columns. Without
-//! AVX512-VNNI the same sums come from plain loops.
+//! AVX512-VNNI the same sums come from the f32 kernel (`linear::gemm_i8_on_f32`).
 
 use super::tasks;
-use crate::engine::ops::has_avx512_vnni;
 use rayon::prelude::*;
 
 /// Rows and columns of the register tile.
@@ -63,18 +62,8 @@ impl Panels {
     }
 }
 
-/// `out [m, n] = x [m, k] · Wᵀ`, exact in i32.
-pub(super) fn gemm(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out: &mut [i32]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx512_vnni() {
-        // SAFETY: the CPU has AVX512F and AVX512-VNNI (checked just above).
-        unsafe { gemm_vnni(x, (m, k, n), w, out) };
-        return;
-    }
-    gemm_scalar(x, (m, k, n), w, out);
-}
-
-/// Reference path: the same packed weights, plain loops.
+/// The packed weights read by plain loops: tests the packing on any CPU.
+#[cfg(test)]
 pub(super) fn gemm_scalar(x: &[i8], (_, k, n): (usize, usize, usize), w: &Panels, out: &mut [i32]) {
     let panels = n.div_ceil(NR);
     out.par_chunks_mut(n.max(1))
@@ -93,10 +82,12 @@ pub(super) fn gemm_scalar(x: &[i8], (_, k, n): (usize, usize, usize), w: &Panels
         });
 }
 
-#[cfg(target_arch = "x86_64")]
+/// `out [m, n] = x [m, k] · Wᵀ`, exact in i32.
+///
 /// # Safety
 /// The CPU must have AVX512F and AVX512-VNNI.
-unsafe fn gemm_vnni(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out: &mut [i32]) {
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn gemm(x: &[i8], (m, k, n): (usize, usize, usize), w: &Panels, out: &mut [i32]) {
     let quads = k.div_ceil(4);
     let out_ptr = SharedMutI32(out.as_mut_ptr());
     tasks(m, n.div_ceil(NR), MR, MC_MAX).par_iter().with_max_len(1).for_each(|task| {
