@@ -150,7 +150,8 @@ pub(crate) fn has_avx512_bf16() -> bool {
 }
 
 /// Whether the int8 GEMM may use AVX512-VNNI (`vpdpbusd` on 512-bit registers); without it
-/// `gemm_nt_i8` runs on the f32 kernel, exact and as fast as f32.
+/// `gemm_nt_i8` runs on the f32 kernel, exact, at 0.7–1.1× f32's speed
+/// (bench/results/qsync_gemm-avx2.md).
 #[inline]
 pub fn has_avx512_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
