@@ -238,6 +238,13 @@ async fn a_qsync_job_serves_its_precision_plan_on(csv: Vec<u8>, database: Option
             None => assert!(step <= 3, "step {step} has no prediction: {row}"),
         }
     }
+    // The job's log states the plan as served: the slowed rank with its count of lowered operators.
+    let said = format!(
+        "rank {} ({}) {} of 3 operators below f32",
+        slow_rank["rank"],
+        slow_rank["device"].as_str().unwrap(),
+        lowered.iter().filter(|p| *p != "f32").count()
+    );
     let lines = user.log_lines(&job).await;
-    assert!(lines.iter().any(|l| l.contains("precision plan: ") && l.contains("below f32")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("precision plan: ") && l.contains(&said)), "no line says {said:?}: {lines:?}");
 }

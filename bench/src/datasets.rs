@@ -26,6 +26,15 @@ pub fn dataset(assets: &Path, file: &str) -> anyhow::Result<Table> {
     Ok(Table::parse(&bytes)?)
 }
 
+/// Every k-th row of `table`, `rows` of them (all when `rows` is 0 or at least the table's).
+pub fn every_kth_row(mut table: Table, rows: usize) -> Table {
+    if rows > 0 && rows < table.rows.len() {
+        let stride = table.rows.len() as f64 / rows as f64;
+        table.rows = (0..rows).map(|i| table.rows[(i as f64 * stride) as usize].clone()).collect();
+    }
+    table
+}
+
 /// The sentence embeddings of every review, cached beside the dataset as a CSV of
 /// `e0..e383,label` (keyed by the corpus's and the model's bytes), so the frozen encoder
 /// runs once.

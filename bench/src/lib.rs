@@ -35,3 +35,26 @@ pub fn cpu_flags() -> String {
         present.join(", ")
     }
 }
+
+/// How many tasks candle's f32 GEMM is split into (`RAYON_NUM_THREADS`, which it reads at
+/// every matmul; by default the host's physical cores, whatever pool it runs in), for a
+/// benchmark whose ranks run in pools of `threads` threads. Unless given, set to the least
+/// common multiple of those counts, so that every rank's pool runs whole rounds of tasks (12
+/// tasks: 1 round on 12 threads, 3 on 4); a split of 8 (an 8-core default) would leave a
+/// 12-thread rank's f32 GEMMs 8-way. Call it before any other thread starts.
+pub fn split_gemms_for(threads: &[usize]) -> usize {
+    if let Some(given) = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)
+    {
+        return given;
+    }
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let lcm = threads.iter().fold(1, |l, &t| l / gcd(l, t) * t);
+    // Edition 2021, and no other thread has started yet.
+    std::env::set_var("RAYON_NUM_THREADS", lcm.to_string());
+    lcm
+}

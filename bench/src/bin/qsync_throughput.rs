@@ -39,12 +39,12 @@ use serde_json::{json, Value};
 use tessera_api::parallel::{PrecisionPolicy, PrecisionSpec, RankStep};
 use tessera_api::precision::{Precision, PrecisionPlanReport};
 use tessera_api::train::LrSchedule;
-use tessera_bench::datasets::{assets_dir, dataset};
+use tessera_bench::datasets::{assets_dir, dataset, every_kth_row};
 use tessera_bench::report::replace_section;
 use tessera_bench::stats::median;
-use tessera_bench::{cpu_flags, machine};
+use tessera_bench::{cpu_flags, machine, split_gemms_for};
 use tessera_worker::collective::{for_gang, ring};
-use tessera_worker::train::data::{prepare, Prepared, Table, TaskColumns, TaskKind};
+use tessera_worker::train::data::{prepare, Prepared, TaskColumns, TaskKind};
 use tessera_worker::train::hybrid::Planner;
 use tessera_worker::train::model::bert::BertClassifier;
 use tessera_worker::train::model::mlp::Mlp;
@@ -164,15 +164,6 @@ struct Workload {
 
 const SEED: u64 = 1;
 
-/// Every k-th row of `table`, `rows` of them at most.
-fn subset(mut table: Table, rows: Option<usize>) -> Table {
-    if let Some(rows) = rows.filter(|&r| r > 0 && r < table.rows.len()) {
-        let stride = table.rows.len() as f64 / rows as f64;
-        table.rows = (0..rows).map(|i| table.rows[(i as f64 * stride) as usize].clone()).collect();
-    }
-    table
-}
-
 fn workload(cli: &Cli, assets: &Path) -> anyhow::Result<Workload> {
     let columns = |text: Option<&str>, validation_split: f64| TaskColumns {
         kind: TaskKind::Classification,
@@ -183,7 +174,7 @@ fn workload(cli: &Cli, assets: &Path) -> anyhow::Result<Workload> {
     };
     Ok(match cli.workload {
         WorkloadKind::Minilm => {
-            let table = subset(dataset(assets, "rotten_tomatoes.csv")?, cli.rows.or(Some(4096)));
+            let table = every_kth_row(dataset(assets, "rotten_tomatoes.csv")?, cli.rows.unwrap_or(4096));
             let rows = table.rows.len();
             let batch = cli.batch.unwrap_or(32);
             let model = assets.join("all-MiniLM-L6-v2");
@@ -211,7 +202,7 @@ fn workload(cli: &Cli, assets: &Path) -> anyhow::Result<Workload> {
             }
         }
         WorkloadKind::Mlp => {
-            let table = subset(dataset(assets, "digits.csv")?, cli.rows);
+            let table = every_kth_row(dataset(assets, "digits.csv")?, cli.rows.unwrap_or(0));
             let batch = cli.batch.unwrap_or(512);
             let hidden = vec![1024; 3];
             Workload {
@@ -409,7 +400,7 @@ fn main() -> anyhow::Result<()> {
         "--threads takes two thread counts, rank 0's and rank 1's (e.g. 12,4)"
     );
     anyhow::ensure!(cli.steps >= 2 && cli.runs >= 1, "--steps must be 2 or more and --runs 1 or more");
-    let split = gemm_split(&cli.threads);
+    let split = split_gemms_for(&cli.threads);
     let assets = assets_dir(cli.assets.clone());
     let workload = workload(&cli, &assets)?;
     let date = chrono::Utc::now();
@@ -457,28 +448,6 @@ fn main() -> anyhow::Result<()> {
         println!("not recorded (printed only):\n- {}", refused.join("\n- "));
     }
     Ok(())
-}
-
-/// How many tasks candle's f32 GEMM is split into (`RAYON_NUM_THREADS`, which it reads at
-/// every matmul; by default the host's physical cores, whatever pool it runs in). Unless
-/// given, set to the least common multiple of the ranks' thread counts, so that every rank's
-/// pool runs whole rounds of tasks (12 tasks: 1 round on 12 threads, 3 on 4); a split of 8
-/// (an 8-core default) would leave a 12-thread rank's f32 GEMMs 8-way.
-fn gemm_split(threads: &[usize]) -> usize {
-    if let Some(given) = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)
-    {
-        return given;
-    }
-    let gcd = |mut a: usize, mut b: usize| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
-    let lcm = threads.iter().fold(1, |l, &t| l / gcd(l, t) * t);
-    // Edition 2021, and no other thread has started yet.
-    std::env::set_var("RAYON_NUM_THREADS", lcm.to_string());
-    lcm
 }
 
 fn configuration_key(cli: &Cli, workload: &Workload) -> String {
@@ -649,6 +618,7 @@ fn write_results(out: &Path, markdown: &str, value: &Value) -> anyhow::Result<()
 #[cfg(test)]
 mod tests {
     use tessera_api::precision::{IndicatorKind, OpKind, PlannedOp, RankPlan};
+    use tessera_worker::train::data::Table;
 
     use super::*;
 

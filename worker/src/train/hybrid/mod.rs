@@ -21,7 +21,7 @@ use tessera_api::precision::{OpCost, OpKind, Precision, PrecisionPlanReport};
 
 use super::model::OpTrace;
 use super::precision::{PlanError, PrecisionPlan};
-use super::qsync::{IndicatorConfig, Indicators, OpStats, QsyncError};
+use super::qsync::{IndicatorConfig, Indicators, OpStats, QsyncError, TrainingGraph};
 use super::trainer::Trainer;
 use plan::{plan_gang, RankMeasurement};
 
@@ -41,10 +41,60 @@ pub enum PlanningError {
 
 /// One profiled step's parts, milliseconds.
 #[derive(Debug, Clone, Copy)]
-struct Sample {
+pub struct Sample {
     compute_ms: f64,
     optimizer_ms: f64,
     allreduce_ms: f64,
+}
+
+impl Sample {
+    /// The parts of the step `trainer` took last.
+    pub fn last_step(trainer: &Trainer) -> Sample {
+        let phases = trainer.last_phases().unwrap_or_default();
+        Sample {
+            compute_ms: ms(phases.compute),
+            optimizer_ms: ms(phases.optimizer),
+            allreduce_ms: trainer.last_timing().map_or(0.0, |t| ms(t.reduce)),
+        }
+    }
+}
+
+/// What a rank measured before the plan, with the traced forward it measured on (whose
+/// tensors and gradients give rank 0 the indicator).
+pub struct RankProfiling {
+    pub measurement: RankMeasurement,
+    pub traces: Vec<OpTrace>,
+    pub grads: GradStore,
+}
+
+/// A rank's measurements for the plan: every traced operator of its last batch at each
+/// precision down to `low` (as many timed rounds as `samples`), its cast model, and the
+/// rest of its step from `samples`, the steps it took at f32 (the part of the compute the
+/// operators do not cover, the optimizer, the all-reduce). Like the operators, each part is
+/// taken at its fastest sample: the first steps are cold and the host is shared, so a median
+/// of three still measures the disturbance.
+pub fn profile_rank(
+    trainer: &Trainer,
+    device: &str,
+    low: Precision,
+    samples: &[Sample],
+) -> Result<RankProfiling, PlanningError> {
+    let (mut traces, grads) = trainer.trace_last_batch()?;
+    if traces.is_empty() {
+        return Err(PlanningError::NoOperators);
+    }
+    let slowdown = trainer.slowdown();
+    let iterations = samples.len();
+    let mut table = ops::profile(device, &mut traces, low, iterations, slowdown)?;
+    let casts = ops::profile_cast_model(trainer.device(), &traces, iterations, slowdown)?;
+    // What the operators do not cover (attention products, activations, the loss, the
+    // batch) is the measured step less the operators at f32.
+    let fastest = |part: fn(&Sample) -> f64| samples.iter().map(part).fold(f64::INFINITY, f64::min);
+    let f32_ops: f64 = table.ops.iter().filter_map(f32_ms).sum();
+    table.overhead_ms = (fastest(|s| s.compute_ms) - f32_ops).max(0.0);
+    table.optimizer_ms = fastest(|s| s.optimizer_ms);
+    let allreduce_ms = fastest(|s| s.allreduce_ms);
+    Ok(RankProfiling { measurement: RankMeasurement { table, casts, allreduce_ms }, traces, grads })
 }
 
 /// The plan in force on this rank.
@@ -107,12 +157,7 @@ impl Planner {
             planned.iter_ms.push(ms(iter));
             return Ok(None);
         }
-        let phases = trainer.last_phases().unwrap_or_default();
-        self.samples.push(Sample {
-            compute_ms: ms(phases.compute),
-            optimizer_ms: ms(phases.optimizer),
-            allreduce_ms: trainer.last_timing().map_or(0.0, |t| ms(t.reduce)),
-        });
+        self.samples.push(Sample::last_step(trainer));
         if self.samples.len() < self.spec.profile_steps as usize {
             return Ok(None);
         }
@@ -133,37 +178,12 @@ impl Planner {
     }
 
     fn plan(&self, trainer: &mut Trainer) -> Result<(PrecisionPlanReport, f64), PlanningError> {
-        let (mut traces, grads) = trainer.trace_last_batch()?;
-        if traces.is_empty() {
-            return Err(PlanningError::NoOperators);
-        }
-        let slowdown = trainer.slowdown();
-        let iterations = self.spec.profile_steps as usize;
-        let mut table = ops::profile(&self.device, &mut traces, self.spec.low, iterations, slowdown)?;
-        let casts = ops::profile_cast_model(trainer.device(), &traces, iterations, slowdown)?;
-        // What the operators do not cover (attention products, activations, the loss, the
-        // batch) is the measured step less the operators at f32. Like the operators, each
-        // part of the step is taken at its fastest profiled run: the first steps are cold
-        // and the host is shared, so a median of three still measures the disturbance.
-        let fastest = |part: fn(&Sample) -> f64| self.samples.iter().map(part).fold(f64::INFINITY, f64::min);
-        let f32_ops: f64 = table.ops.iter().filter_map(f32_ms).sum();
-        table.overhead_ms = (fastest(|s| s.compute_ms) - f32_ops).max(0.0);
-        table.optimizer_ms = fastest(|s| s.optimizer_ms);
-        let allreduce_ms = fastest(|s| s.allreduce_ms);
-        let mine = RankMeasurement { table, casts, allreduce_ms };
-        let bytes = serde_json::to_vec(&mine).expect("measurements serialise");
-
+        let RankProfiling { measurement, traces, grads } =
+            profile_rank(trainer, &self.device, self.spec.low, &self.samples)?;
+        let ranks = gather_measurements(trainer, &measurement)?;
         let rank = trainer.share().rank;
-        let gathered = trainer.sync_mut().all_gather(bytes)?;
         let report = if rank == 0 {
-            let ranks: Vec<RankMeasurement> = gathered
-                .iter()
-                .map(|b| serde_json::from_slice(b))
-                .collect::<Result<_, _>>()
-                .map_err(|error| PlanningError::Decode { what: "its measurements", error })?;
-            // The all-reduce runs at the pace of the slowest rank's link.
-            let allreduce_ms = ranks.iter().map(|m| m.allreduce_ms).fold(0.0, f64::max);
-            let graph = ops::graph(&traces, allreduce_ms);
+            let graph = gang_graph(&traces, &ranks);
             let indicators = indicators(&traces, &grads)?;
             let gang = plan_gang(self.spec.policy, self.spec.low, self.seed, &graph, &ranks, &indicators)?;
             let bytes = serde_json::to_vec(&gang.report).expect("reports serialise");
@@ -179,6 +199,29 @@ impl Planner {
         let predicted = report.predicted_step_ms;
         Ok((report, predicted))
     }
+}
+
+/// Every rank's measurements, by rank, exchanged over the gang's ring (every rank calls it
+/// at the same step).
+pub fn gather_measurements(
+    trainer: &mut Trainer,
+    mine: &RankMeasurement,
+) -> Result<Vec<RankMeasurement>, PlanningError> {
+    let bytes = serde_json::to_vec(mine).expect("measurements serialise");
+    trainer
+        .sync_mut()
+        .all_gather(bytes)?
+        .iter()
+        .map(|b| serde_json::from_slice(b))
+        .collect::<Result<_, _>>()
+        .map_err(|error| PlanningError::Decode { what: "its measurements", error })
+}
+
+/// The replayer's graph of the gang's model from a rank's traced operators; the all-reduce
+/// runs at the pace of the slowest rank's link.
+pub fn gang_graph(traces: &[OpTrace], ranks: &[RankMeasurement]) -> TrainingGraph {
+    let allreduce_ms = ranks.iter().map(|m| m.allreduce_ms).fold(0.0, f64::max);
+    ops::graph(traces, allreduce_ms)
 }
 
 /// An operator's measured forward and backward at f32.

@@ -18,7 +18,7 @@ use tessera_api::precision::{
 };
 
 use crate::train::qsync::{
-    plan_rank, replay_step, Indicators, QsyncError, RankPlanRequest, RankProfile, TrainingGraph,
+    plan_rank, replay_step, Indicators, QsyncError, RankPlanRequest, RankProfile, StepPrediction, TrainingGraph,
 };
 
 /// A rank is planned when its f32 step is predicted this much slower than the fastest
@@ -51,6 +51,27 @@ fn keep_rules(low: Precision) -> Vec<KeepRule> {
     keep
 }
 
+/// Every rank's measurements resolved against the graph (int8 operators run their
+/// backward at bf16).
+fn rank_profiles(graph: &TrainingGraph, ranks: &[RankMeasurement]) -> Result<Vec<RankProfile>, QsyncError> {
+    ranks.iter().map(|m| RankProfile::new(graph, &m.table, &m.casts, Precision::Bf16)).collect()
+}
+
+/// The synchronous step the replayer predicts with every rank at its plan (`plans` by rank,
+/// one precision per graph operator), as `plan_gang` predicts the plans it chooses.
+pub fn predict_gang(
+    graph: &TrainingGraph,
+    ranks: &[RankMeasurement],
+    plans: &[Vec<Precision>],
+) -> Result<StepPrediction, QsyncError> {
+    let timelines = rank_profiles(graph, ranks)?
+        .iter()
+        .zip(plans)
+        .map(|(profile, plan)| profile.replay(graph, plan))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(replay_step(graph, &timelines))
+}
+
 /// Plans every rank. `graph` and `indicators` (rank 0's real tensors) follow the model's
 /// operators in forward order, `ranks` are indexed by rank; `seed` shuffles the random
 /// ablation's indicator.
@@ -69,8 +90,7 @@ pub fn plan_gang(
     if ranks.is_empty() {
         return Err(QsyncError::NoRank { rank: 0, ranks: 0 });
     }
-    let profiles: Vec<RankProfile> =
-        ranks.iter().map(|m| RankProfile::new(graph, &m.table, &m.casts, Precision::Bf16)).collect::<Result<_, _>>()?;
+    let profiles = rank_profiles(graph, ranks)?;
     let all_f32 = vec![Precision::F32; n];
     let alone: Vec<f64> = profiles
         .iter()
@@ -284,6 +304,26 @@ mod tests {
             assert!(step.predicted_ms <= report.budget_ms + 1e-9, "{step:?} over {}", report.budget_ms);
         }
         assert_eq!(report.measured_step_ms, None);
+    }
+
+    #[test]
+    fn predict_gang_replays_the_plans_plan_gang_reports() {
+        let graph = graph();
+        let ranks = [rank("fast", 1.0), rank("slow", 1.8)];
+        let gang = plan_gang(PrecisionPolicy::Qsync, Int8, 1, &graph, &ranks, &indicators()).unwrap();
+        let step = predict_gang(&graph, &ranks, &gang.plans).unwrap();
+        assert_eq!(step.step_ms, gang.report.predicted_step_ms);
+        for (predicted, planned) in step.ranks.iter().zip(&gang.report.ranks) {
+            assert_eq!(predicted.compute_ms, planned.predicted_ms);
+        }
+        // All f32, the slow rank sets the pace: the fast one waits for it, and the step is
+        // longer than with the slow rank lowered.
+        let all_f32 = predict_gang(&graph, &ranks, &[vec![F32; 5], vec![F32; 5]]).unwrap();
+        assert!(all_f32.step_ms > step.step_ms, "{} <= {}", all_f32.step_ms, step.step_ms);
+        assert!(all_f32.ranks[0].wait_ms > all_f32.ranks[1].wait_ms, "{:?}", all_f32.ranks);
+        // Lowering the fast rank changes nothing of the step but its waiting.
+        let fast_lowered = predict_gang(&graph, &ranks, &[vec![Bf16, Bf16, Int8, Int8, F32], vec![F32; 5]]).unwrap();
+        assert_eq!(fast_lowered.step_ms, all_f32.step_ms);
     }
 
     #[test]
