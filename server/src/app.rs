@@ -164,6 +164,12 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/models/{name}/versions/{version}/ready", get(kserve::model_ready))
         .route("/v2/models/{name}/infer", post(kserve::infer))
         .route("/v2/models/{name}/versions/{version}/infer", post(kserve::infer))
+        // The gateway's own 404s, so an unknown gateway path is not the dashboard's page.
+        .route("/v1", axum::routing::any(gateway_not_found))
+        .route("/v1/", axum::routing::any(gateway_not_found))
+        .route("/v1/{*rest}", axum::routing::any(gateway_not_found))
+        .route("/v2/", axum::routing::any(gateway_not_found))
+        .route("/v2/{*rest}", axum::routing::any(gateway_not_found))
         .route("/healthz", get(healthz))
         .route("/metrics", get(telemetry::render))
         .merge(web::routes())
@@ -174,6 +180,17 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// A path under `/v1` or `/v2` that no route serves: a 404 in that family's shape.
+async fn gateway_not_found(uri: Uri) -> Response {
+    let message = if is_openai(uri.path()) {
+        "No such OpenAI-compatible route; this server serves GET /v1/models and POST /v1/embeddings."
+    } else {
+        "No such KServe route; this server serves /v2, /v2/health/{live,ready} and /v2/models/{name}[/versions/{version}] \
+         with /ready and /infer."
+    };
+    family_error(uri.path(), error::Error::NotFound(message.into()))
 }
 
 /// A 405 in the error shape of the route family called.
@@ -239,13 +256,17 @@ async fn close_after_a_413(mut response: Response) -> Response {
 /// `error` in the shape of the route family `path` belongs to: OpenAI's on `/v1`,
 /// KServe's on `/v2`, the platform's everywhere else.
 fn family_error(path: &str, error: error::Error) -> Response {
-    if path.starts_with("/v1/") {
+    if is_openai(path) {
         openai::openai_error(GatewayError::new(error.status(), "invalid_request_error", error.public_message()))
     } else if path == "/v2" || path.starts_with("/v2/") {
         kserve::kserve_error(GatewayError::new(error.status(), "invalid", error.public_message()))
     } else {
         error.into_response()
     }
+}
+
+fn is_openai(path: &str) -> bool {
+    path == "/v1" || path.starts_with("/v1/")
 }
 
 async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState>) -> axum::Json<utoipa::openapi::OpenApi> {

@@ -197,6 +197,45 @@ async fn gateway_405s_and_413s_use_the_gateways_shapes() {
     assert!(body["error"]["message"].as_str().unwrap().contains("bytes at most"), "{body}");
 }
 
+#[tokio::test]
+async fn unknown_gateway_paths_are_404s_in_the_gateways_shapes() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let request = |method: reqwest::Method, path: &str| {
+        server.http.request(method, format!("{}{path}", server.url)).bearer_auth(&admin)
+    };
+    // A cross-site POST is the dashboard guard's business, not the gateway's.
+    let openai = [
+        request(reqwest::Method::GET, "/v1/models/foo"),
+        request(reqwest::Method::POST, "/v1/chat/completions").json(&json!({"model": "m", "messages": []})),
+        request(reqwest::Method::POST, "/v1/chat/completions").header("origin", "https://evil.example").json(&json!({})),
+        request(reqwest::Method::GET, "/v1/"),
+        request(reqwest::Method::GET, "/v1"),
+    ];
+    for request in openai {
+        let request = request.build().unwrap();
+        let what = format!("{} {}", request.method(), request.url().path());
+        let response = server.http.execute(request).await.unwrap();
+        assert_eq!(response.status(), 404, "{what}");
+        let body: Value = response.json().await.unwrap_or_else(|e| panic!("{what}: not JSON: {e}"));
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{what}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("/v1/embeddings"), "{what}: {body}");
+    }
+    for path in ["/v2/repository/index", "/v2/", "/v2/models/m/stats"] {
+        let response = request(reqwest::Method::GET, path).send().await.unwrap();
+        assert_eq!(response.status(), 404, "{path}");
+        let body: Value = response.json().await.unwrap_or_else(|e| panic!("{path}: not JSON: {e}"));
+        assert!(body["error"].as_str().unwrap().contains("KServe"), "{path}: {body}");
+    }
+    // A path that exists but not for this method stays a 405, in the same shapes.
+    let response = request(reqwest::Method::POST, "/v1/models").send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(response.json::<Value>().await.unwrap()["error"]["type"], "invalid_request_error");
+    let response = request(reqwest::Method::POST, "/v2/models/m/ready").send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    assert!(response.json::<Value>().await.unwrap()["error"].is_string());
+}
+
 // --- KServe ------------------------------------------------------------------------------
 
 #[tokio::test]
