@@ -252,6 +252,45 @@ async fn without_repartitioning_the_deployment_says_what_would_change() {
 }
 
 #[tokio::test]
+async fn a_refused_slo_deployment_leaves_nothing_behind_so_its_retry_succeeds() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |config| config.quota_replicas = 1).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        upload_tiny(&server, &alice).await;
+        let secret = secret_of(register(&server, "mig-1", &["7g.80gb"], false).await).await;
+        profile(&server, &alice, &secret, &[("7g.80gb", 1000.0)]).await;
+        let names = |deployments: Vec<Value>| -> Vec<String> {
+            deployments.iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
+        };
+
+        // No measured batch answers within 1 ms at p99.
+        let strict = json!({"name": "bert", "model": "tiny", "throughput": 100.0, "latency_ms": 1});
+        let (status, message) = error_of(server.post(&alice, "/deployments", strict).await).await;
+        assert_eq!(status, 422, "{backend:?}");
+        assert!(message.contains("relax latency_ms"), "{message}");
+        assert_eq!(server.get(&alice, "/deployments/bert").await.status(), 404, "{backend:?}");
+
+        // The planned slice would pass alice's replica quota, which another deployment uses.
+        let plain = json!({"name": "plain", "model": "tiny", "replicas": 1});
+        assert_eq!(server.post(&alice, "/deployments", plain).await.status(), 201);
+        let (status, message) = error_of(deploy_slo(&server, &alice, "bert", 100.0).await).await;
+        assert_eq!(status, 403, "{backend:?}");
+        assert!(message.contains("TESSERA_QUOTA_REPLICAS"), "{message}");
+        let listed: Vec<Value> = server.get(&alice, "/deployments").await.json().await.unwrap();
+        assert_eq!(names(listed), ["plain"], "{backend:?}");
+
+        // Corrected, the same request under the same name goes through.
+        assert_eq!(server.delete(&alice, "/deployments/plain").await.status(), 204);
+        let response = deploy_slo(&server, &alice, "bert", 100.0).await;
+        assert_eq!(response.status(), 201, "{backend:?}: {}", response.text().await.unwrap());
+        let deployment: Value = response.json().await.unwrap();
+        assert_eq!(deployment["replicas"], 1);
+        assert_eq!(deployment["replica_status"].as_array().unwrap().len(), 1);
+    }
+}
+
+#[tokio::test]
 async fn bad_slo_requests_are_refused_with_what_to_fix() {
     for backend in backends() {
         let server = TestServer::start(backend).await;

@@ -223,9 +223,16 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
         loanable: request.loanable,
         reclaim_headroom: request.reclaim_headroom.unwrap_or(tessera_api::deployments::DEFAULT_RECLAIM_HEADROOM),
     };
+    // An SLO is planned before anything is written and applied in the transaction that
+    // stores the row, so a refused plan (no profile meets the latency, the replica quota)
+    // leaves no deployment behind to block a corrected retry under the same name.
+    let planned = match request.throughput {
+        Some(throughput) => Some(slo::plan(state, id, name, &model, throughput, request.latency_ms).await?),
+        None => None,
+    };
     // The quota check, the row and its replicas are one transaction (see `quotas`).
     let mut tx = state.db.begin().await?;
-    if request.throughput.is_none() {
+    if planned.is_none() {
         crate::quotas::check_replicas(state, &mut tx, principal, request.replicas, None).await?;
     }
     store::insert(&mut tx, &new).await.map_err(|e| {
@@ -239,13 +246,13 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     let deployment = store::get_in(&mut tx, &scope, &id.to_string())
         .await?
         .ok_or(Error::Invariant("a deployment just inserted cannot be read back"))?;
-    if request.throughput.is_none() {
-        reconcile(&mut tx, &deployment, request.replicas).await?;
+    match &planned {
+        Some(planned) => slo::apply(state, &mut tx, principal, &deployment, planned).await?,
+        None => reconcile(&mut tx, &deployment, request.replicas).await?,
     }
     tx.commit().await?;
-    if let Some(throughput) = request.throughput {
-        slo::place(state, principal, &deployment, throughput, request.latency_ms).await?;
-    }
+    // Only now may the next SLO deployment be planned: it sees these replicas' slices.
+    drop(planned);
     resolve(&state.db, &scope, &id.to_string()).await
 }
 

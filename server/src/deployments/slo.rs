@@ -9,14 +9,17 @@
 
 use std::collections::BTreeMap;
 
+use sqlx::AnyConnection;
 use tessera_api::mig::{PlannedSlice, Slice, SloStatus, TransitionStep};
+use tessera_api::models::Model;
+use tokio::sync::MutexGuard;
 use uuid::Uuid;
 
 use super::{replica_spec, REPLICA_MAX_ATTEMPTS};
 use crate::auth::Principal;
 use crate::error::{Error, Result};
 use crate::scheduler::mig::{GpuModel, Placed};
-use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice};
+use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice, SloPlan};
 use crate::scheduler::throughput::{complete, rates};
 use crate::state::AppState;
 use crate::store::db::Db;
@@ -115,34 +118,61 @@ pub async fn check_table(db: &Db, model: Uuid, model_name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Plans the deployment's SLO, applies what may be applied, queues its replicas.
-pub async fn place(
-    state: &AppState,
-    owner: &Principal,
-    deployment: &StoredDeployment,
+/// An SLO planned on the fleet as it is now, not yet applied. It holds the planning lock:
+/// keep it until the transaction that applies it ([`apply`]) has committed, so no other
+/// SLO deployment is planned onto the slices it chose meanwhile.
+pub struct Planned {
+    fleet: Vec<FleetGpu>,
+    plan: SloPlan,
     throughput: f64,
     latency_ms: Option<f64>,
-) -> Result<()> {
-    let _one_at_a_time = PLANNING.lock().await;
+    _one_at_a_time: MutexGuard<'static, ()>,
+}
+
+/// Plans deployment `name` (id `id`, not stored yet) of `model` for the SLO. Reads only, so
+/// a refusal (no measured profile meets the latency) leaves nothing behind.
+pub async fn plan(
+    state: &AppState,
+    id: Uuid,
+    name: &str,
+    model: &Model,
+    throughput: f64,
+    latency_ms: Option<f64>,
+) -> Result<Planned> {
+    let one_at_a_time = PLANNING.lock().await;
     let db = &state.db;
-    let want = demand(db, &deployment.name, deployment.model_id, throughput, latency_ms).await?;
+    let want = demand(db, name, model.id, throughput, latency_ms).await?;
     if want.rates.is_empty() {
         return Err(Error::invalid(
             "no_throughput_table",
-            format!("No profile of model '{}' meets a p99 of {} ms; relax latency_ms or profile the model again.", deployment.model_name, latency_ms.unwrap_or_default()),
+            format!("No profile of model '{}' meets a p99 of {} ms; relax latency_ms or profile the model again.", model.name, latency_ms.unwrap_or_default()),
         ));
     }
     let fleet = fleet(state).await?;
-    let plan = plan_slo(&fleet, &want, &others(db, deployment.id).await?);
+    let plan = plan_slo(&fleet, &want, &others(db, id).await?);
+    Ok(Planned { fleet, plan, throughput, latency_ms, _one_at_a_time: one_at_a_time })
+}
 
-    let mut tx = db.begin().await?;
-    crate::quotas::check_replicas(state, &mut tx, owner, plan.chosen.len() as u32, Some(deployment.id)).await?;
+/// Applies `planned` to `deployment` in the transaction that inserts it: the owner's
+/// replica quota, the repartition of idle simulated GPUs, one replica pinned to each
+/// chosen slice, and the plan stored with the deployment. On a refusal (the quota) the
+/// caller's transaction rolls back, the deployment with it.
+pub async fn apply(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+    deployment: &StoredDeployment,
+    planned: &Planned,
+) -> Result<()> {
+    let Planned { fleet, plan, throughput, latency_ms, .. } = planned;
+    let (throughput, latency_ms) = (*throughput, *latency_ms);
+    crate::quotas::check_replicas(state, conn, owner, plan.chosen.len() as u32, Some(deployment.id)).await?;
     // A repartition first: the chosen slices it creates get their uuids here.
     let mut created: BTreeMap<(usize, u8), String> = BTreeMap::new();
     if plan.applied {
         for (g, partition) in &plan.partitions {
             let gpu = &fleet[*g];
-            let gpu_index = slices::gpu_index(&mut tx, &gpu.uuid).await?;
+            let gpu_index = slices::gpu_index(conn, &gpu.uuid).await?;
             let mut new = Vec::with_capacity(partition.len());
             for placed in partition {
                 let profile = gpu.model.profile(placed.profile);
@@ -159,12 +189,12 @@ pub async fn place(
                 created.insert((*g, placed.start), slice.uuid.clone());
                 new.push(slice);
             }
-            slices::replace_gpu(&mut tx, gpu.worker, &gpu.uuid, &new).await?;
+            slices::replace_gpu(conn, gpu.worker, &gpu.uuid, &new).await?;
         }
     }
     let spec = replica_spec(deployment);
     let name = format!("replica of {}", deployment.name);
-    let mut planned = Vec::with_capacity(plan.chosen.len());
+    let mut placed_slices = Vec::with_capacity(plan.chosen.len());
     for c in &plan.chosen {
         let gpu = &fleet[c.gpu];
         let slice = match &c.uuid {
@@ -183,8 +213,8 @@ pub async fn place(
             dataset: None,
             pinned_slice: Some(&slice),
         };
-        jobs::insert_in(&mut tx, &job).await?;
-        planned.push(PlannedSlice {
+        jobs::insert_in(conn, &job).await?;
+        placed_slices.push(PlannedSlice {
             slice,
             worker_id: gpu.worker,
             gpu_uuid: gpu.uuid.clone(),
@@ -211,14 +241,13 @@ pub async fn place(
         throughput,
         latency_ms,
         capacity: plan.capacity,
-        slices: planned,
+        slices: placed_slices,
         applied: plan.applied,
         steps,
         extra_gpus: plan.extra_gpus,
-        note: plan.note,
+        note: plan.note.clone(),
     };
-    store::set_slo(&mut tx, deployment.id, plan.chosen.len() as u32, &status).await?;
-    tx.commit().await?;
+    store::set_slo(conn, deployment.id, plan.chosen.len() as u32, &status).await?;
     tracing::info!(deployment = %deployment.id, replicas = status.slices.len(), applied = status.applied, "{}", status.note);
     Ok(())
 }
