@@ -395,6 +395,18 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
             assert!(response.status().is_client_error(), "{what}: {}", response.status());
         }
 
+        // A config.json's architecture is stored as given: a NUL in it is the upload's mistake.
+        let mut files = tiny_model();
+        let (_, config) = files.iter_mut().find(|(path, _)| path == "config.json").unwrap();
+        let mut parsed: Value = serde_json::from_slice(config).unwrap();
+        parsed["architectures"] = json!(["Bert\u{0}Model"]);
+        *config = serde_json::to_vec(&parsed).unwrap();
+        let response = server.upload_model(&admin, "nul-architecture", files).await;
+        assert_eq!(response.status(), 422, "{backend:?}");
+        let body = error_body(response).await;
+        assert_eq!(body["error"]["code"], "invalid_model", "{backend:?}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("architectures[0]"), "{body}");
+
         // Free-text names and a preemption's reason are stored as given: a 422 says what to fix.
         let job: Value = server
             .post(&admin, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}}))

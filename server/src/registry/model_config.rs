@@ -49,6 +49,8 @@ pub enum ConfigError {
     },
     #[error("config.json has an `id2label` that is not an object of label names; make it map each label id to a name, or remove it.")]
     BadLabels,
+    #[error("config.json's `architectures[0]` contains a control character; give the class name transformers saved, e.g. `BertModel`.")]
+    BadArchitecture,
     #[error("The weights have no word-embedding tensor; expected one named {expected}.")]
     MissingEmbeddings { expected: String },
     #[error("Tensor `{tensor}` has shape {found:?} but config.json implies [vocab_size, hidden_size] = {expected:?}; upload the config.json that belongs to these weights.")]
@@ -147,6 +149,10 @@ pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
         .and_then(Value::as_str)
         .unwrap_or(model_type)
         .to_owned();
+    // Kept as a column and shown back: a NUL would fail PostgreSQL's insert, an escape a terminal.
+    if architecture.chars().any(char::is_control) {
+        return Err(ConfigError::BadArchitecture);
+    }
     let num_labels = match config.get("id2label") {
         None | Some(Value::Null) => None,
         Some(Value::Object(labels)) => Some(labels.len() as u64),
@@ -385,6 +391,15 @@ mod tests {
                 num_attention_heads: 5
             }
         ));
+    }
+
+    #[test]
+    fn rejects_an_architecture_with_a_control_character() {
+        for name in ["Bert\u{0}Model", "BertModel\n", "\u{1b}[31mBertModel"] {
+            let err = parse(&with(bert(), "architectures", json!([name]))).expect_err(name);
+            assert!(matches!(err, ConfigError::BadArchitecture), "{name:?}: {err:?}");
+            assert!(err.to_string().contains("architectures[0]"));
+        }
     }
 
     #[test]
