@@ -179,6 +179,10 @@ async fn quotas_refuse_jobs_replicas_and_storage_past_the_limit_naming_it() {
             message.contains("TESSERA_QUOTA_JOBS") && message.contains("You have 2 jobs"),
             "{message}"
         );
+        // A profile job is a job like the others.
+        let response = server.post(&alice, "/models/tiny/profiles", json!({})).await;
+        assert_eq!(response.status(), 403, "{backend:?}");
+        assert_eq!(error_body(response).await["error"]["code"], "quota_exceeded");
         let cancel = format!("/jobs/{}/cancel", first["id"].as_str().unwrap());
         assert_eq!(server.post(&alice, &cancel, json!({})).await.status(), 200);
         assert_eq!(prefetch(&server, &alice, "three").await.status(), 201);

@@ -27,8 +27,8 @@ const PROFILE_MAX_ATTEMPTS: u32 = 3;
 /// p99 latency per batch size on each kind of slice it offers.
 #[utoipa::path(post, path = "/api/v1/models/{id}/profiles", tag = "models", security(("bearer" = [])),
     params(("id" = String, Path, description = "id or name")), request_body = CreateProfile,
-    responses((status = 201, body = Job), (status = 404, body = tessera_api::error::ErrorBody),
-              (status = 422, body = tessera_api::error::ErrorBody)))]
+    responses((status = 201, body = Job), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 404, body = tessera_api::error::ErrorBody), (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
@@ -53,7 +53,11 @@ pub async fn create(
         batch_sizes,
     };
     let name = format!("profile {}", model.name);
-    let job = jobs::insert(&state.db, &NewJob::new(principal.id, &name, &spec, PROFILE_MAX_ATTEMPTS)).await?;
+    // A job like the others: the jobs quota holds for it (see `quotas`).
+    let mut tx = state.db.begin().await?;
+    crate::quotas::check_jobs(&state, &mut tx, &principal).await?;
+    let job = jobs::insert_in(&mut tx, &NewJob::new(principal.id, &name, &spec, PROFILE_MAX_ATTEMPTS)).await?;
+    tx.commit().await?;
     Ok((StatusCode::CREATED, ApiJson(crate::jobs::find(&state.db, &principal.scope(), job).await?)))
 }
 
