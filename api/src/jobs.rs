@@ -6,7 +6,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::parallel::RankJob;
-use crate::train::{TrainJob, TrainProgress, TrainSpec};
+use crate::train::{TrainJob, TrainModel, TrainProgress, TrainSpec};
 
 /// `queued → leased → running → succeeded | failed | cancelled`; an expired lease puts a
 /// leased or running job back to `queued`. A preempted training job (issue 16) checkpoints
@@ -88,6 +88,17 @@ impl JobSpec {
             JobSpec::Train(_) => "train",
             JobSpec::TrainRank(_) => "train_rank",
             JobSpec::Profile { .. } => "profile",
+        }
+    }
+
+    /// The registered model the job reads (prefetches, serves, trains or profiles), if any.
+    pub fn model(&self) -> Option<Uuid> {
+        match self {
+            JobSpec::Prefetch { model } | JobSpec::Serve { model, .. } | JobSpec::Profile { model, .. } => Some(*model),
+            JobSpec::Train(train) | JobSpec::TrainRank(RankJob { train, .. }) => match &train.model {
+                TrainModel::Registered { id, .. } => Some(*id),
+                TrainModel::Mlp { .. } => None,
+            },
         }
     }
 }

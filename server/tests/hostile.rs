@@ -302,6 +302,58 @@ async fn deleting_a_served_model_is_a_409_naming_the_deployment() {
     }
 }
 
+#[tokio::test]
+async fn deleting_a_model_unfinished_jobs_use_is_a_409_naming_them() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let response = server.upload_model(&admin, "tiny", tiny_model()).await;
+        assert_eq!(response.status(), 201);
+        let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        assert_eq!(server.upload_model(&admin, "other", tiny_model()).await.status(), 201);
+        let csv = (0..20).fold(String::from("text,label\n"), |csv, i| csv + &format!("hello world {i},{}\n", i % 2));
+        let form = reqwest::multipart::Form::new()
+            .text("name", "reviews")
+            .part("file", reqwest::multipart::Part::bytes(csv.into_bytes()).file_name("reviews.csv"));
+        let response = server.http.post(server.api("/datasets")).bearer_auth(&admin).multipart(form).send().await.unwrap();
+        assert_eq!(response.status(), 201);
+
+        let train = json!({"name": "fine-tune", "model": "tiny", "dataset": "reviews",
+            "task": {"type": "classification", "label_column": "label", "text_column": "text", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 4, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+        let mut using = Vec::new();
+        for (path, body) in [
+            ("/jobs", train),
+            ("/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}})),
+            ("/models/tiny/profiles", json!({})),
+        ] {
+            let response = server.post(&admin, path, body).await;
+            assert_eq!(response.status(), 201, "{path}: {}", response.text().await.unwrap());
+            using.push(response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string());
+        }
+        // Jobs of another model, and jobs that ended, hold nothing.
+        let response = server.post(&admin, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "other"}})).await;
+        assert_eq!(response.status(), 201);
+
+        let response = server.delete(&admin, &format!("/models/{id}")).await;
+        assert_eq!(response.status(), 409, "{backend:?}");
+        let message = error_body(response).await["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains("3 unfinished job(s)"), "{message}");
+        for (kind, job) in ["train", "prefetch", "profile"].iter().zip(&using) {
+            assert!(message.contains(&format!("{kind} job {job}")), "{message} should name {kind} job {job}");
+        }
+
+        for job in &using[..2] {
+            assert_eq!(server.post(&admin, &format!("/jobs/{job}/cancel"), json!({})).await.status(), 200);
+        }
+        let response = server.delete(&admin, &format!("/models/{id}")).await;
+        assert_eq!(response.status(), 409, "the profile job still reads it ({backend:?})");
+        assert_eq!(server.post(&admin, &format!("/jobs/{}/cancel", using[2]), json!({})).await.status(), 200);
+        assert_eq!(server.delete(&admin, &format!("/models/{id}")).await.status(), 204, "{backend:?}");
+    }
+}
+
 /// Signs in through the dashboard's form; returns the `Cookie` header value.
 async fn dashboard_cookie(server: &TestServer, http: &reqwest::Client) -> String {
     let response = http

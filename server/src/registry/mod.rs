@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::store::db::{self, now_ms};
 use crate::store::models::{self as store, NewModel};
-use crate::store::{deployments, users, Scope};
+use crate::store::{deployments, jobs, users, Scope};
 use staging::{Staged, Validated};
 
 /// The model digest: SHA-256 over the sorted `(path, file digest)` list, so the same
@@ -145,14 +145,19 @@ pub async fn list_visible(state: &AppState, scope: &Scope) -> Result<Vec<Model>>
     Ok(store::list(&state.db, scope).await?)
 }
 
-/// Deletes a model in `scope`; garbage collection deletes its blobs after the grace
-/// period unless another model, dataset or checkpoint shares them.
+/// Deletes a model in `scope` that no deployment serves and no unfinished job reads;
+/// garbage collection deletes its blobs after the grace period unless another model,
+/// dataset or checkpoint shares them.
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
     let model = find(state, scope, id).await?;
     let _guard = state.registry_lock.lock().await;
     let serving = deployments::names_serving(&state.db, id).await?;
     if !serving.is_empty() {
         return Err(in_use(&model.name, &serving));
+    }
+    let reading = jobs::unfinished_using_model(&state.db, id).await?;
+    if !reading.is_empty() {
+        return Err(read_by_jobs(&model.name, &reading));
     }
     match store::delete(&state.db, id).await {
         // A deployment created since the check above holds the model now.
@@ -168,6 +173,19 @@ fn in_use(model: &str, deployments: &[String]) -> Error {
     Error::Conflict(format!(
         "Model '{model}' is served by deployment {}; delete the deployment first.",
         deployments.iter().map(|name| format!("'{name}'")).collect::<Vec<_>>().join(", ")
+    ))
+}
+
+fn read_by_jobs(model: &str, jobs: &[(Uuid, &str)]) -> Error {
+    const NAMED: usize = 5;
+    let mut named: Vec<String> = jobs.iter().take(NAMED).map(|(id, kind)| format!("{kind} job {id}")).collect();
+    if jobs.len() > NAMED {
+        named.push(format!("{} more", jobs.len() - NAMED));
+    }
+    Error::Conflict(format!(
+        "Model '{model}' is used by {} unfinished job(s): {}; cancel them or wait until they end.",
+        jobs.len(),
+        named.join(", ")
     ))
 }
 

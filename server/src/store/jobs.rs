@@ -178,6 +178,28 @@ pub async fn unfinished_reading(db: &Db, dataset: Uuid) -> Result<i64> {
     .await?)
 }
 
+/// The unfinished jobs (id and kind) that read registered model `model`: training,
+/// prefetch and profile jobs, each data-parallel job once (its ranks left out, as are
+/// serving replicas, which their deployment answers for).
+pub async fn unfinished_using_model(db: &Db, model: Uuid) -> Result<Vec<(Uuid, &'static str)>> {
+    // The spec names the model by its id: the LIKE narrows the rows, the spec decides.
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id, spec FROM jobs WHERE deployment_id IS NULL AND gang_id IS NULL AND state IN {UNFINISHED} \
+         AND spec LIKE $1 ORDER BY created_at, id"
+    )))
+    .bind(format!("%{model}%"))
+    .fetch_all(db.pool())
+    .await?;
+    let mut using = Vec::new();
+    for row in &rows {
+        let spec: JobSpec = parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?;
+        if spec.model() == Some(model) {
+            using.push((parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?, spec.kind()));
+        }
+    }
+    Ok(using)
+}
+
 /// A job's log lines after sequence number `after`, oldest first, at most `limit`.
 pub async fn logs(db: &Db, job: Uuid, after: i64, limit: i64) -> Result<Vec<LogLine>> {
     let rows = sqlx::query("SELECT seq, at, line FROM job_logs WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3")

@@ -13,7 +13,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tessera_api::jobs::{JobSpec, JobState};
 use tessera_api::parallel::RankJob;
-use tessera_api::train::TrainModel;
 use tessera_api::workers::{
     Assignment, ClaimRequest, Heartbeat, HeartbeatResponse, LogBatch, MetricBatch, RegisterRequest, RegisterResponse,
     StatusReport,
@@ -175,15 +174,7 @@ async fn check_uses(state: &AppState, worker: Uuid, what: &str, uses: impl Fn(&J
 
 /// Fails unless `worker` holds a job that runs, serves, profiles or trains `model`.
 pub async fn check_uses_model(state: &AppState, worker: Uuid, model: Uuid) -> Result<()> {
-    check_uses(state, worker, &format!("model {model}"), |spec| match spec {
-        JobSpec::Prefetch { model: m } | JobSpec::Serve { model: m, .. } | JobSpec::Profile { model: m, .. } => {
-            *m == model
-        }
-        JobSpec::Train(train) | JobSpec::TrainRank(RankJob { train, .. }) => {
-            matches!(&train.model, TrainModel::Registered { id, .. } if *id == model)
-        }
-    })
-    .await
+    check_uses(state, worker, &format!("model {model}"), |spec| spec.model() == Some(model)).await
 }
 
 /// Fails unless `worker` holds a training job on `dataset`.
