@@ -148,6 +148,7 @@ impl<'de> Deserialize<'de> for CreateJob {
 
 /// A job of a kind other than training: `{"name", "spec": {"kind": …}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct GenericJob {
     pub name: String,
     pub spec: GenericSpec,
@@ -159,7 +160,7 @@ pub struct GenericJob {
 /// What a [`GenericJob`] asks for, as the user names it; the server resolves it into a
 /// [`JobSpec`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum GenericSpec {
     /// Warm a worker's model cache ([`JobSpec::Prefetch`]).
     Prefetch {
@@ -263,5 +264,16 @@ mod create_job_tests {
         let error = CreateJob::from_json(json!({"name": "n", "spec": {"kind": "prefetch"}})).unwrap_err();
         assert!(error.to_string().starts_with("spec"), "{error}");
         assert!(error.to_string().contains("model"), "{error}");
+    }
+
+    #[test]
+    fn a_misspelt_field_of_a_generic_job_is_refused_by_name() {
+        let spec = json!({"kind": "prefetch", "model": "tiny"});
+        let error = CreateJob::from_json(json!({"name": "n", "spec": spec, "max_attempt": 2})).unwrap_err();
+        assert!(error.to_string().contains("unknown field `max_attempt`"), "{error}");
+        let spec = json!({"kind": "prefetch", "model": "tiny", "modle": "other"});
+        let error = CreateJob::from_json(json!({"name": "n", "spec": spec})).unwrap_err();
+        assert!(error.to_string().starts_with("spec"), "{error}");
+        assert!(error.to_string().contains("unknown field `modle`"), "{error}");
     }
 }

@@ -147,8 +147,9 @@ pub struct ModelProfiles {
     pub entries: Vec<ThroughputEntry>,
 }
 
-/// `POST /api/v1/models/{id}/profiles`: queue a profiler job.
+/// `POST /api/v1/models/{id}/profiles`: queue a profiler job. The body may be left out.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct CreateProfile {
     /// Batch sizes to measure (default 1, 2, 4, …, 64).
     #[serde(default)]

@@ -197,6 +197,16 @@ impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     }
 }
 
+/// A JSON body the client may leave out: an empty or blank body reads as `T::default()`;
+/// one that does not parse is a 422 saying what to send (`expected`) and what is wrong
+/// (serde's sentence names an unknown or mistyped field).
+pub fn optional_json<T: serde::de::DeserializeOwned + Default>(body: &[u8], expected: &str) -> Result<T> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| Error::invalid("invalid_request", format!("Send {expected} or no body: {e}")))
+}
+
 /// The largest body a JSON route reads: axum's default limit, which every route but the
 /// streamed uploads keeps.
 pub const JSON_BODY_LIMIT_BYTES: usize = 2 << 20;

@@ -6,7 +6,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, tiny_model, TestServer, WORKER_TOKEN};
+use support::{backends, tiny_model, Backend, TestServer, WORKER_TOKEN};
 
 fn slice(worker: &str, gpu: usize, i: usize, model: &str, profile: Option<&str>) -> Value {
     json!({
@@ -288,6 +288,23 @@ async fn a_refused_slo_deployment_leaves_nothing_behind_so_its_retry_succeeds() 
         assert_eq!(deployment["replicas"], 1);
         assert_eq!(deployment["replica_status"].as_array().unwrap().len(), 1);
     }
+}
+
+#[tokio::test]
+async fn a_profile_job_needs_no_body_and_refuses_a_misspelt_field() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    upload_tiny(&server, &admin).await;
+    let response = server.http.post(server.api("/models/tiny/profiles")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+    let job: Value = response.json().await.unwrap();
+    assert_eq!(job["spec"]["batch_sizes"], json!([1, 2, 4, 8, 16, 32, 64]));
+
+    let (status, message) = error_of(server.post(&admin, "/models/tiny/profiles", json!({"batch_size": [8]})).await).await;
+    assert_eq!(status, 422);
+    assert!(message.contains("unknown field `batch_size`"), "{message}");
+    let jobs: Vec<Value> = server.get(&admin, "/jobs").await.json().await.unwrap();
+    assert_eq!(jobs.len(), 1, "the refused request queued nothing");
 }
 
 #[tokio::test]

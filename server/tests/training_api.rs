@@ -128,6 +128,9 @@ async fn invalid_specs_get_a_422_naming_the_field() {
         (with(base.clone(), "dataset", Some(json!("no-such-dataset"))), "dataset"),
         (with(base.clone(), "name", Some(json!(""))), "name"),
         (with(base.clone(), "learning_rate", Some(json!(0.1))), "learning_rate"),
+        // Jobs of other kinds refuse a misspelt field too, rather than drop it.
+        (json!({"name": "warm", "spec": {"kind": "prefetch", "model": "nope"}, "max_attempt": 2}), "max_attempt"),
+        (json!({"name": "warm", "spec": {"kind": "prefetch", "model": "nope", "modle": "x"}}), "modle"),
     ];
     for (body, field) in cases {
         let (status, error) = submit(&server, &token, body.clone()).await;

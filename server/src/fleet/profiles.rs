@@ -3,6 +3,7 @@
 //! the table with unmeasured profiles estimated (`scheduler::throughput`). The rows live
 //! in `store::models`.
 
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use tessera_api::jobs::{Job, JobSpec};
@@ -10,7 +11,7 @@ use tessera_api::mig::{CreateProfile, ModelProfiles, ProfileReport, ThroughputEn
 use uuid::Uuid;
 
 use crate::auth::{AgentAuth, Principal};
-use crate::error::{ApiJson, ApiPath, Error, Result};
+use crate::error::{optional_json, ApiJson, ApiPath, Error, Result};
 use crate::scheduler::mig::GpuModel;
 use crate::scheduler::throughput::{complete, SCALING_EXPONENT};
 use crate::state::AppState;
@@ -24,17 +25,18 @@ pub const DEFAULT_BATCH_SIZES: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 const PROFILE_MAX_ATTEMPTS: u32 = 3;
 
 /// Queue a profiler job for a model: the worker that claims it measures throughput and
-/// p99 latency per batch size on each kind of slice it offers.
+/// p99 latency per batch size on each kind of slice it offers. The body may be left out.
 #[utoipa::path(post, path = "/api/v1/models/{id}/profiles", tag = "models", security(("bearer" = [])),
-    params(("id" = String, Path, description = "id or name")), request_body = CreateProfile,
+    params(("id" = String, Path, description = "id or name")), request_body(content = Option<CreateProfile>),
     responses((status = 201, body = Job), (status = 403, body = tessera_api::error::ErrorBody),
               (status = 404, body = tessera_api::error::ErrorBody), (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
     ApiPath(id): ApiPath<String>,
-    ApiJson(request): ApiJson<CreateProfile>,
+    body: Bytes,
 ) -> Result<(StatusCode, ApiJson<Job>)> {
+    let request: CreateProfile = optional_json(&body, r#"{"batch_sizes": [1, 2, 4, …]}"#)?;
     let model = crate::registry::resolve(&state, &principal, &id).await?;
     let batch_sizes = request
         .batch_sizes

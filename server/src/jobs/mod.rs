@@ -15,7 +15,7 @@ use tessera_api::jobs::{CreateJob, GenericSpec, Job, JobSpec, JobState, LogLine}
 use uuid::Uuid;
 
 use crate::auth::Principal;
-use crate::error::{ApiJson, ApiPath, ApiQuery, Error, Result};
+use crate::error::{optional_json, ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, NewJob};
 use crate::store::{db::Db, Scope};
@@ -173,13 +173,7 @@ pub async fn preempt(
     ApiPath(id): ApiPath<Uuid>,
     body: Bytes,
 ) -> Result<(StatusCode, ApiJson<Job>)> {
-    let request: PreemptRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        PreemptRequest::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| {
-            Error::invalid("invalid_request", format!("Send {{\"reason\": \"…\", \"force\": false}} or no body: {e}"))
-        })?
-    };
+    let request: PreemptRequest = optional_json(&body, r#"{"reason": "…", "force": false}"#)?;
     // 404 for a job the caller may not see, before anything else is said about it.
     find(&state.db, &principal.scope(), id).await?;
     if request.force && !principal.is_admin() {
