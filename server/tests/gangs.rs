@@ -285,6 +285,30 @@ async fn a_slice_rank_claim_gets_no_device_rank() {
     assert!(claim(&server, &secret).await.is_some(), "a train_rank claim gets it");
 }
 
+/// Every rank connects to the addresses posted: one whose host holds a NUL (which
+/// PostgreSQL cannot store), another control character or a space is a 422, not a peer.
+#[tokio::test]
+async fn a_ring_address_whose_host_no_rank_can_reach_is_a_422() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let response = server.post(&token, "/jobs", body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]))).await;
+        assert_eq!(response.status(), 201);
+        let held = claim_ranks(&server, &["a"]).await;
+        let (secret, rank_job, _) = &held[0];
+        let path = format!("/agent/jobs/{rank_job}/rendezvous");
+        for address in ["10.0.0.1\u{0}:7000", "host\n:7000", "my host:7000"] {
+            let response = server.post(secret, &path, json!({"address": address})).await;
+            assert_eq!(response.status(), 422, "{backend:?} {address:?}");
+            let error: Value = response.json().await.unwrap();
+            assert_eq!(error["error"]["code"], "invalid_address", "{backend:?}");
+        }
+        let (status, answer) = rendezvous(&server, secret, rank_job, 7000).await;
+        assert_eq!((status, answer), (200, json!({"state": "waiting"})), "{backend:?}");
+    }
+}
+
 #[tokio::test]
 async fn parallel_specs_get_a_422_naming_the_field() {
     let server = TestServer::start(Backend::Sqlite).await;

@@ -5,7 +5,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{backends, model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
+use support::{backends, model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD, WORKER_TOKEN};
 use tessera_server::config::Config;
 use tessera_server::state::AppState;
 
@@ -494,5 +494,50 @@ async fn nul_bytes_in_names_usernames_and_paths_are_client_errors() {
         assert_eq!(logs[0]["line"], "bin\u{FFFD}ary", "{backend:?}");
         let job: Value = server.get(&admin, &format!("/jobs/{id}")).await.json().await.unwrap();
         assert_eq!(job["message"], "crashed\u{FFFD}", "{backend:?}");
+    }
+}
+
+/// What names a thing (a worker, its version and slices, a metric) is matched on later,
+/// so a worker sending a NUL or another control character in one gets a 422, on
+/// PostgreSQL as on SQLite, where the text it reports is cleaned instead.
+#[tokio::test]
+async fn nul_bytes_in_what_a_worker_names_are_422s() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let inventory = json!({"hostname": "h", "cpu_cores": 2, "memory_bytes": 1024});
+        let slice = json!({"uuid": "MIG-\u{0}", "gpu_uuid": "GPU-0", "gpu_index": 0, "gpu_model": "H100-80GB",
+                           "profile": "7g.80gb", "start": 0, "memory_bytes": 1024, "simulated": true});
+        let with_slice = json!({"hostname": "h", "cpu_cores": 2, "memory_bytes": 1024, "slices": [slice]});
+        for (field, body) in [
+            ("invalid_name", json!({"name": "w\u{0}", "version": "test", "inventory": inventory})),
+            ("invalid_version", json!({"name": "w", "version": "1.0\u{0}", "inventory": inventory})),
+            ("invalid_slices", json!({"name": "w", "version": "test", "inventory": with_slice})),
+        ] {
+            let response = server.post(WORKER_TOKEN, "/agent/register", body).await;
+            assert_eq!(response.status(), 422, "{backend:?} {field}");
+            assert_eq!(error_body(response).await["error"]["code"], field, "{backend:?}");
+        }
+
+        let (_, secret) = server.register_worker("w").await;
+        let response = server.post(&secret, "/agent/claim", json!({"kinds": ["pre\u{0}fetch"]})).await;
+        assert_eq!(response.status(), 422, "{backend:?} claim");
+        assert_eq!(server.upload_model(&admin, "tiny", tiny_model()).await.status(), 201);
+        let response = server.post(&admin, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}})).await;
+        assert_eq!(response.status(), 201);
+        let claimed: Value = server.post(&secret, "/agent/claim", json!({"kinds": ["prefetch"]})).await.json().await.unwrap();
+        let job = claimed["job_id"].as_str().unwrap();
+        let reports = [
+            ("metrics", json!({"points": [{"name": "lo\u{0}ss", "step": 1, "value": 0.5}]})),
+            ("training-metrics", json!({"steps": [{"step": 1, "lo\u{0}ss": 0.5}]})),
+        ];
+        for (route, body) in reports {
+            let response = server.post(&secret, &format!("/agent/jobs/{job}/{route}"), body).await;
+            assert_eq!(response.status(), 422, "{backend:?} {route}");
+            assert_eq!(error_body(response).await["error"]["code"], "invalid_metric", "{backend:?} {route}");
+        }
+        let response = server.post(&secret, &format!("/agent/jobs/{job}/metrics"), json!({"points": [
+            {"name": "loss", "step": 1, "value": 0.5}]})).await;
+        assert_eq!(response.status(), 204, "{backend:?}: a plain name is stored");
     }
 }

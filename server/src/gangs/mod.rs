@@ -143,15 +143,22 @@ pub async fn release_forming(db: &Db, gang: Uuid, reason: &str) -> Result<bool> 
     Ok(store::release_forming(db, gang, now_ms(), reason).await?)
 }
 
+/// A ring address is handed to the other ranks to connect to: a host with a control
+/// character or a space (a NUL would also fail PostgreSQL's insert) is none they can reach.
 fn check_address(address: &str) -> Result<()> {
     let valid = address.len() <= 300
-        && address
-            .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+        && address.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty()
+                && !host.chars().any(|c| c.is_control() || c.is_whitespace())
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
+        });
     if valid {
         Ok(())
     } else {
-        Err(Error::invalid("invalid_address", "Post the ring address as host:port with a port above 0."))
+        Err(Error::invalid(
+            "invalid_address",
+            "Post the ring address as host:port, a host without spaces or control characters and a port above 0.",
+        ))
     }
 }
 

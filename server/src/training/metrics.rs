@@ -20,8 +20,12 @@ use crate::store::training::{self as store, Point, Series};
 pub const MAX_POINTS_PER_REPORT: usize = 200_000;
 
 fn check(point: &Point) -> Result<()> {
-    if point.name.is_empty() || point.name.len() > 200 || point.name == "step" {
-        return Err(Error::invalid("invalid_metric", "Metric names have 1 to 200 characters and are not 'step'."));
+    // A name is a key (and a PostgreSQL column refuses a NUL), so it is refused, not cleaned.
+    if point.name.is_empty() || point.name.len() > 200 || point.name == "step" || point.name.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "invalid_metric",
+            "Metric names have 1 to 200 characters, none of them a control character, and are not 'step'.",
+        ));
     }
     if !point.value.is_finite() {
         return Err(Error::invalid(

@@ -12,6 +12,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tessera_api::jobs::{JobSpec, JobState};
+use tessera_api::mig::Slice;
 use tessera_api::parallel::RankJob;
 use tessera_api::workers::{
     Assignment, ClaimRequest, Heartbeat, HeartbeatResponse, LogBatch, MetricBatch, RegisterRequest, RegisterResponse,
@@ -56,10 +57,8 @@ pub async fn register(
     ApiJson(request): ApiJson<RegisterRequest>,
 ) -> Result<ApiJson<RegisterResponse>> {
     check_join_token(&state, &headers)?;
+    check_identifiers(&request)?;
     let name = request.name.trim();
-    if name.is_empty() || name.len() > 200 {
-        return Err(Error::invalid("invalid_name", "A worker name has 1 to 200 characters."));
-    }
     let secret = secrets::generate(secrets::WORKER_SECRET_PREFIX);
     let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
     let previous_digest = request.previous_secret.as_deref().map(secrets::digest);
@@ -95,6 +94,33 @@ pub async fn register(
     }))
 }
 
+/// What names the worker and its slices is kept as given and matched on later, so a
+/// control character (a NUL, which PostgreSQL cannot store, or an escape) is refused,
+/// not replaced as in the text a worker reports.
+fn check_identifiers(request: &RegisterRequest) -> Result<()> {
+    let plain = |text: &str| !text.chars().any(char::is_control);
+    let name = request.name.trim();
+    if name.is_empty() || name.len() > 200 || !plain(name) {
+        return Err(Error::invalid("invalid_name", "A worker name has 1 to 200 characters, none of them a control character."));
+    }
+    if !plain(&request.version) {
+        return Err(Error::invalid("invalid_version", "version: report the worker's version without control characters."));
+    }
+    let plain_slice = |s: &Slice| {
+        [Some(s.uuid.as_str()), Some(s.gpu_uuid.as_str()), s.gpu_model.as_deref(), s.profile.as_deref()]
+            .into_iter()
+            .flatten()
+            .all(plain)
+    };
+    if !request.inventory.slices.iter().all(plain_slice) {
+        return Err(Error::invalid(
+            "invalid_slices",
+            "A slice's uuid, gpu_uuid, gpu_model and profile hold no control characters; report them as NVML gives them.",
+        ));
+    }
+    Ok(())
+}
+
 fn lease_ttl_ms(state: &AppState) -> i64 {
     state.config.lease_ttl_secs as i64 * 1000
 }
@@ -121,6 +147,9 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
+    if request.kinds.iter().any(|k| !db::storable(k)) {
+        return Err(Error::invalid("invalid_kind", "kinds: a job kind holds no NUL byte; ask for kinds such as \"train\"."));
+    }
     // A rank of a forming gang first: its gang waits on it. `slice_rank` asks only for a
     // rank pinned to one of the worker's slices (it holds the slice, not a batch slot).
     let asks = |kind: &str| request.kinds.iter().any(|k| k == kind);
