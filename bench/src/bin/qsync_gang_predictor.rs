@@ -112,12 +112,14 @@ struct Pair {
     predicted_compute_ms: [f64; 2],
 }
 
-/// What one rank measured of one pair in one round: per timed step, the time since the
-/// previous step ended, and this rank's compute.
+/// What one rank measured of one pair in one round, per timed step: the time since the
+/// previous step ended, and this rank's compute, all-reduce (waiting excluded) and optimizer.
 #[derive(Debug, Clone, Default)]
 struct PairSteps {
     step_ms: Vec<f64>,
     compute_ms: Vec<f64>,
+    allreduce_ms: Vec<f64>,
+    optimizer_ms: Vec<f64>,
 }
 
 /// One rank's run: the pairs (from rank 0), its measurement, and per round and pair what it measured.
@@ -248,7 +250,10 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
                 trainer.step(LR)?;
                 let now = Instant::now();
                 steps.step_ms.push((now - last).as_secs_f64() * 1e3);
-                steps.compute_ms.push(trainer.last_phases().unwrap_or_default().compute.as_secs_f64() * 1e3);
+                let sample = Sample::last_step(&trainer);
+                steps.compute_ms.push(sample.compute_ms);
+                steps.allreduce_ms.push(sample.allreduce_ms);
+                steps.optimizer_ms.push(sample.optimizer_ms);
                 last = now;
             }
             round.push(steps);
@@ -297,6 +302,7 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
     let pairs = &outcomes[0].pairs;
     let mut rows = Vec::new();
     let mut errors = Vec::new();
+    let mut steady = Vec::new();
     let mut md = format!(
         "## {} lengths\n\n| pair (rank 0 / rank 1) | predicted step ms | measured step ms (per round) | error | predicted / measured compute ms, rank 0 | rank 1 | rank 0 plan | rank 1 plan |\n|---|---|---|---|---|---|---|---|\n",
         match lengths {
@@ -307,10 +313,13 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
     for (i, pair) in pairs.iter().enumerate() {
         let per_round: Vec<f64> = outcomes[0].rounds.iter().map(|round| median(&round[i].step_ms)).collect();
         let measured = median(&per_round);
-        let compute: Vec<f64> = outcomes
-            .iter()
-            .map(|o| median(&o.rounds.iter().flat_map(|round| round[i].compute_ms.clone()).collect::<Vec<_>>()))
-            .collect();
+        // A rank's median over every timed step of the pair.
+        let part = |o: &RankOutcome, of: fn(&PairSteps) -> &Vec<f64>| -> f64 {
+            median(&o.rounds.iter().flat_map(|round| of(&round[i]).iter().copied()).collect::<Vec<_>>())
+        };
+        let compute: Vec<f64> = outcomes.iter().map(|o| part(o, |p| &p.compute_ms)).collect();
+        let rest: Vec<(f64, f64)> =
+            outcomes.iter().map(|o| (part(o, |p| &p.allreduce_ms), part(o, |p| &p.optimizer_ms))).collect();
         let error = (pair.predicted_ms - measured) / measured;
         errors.push(error.abs());
         println!(
@@ -341,7 +350,10 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
             "pair": pair.label, "plans": pair.plans, "predicted_ms": pair.predicted_ms,
             "measured_ms": measured, "measured_per_round_ms": per_round, "error": error,
             "predicted_compute_ms": pair.predicted_compute_ms, "measured_compute_ms": compute,
+            "measured_allreduce_ms": rest.iter().map(|r| r.0).collect::<Vec<_>>(),
+            "measured_optimizer_ms": rest.iter().map(|r| r.1).collect::<Vec<_>>(),
         }));
+        steady.push(rest);
     }
     let (median_error, p90_error) = (percentile(&errors, 0.5), percentile(&errors, 0.9));
     let verdict = |met: bool| if met { "met" } else { "not met" };
@@ -355,17 +367,27 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
         started.elapsed().as_secs_f64()
     );
     println!("{lengths:?}: {summary}");
-    let overheads: Vec<String> = outcomes
+    let parts: Vec<String> = outcomes
         .iter()
-        .map(|o| {
+        .enumerate()
+        .map(|(rank, o)| {
             let t = &o.measurement.table;
-            format!("overhead {:.1} ms, optimizer {:.1} ms, all-reduce {:.1} ms", t.overhead_ms, t.optimizer_ms, o.measurement.allreduce_ms)
+            let timed = |of: fn(&(f64, f64)) -> f64| median(&steady.iter().map(|r| of(&r[rank])).collect::<Vec<_>>());
+            format!(
+                "rank {rank}: overhead {:.1} ms; all-reduce {:.1} ms profiled, {:.1} timed; optimizer {:.1} ms profiled, {:.1} timed",
+                t.overhead_ms,
+                o.measurement.allreduce_ms,
+                timed(|r| r.0),
+                t.optimizer_ms,
+                timed(|r| r.1)
+            )
         })
         .collect();
     md = format!(
-        "{md}\n{summary}\n\nMeasured by the ranks while profiling (the parts of the step no planned operator covers): rank 0 {}; rank 1 {}.\n",
-        overheads[0], overheads[1]
+        "{md}\n{summary}\n\nThe parts of the step no planned operator covers, as the ranks measured them while profiling (the fastest of the f32 steps, as the planner takes them) and over the timed steps (the median over the pairs of each pair's median): {}.\n",
+        parts.join("; ")
     );
+    println!("{lengths:?}: {}", parts.join("; "));
     let value = json!({
         "lengths": lengths, "pairs": rows, "median_abs_error": median_error, "p90_abs_error": p90_error,
         "measurements": outcomes.iter().map(|o| &o.measurement).collect::<Vec<_>>(),

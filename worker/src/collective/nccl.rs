@@ -193,6 +193,7 @@ impl GradientSync for NcclSync {
     }
 
     fn synchronise(&mut self, parameters: &[(String, Var)], grads: &mut GradStore, loss: f64) -> Result<f64> {
+        let started = Instant::now();
         let device = Device::Cuda(self.device.clone());
         let mut parts = Vec::with_capacity(parameters.len());
         for (_, var) in parameters {
@@ -209,9 +210,7 @@ impl GradientSync for NcclSync {
         let mut summed_loss = [loss as f32, stop];
         let ring = self.ring.all_reduce(&mut summed_loss).map_err(|e| self.failed(e.into()))?;
         self.stop_agreed = summed_loss[1] > 0.5;
-        let started = Instant::now();
         let summed = self.all_reduce(&flat).map_err(|e| self.failed(e))?;
-        self.timing = Some(SyncTiming { wait: ring.wait, reduce: ring.reduce + started.elapsed() });
         let mut offset = 0;
         for (_, var) in parameters {
             let n = var.elem_count();
@@ -219,6 +218,9 @@ impl GradientSync for NcclSync {
             grads.insert(var.as_tensor(), grad.to_device(var.device())?.to_dtype(var.dtype())?);
             offset += n;
         }
+        // As the host ring counts it: everything but the waiting, the gradients' staging
+        // into one buffer and back included.
+        self.timing = Some(SyncTiming { wait: ring.wait, reduce: started.elapsed() - ring.wait });
         Ok(summed_loss[0] as f64)
     }
 

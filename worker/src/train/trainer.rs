@@ -46,7 +46,7 @@ impl Share {
 pub struct SyncTiming {
     /// Waiting for the slowest replica to reach the all-reduce.
     pub wait: Duration,
-    /// Transfers and sums.
+    /// Everything else the sync took: staging the gradients, transfers and sums.
     pub reduce: Duration,
 }
 

@@ -42,9 +42,10 @@ pub enum PlanningError {
 /// One profiled step's parts, milliseconds.
 #[derive(Debug, Clone, Copy)]
 pub struct Sample {
-    compute_ms: f64,
-    optimizer_ms: f64,
-    allreduce_ms: f64,
+    pub compute_ms: f64,
+    pub optimizer_ms: f64,
+    /// Waiting for the other ranks excluded.
+    pub allreduce_ms: f64,
 }
 
 impl Sample {
