@@ -161,7 +161,9 @@ pub struct CostTable {
     pub device: String,
     /// In the model's forward order.
     pub ops: Vec<OpCost>,
-    /// Per-iteration time outside the profiled operators (data, loss), milliseconds.
+    /// Per-iteration time outside the profiled operators (data, loss), milliseconds. With
+    /// the operators' times, at the rank's typical batch (a worker scales what it measured
+    /// on the traced batch by the profiled batches' median work).
     #[serde(default)]
     pub overhead_ms: f64,
     /// The optimizer step after the all-reduce, milliseconds.

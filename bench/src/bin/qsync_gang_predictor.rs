@@ -209,7 +209,7 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
     let mut samples = Vec::new();
     for _ in 0..cli.profile_steps {
         trainer.step(LR)?;
-        samples.push(Sample::last_step(&trainer));
+        samples.push(Sample::last_step(&trainer)?);
     }
     let label = format!("cpu, {} thread(s)", cli.threads[rank]);
     let profiling = profile_rank(&trainer, &label, Precision::Int8, &samples)?;
@@ -250,10 +250,11 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
                 trainer.step(LR)?;
                 let now = Instant::now();
                 steps.step_ms.push((now - last).as_secs_f64() * 1e3);
-                let sample = Sample::last_step(&trainer);
-                steps.compute_ms.push(sample.compute_ms);
-                steps.allreduce_ms.push(sample.allreduce_ms);
-                steps.optimizer_ms.push(sample.optimizer_ms);
+                let phases = trainer.last_phases().unwrap_or_default();
+                let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                steps.compute_ms.push(ms(phases.compute));
+                steps.allreduce_ms.push(trainer.last_timing().map_or(0.0, |t| ms(t.reduce)));
+                steps.optimizer_ms.push(ms(phases.optimizer));
                 last = now;
             }
             round.push(steps);

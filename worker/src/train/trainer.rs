@@ -246,6 +246,11 @@ impl Trainer {
         Ok((traces, grads))
     }
 
+    /// The work of this replica's share of the last step's batch ([`Network::batch_work`]).
+    pub fn last_batch_work(&self) -> Result<usize> {
+        self.network.batch_work(&self.data.train, &self.last_rows)
+    }
+
     pub fn last_timing(&self) -> Option<SyncTiming> {
         self.sync.last_timing()
     }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use tessera_api::parallel::PrecisionSpec;
-use tessera_api::precision::{OpCost, OpKind, Precision, PrecisionPlanReport};
+use tessera_api::precision::{CostTable, OpCost, OpKind, Precision, PrecisionPlanReport};
 
 use super::model::OpTrace;
 use super::precision::{PlanError, PrecisionPlan};
@@ -46,17 +46,20 @@ pub struct Sample {
     pub optimizer_ms: f64,
     /// Waiting for the other ranks excluded.
     pub allreduce_ms: f64,
+    /// The batch's work ([`Network::batch_work`](super::model::Network::batch_work)).
+    pub work: f64,
 }
 
 impl Sample {
     /// The parts of the step `trainer` took last.
-    pub fn last_step(trainer: &Trainer) -> Sample {
+    pub fn last_step(trainer: &Trainer) -> candle_core::Result<Sample> {
         let phases = trainer.last_phases().unwrap_or_default();
-        Sample {
+        Ok(Sample {
             compute_ms: ms(phases.compute),
             optimizer_ms: ms(phases.optimizer),
             allreduce_ms: trainer.last_timing().map_or(0.0, |t| ms(t.reduce)),
-        }
+            work: trainer.last_batch_work()? as f64,
+        })
     }
 }
 
@@ -70,10 +73,8 @@ pub struct RankProfiling {
 
 /// A rank's measurements for the plan: every traced operator of its last batch at each
 /// precision down to `low` (as many timed rounds as `samples`), its cast model, and the
-/// rest of its step from `samples`, the steps it took at f32 (the part of the compute the
-/// operators do not cover, the optimizer, the all-reduce). Like the operators, each part is
-/// taken at its fastest sample: the first steps are cold and the host is shared, so a median
-/// of three still measures the disturbance.
+/// rest of its step from `samples`, the steps it took at f32, the last of them on the traced
+/// batch ([`fit_to_samples`]).
 pub fn profile_rank(
     trainer: &Trainer,
     device: &str,
@@ -88,14 +89,36 @@ pub fn profile_rank(
     let iterations = samples.len();
     let mut table = ops::profile(device, &mut traces, low, iterations, slowdown)?;
     let casts = ops::profile_cast_model(trainer.device(), &traces, iterations, slowdown)?;
-    // What the operators do not cover (attention products, activations, the loss, the
-    // batch) is the measured step less the operators at f32.
-    let fastest = |part: fn(&Sample) -> f64| samples.iter().map(part).fold(f64::INFINITY, f64::min);
-    let f32_ops: f64 = table.ops.iter().filter_map(f32_ms).sum();
-    table.overhead_ms = (fastest(|s| s.compute_ms) - f32_ops).max(0.0);
-    table.optimizer_ms = fastest(|s| s.optimizer_ms);
-    let allreduce_ms = fastest(|s| s.allreduce_ms);
+    let allreduce_ms = fit_to_samples(&mut table, samples);
     Ok(RankProfiling { measurement: RankMeasurement { table, casts, allreduce_ms }, traces, grads })
+}
+
+/// Completes `table` (its operators profiled on the batch of the last of `samples`) with
+/// the rest of the step the samples measured: the part of the compute the operators do not
+/// cover (attention products, activations, the loss, the batch) as the overhead, and the
+/// optimizer; returns the all-reduce's time. Like the operators, each part is taken at its
+/// fastest sample: the first steps are cold and the host is shared, so a median of three
+/// still measures the disturbance.
+///
+/// Batches differ in size (a text batch is padded to its longest row), so each sample's
+/// compute is first scaled to the traced batch's work: otherwise the fastest sample is the
+/// shortest batch and the overhead comes out too small. Then the whole table (operators and
+/// overhead) is scaled from the traced batch to the samples' median work, so the plan
+/// predicts a typical step of this rank, and ranks compare on their typical batches, not on
+/// the one each happened to trace. Both take time as proportional to the work.
+pub fn fit_to_samples(table: &mut CostTable, samples: &[Sample]) -> f64 {
+    let fastest = |part: &dyn Fn(&Sample) -> f64| samples.iter().map(part).fold(f64::INFINITY, f64::min);
+    let traced_work = samples.last().map_or(1.0, |s| s.work).max(1.0);
+    let f32_ops: f64 = table.ops.iter().filter_map(f32_ms).sum();
+    table.overhead_ms = (fastest(&|s| s.compute_ms * traced_work / s.work.max(1.0)) - f32_ops).max(0.0);
+    let typical = median(samples.iter().map(|s| s.work).collect()).max(1.0) / traced_work;
+    for timing in table.ops.iter_mut().flat_map(|op| op.timings.iter_mut()) {
+        timing.forward_ms *= typical;
+        timing.backward_ms *= typical;
+    }
+    table.overhead_ms *= typical;
+    table.optimizer_ms = fastest(&|s| s.optimizer_ms);
+    fastest(&|s| s.allreduce_ms)
 }
 
 /// The plan in force on this rank.
@@ -158,7 +181,7 @@ impl Planner {
             planned.iter_ms.push(ms(iter));
             return Ok(None);
         }
-        self.samples.push(Sample::last_step(trainer));
+        self.samples.push(Sample::last_step(trainer)?);
         if self.samples.len() < self.spec.profile_steps as usize {
             return Ok(None);
         }
@@ -253,4 +276,62 @@ pub fn indicators(traces: &[OpTrace], grads: &GradStore) -> Result<Indicators, P
         .collect::<Result<Vec<_>, _>>()?;
     let depths: Vec<usize> = (1..=stats.len()).collect();
     Ok(Indicators::gradient_variance(&stats, &depths, stats.len(), &IndicatorConfig::default())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_api::precision::OpTiming;
+
+    /// Two operators whose f32 forward and backward take 10 ms together on the traced batch.
+    fn table() -> CostTable {
+        let op = |name: &str| OpCost {
+            op: name.into(),
+            kind: OpKind::Linear,
+            timings: vec![
+                OpTiming { precision: Precision::Bf16, forward_ms: 1.0, backward_ms: 3.0 },
+                OpTiming { precision: Precision::F32, forward_ms: 2.0, backward_ms: 3.0 },
+            ],
+        };
+        CostTable {
+            device: "cpu".into(),
+            ops: vec![op("a"), op("b")],
+            overhead_ms: 0.0,
+            optimizer_ms: 0.0,
+            casts_in_op_time: true,
+        }
+    }
+
+    fn sample(compute_ms: f64, work: f64) -> Sample {
+        Sample { compute_ms, optimizer_ms: 4.0 + compute_ms / 100.0, allreduce_ms: 6.0 + compute_ms / 100.0, work }
+    }
+
+    #[test]
+    fn batches_of_one_size_leave_the_table_as_profiled() {
+        let mut t = table();
+        let allreduce = fit_to_samples(&mut t, &[sample(14.0, 64.0), sample(12.0, 64.0), sample(13.0, 64.0)]);
+        assert!((t.overhead_ms - 2.0).abs() < 1e-9, "{}", t.overhead_ms);
+        assert_eq!(t.ops, table().ops);
+        assert!((t.optimizer_ms - 4.12).abs() < 1e-9 && (allreduce - 6.12).abs() < 1e-9, "{} {allreduce}", t.optimizer_ms);
+    }
+
+    #[test]
+    fn the_overhead_is_measured_at_the_traced_batch_and_the_table_scaled_to_the_typical_one() {
+        // 0.2 ms a token; the traced batch (the last) has 100 tokens, the median one too.
+        // Scaled to 100 tokens every sample took 20 ms, 10 of them outside the operators;
+        // unscaled, the shortest batch less the operators would give 0 (clamped from -5).
+        let mut t = table();
+        fit_to_samples(&mut t, &[sample(5.0, 25.0), sample(30.0, 150.0), sample(20.0, 100.0)]);
+        assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
+        assert_eq!(t.ops, table().ops);
+
+        // 0.3 ms a token; the traced batch has 50 tokens (15 ms: 5 outside the operators),
+        // the median one 100: the operators and the overhead double.
+        let mut t = table();
+        fit_to_samples(&mut t, &[sample(30.0, 100.0), sample(45.0, 150.0), sample(15.0, 50.0)]);
+        assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
+        let f32_ms: f64 = t.ops.iter().filter_map(f32_ms).sum();
+        assert!((f32_ms - 20.0).abs() < 1e-9, "{f32_ms}");
+        assert_eq!((t.ops[0].timings[0].forward_ms, t.ops[0].timings[0].backward_ms), (2.0, 6.0));
+    }
 }

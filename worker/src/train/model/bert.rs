@@ -82,12 +82,17 @@ impl BertClassifier {
 }
 
 impl BertClassifier {
-    fn run(&self, examples: &Examples, rows: &[usize], traces: Option<&mut Vec<OpTrace>>) -> Result<Tensor> {
+    /// The rows' texts tokenized, truncated and padded to the longest of them.
+    fn encode(&self, examples: &Examples, rows: &[usize]) -> Result<Vec<tokenizers::Encoding>> {
         let Inputs::Text(texts) = &examples.inputs else {
             candle_core::bail!("a transformer model reads a text column");
         };
         let batch: Vec<&str> = rows.iter().map(|&r| texts[r].as_str()).collect();
-        let encodings = self.tokenizer.encode_batch(batch, true).map_err(|e| invalid(format!("tokenizer: {e}")))?;
+        self.tokenizer.encode_batch(batch, true).map_err(|e| invalid(format!("tokenizer: {e}")))
+    }
+
+    fn run(&self, examples: &Examples, rows: &[usize], traces: Option<&mut Vec<OpTrace>>) -> Result<Tensor> {
+        let encodings = self.encode(examples, rows)?;
         let tensor = |f: &dyn Fn(&tokenizers::Encoding) -> &[u32]| -> Result<Tensor> {
             let rows = encodings.iter().map(|e| Tensor::new(f(e), &self.device)).collect::<Result<Vec<_>>>()?;
             Tensor::stack(&rows, 0)
@@ -135,6 +140,12 @@ impl Network for BertClassifier {
 
     fn parameters(&self) -> &[(String, Var)] {
         &self.parameters
+    }
+
+    /// Tokens after padding: the encoder's work grows with them (at up to 128 tokens the
+    /// linears, linear in them, dominate the attention).
+    fn batch_work(&self, examples: &Examples, rows: &[usize]) -> Result<usize> {
+        Ok(self.encode(examples, rows)?.iter().map(|e| e.get_ids().len()).sum())
     }
 
     /// The encoder's operators, then `head` (always f32).

@@ -53,6 +53,14 @@ pub trait Network: Send {
         Ok((self.forward(examples, rows, true)?, Vec::new()))
     }
 
+    /// How much work a forward over `rows` is, in the units its time grows with: the rows
+    /// by default; a text model's tokens after padding (rows × the longest of them). The
+    /// precision planner compares steps on batches of different sizes with it.
+    fn batch_work(&self, examples: &Examples, rows: &[usize]) -> Result<usize> {
+        let _ = examples;
+        Ok(rows.len())
+    }
+
     /// The operators a precision plan may name, with their kinds, in forward order.
     /// None by default: the network runs at f32 throughout.
     fn precision_ops(&self) -> Vec<(String, OpKind)> {
