@@ -323,18 +323,7 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
             outcomes.iter().map(|o| (part(o, |p| &p.allreduce_ms), part(o, |p| &p.optimizer_ms))).collect();
         let error = (pair.predicted_ms - measured) / measured;
         errors.push(error.abs());
-        println!(
-            "{lengths:?} {}: predicted {:.1} ms, measured {measured:.1} ms ({}), error {:+.1}%; compute predicted/measured {:.1}/{:.1}, {:.1}/{:.1}",
-            pair.label,
-            pair.predicted_ms,
-            per_round.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>().join(", "),
-            100.0 * error,
-            pair.predicted_compute_ms[0],
-            compute[0],
-            pair.predicted_compute_ms[1],
-            compute[1],
-        );
-        md += &format!(
+        let row = format!(
             "| {} | {:.1} | {measured:.1} ({}) | {:+.1}% | {:.1} / {:.1} | {:.1} / {:.1} | {} | {} |\n",
             pair.label,
             pair.predicted_ms,
@@ -347,6 +336,8 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
             plan_counts(&pair.plans[0]),
             plan_counts(&pair.plans[1]),
         );
+        print!("{lengths:?} {row}");
+        md += &row;
         rows.push(json!({
             "pair": pair.label, "plans": pair.plans, "predicted_ms": pair.predicted_ms,
             "measured_ms": measured, "measured_per_round_ms": per_round, "error": error,
