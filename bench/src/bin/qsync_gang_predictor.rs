@@ -19,6 +19,12 @@
 //! after the all-reduce and the optimizer). Pairs alternate within each of `--runs` rounds;
 //! the figure per pair is the median over the rounds of each round's median step.
 //!
+//! The rest of a rank's step (the overhead around the planned operators, the all-reduce, the
+//! optimizer) comes from its profiled f32 steps; beside the planner's reading of them
+//! (`STEP_STATISTIC`, the fastest) every pair is also predicted with the others of
+//! `READINGS` (the median, the median without the first two steps), so the readings compare on
+//! one profile and one set of timed steps.
+//!
 //! Two batch shapes: `fixed` (each review repeated past the 128-token cut, so every batch
 //! has the traced batch's shape: the replayer's own error) and `natural` (the reviews as a
 //! job sees them, each batch padded to its longest: what a job's predicted-against-measured
@@ -42,11 +48,12 @@ use tessera_bench::{cpu_flags, machine, split_gemms_for};
 use tessera_worker::collective::{for_gang, ring};
 use tessera_worker::train::data::{prepare, Prepared, TaskColumns, TaskKind};
 use tessera_worker::train::hybrid::plan::{predict_gang, RankMeasurement};
-use tessera_worker::train::hybrid::{gang_graph, gather_measurements, profile_rank, Sample};
+use tessera_worker::train::hybrid::{gang_graph, gather_measurements, profile_rank, Sample, STEP_STATISTIC};
 use tessera_worker::train::model::bert::BertClassifier;
 use tessera_worker::train::model::Network;
 use tessera_worker::train::optim::OptimizerKind;
 use tessera_worker::train::precision::PrecisionPlan;
+use tessera_worker::train::qsync::Statistic;
 use tessera_worker::train::rng::Rng;
 use tessera_worker::train::trainer::Trainer;
 use uuid::Uuid;
@@ -102,14 +109,37 @@ const FIXED_WORDS: usize = 200;
 const GOAL_MEDIAN: f64 = 0.05;
 const GOAL_P90: f64 = 0.10;
 
+/// Readings of the rest of a rank's step from its profiled f32 steps, compared side by side
+/// on the same profile and the same timed steps; the planner's (`STEP_STATISTIC` of all the
+/// samples) first.
+const READINGS: [Reading; 3] = [
+    Reading { name: "fastest of the steps (the planner's)", statistic: STEP_STATISTIC, cold: 0 },
+    Reading { name: "median of the steps", statistic: Statistic::Median, cold: 0 },
+    Reading { name: "median, the first two steps left out", statistic: Statistic::Median, cold: 2 },
+];
+
+struct Reading {
+    name: &'static str,
+    statistic: Statistic,
+    /// The first profiled steps left out as cold (as many as leave one).
+    cold: usize,
+}
+
+impl Reading {
+    fn samples<'a>(&self, samples: &'a [Sample]) -> &'a [Sample] {
+        &samples[self.cold.min(samples.len().saturating_sub(1))..]
+    }
+}
+
 /// One pair of plans, by rank, one precision per operator of the graph.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Pair {
     label: String,
     plans: [Vec<Precision>; 2],
-    predicted_ms: f64,
-    /// The replayer's compute (forward and backward with the overhead) per rank.
-    predicted_compute_ms: [f64; 2],
+    /// The replayer's step, by reading.
+    predicted_ms: Vec<f64>,
+    /// The replayer's compute (forward and backward with the overhead) per rank, by reading.
+    predicted_compute_ms: Vec<[f64; 2]>,
 }
 
 /// What one rank measured of one pair in one round, per timed step: the time since the
@@ -122,10 +152,11 @@ struct PairSteps {
     optimizer_ms: Vec<f64>,
 }
 
-/// One rank's run: the pairs (from rank 0), its measurement, and per round and pair what it measured.
+/// One rank's run: the pairs (from rank 0), its measurement by reading, and per round and
+/// pair what it measured.
 struct RankOutcome {
     pairs: Vec<Pair>,
-    measurement: RankMeasurement,
+    measurements: Vec<RankMeasurement>,
     rounds: Vec<Vec<PairSteps>>,
 }
 
@@ -212,18 +243,26 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
         samples.push(Sample::last_step(&trainer)?);
     }
     let label = format!("cpu, {} thread(s)", cli.threads[rank]);
-    let profiling = profile_rank(&trainer, &label, Precision::Int8, &samples)?;
-    let ranks = gather_measurements(&mut trainer, &profiling.measurement)?;
+    let profiling = profile_rank(&trainer, &label, Precision::Int8, samples.len())?;
+    // Every reading's measurements of every rank, exchanged in the same order on each.
+    let gangs: Vec<Vec<RankMeasurement>> = READINGS
+        .iter()
+        .map(|r| gather_measurements(&mut trainer, &profiling.measurement(r.samples(&samples), r.statistic)))
+        .collect::<Result<_, _>>()?;
     let pairs: Vec<Pair> = if rank == 0 {
-        let graph = gang_graph(&profiling.traces, &ranks);
-        let pairs = pairs(cli, &ranks)
+        let graphs: Vec<_> = gangs.iter().map(|ranks| gang_graph(&profiling.traces, ranks)).collect();
+        let pairs = pairs(cli, &gangs[0])
             .into_iter()
             .map(|(label, plans)| {
-                let step = predict_gang(&graph, &ranks, &plans)?;
+                let steps = graphs
+                    .iter()
+                    .zip(&gangs)
+                    .map(|(graph, ranks)| predict_gang(graph, ranks, &plans))
+                    .collect::<Result<Vec<_>, _>>()?;
                 Ok(Pair {
                     label,
-                    predicted_ms: step.step_ms,
-                    predicted_compute_ms: [step.ranks[0].compute_ms, step.ranks[1].compute_ms],
+                    predicted_ms: steps.iter().map(|s| s.step_ms).collect(),
+                    predicted_compute_ms: steps.iter().map(|s| [s.ranks[0].compute_ms, s.ranks[1].compute_ms]).collect(),
                     plans,
                 })
             })
@@ -261,7 +300,8 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
         }
         rounds.push(round);
     }
-    Ok(RankOutcome { pairs, measurement: ranks[rank].clone(), rounds })
+    let measurements = gangs.into_iter().map(|mut ranks| ranks.swap_remove(rank)).collect();
+    Ok(RankOutcome { pairs, measurements, rounds })
 }
 
 fn percentile(values: &[f64], q: f64) -> f64 {
@@ -302,8 +342,10 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
     })?;
     let pairs = &outcomes[0].pairs;
     let mut rows = Vec::new();
-    let mut errors = Vec::new();
+    // |error| per reading, per pair.
+    let mut errors = vec![Vec::new(); READINGS.len()];
     let mut steady = Vec::new();
+    let mut per_rounds = Vec::new();
     let mut md = format!(
         "## {} lengths\n\n| pair (rank 0 / rank 1) | predicted step ms | measured step ms (per round) | error | predicted / measured compute ms, rank 0 | rank 1 | rank 0 plan | rank 1 plan |\n|---|---|---|---|---|---|---|---|\n",
         match lengths {
@@ -321,17 +363,19 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
         let compute: Vec<f64> = outcomes.iter().map(|o| part(o, |p| &p.compute_ms)).collect();
         let rest: Vec<(f64, f64)> =
             outcomes.iter().map(|o| (part(o, |p| &p.allreduce_ms), part(o, |p| &p.optimizer_ms))).collect();
-        let error = (pair.predicted_ms - measured) / measured;
-        errors.push(error.abs());
+        let error: Vec<f64> = pair.predicted_ms.iter().map(|p| (p - measured) / measured).collect();
+        for (errors, e) in errors.iter_mut().zip(&error) {
+            errors.push(e.abs());
+        }
         let row = format!(
             "| {} | {:.1} | {measured:.1} ({}) | {:+.1}% | {:.1} / {:.1} | {:.1} / {:.1} | {} | {} |\n",
             pair.label,
-            pair.predicted_ms,
+            pair.predicted_ms[0],
             per_round.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>().join(", "),
-            100.0 * error,
-            pair.predicted_compute_ms[0],
+            100.0 * error[0],
+            pair.predicted_compute_ms[0][0],
             compute[0],
-            pair.predicted_compute_ms[1],
+            pair.predicted_compute_ms[0][1],
             compute[1],
             plan_counts(&pair.plans[0]),
             plan_counts(&pair.plans[1]),
@@ -339,50 +383,97 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
         print!("{lengths:?} {row}");
         md += &row;
         rows.push(json!({
-            "pair": pair.label, "plans": pair.plans, "predicted_ms": pair.predicted_ms,
-            "measured_ms": measured, "measured_per_round_ms": per_round, "error": error,
-            "predicted_compute_ms": pair.predicted_compute_ms, "measured_compute_ms": compute,
+            "pair": pair.label, "plans": pair.plans, "predicted_ms": pair.predicted_ms[0],
+            "measured_ms": measured, "measured_per_round_ms": per_round, "error": error[0],
+            "predicted_compute_ms": pair.predicted_compute_ms[0], "measured_compute_ms": compute,
             "measured_allreduce_ms": rest.iter().map(|r| r.0).collect::<Vec<_>>(),
             "measured_optimizer_ms": rest.iter().map(|r| r.1).collect::<Vec<_>>(),
+            "by_reading": READINGS.iter().enumerate().map(|(k, r)| json!({
+                "reading": r.name, "predicted_ms": pair.predicted_ms[k], "error": error[k],
+                "predicted_compute_ms": pair.predicted_compute_ms[k],
+            })).collect::<Vec<_>>(),
         }));
         steady.push(rest);
+        per_rounds.push(per_round);
     }
-    let (median_error, p90_error) = (percentile(&errors, 0.5), percentile(&errors, 0.9));
+    let quantiles: Vec<(f64, f64)> = errors.iter().map(|e| (percentile(e, 0.5), percentile(e, 0.9))).collect();
+    // This host's speed drifts from minute to minute (the same pair of plans took 446 and
+    // 617 ms a step in two runs minutes apart), and the timed steps come minutes after the
+    // profile. Each pair's step relative to the first pair's (f32 / f32) in the same round,
+    // predicted against measured, leaves the drift out: what a plan choice rests on.
+    let relative: Vec<(f64, f64)> = (0..READINGS.len())
+        .map(|k| {
+            let errors: Vec<f64> = (1..pairs.len())
+                .map(|i| {
+                    let predicted = pairs[i].predicted_ms[k] / pairs[0].predicted_ms[k];
+                    let ratios: Vec<f64> = per_rounds[i].iter().zip(&per_rounds[0]).map(|(a, b)| a / b).collect();
+                    (predicted / median(&ratios) - 1.0).abs()
+                })
+                .collect();
+            (percentile(&errors, 0.5), percentile(&errors, 0.9))
+        })
+        .collect();
+    let (median_error, p90_error) = quantiles[0];
     let verdict = |met: bool| if met { "met" } else { "not met" };
     let summary = format!(
-        "**Median |error| {:.1}%, p90 |error| {:.1}%** over {} pairs (goal: median ≤ 5%: {}; p90 ≤ 10%: {}). Wall time {:.0} s.",
+        "**Median |error| {:.1}%, p90 |error| {:.1}%** over {} pairs (goal: median ≤ 5%: {}; p90 ≤ 10%: {}). \
+         Relative to f32 / f32 in the same round (the host's drift left out), over the other {}: median {:.1}%, p90 {:.1}%. Wall time {:.0} s.",
         100.0 * median_error,
         100.0 * p90_error,
         pairs.len(),
         verdict(median_error <= GOAL_MEDIAN),
         verdict(p90_error <= GOAL_P90),
+        pairs.len() - 1,
+        100.0 * relative[0].0,
+        100.0 * relative[0].1,
         started.elapsed().as_secs_f64()
     );
     println!("{lengths:?}: {summary}");
-    let parts: Vec<String> = outcomes
-        .iter()
-        .enumerate()
-        .map(|(rank, o)| {
-            let t = &o.measurement.table;
-            let timed = |of: fn(&(f64, f64)) -> f64| median(&steady.iter().map(|r| of(&r[rank])).collect::<Vec<_>>());
-            format!(
-                "rank {rank}: overhead {:.1} ms; all-reduce {:.1} ms profiled, {:.1} timed; optimizer {:.1} ms profiled, {:.1} timed",
-                t.overhead_ms,
-                o.measurement.allreduce_ms,
-                timed(|r| r.0),
-                t.optimizer_ms,
-                timed(|r| r.1)
-            )
-        })
-        .collect();
-    md = format!(
-        "{md}\n{summary}\n\nThe parts of the step no planned operator covers, as the ranks measured them while profiling (the fastest of the f32 steps, as the planner takes them) and over the timed steps (the median over the pairs of each pair's median): {}.\n",
-        parts.join("; ")
+    // The timed steps' all-reduce and optimizer per rank: the median over the pairs of each
+    // pair's median.
+    let timed = |rank: usize, of: fn(&(f64, f64)) -> f64| median(&steady.iter().map(|r| of(&r[rank])).collect::<Vec<_>>());
+    let mut readings = String::from(
+        "| reading of the profiled steps | median / p90 \\|error\\| | relative to f32 / f32 | rank 0: overhead, all-reduce, optimizer ms | rank 1 |\n|---|---|---|---|---|\n",
     );
-    println!("{lengths:?}: {}", parts.join("; "));
+    for (k, reading) in READINGS.iter().enumerate() {
+        let parts: Vec<String> = outcomes
+            .iter()
+            .map(|o| {
+                let m = &o.measurements[k];
+                format!("{:.1}, {:.1}, {:.1}", m.table.overhead_ms, m.allreduce_ms, m.table.optimizer_ms)
+            })
+            .collect();
+        let row = format!(
+            "| {} | {:.1}% / {:.1}% | {:.1}% / {:.1}% | {} | {} |\n",
+            reading.name,
+            100.0 * quantiles[k].0,
+            100.0 * quantiles[k].1,
+            100.0 * relative[k].0,
+            100.0 * relative[k].1,
+            parts[0],
+            parts[1]
+        );
+        print!("{lengths:?} {row}");
+        readings += &row;
+    }
+    let timed_row = format!(
+        "| the timed steps | – | – | –, {:.1}, {:.1} | –, {:.1}, {:.1} |\n",
+        timed(0, |r| r.0),
+        timed(0, |r| r.1),
+        timed(1, |r| r.0),
+        timed(1, |r| r.1)
+    );
+    print!("{lengths:?} {timed_row}");
+    md = format!(
+        "{md}\n{summary}\n\nThe readings of the rest of a rank's step from its profiled f32 steps, side by side on the same profile and timed steps (the table above is the first, the planner's), with the parts of the step no planned operator covers as each reads them and as the timed steps measured them (the median over the pairs of each pair's median):\n\n{readings}{timed_row}"
+    );
     let value = json!({
         "lengths": lengths, "pairs": rows, "median_abs_error": median_error, "p90_abs_error": p90_error,
-        "measurements": outcomes.iter().map(|o| &o.measurement).collect::<Vec<_>>(),
+        "readings": READINGS.iter().enumerate().map(|(k, r)| json!({
+            "reading": r.name, "median_abs_error": quantiles[k].0, "p90_abs_error": quantiles[k].1,
+            "relative_median_abs_error": relative[k].0, "relative_p90_abs_error": relative[k].1,
+            "measurements": outcomes.iter().map(|o| &o.measurements[k]).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
         "wall_s": started.elapsed().as_secs_f64(),
     });
     Ok((md, value))

@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use tessera_api::parallel::PrecisionSpec;
-use tessera_api::precision::{CostTable, OpCost, OpKind, Precision, PrecisionPlanReport};
+use tessera_api::precision::{CastModel, CostTable, OpCost, OpKind, Precision, PrecisionPlanReport};
 
 use super::model::OpTrace;
 use super::precision::{PlanError, PrecisionPlan};
-use super::qsync::{IndicatorConfig, Indicators, OpStats, QsyncError, TrainingGraph};
+use super::qsync::{IndicatorConfig, Indicators, OpStats, QsyncError, Statistic, TrainingGraph};
 use super::trainer::Trainer;
 use plan::{plan_gang, RankMeasurement};
 
@@ -63,42 +63,58 @@ impl Sample {
     }
 }
 
-/// What a rank measured before the plan, with the traced forward it measured on (whose
-/// tensors and gradients give rank 0 the indicator).
+/// What a rank measured of its operators before the plan, with the traced forward it
+/// measured on (whose tensors and gradients give rank 0 the indicator).
 pub struct RankProfiling {
-    pub measurement: RankMeasurement,
+    /// Every traced operator of its last batch at each precision; the rest of the step is
+    /// filled in from the profiled steps by [`RankProfiling::measurement`].
+    pub operators: CostTable,
+    pub casts: CastModel,
     pub traces: Vec<OpTrace>,
     pub grads: GradStore,
 }
 
-/// A rank's measurements for the plan: every traced operator of its last batch at each
-/// precision down to `low` (as many timed rounds as `samples`), its cast model, and the
-/// rest of its step from `samples`, the steps it took at f32, the last of them on the traced
-/// batch ([`fit_to_samples`]).
+impl RankProfiling {
+    /// The measurement the plan uses: the operators completed with the rest of the step
+    /// from `samples`, the f32 steps the rank took, the last of them on the traced batch
+    /// ([`fit_to_samples`]).
+    pub fn measurement(&self, samples: &[Sample], statistic: Statistic) -> RankMeasurement {
+        let mut table = self.operators.clone();
+        let allreduce_ms = fit_to_samples(&mut table, samples, statistic);
+        RankMeasurement { table, casts: self.casts.clone(), allreduce_ms }
+    }
+}
+
+/// How the rest of a rank's step is read from its profiled f32 steps: the fastest, as the
+/// operators' fastest round. The profiled steps are the job's first, and the first two are
+/// cold: on a quiet 2-core host the median of the default 3 predicted steps 17% (fixed
+/// batch lengths) and 25% (natural) too long, the fastest 2.1% and 3.0%; at 8 steps the
+/// two readings came out within 2–6% of each other (`qsync_gang_predictor` compares them
+/// side by side, `bench/results/qsync.md`).
+pub const STEP_STATISTIC: Statistic = Statistic::Min;
+
+/// Times every traced operator of the rank's last batch at each precision down to `low`
+/// (`rounds` timed rounds), and its cast model.
 pub fn profile_rank(
     trainer: &Trainer,
     device: &str,
     low: Precision,
-    samples: &[Sample],
+    rounds: usize,
 ) -> Result<RankProfiling, PlanningError> {
     let (mut traces, grads) = trainer.trace_last_batch()?;
     if traces.is_empty() {
         return Err(PlanningError::NoOperators);
     }
     let slowdown = trainer.slowdown();
-    let iterations = samples.len();
-    let mut table = ops::profile(device, &mut traces, low, iterations, slowdown)?;
-    let casts = ops::profile_cast_model(trainer.device(), &traces, iterations, slowdown)?;
-    let allreduce_ms = fit_to_samples(&mut table, samples);
-    Ok(RankProfiling { measurement: RankMeasurement { table, casts, allreduce_ms }, traces, grads })
+    let operators = ops::profile(device, &mut traces, low, rounds, slowdown)?;
+    let casts = ops::profile_cast_model(trainer.device(), &traces, rounds, slowdown)?;
+    Ok(RankProfiling { operators, casts, traces, grads })
 }
 
 /// Completes `table` (its operators profiled on the batch of the last of `samples`) with
 /// the rest of the step the samples measured: the part of the compute the operators do not
 /// cover (attention products, activations, the loss, the batch) as the overhead, and the
-/// optimizer; returns the all-reduce's time. Like the operators, each part is taken at its
-/// fastest sample: the first steps are cold and the host is shared, so a median of three
-/// still measures the disturbance.
+/// optimizer; returns the all-reduce's time. Each part is `statistic` of the samples.
 ///
 /// Batches differ in size (a text batch is padded to its longest row), so each sample's
 /// compute is first scaled to the traced batch's work: otherwise the fastest sample is the
@@ -106,19 +122,19 @@ pub fn profile_rank(
 /// overhead) is scaled from the traced batch to the samples' median work, so the plan
 /// predicts a typical step of this rank, and ranks compare on their typical batches, not on
 /// the one each happened to trace. Both take time as proportional to the work.
-pub fn fit_to_samples(table: &mut CostTable, samples: &[Sample]) -> f64 {
-    let fastest = |part: &dyn Fn(&Sample) -> f64| samples.iter().map(part).fold(f64::INFINITY, f64::min);
+pub fn fit_to_samples(table: &mut CostTable, samples: &[Sample], statistic: Statistic) -> f64 {
+    let of = |part: &dyn Fn(&Sample) -> f64| statistic.of(&mut samples.iter().map(part).collect::<Vec<_>>());
     let traced_work = samples.last().map_or(1.0, |s| s.work).max(1.0);
     let f32_ops: f64 = table.ops.iter().filter_map(f32_ms).sum();
-    table.overhead_ms = (fastest(&|s| s.compute_ms * traced_work / s.work.max(1.0)) - f32_ops).max(0.0);
+    table.overhead_ms = (of(&|s| s.compute_ms * traced_work / s.work.max(1.0)) - f32_ops).max(0.0);
     let typical = median(samples.iter().map(|s| s.work).collect()).max(1.0) / traced_work;
     for timing in table.ops.iter_mut().flat_map(|op| op.timings.iter_mut()) {
         timing.forward_ms *= typical;
         timing.backward_ms *= typical;
     }
     table.overhead_ms *= typical;
-    table.optimizer_ms = fastest(&|s| s.optimizer_ms);
-    fastest(&|s| s.allreduce_ms)
+    table.optimizer_ms = of(&|s| s.optimizer_ms);
+    of(&|s| s.allreduce_ms)
 }
 
 /// The plan in force on this rank.
@@ -202,13 +218,12 @@ impl Planner {
     }
 
     fn plan(&self, trainer: &mut Trainer) -> Result<(PrecisionPlanReport, f64), PlanningError> {
-        let RankProfiling { measurement, traces, grads } =
-            profile_rank(trainer, &self.device, self.spec.low, &self.samples)?;
-        let ranks = gather_measurements(trainer, &measurement)?;
+        let profiling = profile_rank(trainer, &self.device, self.spec.low, self.samples.len())?;
+        let ranks = gather_measurements(trainer, &profiling.measurement(&self.samples, STEP_STATISTIC))?;
         let rank = trainer.share().rank;
         let report = if rank == 0 {
-            let graph = gang_graph(&traces, &ranks);
-            let indicators = indicators(&traces, &grads)?;
+            let graph = gang_graph(&profiling.traces, &ranks);
+            let indicators = indicators(&profiling.traces, &profiling.grads)?;
             let gang = plan_gang(self.spec.policy, self.spec.low, self.seed, &graph, &ranks, &indicators)?;
             let bytes = serde_json::to_vec(&gang.report).expect("reports serialise");
             trainer.sync_mut().broadcast(bytes)?;
@@ -307,12 +322,17 @@ mod tests {
     }
 
     #[test]
-    fn batches_of_one_size_leave_the_table_as_profiled() {
-        let mut t = table();
-        let allreduce = fit_to_samples(&mut t, &[sample(14.0, 64.0), sample(12.0, 64.0), sample(13.0, 64.0)]);
-        assert!((t.overhead_ms - 2.0).abs() < 1e-9, "{}", t.overhead_ms);
-        assert_eq!(t.ops, table().ops);
-        assert!((t.optimizer_ms - 4.12).abs() < 1e-9 && (allreduce - 6.12).abs() < 1e-9, "{} {allreduce}", t.optimizer_ms);
+    fn batches_of_one_size_leave_the_operators_as_profiled_and_the_rest_is_the_statistic() {
+        let samples = [sample(14.0, 64.0), sample(12.0, 64.0), sample(13.0, 64.0)];
+        for (statistic, compute) in [(Statistic::Median, 13.0), (Statistic::Min, 12.0)] {
+            let mut t = table();
+            let allreduce = fit_to_samples(&mut t, &samples, statistic);
+            assert_eq!(t.ops, table().ops);
+            assert!((t.overhead_ms - (compute - 10.0)).abs() < 1e-9, "{statistic:?}: {}", t.overhead_ms);
+            let (optimizer, reduce) = (4.0 + compute / 100.0, 6.0 + compute / 100.0);
+            assert!((t.optimizer_ms - optimizer).abs() < 1e-9, "{statistic:?}: {}", t.optimizer_ms);
+            assert!((allreduce - reduce).abs() < 1e-9, "{statistic:?}: {allreduce}");
+        }
     }
 
     #[test]
@@ -321,14 +341,14 @@ mod tests {
         // Scaled to 100 tokens every sample took 20 ms, 10 of them outside the operators;
         // unscaled, the shortest batch less the operators would give 0 (clamped from -5).
         let mut t = table();
-        fit_to_samples(&mut t, &[sample(5.0, 25.0), sample(30.0, 150.0), sample(20.0, 100.0)]);
+        fit_to_samples(&mut t, &[sample(5.0, 25.0), sample(30.0, 150.0), sample(20.0, 100.0)], STEP_STATISTIC);
         assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
         assert_eq!(t.ops, table().ops);
 
         // 0.3 ms a token; the traced batch has 50 tokens (15 ms: 5 outside the operators),
         // the median one 100: the operators and the overhead double.
         let mut t = table();
-        fit_to_samples(&mut t, &[sample(30.0, 100.0), sample(45.0, 150.0), sample(15.0, 50.0)]);
+        fit_to_samples(&mut t, &[sample(30.0, 100.0), sample(45.0, 150.0), sample(15.0, 50.0)], STEP_STATISTIC);
         assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
         let f32_ms: f64 = t.ops.iter().filter_map(f32_ms).sum();
         assert!((f32_ms - 20.0).abs() < 1e-9, "{f32_ms}");

@@ -31,7 +31,8 @@ pub struct RankMeasurement {
     /// Its operators at each precision, with the rest of its step (overhead, optimizer).
     pub table: CostTable,
     pub casts: CastModel,
-    /// Transfer time of its fastest all-reduce while profiling (waiting excluded), ms.
+    /// Its all-reduce while profiling (waiting excluded; [`super::STEP_STATISTIC`] of the
+    /// profiled steps), ms.
     pub allreduce_ms: f64,
 }
 
