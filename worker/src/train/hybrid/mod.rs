@@ -87,10 +87,10 @@ impl RankProfiling {
 
 /// How the rest of a rank's step is read from its profiled f32 steps: the fastest, as the
 /// operators' fastest round. The profiled steps are the job's first, and the first two are
-/// cold: on a quiet 2-core host the median of the default 3 predicted steps 17% (fixed
-/// batch lengths) and 25% (natural) too long, the fastest 2.1% and 3.0%; at 8 steps the
-/// two readings came out within 2–6% of each other (`qsync_gang_predictor` compares them
-/// side by side, `bench/results/qsync.md`).
+/// cold: over three runs on a 2-core host at the default 3 steps the median predicted steps
+/// 29% (fixed batch lengths) and 20% (natural) too long, the fastest 12% and 3%; at 8 steps
+/// the median did better on fixed lengths (4% against 10%). `qsync_gang_predictor` compares
+/// the readings side by side (`bench/results/qsync.md`).
 pub const STEP_STATISTIC: Statistic = Statistic::Min;
 
 /// Times every traced operator of the rank's last batch at each precision down to `low`
