@@ -184,13 +184,17 @@ async fn a_qsync_job_serves_its_precision_plan_on(csv: Vec<u8>, database: Option
     );
 
     let max_steps = 40;
+    // Each rank reads its step from the fastest profiled one: with 3, a fast rank whose
+    // every profiled step a parallel test load disturbed once looked slower than the slowed
+    // rank (overhead 23 ms against 0.5) and was planned itself.
+    let profile_steps = 8;
     let mut spec = two_rank_job(&dataset, max_steps);
     // Layers wide enough that this CPU's bf16 and int8 GEMMs beat f32.
     spec["model"] = json!({"kind": "mlp", "hidden": [512, 512]});
     spec["batch_size"] = json!(256);
     spec["parallel"] = json!({
         "ranks": [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}],
-        "precision": {"policy": "qsync", "profile_steps": 3}
+        "precision": {"policy": "qsync", "profile_steps": profile_steps}
     });
     let job = user.submit(spec).await;
     user.finished(&job, &[&fast, &slow, &server], Duration::from_secs(300)).await;
@@ -229,13 +233,13 @@ async fn a_qsync_job_serves_its_precision_plan_on(csv: Vec<u8>, database: Option
     assert!(predicted > 0.0 && plan["budget_ms"].as_f64().unwrap() > 0.0, "{plan}");
     assert!(plan["measured_step_ms"].as_f64().is_some_and(|m| m > 0.0), "the end's report has the measured step: {plan}");
 
-    // Each rank's steps after the profiled three carry the plan's prediction.
+    // Each rank's steps after the profiled ones carry the plan's prediction.
     let metrics = user.get(&format!("/jobs/{job}/metrics")).await;
     for row in metrics["ranks"].as_array().unwrap() {
         let step = row["step"].as_u64().unwrap();
         match row["predicted_ms"].as_f64() {
-            Some(ms) => assert!(step > 3 && (ms - predicted).abs() <= 1e-6 * predicted, "{row}"),
-            None => assert!(step <= 3, "step {step} has no prediction: {row}"),
+            Some(ms) => assert!(step > profile_steps && (ms - predicted).abs() <= 1e-6 * predicted, "{row}"),
+            None => assert!(step <= profile_steps, "step {step} has no prediction: {row}"),
         }
     }
     // The job's log states the plan as served: the slowed rank with its count of lowered operators.
