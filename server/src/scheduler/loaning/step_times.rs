@@ -34,6 +34,10 @@ pub const DEFAULT_SERIAL_SHARE: f64 = 0.1;
 /// measured ones depends on it.
 pub const DEFAULT_STEP_SECS: f64 = 1.0;
 
+/// Steps a rank count needs timed before its median stands for it (fewer within the
+/// window asked for, when the window is smaller).
+pub const MIN_MEASURED_STEPS: usize = 5;
+
 /// Seconds per optimiser step per rank count: the measured points and the prior around them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepTimes {
@@ -67,7 +71,10 @@ impl StepTimes {
 
     /// From step timings newest first, `(ranks, seconds)`: each rank count's median over its
     /// `per_count` newest steps (the median, so the slow first step after a start or a
-    /// resize, spent loading and warming up, does not move it).
+    /// resize, spent loading and warming up, does not move it). A count with fewer than
+    /// [`MIN_MEASURED_STEPS`] steps is left to the prior: a gang stopped within its first
+    /// steps (a reclaim right after it formed) timed only its warm-up, and a count measured
+    /// slower than it is would be read as scaling badly and never offered again.
     pub fn from_recent(samples: impl IntoIterator<Item = (u32, f64)>, per_count: usize) -> Self {
         let mut by_count: std::collections::BTreeMap<u32, Vec<f64>> = std::collections::BTreeMap::new();
         for (ranks, secs) in samples {
@@ -76,7 +83,8 @@ impl StepTimes {
                 seen.push(secs);
             }
         }
-        StepTimes::new(by_count.into_iter().filter(|(_, v)| !v.is_empty()).map(|(r, mut v)| (r, median(&mut v))))
+        let enough = MIN_MEASURED_STEPS.min(per_count.max(1));
+        StepTimes::new(by_count.into_iter().filter(|(_, v)| v.len() >= enough).map(|(r, mut v)| (r, median(&mut v))))
     }
 
     /// The same curve with `secs` per step at one rank assumed while nothing is measured
@@ -305,8 +313,21 @@ mod tests {
         let s = StepTimes::from_recent(samples, 3);
         assert_eq!(s.points(), &[(2, 0.6), (4, 0.32)]);
         assert!(StepTimes::from_recent([], 3).is_empty());
-        let even = StepTimes::from_recent([(1, 1.0), (1, 2.0)], 10);
+        let even = StepTimes::from_recent([(1, 1.0); 3].into_iter().chain([(1, 2.0); 3]), 10);
         assert_eq!(even.points(), &[(1, 1.5)]);
+    }
+
+    #[test]
+    fn a_count_stopped_within_its_first_steps_is_left_to_the_prior() {
+        // Two ranks timed three warm-up steps before a reclaim shrank the gang: read as a
+        // measurement they would say two ranks are slower than one, so the job never grew.
+        let one: Vec<(u32, f64)> = vec![(1, 1.0); 40];
+        let warm_up = [(2, 3.0), (2, 2.0), (2, 1.5)];
+        let s = StepTimes::from_recent(one.iter().copied().chain(warm_up), 50);
+        assert_eq!(s.points(), &[(1, 1.0)]);
+        assert!(s.at(2) < s.at(1));
+        let settled = one.iter().copied().chain([(2, 0.6); MIN_MEASURED_STEPS]);
+        assert_eq!(StepTimes::from_recent(settled, 50).points(), &[(1, 1.0), (2, 0.6)]);
     }
 
     #[test]
