@@ -21,9 +21,9 @@
 //!
 //! The rest of a rank's step (the overhead around the planned operators, the all-reduce, the
 //! optimizer) comes from its profiled f32 steps; beside the planner's reading of them
-//! (`STEP_STATISTIC`, the fastest) every pair is also predicted with the others of
-//! `READINGS` (the median, the median without the first two steps), so the readings compare on
-//! one profile and one set of timed steps.
+//! (`step_reading`: the fastest of a few, the median of many less the cold first two) every
+//! pair is also predicted with each of those readings of `READINGS` and the plain median, so
+//! the readings compare on one profile and one set of timed steps.
 //!
 //! Two batch shapes: `fixed` (each review repeated past the 128-token cut, so every batch
 //! has the traced batch's shape: the replayer's own error) and `natural` (the reviews as a
@@ -48,7 +48,7 @@ use tessera_bench::{cpu_flags, machine, split_gemms_for};
 use tessera_worker::collective::{for_gang, ring};
 use tessera_worker::train::data::{prepare, Prepared, TaskColumns, TaskKind};
 use tessera_worker::train::hybrid::plan::{predict_gang, RankMeasurement};
-use tessera_worker::train::hybrid::{gang_graph, gather_measurements, profile_rank, Sample, STEP_STATISTIC};
+use tessera_worker::train::hybrid::{gang_graph, gather_measurements, profile_rank, step_reading, Sample, COLD_STEPS};
 use tessera_worker::train::model::bert::BertClassifier;
 use tessera_worker::train::model::Network;
 use tessera_worker::train::optim::OptimizerKind;
@@ -84,7 +84,7 @@ struct Cli {
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// The f32 steps a rank measures itself on (the job spec's `precision.profile_steps`).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 8)]
     profile_steps: usize,
     /// Pairs of random plans besides the four fixed pairs.
     #[arg(long, default_value_t = 6)]
@@ -110,24 +110,34 @@ const GOAL_MEDIAN: f64 = 0.05;
 const GOAL_P90: f64 = 0.10;
 
 /// Readings of the rest of a rank's step from its profiled f32 steps, compared side by side
-/// on the same profile and the same timed steps; the planner's (`STEP_STATISTIC` of all the
-/// samples) first.
-const READINGS: [Reading; 3] = [
-    Reading { name: "fastest of the steps (the planner's)", statistic: STEP_STATISTIC, cold: 0 },
-    Reading { name: "median of the steps", statistic: Statistic::Median, cold: 0 },
-    Reading { name: "median, the first two steps left out", statistic: Statistic::Median, cold: 2 },
+/// on the same profile and the same timed steps; the planner's first.
+const READINGS: [Reading; 4] = [
+    Reading::Planner,
+    Reading::Of { name: "fastest of the steps", statistic: Statistic::Min, cold: 0 },
+    Reading::Of { name: "median of the steps", statistic: Statistic::Median, cold: 0 },
+    Reading::Of { name: "median, the first two steps left out", statistic: Statistic::Median, cold: COLD_STEPS },
 ];
 
-struct Reading {
-    name: &'static str,
-    statistic: Statistic,
-    /// The first profiled steps left out as cold (as many as leave one).
-    cold: usize,
+enum Reading {
+    /// `step_reading`, which picks one of the others by the number of steps.
+    Planner,
+    /// `statistic` of the steps after the first `cold` (as many as leave one).
+    Of { name: &'static str, statistic: Statistic, cold: usize },
 }
 
 impl Reading {
-    fn samples<'a>(&self, samples: &'a [Sample]) -> &'a [Sample] {
-        &samples[self.cold.min(samples.len().saturating_sub(1))..]
+    fn name(&self) -> &'static str {
+        match self {
+            Reading::Planner => "the planner's (step_reading)",
+            Reading::Of { name, .. } => name,
+        }
+    }
+
+    fn of<'a>(&self, samples: &'a [Sample]) -> (&'a [Sample], Statistic) {
+        match *self {
+            Reading::Planner => step_reading(samples),
+            Reading::Of { statistic, cold, .. } => (&samples[cold.min(samples.len().saturating_sub(1))..], statistic),
+        }
     }
 }
 
@@ -247,7 +257,10 @@ fn run_rank(cli: &Cli, data: Arc<Prepared>, rank: usize, ring: ring::Ring) -> an
     // Every reading's measurements of every rank, exchanged in the same order on each.
     let gangs: Vec<Vec<RankMeasurement>> = READINGS
         .iter()
-        .map(|r| gather_measurements(&mut trainer, &profiling.measurement(r.samples(&samples), r.statistic)))
+        .map(|r| {
+            let (samples, statistic) = r.of(&samples);
+            gather_measurements(&mut trainer, &profiling.measurement(samples, statistic))
+        })
         .collect::<Result<_, _>>()?;
     let pairs: Vec<Pair> = if rank == 0 {
         let graphs: Vec<_> = gangs.iter().map(|ranks| gang_graph(&profiling.traces, ranks)).collect();
@@ -389,7 +402,7 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
             "measured_allreduce_ms": rest.iter().map(|r| r.0).collect::<Vec<_>>(),
             "measured_optimizer_ms": rest.iter().map(|r| r.1).collect::<Vec<_>>(),
             "by_reading": READINGS.iter().enumerate().map(|(k, r)| json!({
-                "reading": r.name, "predicted_ms": pair.predicted_ms[k], "error": error[k],
+                "reading": r.name(), "predicted_ms": pair.predicted_ms[k], "error": error[k],
                 "predicted_compute_ms": pair.predicted_compute_ms[k],
             })).collect::<Vec<_>>(),
         }));
@@ -445,7 +458,7 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
             .collect();
         let row = format!(
             "| {} | {:.1}% / {:.1}% | {:.1}% / {:.1}% | {} | {} |\n",
-            reading.name,
+            reading.name(),
             100.0 * quantiles[k].0,
             100.0 * quantiles[k].1,
             100.0 * relative[k].0,
@@ -470,7 +483,7 @@ fn measure(cli: &Cli, lengths: Lengths) -> anyhow::Result<(String, serde_json::V
     let value = json!({
         "lengths": lengths, "pairs": rows, "median_abs_error": median_error, "p90_abs_error": p90_error,
         "readings": READINGS.iter().enumerate().map(|(k, r)| json!({
-            "reading": r.name, "median_abs_error": quantiles[k].0, "p90_abs_error": quantiles[k].1,
+            "reading": r.name(), "median_abs_error": quantiles[k].0, "p90_abs_error": quantiles[k].1,
             "relative_median_abs_error": relative[k].0, "relative_p90_abs_error": relative[k].1,
             "measurements": outcomes.iter().map(|o| &o.measurements[k]).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),

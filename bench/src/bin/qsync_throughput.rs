@@ -90,7 +90,7 @@ struct Cli {
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// The planner's profiled f32 steps (the job spec's `precision.profile_steps`).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 8)]
     profile_steps: u32,
     /// The global batch (each rank takes half); default 32 for minilm, 512 for mlp.
     #[arg(long)]

@@ -85,13 +85,27 @@ impl RankProfiling {
     }
 }
 
-/// How the rest of a rank's step is read from its profiled f32 steps: the fastest, as the
-/// operators' fastest round. The profiled steps are the job's first, and the first two are
-/// cold: over three runs on a 2-core host at the default 3 steps the median predicted steps
-/// 29% (fixed batch lengths) and 20% (natural) too long, the fastest 12% and 3%; at 8 steps
-/// the median did better on fixed lengths (4% against 10%). `qsync_gang_predictor` compares
-/// the readings side by side (`bench/results/qsync.md`).
-pub const STEP_STATISTIC: Statistic = Statistic::Min;
+/// The first profiled steps, cold (caches, allocator, the kernels' first runs), that the
+/// median of the rest leaves out.
+pub const COLD_STEPS: usize = 2;
+/// Profiled steps from which on the planner reads their median, the cold ones left out.
+pub const MEDIAN_FROM_STEPS: usize = 6;
+
+/// How the rest of a rank's step is read from its profiled f32 steps (which of them, and
+/// which figure of each part): with [`MEDIAN_FROM_STEPS`] or more the median of all but the
+/// first [`COLD_STEPS`], with fewer the fastest of all. The profiled steps are the job's
+/// first, and on a shared host neither figure is the better at every count: over three runs
+/// each on a 2-core host, at 3 steps the median predicted steps 29% (fixed batch lengths)
+/// and 20% (natural) too long and the fastest 12% and 3%; at 8 steps the fastest came out
+/// under the typical step (10% and 4%) and the median without the first two 5% and 3%.
+/// `qsync_gang_predictor` compares the readings side by side (`bench/results/qsync.md`).
+pub fn step_reading(samples: &[Sample]) -> (&[Sample], Statistic) {
+    if samples.len() >= MEDIAN_FROM_STEPS {
+        (&samples[COLD_STEPS..], Statistic::Median)
+    } else {
+        (samples, Statistic::Min)
+    }
+}
 
 /// Times every traced operator of the rank's last batch at each precision down to `low`
 /// (`rounds` timed rounds), and its cast model.
@@ -219,7 +233,8 @@ impl Planner {
 
     fn plan(&self, trainer: &mut Trainer) -> Result<(PrecisionPlanReport, f64), PlanningError> {
         let profiling = profile_rank(trainer, &self.device, self.spec.low, self.samples.len())?;
-        let ranks = gather_measurements(trainer, &profiling.measurement(&self.samples, STEP_STATISTIC))?;
+        let (samples, statistic) = step_reading(&self.samples);
+        let ranks = gather_measurements(trainer, &profiling.measurement(samples, statistic))?;
         let rank = trainer.share().rank;
         let report = if rank == 0 {
             let graph = gang_graph(&profiling.traces, &ranks);
@@ -322,6 +337,21 @@ mod tests {
     }
 
     #[test]
+    fn few_profiled_steps_read_the_fastest_and_many_the_median_of_the_warm_ones() {
+        // Cold first steps (40 and 30 ms), then warm ones around 20 with one quick outlier.
+        let steps = [40.0, 30.0, 21.0, 20.0, 12.0, 22.0, 20.0, 19.0];
+        let samples: Vec<Sample> = steps.iter().map(|&ms| sample(ms, 64.0)).collect();
+        let reading = |n: usize| {
+            let (chosen, statistic) = step_reading(&samples[..n]);
+            (chosen.len(), statistic.of(&mut chosen.iter().map(|s| s.compute_ms).collect::<Vec<_>>()))
+        };
+        assert_eq!(reading(3), (3, 21.0), "three steps: the fastest of all");
+        assert_eq!(reading(MEDIAN_FROM_STEPS - 1), (5, 12.0));
+        assert_eq!(reading(MEDIAN_FROM_STEPS), (4, 20.5), "the cold two left out, then the median");
+        assert_eq!(reading(8), (6, 20.0));
+    }
+
+    #[test]
     fn batches_of_one_size_leave_the_operators_as_profiled_and_the_rest_is_the_statistic() {
         let samples = [sample(14.0, 64.0), sample(12.0, 64.0), sample(13.0, 64.0)];
         for (statistic, compute) in [(Statistic::Median, 13.0), (Statistic::Min, 12.0)] {
@@ -341,14 +371,14 @@ mod tests {
         // Scaled to 100 tokens every sample took 20 ms, 10 of them outside the operators;
         // unscaled, the shortest batch less the operators would give 0 (clamped from -5).
         let mut t = table();
-        fit_to_samples(&mut t, &[sample(5.0, 25.0), sample(30.0, 150.0), sample(20.0, 100.0)], STEP_STATISTIC);
+        fit_to_samples(&mut t, &[sample(5.0, 25.0), sample(30.0, 150.0), sample(20.0, 100.0)], Statistic::Min);
         assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
         assert_eq!(t.ops, table().ops);
 
         // 0.3 ms a token; the traced batch has 50 tokens (15 ms: 5 outside the operators),
         // the median one 100: the operators and the overhead double.
         let mut t = table();
-        fit_to_samples(&mut t, &[sample(30.0, 100.0), sample(45.0, 150.0), sample(15.0, 50.0)], STEP_STATISTIC);
+        fit_to_samples(&mut t, &[sample(30.0, 100.0), sample(45.0, 150.0), sample(15.0, 50.0)], Statistic::Min);
         assert!((t.overhead_ms - 10.0).abs() < 1e-9, "{}", t.overhead_ms);
         let f32_ms: f64 = t.ops.iter().filter_map(f32_ms).sum();
         assert!((f32_ms - 20.0).abs() < 1e-9, "{f32_ms}");

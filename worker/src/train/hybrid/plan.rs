@@ -31,8 +31,8 @@ pub struct RankMeasurement {
     /// Its operators at each precision, with the rest of its step (overhead, optimizer).
     pub table: CostTable,
     pub casts: CastModel,
-    /// Its all-reduce while profiling (waiting excluded; [`super::STEP_STATISTIC`] of the
-    /// profiled steps), ms.
+    /// Its all-reduce while profiling (waiting excluded; read from the profiled steps as
+    /// [`super::step_reading`] says), ms.
     pub allreduce_ms: f64,
 }
 

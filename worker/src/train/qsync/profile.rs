@@ -59,7 +59,11 @@ pub enum Statistic {
 }
 
 impl Statistic {
+    /// The figure of `values`; 0 for none (nothing measured took no time).
     pub fn of(self, values: &mut [f64]) -> f64 {
+        if values.is_empty() {
+            return 0.0;
+        }
         match self {
             Statistic::Median => median(values),
             Statistic::Min | Statistic::FastestRound => {
