@@ -152,6 +152,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(api)
         .route("/api/openapi.json", get(openapi_json))
+        .route("/api", axum::routing::any(error::api_not_found))
+        .route("/api/", axum::routing::any(error::api_not_found))
         .route("/api/{*rest}", axum::routing::any(error::api_not_found))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))

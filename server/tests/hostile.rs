@@ -198,6 +198,19 @@ async fn gateway_405s_and_413s_use_the_gateways_shapes() {
 }
 
 #[tokio::test]
+async fn unknown_api_paths_are_json_404s() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    for (method, path) in [("GET", "/api"), ("GET", "/api/"), ("POST", "/api/"), ("GET", "/api/v1/nope"), ("DELETE", "/api/v2")] {
+        let method: reqwest::Method = method.parse().unwrap();
+        let response = server.http.request(method, format!("{}{path}", server.url)).bearer_auth(&admin).send().await.unwrap();
+        assert_eq!(response.status(), 404, "{path}");
+        let body: Value = response.json().await.unwrap_or_else(|e| panic!("{path}: not JSON: {e}"));
+        assert!(body["error"]["message"].as_str().unwrap().contains("/api/openapi.json"), "{path}: {body}");
+    }
+}
+
+#[tokio::test]
 async fn unknown_gateway_paths_are_404s_in_the_gateways_shapes() {
     let server = TestServer::start(Backend::Sqlite).await;
     let admin = server.admin().await;
