@@ -171,3 +171,61 @@ async fn job_fails_when_its_last_attempt_expires() {
         assert!(queue::claim(&server.state.db, worker, &kinds(), 1000, &Free::default()).await.unwrap().is_none());
     }
 }
+
+/// `GET /api/v1/jobs` pages newest first: `limit` jobs a page, the `Link` header naming the
+/// next page until the last, which has none; jobs of one millisecond in the order they were
+/// queued, so no job is listed twice or skipped. A bad page is a 400 saying what to fix.
+#[tokio::test]
+async fn the_job_list_pages_through_every_job_once() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let jobs = enqueue(&server, 7, 3).await;
+        // Four queued in one millisecond, the rest later.
+        for job in &jobs[..4] {
+            sqlx::query("UPDATE jobs SET created_at = 1000 WHERE id = $1")
+                .bind(job.to_string())
+                .execute(server.state.db.pool())
+                .await
+                .unwrap();
+        }
+        let mut listed = Vec::new();
+        let mut next = Some(server.api("/jobs?limit=3"));
+        let mut pages = 0;
+        while let Some(url) = next {
+            let response = server.http.get(&url).bearer_auth(&admin).send().await.unwrap();
+            assert_eq!(response.status(), 200, "{backend:?} {url}");
+            next = response.headers().get("link").map(|link| {
+                let link = link.to_str().unwrap();
+                let path = link.strip_prefix('<').and_then(|l| l.strip_suffix(">; rel=\"next\"")).unwrap_or_else(|| panic!("{link}"));
+                format!("{}{path}", server.url)
+            });
+            let page: Vec<serde_json::Value> = response.json().await.unwrap();
+            assert!(!page.is_empty() && page.len() <= 3, "{backend:?}: {page:?}");
+            listed.extend(page.iter().map(|j| j["id"].as_str().unwrap().parse::<Uuid>().unwrap()));
+            pages += 1;
+        }
+        let newest_first: Vec<Uuid> = jobs.iter().rev().copied().collect();
+        assert_eq!(listed, newest_first, "{backend:?}");
+        assert_eq!(pages, 3, "{backend:?}");
+        // The state filter travels with the next page.
+        let response = server.get(&admin, "/jobs?state=queued&limit=6").await;
+        let link = response.headers()["link"].to_str().unwrap().to_string();
+        assert!(link.contains(&format!("before={}", jobs[1])) && link.contains("state=queued"), "{link}");
+        let unpaged: Vec<serde_json::Value> = server.get(&admin, "/jobs").await.json().await.unwrap();
+        assert_eq!(unpaged.len(), 7, "{backend:?}");
+
+        for (query, says) in [
+            ("limit=0", "limit must be 1 to 500"),
+            ("limit=501", "limit must be 1 to 500"),
+            (&*format!("before={}", Uuid::new_v4()), "before names no job"),
+            ("before=last", "before"),
+            ("limt=3", "limt"),
+        ] {
+            let response = server.get(&admin, &format!("/jobs?{query}")).await;
+            assert_eq!(response.status(), 400, "{backend:?} {query}");
+            let body: serde_json::Value = response.json().await.unwrap();
+            assert!(body["error"]["message"].as_str().unwrap().contains(says), "{query}: {body}");
+        }
+    }
+}

@@ -8,7 +8,8 @@
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use tessera_api::elastic::PreemptRequest;
 use tessera_api::jobs::{CreateJob, GenericSpec, Job, JobSpec, JobState, LogLine};
@@ -209,19 +210,27 @@ pub async fn create(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Only jobs in this state.
     state: Option<String>,
+    /// At most this many jobs, 1 to 500 (default 500).
+    limit: Option<u32>,
+    /// Only the jobs listed after this one: the last job of the previous page.
+    before: Option<Uuid>,
 }
 
-/// List jobs, newest first (yours; an admin sees all).
+/// List jobs, newest first (yours; an admin sees all), a page at a time: when more jobs
+/// follow, the `Link` header holds the next page's URL (`rel="next"`), as GitHub's API
+/// pages; a list without it is complete.
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", security(("bearer" = [])), params(ListQuery),
-    responses((status = 200, body = Vec<Job>)))]
+    responses((status = 200, body = Vec<Job>, headers(("link" = String, description = "The next page, when there is one"))),
+        (status = 400, body = tessera_api::error::ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
     principal: Principal,
     ApiQuery(query): ApiQuery<ListQuery>,
-) -> Result<ApiJson<Vec<Job>>> {
+) -> Result<Response> {
     let filter = match query.state.as_deref() {
         None | Some("") => None,
         Some(s) => Some(JobState::parse(s).ok_or_else(|| {
@@ -230,7 +239,28 @@ pub async fn list(
             ))
         })?),
     };
-    Ok(ApiJson(store::list(&state.db, &principal.scope(), filter).await?))
+    let limit = query.limit.unwrap_or(store::LIST_LIMIT);
+    if !(1..=store::LIST_LIMIT).contains(&limit) {
+        return Err(Error::BadRequest(format!("limit must be 1 to {}.", store::LIST_LIMIT)));
+    }
+    // One more than asked tells whether a next page exists.
+    let mut jobs = store::list(&state.db, &principal.scope(), filter, query.before, limit + 1)
+        .await?
+        .ok_or_else(|| Error::BadRequest("before names no job you can see; pass the id of the last job of the previous page.".into()))?;
+    let more = jobs.len() > limit as usize;
+    jobs.truncate(limit as usize);
+    let next = match (more, jobs.last()) {
+        (true, Some(last)) => {
+            let state = filter.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();
+            Some(format!("</api/v1/jobs?limit={limit}&before={}{state}>; rel=\"next\"", last.id))
+        }
+        _ => None,
+    };
+    let mut response = ApiJson(jobs).into_response();
+    if let Some(next) = next {
+        response.headers_mut().insert(header::LINK, HeaderValue::from_str(&next).expect("ids and states are ASCII"));
+    }
+    Ok(response)
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs", security(("bearer" = [])),

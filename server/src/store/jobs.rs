@@ -126,19 +126,56 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
     row.as_ref().map(job_from_row).transpose()
 }
 
+/// The most jobs one read of the list returns.
+pub const LIST_LIMIT: u32 = 500;
+
 /// Jobs `scope` may see, newest first, without serving replicas (those are listed with
-/// their deployment) or the ranks of data-parallel jobs (those are their job's).
-pub async fn list(db: &Db, scope: &Scope, state: Option<JobState>) -> Result<Vec<Job>> {
+/// their deployment) or the ranks of data-parallel jobs (those are their job's): at most
+/// `limit`, and with `before` only those listed after that job,
+/// so a caller pages by passing the last job it got. `Ok(None)` when `before` names no job
+/// `scope` may see. Jobs of one millisecond keep the order they were queued in.
+pub async fn list(
+    db: &Db,
+    scope: &Scope,
+    state: Option<JobState>,
+    before: Option<Uuid>,
+    limit: u32,
+) -> Result<Option<Vec<Job>>> {
+    let cursor: Option<(i64, i64)> = match before {
+        None => None,
+        Some(id) => {
+            let found = sqlx::query_as(
+                "SELECT created_at, queue_seq FROM jobs WHERE id = $1 AND ($2 IS NULL OR owner_id = $2)",
+            )
+            .bind(id.to_string())
+            .bind(scope.owner_filter())
+            .fetch_optional(db.pool())
+            .await?;
+            match found {
+                Some(cursor) => Some(cursor),
+                None => return Ok(None),
+            }
+        }
+    };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
          WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
-         AND j.gang_id IS NULL ORDER BY j.created_at DESC LIMIT 500"
+         AND j.gang_id IS NULL AND ($3 IS NULL OR j.created_at < $3 OR (j.created_at = $3 AND j.queue_seq < $4)) \
+         ORDER BY j.created_at DESC, j.queue_seq DESC LIMIT $5"
     )))
     .bind(scope.owner_filter())
     .bind(state.map(JobState::as_str))
+    .bind(cursor.map(|c| c.0))
+    .bind(cursor.map(|c| c.1))
+    .bind(limit as i64)
     .fetch_all(db.pool())
     .await?;
-    rows.iter().map(job_from_row).collect()
+    rows.iter().map(job_from_row).collect::<Result<_>>().map(Some)
+}
+
+/// The newest [`LIST_LIMIT`] jobs `scope` may see (the dashboard's pages).
+pub async fn newest(db: &Db, scope: &Scope) -> Result<Vec<Job>> {
+    Ok(list(db, scope, None, None, LIST_LIMIT).await?.unwrap_or_default())
 }
 
 /// The spec of a job (any owner's: for the worker holding it).

@@ -94,7 +94,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
     let result = async {
         let filter = parse_state(query.state.as_deref())?;
         // One read serves both the counts on the tabs and the filtered table.
-        let all = store::list(&state.db, &user.0.scope(), None).await?;
+        let all = store::newest(&state.db, &user.0.scope()).await?;
         let names = worker_names(&state).await?;
         let now = Utc::now();
         let state_param = |s: Option<JobState>| s.map(|s| format!("?state={}", s.as_str())).unwrap_or_default();

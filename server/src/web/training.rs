@@ -313,7 +313,7 @@ pub struct CompareQuery {
 pub async fn compare(State(state): State<AppState>, user: WebUser, Query(query): Query<CompareQuery>) -> Response {
     let result = async {
         let wanted: Vec<&str> = query.ids.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        let rows: Vec<CompareRow> = crate::store::jobs::list(&state.db, &user.0.scope(), None)
+        let rows: Vec<CompareRow> = crate::store::jobs::newest(&state.db, &user.0.scope())
             .await?
             .into_iter()
             .filter_map(|job| match &job.spec {
