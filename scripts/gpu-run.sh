@@ -223,9 +223,9 @@ if wants qsync-cpu || wants qsync-gpu; then
         # 12 runs of 13 steps (3 profiled, 2 warm-up, 8 timed), 16 reviews a rank: 17-29 s a
         # run with the GPU and a 12-thread rank (H200 host, 2026-11-28); the 4-thread rank is
         # not yet timed there. 3 profiled steps, not the job's default of 8, keep each
-        # configuration inside its limit (the operators are timed once per profiled step).
-        common=(--assets "$work/assets" --out "$out" --build-info "$bundle/build-info.json" --profile-steps 3) A step that reaches its limit writes nothing: lower
-        # --steps or --batch.
+        # configuration inside its limit (the operators are timed once per profiled step). A
+        # step that reaches its limit writes nothing: lower --steps or --batch.
+        common=(--assets "$work/assets" --out "$out" --build-info "$bundle/build-info.json" --profile-steps 3)
         if wants qsync-cpu; then
             run "qsync_throughput CPU 12 + 4 threads" qsync_throughput 540 "$bin/qsync_throughput" \
                 --threads 12,4 "${common[@]}"

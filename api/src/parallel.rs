@@ -69,8 +69,8 @@ impl PrecisionSpec {
     }
 
     /// Eight: enough for the planner to read the rest of a step as the median of the warm
-    /// ones (`worker::train::hybrid::step_reading`); on a shared 2-core host that predicted
-    /// steps 5% (fixed batch lengths) and 3% (natural) off, the fastest of three 12% and 3%.
+    /// ones (`worker::train::hybrid::step_reading`), which predicted steps closer than the
+    /// fastest of 3 or of 8 did on a shared 2-core host (`bench/results/qsync.md`).
     fn default_profile_steps() -> u32 {
         8
     }

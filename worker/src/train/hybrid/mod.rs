@@ -97,7 +97,9 @@ pub const MEDIAN_FROM_STEPS: usize = 6;
 /// first, and on a shared host neither figure is the better at every count: over three runs
 /// each on a 2-core host, at 3 steps the median predicted steps 29% (fixed batch lengths)
 /// and 20% (natural) too long and the fastest 12% and 3%; at 8 steps the fastest came out
-/// under the typical step (10% and 4%) and the median without the first two 5% and 3%.
+/// under the typical step (10% and 4%) and the median without the first two 5% and 3%, and
+/// in three more runs at 8 (a session later, the host drifting more) 9% and 6% against the
+/// fastest's 15% and 14%.
 /// `qsync_gang_predictor` compares the readings side by side (`bench/results/qsync.md`).
 pub fn step_reading(samples: &[Sample]) -> (&[Sample], Statistic) {
     if samples.len() >= MEDIAN_FROM_STEPS {
