@@ -59,6 +59,11 @@ on_exit() {
     exit "$rc"
 }
 trap on_exit EXIT
+# Stopped by a signal (a CI time-out, ^C) the run failed: without these the EXIT trap saw
+# status 0 and printed ALL TESTS PASSED for a run killed halfway.
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 step "install dependencies"
 bash scripts/install-deps.sh
