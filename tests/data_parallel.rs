@@ -184,9 +184,10 @@ async fn a_qsync_job_serves_its_precision_plan_on(csv: Vec<u8>, database: Option
     );
 
     let max_steps = 40;
-    // Each rank reads its step from the fastest profiled one: with 3, a fast rank whose
-    // every profiled step a parallel test load disturbed once looked slower than the slowed
-    // rank (overhead 23 ms against 0.5) and was planned itself.
+    // The default, stated: with 3 profiled steps (each rank then reads the fastest) a fast
+    // rank whose every profiled step a parallel test load disturbed once looked slower than
+    // the slowed rank (overhead 23 ms against 0.5) and was planned itself; with 8 each reads
+    // the median of the warm ones (`train::hybrid::step_reading`).
     let profile_steps = 8;
     let mut spec = two_rank_job(&dataset, max_steps);
     // Layers wide enough that this CPU's bf16 and int8 GEMMs beat f32.
