@@ -74,7 +74,6 @@ impl AppState {
             sessions: Arc::new(sessions),
             auth_cache: Arc::new(AuthCache::new(Duration::from_secs(config.auth_cache_secs))),
             metrics: telemetry::recorder(),
-            registry_lock: Arc::new(tokio::sync::Mutex::new(())),
             openapi: Arc::new(openapi),
             gateway: Arc::new(Gateway::new(Duration::from_secs(config.inference_timeout_secs))),
             config: Arc::new(config),

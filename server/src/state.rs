@@ -24,9 +24,6 @@ pub struct AppState {
     pub login_limiter: Arc<LoginLimiter>,
     pub blobs: BlobStore,
     pub metrics: PrometheusHandle,
-    /// Serialises this server's deletes of models and datasets with their in-use checks
-    /// (blobs need no lock: the ledger in the database guards them across servers).
-    pub registry_lock: Arc<tokio::sync::Mutex<()>>,
     pub openapi: Arc<utoipa::openapi::OpenApi>,
     pub gateway: Arc<Gateway>,
 }

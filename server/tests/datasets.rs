@@ -170,3 +170,68 @@ async fn a_worker_downloads_a_dataset_and_users_cannot_use_the_agent_route() {
     assert_eq!(&bytes[..], WINE.as_bytes());
     assert_eq!(server.get(&token, &format!("/agent/datasets/{id}/file")).await.status(), 401);
 }
+
+/// A dataset's deletion and a job queued on it, on one server or several, run one after
+/// the other and never leave a job reading a deleted dataset: the deletion waits for the
+/// transaction queuing the job and then refuses (409); a job submitted while a deletion
+/// holds the dataset finds it gone (404).
+#[tokio::test]
+async fn a_dataset_deletion_and_a_job_queued_on_it_run_one_after_the_other() {
+    use std::time::Duration;
+    use tessera_server::store::{self, jobs::NewJob, RowLock};
+    // Long enough for a request to reach its transaction; a step that wrongly does not
+    // wait finishes well within it.
+    const WAIT: Duration = Duration::from_millis(500);
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let db = &server.state.db;
+        let token = server.admin().await;
+        let id = server.toy_dataset(&token).await;
+        let body = json!({"name": "t", "model": {"kind": "mlp", "hidden": [8]}, "dataset": id,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.2},
+            "optimizer": {"type": "sgd", "momentum": 0.9}, "batch_size": 8, "max_steps": 10, "eval_every": 5,
+            "checkpoint_every": 5, "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+        let response = server.post(&token, "/jobs", body.clone()).await;
+        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+        let first = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+        let spec = store::jobs::spec(db, first).await.unwrap().unwrap();
+        assert_eq!(server.post(&token, &format!("/jobs/{first}/cancel"), json!({})).await.status(), 200);
+        let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+        let dataset = id.parse().unwrap();
+
+        // A job being queued holds the dataset: its deletion waits, then sees the job.
+        let mut queuing = db.begin().await.unwrap();
+        tessera_server::datasets::hold(db, &mut queuing, dataset).await.unwrap();
+        let deletion = tokio::spawn({
+            let request = server.http.delete(server.api(&format!("/datasets/{id}"))).bearer_auth(&token);
+            async move { request.send().await.unwrap() }
+        });
+        tokio::time::sleep(WAIT).await;
+        assert!(!deletion.is_finished(), "{backend:?}: the deletion did not wait for the job being queued");
+        let job = NewJob { dataset: Some(dataset), ..NewJob::new(owner, "t", &spec, 1) };
+        let queued = store::jobs::insert_in(&mut queuing, &job).await.unwrap();
+        queuing.commit().await.unwrap();
+        let response = deletion.await.unwrap();
+        let (status, refusal) = (response.status(), response.text().await.unwrap());
+        assert_eq!(status, 409, "{backend:?}: {refusal}");
+        assert!(refusal.contains("1 unfinished training job"), "{refusal}");
+
+        // A deletion holds the dataset: a job submitted meanwhile waits, then finds it gone.
+        assert_eq!(server.post(&token, &format!("/jobs/{queued}/cancel"), json!({})).await.status(), 200);
+        let mut deleting = db.begin().await.unwrap();
+        assert!(store::datasets::lock(&mut deleting, db.backend(), dataset, RowLock::Update).await.unwrap());
+        let submission = tokio::spawn({
+            let request = server.http.post(server.api("/jobs")).bearer_auth(&token).json(&body);
+            async move { request.send().await.unwrap() }
+        });
+        tokio::time::sleep(WAIT).await;
+        assert!(!submission.is_finished(), "{backend:?}: the submission did not wait for the deletion");
+        store::datasets::delete_in(&mut deleting, dataset).await.unwrap();
+        deleting.commit().await.unwrap();
+        let response = submission.await.unwrap();
+        let (status, refusal) = (response.status(), response.text().await.unwrap());
+        assert_eq!(status, 404, "{backend:?}: {refusal}");
+        let jobs: Vec<Value> = server.get(&token, "/jobs").await.json().await.unwrap();
+        assert_eq!(jobs.len(), 2, "no job was queued on the deleted dataset: {jobs:?}");
+    }
+}

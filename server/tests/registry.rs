@@ -174,3 +174,63 @@ async fn restart_keeps_users_models_and_queued_jobs() {
         assert_eq!(jobs[0]["id"], job["id"]);
     }
 }
+
+/// A model's deletion and what comes to use it, on one server or several, run one after
+/// the other: the deletion waits for the transaction queuing a job on the model and then
+/// refuses (409); a deployment created while a deletion holds the model finds it gone
+/// (404, where its insert used to break the foreign key with a 500).
+#[tokio::test]
+async fn a_model_deletion_and_what_comes_to_use_it_run_one_after_the_other() {
+    use std::time::Duration;
+    use tessera_api::jobs::JobSpec;
+    use tessera_server::store::{self, jobs::NewJob, RowLock};
+    // Long enough for a request to reach its transaction; a step that wrongly does not
+    // wait finishes well within it.
+    const WAIT: Duration = Duration::from_millis(500);
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let db = &server.state.db;
+        let token = server.admin().await;
+        let response = server.upload_model(&token, "tiny", tiny_model()).await;
+        assert_eq!(response.status(), 201);
+        let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        let model = id.parse().unwrap();
+        let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+
+        // A prefetch job being queued holds the model: its deletion waits, then sees the job.
+        let mut queuing = db.begin().await.unwrap();
+        tessera_server::registry::hold(db, &mut queuing, model).await.unwrap();
+        let deletion = tokio::spawn({
+            let request = server.http.delete(server.api(&format!("/models/{id}"))).bearer_auth(&token);
+            async move { request.send().await.unwrap() }
+        });
+        tokio::time::sleep(WAIT).await;
+        assert!(!deletion.is_finished(), "{backend:?}: the deletion did not wait for the job being queued");
+        let spec = JobSpec::Prefetch { model };
+        let queued = store::jobs::insert_in(&mut queuing, &NewJob::new(owner, "prefetch", &spec, 1)).await.unwrap();
+        queuing.commit().await.unwrap();
+        let response = deletion.await.unwrap();
+        let (status, refusal) = (response.status(), response.text().await.unwrap());
+        assert_eq!(status, 409, "{backend:?}: {refusal}");
+        assert!(refusal.contains(&format!("prefetch job {queued}")), "{refusal}");
+
+        // A deletion holds the model: a deployment created meanwhile waits, then finds it gone.
+        assert_eq!(server.post(&token, &format!("/jobs/{queued}/cancel"), json!({})).await.status(), 200);
+        let mut deleting = db.begin().await.unwrap();
+        assert!(store::models::lock(&mut deleting, db.backend(), model, RowLock::Update).await.unwrap());
+        let creation = tokio::spawn({
+            let request = server.http.post(server.api("/deployments")).bearer_auth(&token);
+            let request = request.json(&json!({"name": "embedder", "model": id, "replicas": 1}));
+            async move { request.send().await.unwrap() }
+        });
+        tokio::time::sleep(WAIT).await;
+        assert!(!creation.is_finished(), "{backend:?}: the deployment did not wait for the deletion");
+        store::models::delete_in(&mut deleting, model).await.unwrap();
+        deleting.commit().await.unwrap();
+        let response = creation.await.unwrap();
+        let (status, refusal) = (response.status(), response.text().await.unwrap());
+        assert_eq!(status, 404, "{backend:?}: {refusal}");
+        let deployments: Vec<Value> = server.get(&token, "/deployments").await.json().await.unwrap();
+        assert!(deployments.is_empty(), "no deployment serves the deleted model: {deployments:?}");
+    }
+}

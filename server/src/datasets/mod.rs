@@ -8,6 +8,7 @@ use axum::body::Body;
 use axum::extract::{Multipart, State};
 use axum::http::{header, StatusCode};
 use axum::response::Response;
+use sqlx::AnyConnection;
 use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
@@ -16,7 +17,8 @@ use crate::error::{ApiJson, ApiMultipart, ApiPath, Error, Result};
 use crate::registry::{self, blobs::TempBlob, staging};
 use crate::state::AppState;
 use crate::store::datasets as store;
-use crate::store::{db, jobs, Scope};
+use crate::store::db::{self, Db};
+use crate::store::{jobs, RowLock, Scope};
 use inspect::InspectError;
 
 const TOO_LARGE: &str = "The dataset is larger than this server's upload limit (TESSERA_MAX_UPLOAD_BYTES).";
@@ -150,18 +152,34 @@ pub async fn register(state: &AppState, owner: &Principal, received: Received) -
 }
 
 /// Deletes a dataset no unfinished job reads; garbage collection deletes its file after
-/// the grace period unless something else shares it.
+/// the grace period unless something else shares it. The check and the delete hold the
+/// dataset's row, so a job queued meanwhile on any server is either seen here or finds
+/// the dataset gone ([`hold`]).
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
     find(state, scope, id).await?;
-    let _guard = state.registry_lock.lock().await;
-    let in_use = jobs::unfinished_reading(&state.db, id).await?;
+    let mut tx = state.db.begin().await?;
+    if !store::lock(&mut tx, state.db.backend(), id, RowLock::Update).await? {
+        return Err(Error::not_found("Dataset"));
+    }
+    let in_use = jobs::unfinished_reading(&mut tx, id).await?;
     if in_use > 0 {
         return Err(Error::Conflict(format!(
             "{in_use} unfinished training job(s) read this dataset; cancel them or wait until they end."
         )));
     }
-    store::delete(&state.db, id).await?;
+    store::delete_in(&mut tx, id).await?;
+    tx.commit().await?;
     Ok(())
+}
+
+/// Keeps dataset `id` from being deleted until the caller's transaction, which queues a
+/// job reading it, ends; 404 when it was deleted since the job was checked.
+pub async fn hold(db: &Db, conn: &mut AnyConnection, id: Uuid) -> Result<()> {
+    if store::lock(conn, db.backend(), id, RowLock::Share).await? {
+        Ok(())
+    } else {
+        Err(Error::NotFound("The dataset was deleted while the job was being queued; upload it again.".into()))
+    }
 }
 
 /// Upload a dataset as `multipart/form-data`: a text field `name` and one file part

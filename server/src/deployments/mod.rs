@@ -235,6 +235,7 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     if planned.is_none() {
         crate::quotas::check_replicas(state, &mut tx, principal, request.replicas, None).await?;
     }
+    crate::registry::hold(&state.db, &mut tx, model.id).await?;
     store::insert(&mut tx, &new).await.map_err(|e| {
         if e.is_unique_violation() {
             Error::Conflict(format!("A deployment named '{name}' already exists; pick another name."))

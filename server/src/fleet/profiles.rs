@@ -58,6 +58,7 @@ pub async fn create(
     // A job like the others: the jobs quota holds for it (see `quotas`).
     let mut tx = state.db.begin().await?;
     crate::quotas::check_jobs(&state, &mut tx, &principal).await?;
+    crate::registry::hold(&state.db, &mut tx, model.id).await?;
     let job = jobs::insert_in(&mut tx, &NewJob::new(principal.id, &name, &spec, PROFILE_MAX_ATTEMPTS)).await?;
     tx.commit().await?;
     Ok((StatusCode::CREATED, ApiJson(crate::jobs::find(&state.db, &principal.scope(), job).await?)))

@@ -11,6 +11,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use sqlx::AnyConnection;
 use tessera_api::elastic::PreemptRequest;
 use tessera_api::jobs::{CreateJob, GenericSpec, Job, JobSpec, JobState, LogLine};
 use uuid::Uuid;
@@ -20,7 +21,7 @@ use crate::error::{optional_json, ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, NewJob};
 use crate::store::{db::Db, Scope};
-use crate::{gangs, quotas, registry, training};
+use crate::{datasets, gangs, quotas, registry, training};
 
 /// Attempts a job gets when the body does not say.
 const DEFAULT_MAX_ATTEMPTS: u32 = 3;
@@ -65,6 +66,7 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
                 let row = NewJob { dataset: Some(dataset), ..NewJob::new(principal.id, &name, &spec, max_attempts) };
                 let mut tx = state.db.begin().await?;
                 quotas::check_jobs(state, &mut tx, principal).await?;
+                hold_inputs(&state.db, &mut tx, &row).await?;
                 let id = gangs::queue(&mut tx, &row, &job, parallel).await?;
                 tx.commit().await?;
                 tracing::info!(job = %id, ranks = parallel.ranks.len(), user = %principal.username, "data-parallel job queued");
@@ -83,10 +85,23 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
     // The quota check and the insert are one step for this user (see `quotas`).
     let mut tx = state.db.begin().await?;
     quotas::check_jobs(state, &mut tx, principal).await?;
+    hold_inputs(&state.db, &mut tx, &job).await?;
     let id = store::insert_in(&mut tx, &job).await?;
     tx.commit().await?;
     tracing::info!(job = %id, kind = spec.kind(), user = %principal.username, "job queued");
     Ok(id)
+}
+
+/// Keeps the registered model and the dataset `job` reads from being deleted until the
+/// caller's transaction, which queues it, ends (see `registry::hold`).
+async fn hold_inputs(db: &Db, conn: &mut AnyConnection, job: &NewJob<'_>) -> Result<()> {
+    if let Some(model) = job.spec.model() {
+        registry::hold(db, conn, model).await?;
+    }
+    if let Some(dataset) = job.dataset {
+        datasets::hold(db, conn, dataset).await?;
+    }
+    Ok(())
 }
 
 /// Cancels a job `principal` may see; 409 when it already ended.

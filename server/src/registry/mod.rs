@@ -11,15 +11,16 @@ pub mod staging;
 
 use axum::extract::Multipart;
 use sha2::{Digest, Sha256};
+use sqlx::AnyConnection;
 use tessera_api::models::{Model, ModelFile};
 use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::error::{Error, Result};
 use crate::state::AppState;
-use crate::store::db::{self, now_ms};
+use crate::store::db::{self, now_ms, Db};
 use crate::store::models::{self as store, NewModel};
-use crate::store::{deployments, jobs, users, Scope};
+use crate::store::{deployments, jobs, users, RowLock, Scope};
 use staging::{Staged, Validated};
 
 /// The model digest: SHA-256 over the sorted `(path, file digest)` list, so the same
@@ -147,26 +148,36 @@ pub async fn list_visible(state: &AppState, scope: &Scope) -> Result<Vec<Model>>
 
 /// Deletes a model in `scope` that no deployment serves and no unfinished job reads;
 /// garbage collection deletes its blobs after the grace period unless another model,
-/// dataset or checkpoint shares them.
+/// dataset or checkpoint shares them. The checks and the delete hold the model's row, so
+/// a deployment or job created meanwhile on any server is either seen here or finds the
+/// model gone ([`hold`]).
 pub async fn delete_visible(state: &AppState, scope: &Scope, id: Uuid) -> Result<()> {
     let model = find(state, scope, id).await?;
-    let _guard = state.registry_lock.lock().await;
-    let serving = deployments::names_serving(&state.db, id).await?;
+    let mut tx = state.db.begin().await?;
+    if !store::lock(&mut tx, state.db.backend(), id, RowLock::Update).await? {
+        return Err(Error::not_found("Model"));
+    }
+    let serving = deployments::names_serving(&mut tx, id).await?;
     if !serving.is_empty() {
         return Err(in_use(&model.name, &serving));
     }
-    let reading = jobs::unfinished_using_model(&state.db, id).await?;
+    let reading = jobs::unfinished_using_model(&mut tx, id).await?;
     if !reading.is_empty() {
         return Err(read_by_jobs(&model.name, &reading));
     }
-    match store::delete(&state.db, id).await {
-        // A deployment created since the check above holds the model now.
-        Err(e) if e.is_foreign_key_violation() => {
-            return Err(in_use(&model.name, &deployments::names_serving(&state.db, id).await?));
-        }
-        result => result?,
-    }
+    store::delete_in(&mut tx, id).await?;
+    tx.commit().await?;
     Ok(())
+}
+
+/// Keeps model `id` from being deleted until the caller's transaction, which creates a
+/// job or deployment that uses it, ends; 404 when it was deleted since it was resolved.
+pub async fn hold(db: &Db, conn: &mut AnyConnection, id: Uuid) -> Result<()> {
+    if store::lock(conn, db.backend(), id, RowLock::Share).await? {
+        Ok(())
+    } else {
+        Err(Error::NotFound("The model was deleted meanwhile; register it again or name another.".into()))
+    }
 }
 
 fn in_use(model: &str, deployments: &[String]) -> Error {

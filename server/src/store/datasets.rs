@@ -6,8 +6,8 @@ use sqlx::{AnyConnection, Row};
 use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
-use super::db::{self, Db};
-use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+use super::db::{self, Backend, Db};
+use super::{parse_json, parse_uuid, Result, RowLock, Scope, StoreError};
 
 const COLUMNS: &str =
     "d.id, d.name, d.digest, d.format, d.columns, d.num_rows, d.size_bytes, d.created_at, u.username AS owner";
@@ -93,7 +93,13 @@ pub async fn insert(conn: &mut AnyConnection, owner: Uuid, dataset: &Dataset) ->
     Ok(())
 }
 
-pub async fn delete(db: &Db, id: Uuid) -> Result<()> {
-    sqlx::query("DELETE FROM datasets WHERE id = $1").bind(id.to_string()).execute(db.pool()).await?;
+/// Whether dataset `id` exists, locked for the caller's transaction (see [`RowLock`]).
+pub async fn lock(conn: &mut AnyConnection, backend: Backend, id: Uuid, lock: RowLock) -> Result<bool> {
+    super::lock_row(conn, backend, "datasets", id, lock).await
+}
+
+/// Deletes a dataset inside the caller's transaction.
+pub async fn delete_in(conn: &mut AnyConnection, id: Uuid) -> Result<()> {
+    sqlx::query("DELETE FROM datasets WHERE id = $1").bind(id.to_string()).execute(conn).await?;
     Ok(())
 }

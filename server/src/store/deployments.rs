@@ -98,10 +98,10 @@ pub async fn get_in(conn: &mut AnyConnection, scope: &Scope, id_or_name: &str) -
 }
 
 /// The names of the deployments that serve `model`, whoever owns them.
-pub async fn names_serving(db: &Db, model: Uuid) -> Result<Vec<String>> {
+pub async fn names_serving(conn: &mut AnyConnection, model: Uuid) -> Result<Vec<String>> {
     Ok(sqlx::query_scalar("SELECT name FROM deployments WHERE model_id = $1 ORDER BY name")
         .bind(model.to_string())
-        .fetch_all(db.pool())
+        .fetch_all(conn)
         .await?)
 }
 

@@ -206,26 +206,26 @@ pub async fn cancel(db: &Db, scope: &Scope, id: Uuid, message: &str) -> Result<b
 }
 
 /// How many unfinished jobs read `dataset`.
-pub async fn unfinished_reading(db: &Db, dataset: Uuid) -> Result<i64> {
+pub async fn unfinished_reading(conn: &mut AnyConnection, dataset: Uuid) -> Result<i64> {
     Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT COUNT(*) FROM jobs WHERE dataset_id = $1 AND state IN {UNFINISHED}"
     )))
     .bind(dataset.to_string())
-    .fetch_one(db.pool())
+    .fetch_one(conn)
     .await?)
 }
 
 /// The unfinished jobs (id and kind) that read registered model `model`: training,
 /// prefetch and profile jobs, each data-parallel job once (its ranks left out, as are
 /// serving replicas, which their deployment answers for).
-pub async fn unfinished_using_model(db: &Db, model: Uuid) -> Result<Vec<(Uuid, &'static str)>> {
+pub async fn unfinished_using_model(conn: &mut AnyConnection, model: Uuid) -> Result<Vec<(Uuid, &'static str)>> {
     // The spec names the model by its id: the LIKE narrows the rows, the spec decides.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT id, spec FROM jobs WHERE deployment_id IS NULL AND gang_id IS NULL AND state IN {UNFINISHED} \
          AND spec LIKE $1 ORDER BY created_at, id"
     )))
     .bind(format!("%{model}%"))
-    .fetch_all(db.pool())
+    .fetch_all(conn)
     .await?;
     let mut using = Vec::new();
     for row in &rows {

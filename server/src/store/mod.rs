@@ -21,7 +21,10 @@ pub mod training;
 pub mod users;
 pub mod workers;
 
+use sqlx::AnyConnection;
 use uuid::Uuid;
+
+use db::Backend;
 
 /// What can go wrong below the handlers: the database failed, or a row it returned does
 /// not decode (a bug or a hand edit, never a user mistake).
@@ -69,6 +72,32 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(table: &'static str, column: &
         value: text.into(),
         reason: e.to_string(),
     })
+}
+
+/// How a transaction locks a registry row (a model or a dataset) it is about to depend on
+/// or delete. A job that names the row takes [`RowLock::Share`], the row's deletion
+/// [`RowLock::Update`], so the two run one after the other: the deletion then sees the
+/// queued job, or the job finds the row gone. PostgreSQL locks the row; SQLite needs
+/// nothing, its writing transactions (`Db::begin`) running one at a time already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowLock {
+    Share,
+    Update,
+}
+
+/// Whether row `id` of `table` exists, locked as `lock` says until the caller's
+/// transaction ends.
+async fn lock_row(conn: &mut AnyConnection, backend: Backend, table: &str, id: Uuid, lock: RowLock) -> Result<bool> {
+    let clause = match (backend, lock) {
+        (Backend::Sqlite, _) => "",
+        (Backend::Postgres, RowLock::Share) => " FOR SHARE",
+        (Backend::Postgres, RowLock::Update) => " FOR UPDATE",
+    };
+    let found = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT id FROM {table} WHERE id = $1{clause}")))
+        .bind(id.to_string())
+        .fetch_optional(conn)
+        .await?;
+    Ok(found.is_some())
 }
 
 /// Whose rows a call may see or change. Built from the caller (`Principal::scope`) for

@@ -7,8 +7,8 @@ use tessera_api::mig::ProfileReport;
 use tessera_api::models::{Model, ModelFile};
 use uuid::Uuid;
 
-use super::db::{self, Db};
-use super::{parse_json, parse_uuid, Result, Scope};
+use super::db::{self, Backend, Db};
+use super::{parse_json, parse_uuid, Result, RowLock, Scope};
 use crate::scheduler::throughput::Row as TableRow;
 
 const MODEL_COLUMNS: &str =
@@ -135,9 +135,15 @@ pub async fn insert(conn: &mut AnyConnection, model: &NewModel<'_>, files: &[Mod
     Ok(())
 }
 
-/// Deletes a model (its files and profiles go with it, by foreign key).
-pub async fn delete(db: &Db, id: Uuid) -> Result<()> {
-    sqlx::query("DELETE FROM models WHERE id = $1").bind(id.to_string()).execute(db.pool()).await?;
+/// Whether model `id` exists, locked for the caller's transaction (see [`RowLock`]).
+pub async fn lock(conn: &mut AnyConnection, backend: Backend, id: Uuid, lock: RowLock) -> Result<bool> {
+    super::lock_row(conn, backend, "models", id, lock).await
+}
+
+/// Deletes a model inside the caller's transaction (its files and profiles go with it,
+/// by foreign key).
+pub async fn delete_in(conn: &mut AnyConnection, id: Uuid) -> Result<()> {
+    sqlx::query("DELETE FROM models WHERE id = $1").bind(id.to_string()).execute(conn).await?;
     Ok(())
 }
 
