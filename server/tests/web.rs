@@ -412,3 +412,82 @@ async fn deployments_are_created_scaled_and_deleted_from_the_dashboard() {
     let (_, list) = page(&server, &http, &cookie, "/deployments").await;
     assert!(list.contains("No deployments yet"), "{list}");
 }
+
+/// An attribute value as the browser reads it (askama escapes `&` as `&#38;`).
+fn unescape(value: &str) -> String {
+    value.replace("&#38;", "&").replace("&amp;", "&")
+}
+
+/// The href of the page's "Older jobs" link.
+fn older_link(html: &str) -> Option<String> {
+    let end = html.find("\" rel=\"next\">Older jobs")?;
+    let start = html[..end].rfind("href=\"")? + "href=\"".len();
+    Some(unescape(&html[start..end]))
+}
+
+/// The ids of the jobs a jobs page lists, top to bottom.
+fn listed_jobs(html: &str) -> Vec<String> {
+    html.split("<tr data-job=\"").skip(1).map(|rest| rest[..rest.find('"').unwrap()].to_string()).collect()
+}
+
+#[tokio::test]
+async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
+    use tessera_api::jobs::JobSpec;
+    use tessera_server::store::{self, jobs::NewJob, Scope};
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let db = &server.state.db;
+    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+    let mut jobs = Vec::new();
+    for i in 0..230 {
+        let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
+        jobs.push(store::jobs::insert(db, &NewJob::new(owner, &format!("job {i}"), &spec, 1)).await.unwrap());
+    }
+    for job in jobs.iter().step_by(10) {
+        assert!(store::jobs::cancel(db, &Scope::all(), *job, "test").await.unwrap());
+    }
+
+    let mut listed = Vec::new();
+    let mut next = Some("/jobs".to_string());
+    let mut pages = Vec::new();
+    while let Some(path) = next {
+        let (status, html) = page(&server, &http, &cookie, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        // The tabs count every job, not the page's.
+        assert!(html.contains("all <span class=\"count\">230</span>"), "{path}: {html}");
+        assert!(html.contains("cancelled <span class=\"count\">23</span>"), "{path}");
+        assert_eq!(html.contains("← Newest jobs"), path != "/jobs", "{path}");
+        let shown = listed_jobs(&html);
+        pages.push(shown.len());
+        listed.extend(shown);
+        next = older_link(&html);
+    }
+    assert_eq!(pages, [100, 100, 30]);
+    let newest_first: Vec<String> = jobs.iter().rev().map(|id| id.to_string()).collect();
+    assert_eq!(listed, newest_first, "every job once, newest first");
+
+    // The state filter travels with the pages, and the live refresh re-reads this page.
+    let (_, html) = page(&server, &http, &cookie, "/jobs?state=queued").await;
+    assert_eq!(listed_jobs(&html).len(), 100);
+    let older = older_link(&html).unwrap();
+    assert!(older.contains("state=queued"), "{older}");
+    let (_, html) = page(&server, &http, &cookie, &older).await;
+    assert_eq!(listed_jobs(&html).len(), 100, "207 queued jobs: 100, 100, 7");
+    let live = html.split("data-live=\"").nth(1).unwrap();
+    let live = unescape(&live[..live.find('"').unwrap()]);
+    let before = older.split("before=").nth(1).unwrap().split('&').next().unwrap();
+    assert!(live.contains(&format!("before={before}")) && live.contains("state=queued"), "{live}");
+    let (_, fragment) = page(&server, &http, &cookie, &live).await;
+    assert_eq!(listed_jobs(&fragment), listed_jobs(&html));
+    let (_, last) = page(&server, &http, &cookie, &older_link(&html).unwrap()).await;
+    assert_eq!(listed_jobs(&last).len(), 7);
+    assert_eq!(older_link(&last), None);
+
+    let (status, html) = page(&server, &http, &cookie, "/jobs?before=last").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(html.contains("is not a job id"), "{html}");
+    let (status, html) = page(&server, &http, &cookie, &format!("/jobs?before={}", uuid::Uuid::new_v4())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(html.contains("before names no job"), "{html}");
+}

@@ -224,6 +224,28 @@ pub async fn create(
     Ok((StatusCode::CREATED, ApiJson(find(&state.db, &principal.scope(), id).await?)))
 }
 
+/// One page of the job list.
+#[derive(Debug)]
+pub struct Page {
+    /// Newest first.
+    pub jobs: Vec<Job>,
+    /// Whether older jobs follow the last one.
+    pub more: bool,
+}
+
+/// The jobs `scope` may see (in `state`, if given), newest first, at most `limit`, after
+/// `before`, the last job of the previous page; 400 when `before` names no job `scope`
+/// may see.
+pub async fn page(db: &Db, scope: &Scope, state: Option<JobState>, before: Option<Uuid>, limit: u32) -> Result<Page> {
+    // One more than asked tells whether a next page exists.
+    let mut jobs = store::list(db, scope, state, before, limit + 1).await?.ok_or_else(|| {
+        Error::BadRequest("before names no job you can see; pass the id of the last job of the previous page.".into())
+    })?;
+    let more = jobs.len() > limit as usize;
+    jobs.truncate(limit as usize);
+    Ok(Page { jobs, more })
+}
+
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
@@ -258,12 +280,7 @@ pub async fn list(
     if !(1..=store::LIST_LIMIT).contains(&limit) {
         return Err(Error::BadRequest(format!("limit must be 1 to {}.", store::LIST_LIMIT)));
     }
-    // One more than asked tells whether a next page exists.
-    let mut jobs = store::list(&state.db, &principal.scope(), filter, query.before, limit + 1)
-        .await?
-        .ok_or_else(|| Error::BadRequest("before names no job you can see; pass the id of the last job of the previous page.".into()))?;
-    let more = jobs.len() > limit as usize;
-    jobs.truncate(limit as usize);
+    let Page { jobs, more } = page(&state.db, &principal.scope(), filter, query.before, limit).await?;
     let next = match (more, jobs.last()) {
         (true, Some(last)) => {
             let state = filter.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();

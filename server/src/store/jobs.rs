@@ -26,6 +26,16 @@ pub(super) const WAITING: &str = "('queued', 'preempted')";
 /// The states of a job that has not ended.
 pub(super) const UNFINISHED: &str = "('queued', 'preempted', 'leased', 'running')";
 
+/// Decodes a `state` column.
+fn parse_state(text: &str) -> Result<JobState> {
+    JobState::parse(text).ok_or_else(|| StoreError::Corrupt {
+        table: "jobs",
+        column: "state",
+        value: text.into(),
+        reason: "not a job state".into(),
+    })
+}
+
 pub(super) fn job_from_row(row: &AnyRow) -> Result<Job> {
     let state: String = row.try_get("state")?;
     let spec: JobSpec = parse_json("jobs", "spec", &row.try_get::<String, _>("spec")?)?;
@@ -42,12 +52,7 @@ pub(super) fn job_from_row(row: &AnyRow) -> Result<Job> {
         name: row.try_get("name")?,
         owner: row.try_get("owner")?,
         spec,
-        state: JobState::parse(&state).ok_or_else(|| StoreError::Corrupt {
-            table: "jobs",
-            column: "state",
-            value: state.clone(),
-            reason: "not a job state".into(),
-        })?,
+        state: parse_state(&state)?,
         message: row.try_get("message")?,
         attempts: row.try_get::<i64, _>("attempts")? as u32,
         max_attempts: row.try_get::<i64, _>("max_attempts")? as u32,
@@ -173,7 +178,20 @@ pub async fn list(
     rows.iter().map(job_from_row).collect::<Result<_>>().map(Some)
 }
 
-/// The newest [`LIST_LIMIT`] jobs `scope` may see (the dashboard's pages).
+/// How many of the jobs [`list`] pages through `scope` may see in each state; states
+/// with none are left out.
+pub async fn count_by_state(db: &Db, scope: &Scope) -> Result<Vec<(JobState, i64)>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT state, COUNT(*) FROM jobs WHERE ($1 IS NULL OR owner_id = $1) AND deployment_id IS NULL \
+         AND gang_id IS NULL GROUP BY state",
+    )
+    .bind(scope.owner_filter())
+    .fetch_all(db.pool())
+    .await?;
+    rows.iter().map(|(state, count)| Ok((parse_state(state)?, *count))).collect()
+}
+
+/// The newest [`LIST_LIMIT`] jobs `scope` may see (the dashboard's run comparison).
 pub async fn newest(db: &Db, scope: &Scope) -> Result<Vec<Job>> {
     Ok(list(db, scope, None, None, LIST_LIMIT).await?.unwrap_or_default())
 }

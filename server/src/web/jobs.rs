@@ -25,6 +25,8 @@ use crate::{jobs, registry, workers};
 const LOG_TAIL: usize = 1000;
 /// Lines read to find that tail (the log API pages through longer logs).
 const LOG_READ_LIMIT: i64 = 10_000;
+/// Jobs a page of the list shows.
+const PAGE_SIZE: u32 = 100;
 
 struct JobRow {
     id: String,
@@ -40,6 +42,15 @@ struct JobRow {
     updated_at: String,
     /// Training jobs: step of max_steps, ETA and best evaluation.
     progress: Option<training::ProgressView>,
+}
+
+/// Links to the pages around this one: the jobs list pages by keyset (`before` the last
+/// job shown), as the API does, so older pages stay put while new jobs arrive.
+struct Pager {
+    /// Back to the newest jobs, when this is an older page.
+    newest: Option<String>,
+    /// The next older page, when more jobs follow.
+    older: Option<String>,
 }
 
 struct StateTab {
@@ -58,6 +69,7 @@ struct JobsPage {
     rows: Vec<JobRow>,
     filter: &'static str,
     total: usize,
+    pager: Pager,
 }
 
 #[derive(Template)]
@@ -67,11 +79,14 @@ struct JobsTable {
     rows: Vec<JobRow>,
     filter: &'static str,
     total: usize,
+    pager: Pager,
 }
 
 #[derive(Debug, Default, Deserialize)]
 pub struct ListQuery {
     state: Option<String>,
+    /// The last job of the previous page.
+    before: Option<String>,
     fragment: Option<String>,
 }
 
@@ -84,7 +99,7 @@ fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {
         None | Some("") | Some("all") => Ok(None),
         Some(s) => JobState::parse(s).map(Some).ok_or_else(|| {
             Error::BadRequest(format!(
-                "Unknown state {s:?}; use queued, leased, running, succeeded, failed or cancelled."
+                "Unknown state {s:?}; use queued, preempted, leased, running, succeeded, failed or cancelled."
             ))
         }),
     }
@@ -93,23 +108,29 @@ fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {
 pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Query<ListQuery>) -> Response {
     let result = async {
         let filter = parse_state(query.state.as_deref())?;
-        // One read serves both the counts on the tabs and the filtered table.
-        let all = store::newest(&state.db, &user.0.scope()).await?;
+        let before = match query.before.as_deref() {
+            None | Some("") => None,
+            Some(text) => Some(text.parse::<Uuid>().map_err(|_| {
+                Error::BadRequest(format!("before={text:?} is not a job id; follow the page's Older jobs link."))
+            })?),
+        };
+        let scope = user.0.scope();
+        let counts = store::count_by_state(&state.db, &scope).await?;
+        let count = |s: JobState| counts.iter().find(|(c, _)| *c == s).map_or(0, |(_, n)| *n as usize);
+        let total = counts.iter().map(|(_, n)| *n as usize).sum();
+        let page = jobs::page(&state.db, &scope, filter, before, PAGE_SIZE).await?;
         let names = worker_names(&state).await?;
         let now = Utc::now();
-        let state_param = |s: Option<JobState>| s.map(|s| format!("?state={}", s.as_str())).unwrap_or_default();
-        let mut tabs =
-            vec![StateTab { label: "all", href: "/jobs".into(), count: all.len(), active: filter.is_none() }];
+        let mut tabs = vec![StateTab { label: "all", href: "/jobs".into(), count: total, active: filter.is_none() }];
         tabs.extend(JobState::ALL.into_iter().map(|s| StateTab {
             label: s.as_str(),
-            href: format!("/jobs{}", state_param(Some(s))),
-            count: all.iter().filter(|j| j.state == s).count(),
+            href: format!("/jobs?state={}", s.as_str()),
+            count: count(s),
             active: filter == Some(s),
         }));
-        let mut rows: Vec<JobRow> = all
-            .iter()
-            .filter(|job| filter.is_none_or(|s| job.state == s))
-            .map(|job| JobRow {
+        let mut rows = Vec::with_capacity(page.jobs.len());
+        for job in &page.jobs {
+            rows.push(JobRow {
                 id: job.id.to_string(),
                 name: job.name.clone(),
                 kind: job.spec.kind(),
@@ -121,28 +142,38 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
                 created_at: format::instant(job.created_at),
                 updated_ago: format::ago(job.updated_at, now),
                 updated_at: format::instant(job.updated_at),
-                progress: None,
-            })
-            .collect();
-        let shown = all.iter().filter(|job| filter.is_none_or(|s| job.state == s));
-        for (row, job) in rows.iter_mut().zip(shown) {
-            row.progress = training::progress(&state, job).await?;
+                progress: training::progress(&state, job).await?,
+            });
         }
+        let with_state = |path: String| match filter {
+            Some(s) => format!("{path}{}state={}", if path.contains('?') { '&' } else { '?' }, s.as_str()),
+            None => path,
+        };
+        let pager = Pager {
+            newest: before.map(|_| with_state("/jobs".into())),
+            older: match (page.more, page.jobs.last()) {
+                (true, Some(last)) => Some(with_state(format!("/jobs?before={}", last.id))),
+                _ => None,
+            },
+        };
         let filter_name = filter.map(JobState::as_str).unwrap_or("");
         if query.fragment.is_some() {
-            let table = JobsTable { tabs, rows, filter: filter_name, total: all.len() };
+            let table = JobsTable { tabs, rows, filter: filter_name, total, pager };
             return Ok(render(&table)?.into_response());
         }
+        // The live refresh re-reads the page the person is on.
+        let live_url = match before {
+            Some(before) => with_state(format!("/jobs?before={before}&fragment=table")),
+            None => with_state("/jobs?fragment=table".into()),
+        };
         let page = JobsPage {
             layout: user.layout("Jobs", "jobs"),
-            live_url: match filter {
-                Some(s) => format!("/jobs?state={}&fragment=table", s.as_str()),
-                None => "/jobs?fragment=table".into(),
-            },
+            live_url,
             tabs,
             rows,
             filter: filter_name,
-            total: all.len(),
+            total,
+            pager,
         };
         Ok(render(&page)?.into_response())
     }
