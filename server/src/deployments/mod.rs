@@ -301,7 +301,9 @@ pub async fn update(
     if let Some(replicas) = request.replicas {
         let mut tx = state.db.begin().await?;
         crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
-        store::set_replicas(&mut tx, deployment.id, replicas).await?;
+        if !store::set_replicas(&mut tx, deployment.id, replicas).await? {
+            return Err(Error::NotFound(format!("Deployment '{}' was deleted meanwhile.", deployment.name)));
+        }
         reconcile(&mut tx, &deployment, replicas).await?;
         tx.commit().await?;
     }

@@ -202,14 +202,18 @@ pub async fn insert(conn: &mut AnyConnection, deployment: &NewDeployment<'_>) ->
     Ok(())
 }
 
-pub async fn set_replicas(conn: &mut AnyConnection, id: Uuid, replicas: u32) -> Result<()> {
-    sqlx::query("UPDATE deployments SET replicas = $1, updated_at = $2 WHERE id = $3")
+/// Sets a deployment's replica count; false when the deployment is gone. The update locks
+/// the row until the caller's transaction ends, so a deletion waits for the replicas it
+/// queues (and removes them with the row), or has removed the row first.
+pub async fn set_replicas(conn: &mut AnyConnection, id: Uuid, replicas: u32) -> Result<bool> {
+    let changed = sqlx::query("UPDATE deployments SET replicas = $1, updated_at = $2 WHERE id = $3")
         .bind(i64::from(replicas))
         .bind(now_ms())
         .bind(id.to_string())
         .execute(conn)
-        .await?;
-    Ok(())
+        .await?
+        .rows_affected();
+    Ok(changed > 0)
 }
 
 /// Stores an SLO deployment's plan and the replica count it chose.
