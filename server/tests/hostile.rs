@@ -554,3 +554,95 @@ async fn nul_bytes_in_what_a_worker_names_are_422s() {
         assert_eq!(response.status(), 204, "{backend:?}: a plain name is stored");
     }
 }
+
+// --- Every route ------------------------------------------------------------------------
+
+/// `template` with every `{parameter}` replaced by `value`.
+fn fill(template: &str, value: &str) -> String {
+    let mut path = String::new();
+    let mut rest = template;
+    while let (Some(open), Some(close)) = (rest.find('{'), rest.find('}')) {
+        path.push_str(&rest[..open]);
+        path.push_str(value);
+        rest = &rest[close + 1..];
+    }
+    path + rest
+}
+
+/// Every route of the OpenAPI document, sent what a careless client or a fuzzer sends (an
+/// unknown or malformed id in each path parameter; no body, JSON of every wrong shape,
+/// text that is not JSON; query parameters of the wrong type), answers a client error in
+/// its error shape, never a 5xx. Routes that end the caller's own session are left out.
+#[tokio::test]
+async fn no_route_answers_malformed_requests_with_a_5xx() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let (worker, worker_secret) = server.register_worker("probe").await;
+    let document: Value = server.http.get(format!("{}/api/openapi.json", server.url)).send().await.unwrap().json().await.unwrap();
+    // Real ids too, each tried in every parameter, so requests get past the lookups.
+    let model = server.upload_model(&admin, "tiny", tiny_model()).await.json::<Value>().await.unwrap();
+    let dataset = server.toy_dataset(&admin).await;
+    let deployment = server.post(&admin, "/deployments", json!({"name": "embedder", "model": "tiny"})).await;
+    assert_eq!(deployment.status(), 201);
+    let job = server.post(&admin, "/jobs", json!({"name": "p", "spec": {"kind": "prefetch", "model": "tiny"}})).await;
+    let job = job.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let model = model["id"].as_str().unwrap().to_string();
+    let long = "x".repeat(300);
+    let ids = [
+        "00000000-0000-0000-0000-000000000001", "nope", "%FF", "a%00b", &long,
+        &model, "tiny", &dataset, "embedder", &job, &worker, "latest", "1",
+    ];
+    let bodies: [Option<&str>; 8] = [
+        None,
+        Some("{}"),
+        Some("[]"),
+        Some("null"),
+        Some("\"x\""),
+        Some(r#"{"name": 7, "replicas": -1, "model": [], "dataset": {}, "limit": 1e400, "kinds": "serve"}"#),
+        Some("{\"name\": "),
+        Some("not json at all"),
+    ];
+    let queries = ["", "?limit=-1&after=x&before=x&state=x&max_points=99999999999999999999&fragment=1"];
+    let mut failures = Vec::new();
+    let mut sent = 0;
+    // Deletes last, so the real ids stay for every other request.
+    let mut routes: Vec<(reqwest::Method, &String)> = Vec::new();
+    for (template, operations) in document["paths"].as_object().unwrap() {
+        for method in operations.as_object().unwrap().keys() {
+            routes.push((reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap(), template));
+        }
+    }
+    routes.sort_by_key(|(method, _)| *method == reqwest::Method::DELETE);
+    for (method, template) in routes {
+        if ["/api/v1/auth/logout", "/api/v1/auth/password"].contains(&template.as_str()) {
+            continue;
+        }
+        let token = if template.starts_with("/api/v1/agent") { &worker_secret } else { &admin };
+        let filled: Vec<String> = if template.contains('{') {
+            ids.iter().map(|id| fill(template, id)).collect()
+        } else {
+            vec![template.clone()]
+        };
+        for path in &filled {
+            for query in queries {
+                for body in bodies {
+                    let url = format!("{}{path}{query}", server.url);
+                    let mut request = server.http.request(method.clone(), &url).bearer_auth(token);
+                    if let Some(body) = body {
+                        request = request.header("content-type", "application/json").body(body);
+                    }
+                    let response = request.send().await.unwrap();
+                    sent += 1;
+                    let status = response.status();
+                    let text = response.text().await.unwrap();
+                    let shaped = serde_json::from_str::<Value>(&text).is_ok_and(|v| !v["error"].is_null());
+                    if status.is_server_error() || (status.is_client_error() && !shaped) {
+                        failures.push(format!("{method} {path}{query} body {body:?}: {status} {text:.200}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(sent > 1000, "the document lists the routes: {sent} requests sent");
+    assert!(failures.is_empty(), "{} of {sent} requests:\n{}", failures.len(), failures.join("\n"));
+}
