@@ -48,7 +48,21 @@ pub struct PrecisionSpec {
     /// Training steps at f32 before the plan (the operators are timed as often), 1 to 50.
     #[serde(default = "PrecisionSpec::default_profile_steps")]
     pub profile_steps: u32,
+    /// Plan again when the ranks' speeds, measured under the plan, have drifted apart by
+    /// more than this fraction of what the plan predicted (each rank's measured compute
+    /// over its predicted; the largest of those ratios over the smallest, less 1), in two
+    /// checks in a row, [`REPLAN_CHECK_STEPS`] steps apart; at most [`MAX_REPLANS`] times a
+    /// run. 0 to 10, default 0.25; 0 keeps the first plan.
+    #[serde(default = "PrecisionSpec::default_replan_drift")]
+    pub replan_drift: f64,
 }
+
+/// Steps between two checks of the ranks' drift from the plan in force.
+pub const REPLAN_CHECK_STEPS: u64 = 16;
+/// Plans a run makes after its first, at most (`PrecisionSpec::replan_drift`).
+pub const MAX_REPLANS: usize = 3;
+/// The largest `replan_drift`.
+pub const MAX_REPLAN_DRIFT: f64 = 10.0;
 
 /// Which operators the slower ranks lower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -75,7 +89,20 @@ impl PrecisionSpec {
         8
     }
 
+    /// A quarter: on a shared 2-core host the predictor's per-rank error relative to a plan
+    /// timed beside it stayed within 10% at p90 (`bench/results/qsync.md`), so drift past
+    /// 25% is the ranks' speeds changing, not noise.
+    fn default_replan_drift() -> f64 {
+        0.25
+    }
+
     fn validate(&self) -> Result<(), SpecError> {
+        if !(0.0..=MAX_REPLAN_DRIFT).contains(&self.replan_drift) {
+            return Err(SpecError::new(
+                "parallel.precision.replan_drift",
+                format!("must be 0 (keep the first plan) to {MAX_REPLAN_DRIFT}"),
+            ));
+        }
         if !matches!(self.low, Precision::Int8 | Precision::Bf16) {
             return Err(SpecError::new(
                 "parallel.precision.low",
@@ -307,7 +334,9 @@ mod tests {
         }));
         parallel.validate(8).unwrap();
         let precision = parallel.precision.unwrap();
-        assert_eq!(precision, PrecisionSpec { policy: PrecisionPolicy::Qsync, low: Precision::Int8, profile_steps: 8 });
+        let expected =
+            PrecisionSpec { policy: PrecisionPolicy::Qsync, low: Precision::Int8, profile_steps: 8, replan_drift: 0.25 };
+        assert_eq!(precision, expected);
         let plain = spec(serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}]}));
         assert_eq!(plain.precision, None);
         assert!(!serde_json::to_string(&plain).unwrap().contains("precision"));
@@ -330,6 +359,11 @@ mod tests {
             assert_eq!(error.field, "parallel.precision.profile_steps");
         }
         with(serde_json::json!({"policy": "random", "low": "bf16", "profile_steps": 50})).validate(8).unwrap();
+        for drift in [-0.1, 10.5] {
+            let error = with(serde_json::json!({"policy": "qsync", "replan_drift": drift})).validate(8).unwrap_err();
+            assert_eq!(error.field, "parallel.precision.replan_drift");
+        }
+        with(serde_json::json!({"policy": "qsync", "replan_drift": 0})).validate(8).unwrap();
         let unknown = serde_json::from_value::<ParallelSpec>(serde_json::json!({
             "ranks": [{"device": "cpu"}, {"device": "cpu"}], "precision": {"policy": "qsync", "budget": 3}
         }))

@@ -260,6 +260,24 @@ pub struct PrecisionPlanReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured_step_ms: Option<f64>,
     pub trace: Vec<AllocationStep>,
+    /// The run's earlier plans, oldest first, each dropped when the ranks' speeds drifted
+    /// apart from its prediction (`parallel.precision.replan_drift`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replaced: Vec<ReplacedPlan>,
+}
+
+/// A plan the run dropped, and the drift it was dropped for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReplacedPlan {
+    /// The step after which the ranks went back to f32 to profile again.
+    pub step: u64,
+    /// Per rank, by rank: the compute the plan predicted for a typical batch, ms.
+    pub predicted_ms: Vec<f64>,
+    /// Per rank: the median compute measured under it in the last check's steps, scaled to
+    /// that typical batch, ms.
+    pub measured_ms: Vec<f64>,
+    /// Per rank: how many of its operators the plan ran below f32.
+    pub lowered: Vec<u32>,
 }
 
 #[cfg(test)]

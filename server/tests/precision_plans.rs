@@ -256,5 +256,17 @@ async fn the_job_page_shows_ranks_the_layer_table_step_time_and_baselines() {
         assert!(!html.contains("three-ranks"), "another rank count is no baseline");
         assert!(html.contains("accuracy 0.9 @ 10") && html.contains("-1.00 points"), "accuracies side by side");
         assert!(html.contains("Allocator trace: 1 steps, 0 taken"));
+        assert!(!html.contains("id=\"precision-replans\""), "nothing replanned yet");
+
+        // A plan made again after step 1: the drop is listed, and the cards read only the
+        // steps since (rank 0's step 2: 7 ms).
+        let mut again = report(2, None);
+        again["replaced"] =
+            json!([{"step": 1, "predicted_ms": [4.0, 4.0], "measured_ms": [4.2, 12.0], "lowered": [0, 1]}]);
+        assert_eq!(put(&server, &held[0].0, &held[0].1, again).await.0, 204);
+        let html = page(format!("/jobs/{id}")).await;
+        assert!(html.contains("id=\"precision-replans\"") && html.contains("Dropped after step 1"), "{html}");
+        assert!(html.contains("rank 1: 12.0 ms measured, 4.00 ms predicted (+200 %), 1 operators below f32"), "{html}");
+        assert!(html.contains("7.00 ms") && !html.contains("6.00 ms"), "the cards read the steps since: {html}");
     }
 }

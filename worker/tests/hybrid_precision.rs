@@ -47,7 +47,7 @@ fn csv() -> String {
     csv
 }
 
-fn session(csv: &str, seed: u64, sync: RingSync, slowdown: Slowdown, precision: PrecisionSpec) -> Session {
+fn session(csv: &str, seed: u64, sync: RingSync, slowdown: Slowdown, precision: PrecisionSpec, steps: u64) -> Session {
     let task = TaskColumns {
         kind: TaskKind::Classification,
         label: "label".into(),
@@ -60,10 +60,10 @@ fn session(csv: &str, seed: u64, sync: RingSync, slowdown: Slowdown, precision: 
     let trainer = Trainer::new(Box::new(mlp), SGD, data, task.kind, BATCH, seed, Device::Cpu)
         .unwrap()
         .with_sync(Box::new(sync))
-        .with_slowdown(slowdown);
-    let limits = Limits { max_steps: STEPS, eval_every: 100, checkpoint_every: 100 };
+        .with_slowdown(slowdown.clone());
+    let limits = Limits { max_steps: steps, eval_every: 100, checkpoint_every: 100 };
     let label = format!("cpu, slowdown {}", slowdown.factor());
-    Session::new(trainer, policy::build(&LrSchedule::Constant { lr: 0.01 }, STEPS, seed), limits)
+    Session::new(trainer, policy::build(&LrSchedule::Constant { lr: 0.01 }, steps, seed), limits)
         .with_planner(Planner::new(precision, seed, label))
 }
 
@@ -79,9 +79,14 @@ struct Run {
 static ONE_GANG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn gang(policy: PrecisionPolicy, low: Precision) -> Vec<Run> {
+    gang_slowed_after(policy, low, STEPS, 0)
+}
+
+/// `steps` steps with rank 1 slowed [`SLOW`]× from the step after `slowed_after` on.
+fn gang_slowed_after(policy: PrecisionPolicy, low: Precision, steps: u64, slowed_after: u64) -> Vec<Run> {
     let _alone = ONE_GANG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let csv = csv();
-    let precision = PrecisionSpec { policy, low, profile_steps: PROFILE_STEPS };
+    let precision = PrecisionSpec { policy, low, profile_steps: PROFILE_STEPS, replan_drift: 0.25 };
     let rings = ring::loopback(2, Uuid::new_v4(), Duration::from_secs(120)).unwrap();
     std::thread::scope(|scope| {
         let handles: Vec<_> = rings
@@ -90,13 +95,15 @@ fn gang(policy: PrecisionPolicy, low: Precision) -> Vec<Run> {
             .map(|(rank, ring)| {
                 let (csv, precision) = (&csv, precision.clone());
                 scope.spawn(move || {
-                    let slowdown = Slowdown::new(if rank == 1 { SLOW } else { 1.0 });
-                    let mut session = session(csv, 9, RingSync::new(ring), slowdown, precision);
+                    let slowed = rank == 1 && slowed_after == 0;
+                    let slowdown = Slowdown::new(if slowed { SLOW } else { 1.0 });
+                    let mut session = session(csv, 9, RingSync::new(ring), slowdown.clone(), precision, steps);
                     let (mut reports, mut timings) = (Vec::new(), Vec::new());
                     session
                         .run(&AtomicBool::new(false), &mut |event| match event {
                             Event::PrecisionPlan(report) => reports.push(report),
                             Event::RankStep(timing) => timings.push(timing),
+                            Event::Step(row) if rank == 1 && row.step == slowed_after => slowdown.set(SLOW),
                             _ => {}
                         })
                         .unwrap();
@@ -144,7 +151,6 @@ fn assert_planned_in_lockstep(runs: &[Run]) -> PrecisionPlanReport {
 /// The report covers both ranks and every operator of the model, consistently.
 fn assert_complete(report: &PrecisionPlanReport, ops: &[(String, OpKind)], low: Precision) {
     assert_eq!((report.cost_tables.len(), report.cast_models.len(), report.ranks.len()), (2, 2, 2));
-    assert_eq!(report.cost_tables[1].device, format!("cpu, slowdown {SLOW}"));
     for (rank, table) in report.cost_tables.iter().enumerate() {
         let names: Vec<(String, OpKind)> = table.ops.iter().map(|op| (op.op.clone(), op.kind)).collect();
         assert_eq!(names, ops, "rank {rank} profiled every operator in forward order");
@@ -212,6 +218,7 @@ fn a_slowed_rank_lowers_operators_and_the_fast_rank_stays_f32() {
     let runs = gang(PrecisionPolicy::Qsync, Precision::Int8);
     let report = assert_planned_in_lockstep(&runs);
     assert_complete(&report, &runs[0].ops, Precision::Int8);
+    assert_eq!(report.cost_tables[1].device, format!("cpu, slowdown {SLOW}"));
     assert_eq!(report.indicator, IndicatorKind::GradientVariance);
     assert!(report.ranks[0].ops.iter().all(|op| op.precision == Precision::F32), "{:?}", report.ranks[0]);
     assert_eq!(report.ranks[0].indicator_sum, 0.0);
@@ -266,5 +273,47 @@ fn the_random_ablation_is_seeded_by_the_job() {
         assert!(report.ranks[1].ops.iter().any(|op| op.precision < Precision::F32), "{:?}", report.ranks[1]);
     } else {
         eprintln!("no lower precision was faster on the slowed rank; its plan: {:?}", report.ranks[1]);
+    }
+}
+
+/// Rank 1 slows 8× two steps after the first plan (made for two ranks of one speed): the
+/// drift checks find the ranks apart twice in a row, every rank goes back to f32 at the same
+/// step, profiles again, and the new plan, made for the slowed rank, lists the dropped one.
+#[test]
+fn a_rank_slowing_under_a_plan_gets_a_new_plan() {
+    use tessera_api::parallel::REPLAN_CHECK_STEPS;
+    let slowed_after = PROFILE_STEPS as u64 + 2;
+    let dropped_at = PROFILE_STEPS as u64 + 2 * REPLAN_CHECK_STEPS;
+    let replanned_at = dropped_at + PROFILE_STEPS as u64;
+    let steps = replanned_at + 4;
+    let runs = gang_slowed_after(PrecisionPolicy::Qsync, Precision::Int8, steps, slowed_after);
+    assert_eq!(runs[0].weights, runs[1].weights, "the all-reduce keeps the ranks bit-identical");
+    let [first, second, finished] = &runs[0].reports[..] else { panic!("{} reports", runs[0].reports.len()) };
+    assert!(first.replaced.is_empty());
+    let [dropped] = &second.replaced[..] else { panic!("{:?}", second.replaced) };
+    assert_eq!(dropped.step, dropped_at);
+    assert_eq!(dropped.predicted_ms, [first.ranks[0].predicted_ms, first.ranks[1].predicted_ms]);
+    let drift = |rank: usize| dropped.measured_ms[rank] / dropped.predicted_ms[rank];
+    assert!(drift(1) > 2.0 * drift(0), "rank 1 slowed {SLOW}×: drifts {} and {}", drift(0), drift(1));
+    assert_eq!(finished.replaced, second.replaced);
+    assert_complete(second, &runs[0].ops, Precision::Int8);
+    assert!(second.ranks[0].ops.iter().all(|op| op.precision == Precision::F32), "{:?}", second.ranks[0]);
+    if lowering_pays(&second.cost_tables[1]) {
+        assert!(second.ranks[1].ops.iter().any(|op| op.precision < Precision::F32), "{:?}", second.ranks[1]);
+    }
+    for run in &runs {
+        for timing in &run.timings {
+            let profiling = timing.step <= PROFILE_STEPS as u64 || (dropped_at < timing.step && timing.step <= replanned_at);
+            let expected = match timing.step <= dropped_at {
+                _ if profiling => None,
+                true => Some(first.predicted_step_ms),
+                false => Some(second.predicted_step_ms),
+            };
+            let near = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) => (a - b).abs() <= 1e-9 * b,
+                (a, b) => a == b,
+            };
+            assert!(near(timing.predicted_ms, expected), "step {}: {:?}, not {expected:?}", timing.step, timing.predicted_ms);
+        }
     }
 }

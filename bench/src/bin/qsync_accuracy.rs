@@ -181,7 +181,7 @@ fn trace(workload: &Workload, data: &Prepared, seed: u64) -> anyhow::Result<(Vec
 /// job's harness (the fastest of 25 rounds: other processes share these cores). Only the
 /// planned operators: the rest of the step is the same on every plan.
 fn profile(traces: &mut [OpTrace]) -> anyhow::Result<CostTable> {
-    Ok(ops::profile("cpu", traces, Precision::Int8, 25, Slowdown::NONE)?)
+    Ok(ops::profile("cpu", traces, Precision::Int8, 25, Slowdown::none())?)
 }
 
 /// `table` with every time divided by `factor`: the faster rank 0.

@@ -315,9 +315,9 @@ fn main() -> anyhow::Result<()> {
         &mut traces,
         Precision::Int8,
         PROFILE_ITERATIONS,
-        Slowdown::NONE,
+        Slowdown::none(),
     )?;
-    let casts = ops::profile_cast_model(&device, &traces, PROFILE_ITERATIONS, Slowdown::NONE)?;
+    let casts = ops::profile_cast_model(&device, &traces, PROFILE_ITERATIONS, Slowdown::none())?;
     table.optimizer_ms = fastest(|| model.sgd(&grads))?;
     let output = Tensor::zeros(
         (TOKENS, WIDTHS[WIDTHS.len() - 1]),

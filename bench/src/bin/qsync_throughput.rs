@@ -145,7 +145,8 @@ impl Arm {
             Arm::Uniform(low) => (PrecisionPolicy::Uniform, low),
             Arm::Qsync => (PrecisionPolicy::Qsync, Precision::Int8),
         };
-        Some(PrecisionSpec { policy, low, profile_steps })
+        // Each arm times one plan: no re-plan midway.
+        Some(PrecisionSpec { policy, low, profile_steps, replan_drift: 0.0 })
     }
 }
 
@@ -673,6 +674,7 @@ mod tests {
             predicted_step_ms: 11.0,
             measured_step_ms: None,
             trace: Vec::new(),
+            replaced: Vec::new(),
         }
     }
 

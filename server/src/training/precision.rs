@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 
 use tessera_api::jobs::{Job, JobSpec};
+use tessera_api::parallel::MAX_REPLANS;
 use tessera_api::precision::{PrecisionPlanReport, RankPlan};
 use tessera_api::train::{TrainJob, TrainModel};
 use uuid::Uuid;
@@ -125,6 +126,31 @@ pub fn check(report: &PrecisionPlanReport, world: u32) -> Result<()> {
         finite(&format!("trace[{k}].gain"), step.gain)?;
         finite(&format!("trace[{k}].cost_ms"), step.cost_ms)?;
         millis(&format!("trace[{k}].predicted_ms"), step.predicted_ms)?;
+    }
+    check_replaced(report, world)
+}
+
+/// The plans a report says the run dropped: at most `MAX_REPLANS`, in step order, each
+/// with one figure per rank.
+fn check_replaced(report: &PrecisionPlanReport, world: usize) -> Result<()> {
+    if report.replaced.len() > MAX_REPLANS {
+        return Err(invalid(format!("replaced lists {} plans; a run replans at most {MAX_REPLANS} times.", report.replaced.len())));
+    }
+    if report.replaced.windows(2).any(|pair| pair[1].step <= pair[0].step) {
+        return Err(invalid("replaced must list the dropped plans oldest first, each at a later step.".into()));
+    }
+    for (i, dropped) in report.replaced.iter().enumerate() {
+        for (what, count) in
+            [("predicted_ms", dropped.predicted_ms.len()), ("measured_ms", dropped.measured_ms.len()), ("lowered", dropped.lowered.len())]
+        {
+            if count != world {
+                return Err(invalid(format!("replaced[{i}].{what} has {count} entries; send one per rank.")));
+            }
+        }
+        for (rank, (predicted, measured)) in dropped.predicted_ms.iter().zip(&dropped.measured_ms).enumerate() {
+            millis(&format!("replaced[{i}].predicted_ms[{rank}]"), *predicted)?;
+            millis(&format!("replaced[{i}].measured_ms[{rank}]"), *measured)?;
+        }
     }
     Ok(())
 }
@@ -310,6 +336,7 @@ mod tests {
     use super::*;
     use tessera_api::precision::{
         AllocationStep, CastFit, CastModel, CostTable, IndicatorKind, OpCost, OpKind, OpTiming, PlannedOp, Precision,
+        ReplacedPlan,
     };
 
     fn timing(precision: Precision, ms: f64) -> OpTiming {
@@ -381,7 +408,12 @@ mod tests {
                 predicted_ms: 13.9,
                 accepted: false,
             }],
+            replaced: Vec::new(),
         }
+    }
+
+    fn dropped(step: u64) -> ReplacedPlan {
+        ReplacedPlan { step, predicted_ms: vec![12.0, 12.0], measured_ms: vec![12.5, 30.0], lowered: vec![0, 1] }
     }
 
     fn refused(report: &PrecisionPlanReport, world: u32) -> String {
@@ -446,6 +478,25 @@ mod tests {
         let mut r = report();
         r.trace = vec![r.trace[0].clone(); MAX_TRACE + 1];
         assert!(refused(&r, 2).contains("at most"));
+    }
+
+    #[test]
+    fn dropped_plans_are_few_in_step_order_with_a_figure_per_rank() {
+        let mut r = report();
+        r.replaced = vec![dropped(40), dropped(90)];
+        check(&r, 2).unwrap();
+        r.replaced.reverse();
+        assert!(refused(&r, 2).contains("oldest first"));
+        let mut r = report();
+        r.replaced = (1..=MAX_REPLANS as u64 + 1).map(|i| dropped(i * 40)).collect();
+        assert!(refused(&r, 2).contains("at most 3 times"));
+        let mut r = report();
+        r.replaced = vec![dropped(40)];
+        r.replaced[0].lowered.pop();
+        assert!(refused(&r, 2).contains("replaced[0].lowered has 1 entries"));
+        r.replaced = vec![dropped(40)];
+        r.replaced[0].measured_ms[1] = f64::INFINITY;
+        assert!(refused(&r, 2).contains("replaced[0].measured_ms[1] must be finite milliseconds"));
     }
 
     #[test]

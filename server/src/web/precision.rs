@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use chrono::Utc;
 use tessera_api::jobs::{Job, JobSpec};
 use tessera_api::parallel::RankStep;
-use tessera_api::precision::{IndicatorKind, OpKind, PrecisionPlanReport, RankPlan};
+use tessera_api::precision::{IndicatorKind, OpKind, PrecisionPlanReport, RankPlan, ReplacedPlan};
 
 use super::chart::{self, Chart};
 use super::format;
@@ -65,6 +65,13 @@ pub struct AccuracyRow {
     pub this: bool,
 }
 
+/// A plan the run dropped because its ranks drifted apart from its prediction.
+pub struct ReplacedRow {
+    pub step: u64,
+    /// Per rank: `rank 1: 30.0 ms measured, 12.0 ms predicted (+150 %), 4 operators below f32`.
+    pub ranks: Vec<String>,
+}
+
 pub struct TraceRow {
     pub op: String,
     pub from: &'static str,
@@ -96,6 +103,8 @@ pub struct PlanView {
     pub accuracy: Vec<AccuracyRow>,
     pub trace: Vec<TraceRow>,
     pub trace_total: usize,
+    /// The run's earlier plans, oldest first; the cards and chart figures are this plan's.
+    pub replaced: Vec<ReplacedRow>,
     pub trace_accepted: usize,
 }
 
@@ -214,6 +223,21 @@ fn iteration_chart(report: &PrecisionPlanReport, by_step: &BTreeMap<u64, (f64, O
     chart::chart("Step time", "ms", &series, ms)
 }
 
+fn replaced_row(dropped: &ReplacedPlan) -> ReplacedRow {
+    let ranks = dropped
+        .measured_ms
+        .iter()
+        .zip(&dropped.predicted_ms)
+        .zip(&dropped.lowered)
+        .enumerate()
+        .map(|(rank, ((&measured, &predicted), lowered))| {
+            let off = if predicted > 0.0 { format!(" ({:+.0} %)", (measured / predicted - 1.0) * 100.0) } else { String::new() };
+            format!("rank {rank}: {} measured, {} predicted{off}, {lowered} operators below f32", ms(measured), ms(predicted))
+        })
+        .collect();
+    ReplacedRow { step: dropped.step, ranks }
+}
+
 fn indicator_name(kind: IndicatorKind) -> String {
     match kind {
         IndicatorKind::GradientVariance => "gradient variance with depth weighting (QSync)".into(),
@@ -267,7 +291,11 @@ pub async fn view(state: &AppState, job: &Job) -> Result<Option<PlanView>> {
         return Ok(None);
     }
     let Some((report, updated_at)) = store::get(&state.db, job.id).await? else { return Ok(None) };
-    let steps = gangs::rank_steps(&state.db, job.id).await?;
+    // The steps since the plan in force was asked for (a run that planned again dropped
+    // the earlier plans at the step `replaced` names).
+    let since = report.replaced.last().map_or(0, |dropped| dropped.step);
+    let steps: Vec<RankStep> =
+        gangs::rank_steps(&state.db, job.id).await?.into_iter().filter(|s| s.step > since).collect();
     let cards = report
         .ranks
         .iter()
@@ -329,6 +357,7 @@ pub async fn view(state: &AppState, job: &Job) -> Result<Option<PlanView>> {
             })
             .collect(),
         trace_total: report.trace.len(),
+        replaced: report.replaced.iter().map(replaced_row).collect(),
         trace_accepted,
     }))
 }

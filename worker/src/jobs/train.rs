@@ -107,8 +107,23 @@ fn plan_summary(report: &PrecisionPlanReport) -> String {
                     format!("rank {} ({}) {lowered} of {} operators below f32", rank.rank, rank.device, rank.ops.len())
                 })
                 .collect();
+            let again = match report.replaced.last() {
+                Some(dropped) => format!(
+                    " (planned again: at step {} the ranks' compute, measured against predicted, was {})",
+                    dropped.step,
+                    dropped
+                        .measured_ms
+                        .iter()
+                        .zip(&dropped.predicted_ms)
+                        .enumerate()
+                        .map(|(rank, (m, p))| format!("rank {rank} {m:.1}/{p:.1} ms"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                None => String::new(),
+            };
             format!(
-                "precision plan: {}; predicted step {:.1} ms (budget {:.1} ms)",
+                "precision plan: {}; predicted step {:.1} ms (budget {:.1} ms){again}",
                 ranks.join(", "),
                 report.predicted_step_ms,
                 report.budget_ms
@@ -415,7 +430,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
     let threads = rank.device.threads;
     let slowdown = Slowdown::new(context.test_slowdown);
     let planner = spec.parallel.as_ref().and_then(|p| p.precision.clone()).map(|precision| {
-        Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), slowdown))
+        Planner::new(precision, spec.seed, device_label(&device, threads.map(|n| n as usize), &slowdown))
     });
     let preempt = context.preempt();
     let mut session = session.with_preemption(preempt.flag());
@@ -443,6 +458,7 @@ pub async fn run_rank(context: &JobContext, rank: RankJob) -> Result<String, Job
             start_step: session.step(),
         };
         let (ring_device, ring_preempt, peers) = (device.clone(), preempt.flag(), member.peers.clone());
+        let slowdown = slowdown.clone();
         let setup = tokio::task::spawn_blocking(
             move || -> Result<(Session, Vec<std::net::TcpStream>, RingFault, Transport), JobError> {
                 let ring =
@@ -579,7 +595,7 @@ async fn join(context: &JobContext, spec: &TrainJob, device: &Device, address: &
 
 /// The rank's device in words for its precision plan: `cpu, 4 threads`, `cuda:0`, with a
 /// test slowdown named.
-fn device_label(device: &Device, threads: Option<usize>, slowdown: Slowdown) -> String {
+fn device_label(device: &Device, threads: Option<usize>, slowdown: &Slowdown) -> String {
     let mut label = match (device.is_cuda(), threads.unwrap_or_else(rayon::current_num_threads)) {
         (true, _) => "cuda:0".to_string(),
         (false, 1) => "cpu, 1 thread".to_string(),

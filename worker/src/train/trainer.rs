@@ -8,6 +8,7 @@
 //! optimizer. Data-parallel training (`collective::RingSync`) replaces `LocalGradients`
 //! with an all-reduce; nothing else changes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,26 +104,37 @@ pub struct StepPhases {
 /// Test-only: makes this replica's compute `factor` times slower by sleeping `factor − 1`
 /// times as long as each piece of compute took, so one host can stand in for unequal
 /// devices in tests of precision planning (its operators, profiled, slow down alike).
-/// Never used for a reported speed-up.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Slowdown(f64);
+/// Clones share the factor, so a test can slow a rank down mid-run ([`Slowdown::set`]), as
+/// another tenant would. Never used for a reported speed-up.
+#[derive(Debug, Clone, Default)]
+pub struct Slowdown(Arc<AtomicU64>);
 
 impl Slowdown {
-    pub const NONE: Slowdown = Slowdown(1.0);
-
     /// `factor` ≥ 1; anything else (NaN, below 1) is no slowdown.
     pub fn new(factor: f64) -> Slowdown {
-        Slowdown(if factor >= 1.0 { factor } else { 1.0 })
+        let slowdown = Slowdown::default();
+        slowdown.set(factor);
+        slowdown
+    }
+
+    pub fn none() -> Slowdown {
+        Slowdown::new(1.0)
     }
 
     pub fn factor(&self) -> f64 {
-        self.0
+        f64::from_bits(self.0.load(Ordering::Relaxed)).max(1.0)
+    }
+
+    /// Changes the factor for every clone.
+    pub fn set(&self, factor: f64) {
+        self.0.store(if factor >= 1.0 { factor } else { 1.0 }.to_bits(), Ordering::Relaxed);
     }
 
     /// Sleeps as long as the slowdown adds to compute that took `took`.
     pub fn pause(&self, took: Duration) {
-        if self.0 > 1.0 {
-            std::thread::sleep(took.mul_f64(self.0 - 1.0));
+        let factor = self.factor();
+        if factor > 1.0 {
+            std::thread::sleep(took.mul_f64(factor - 1.0));
         }
     }
 }
@@ -190,7 +202,7 @@ impl Trainer {
             kind,
             device,
             sync: Box::new(LocalGradients),
-            slowdown: Slowdown::NONE,
+            slowdown: Slowdown::none(),
             last_rows: Vec::new(),
             last_phases: None,
         })
@@ -208,7 +220,7 @@ impl Trainer {
     }
 
     pub fn slowdown(&self) -> Slowdown {
-        self.slowdown
+        self.slowdown.clone()
     }
 
     pub fn share(&self) -> Share {

@@ -8,16 +8,19 @@
 //! The exchange runs over the gang's ring, in the same order on every rank: an all-gather
 //! of the measurements, then rank 0's report broadcast. So every rank switches at the same
 //! step and the all-reduce keeps their weights bit-identical. A gang resumed from a
-//! checkpoint profiles and plans again (it may run on other devices).
+//! checkpoint profiles and plans again (it may run on other devices), and so does a gang
+//! whose ranks' speeds drift apart from what its plan predicted (`drift`): every rank goes
+//! back to f32 at the same step, profiles, and the new plan lists the dropped ones.
 
+pub mod drift;
 pub mod ops;
 pub mod plan;
 
 use std::time::Duration;
 
 use candle_core::backprop::GradStore;
-use tessera_api::parallel::PrecisionSpec;
-use tessera_api::precision::{CastModel, CostTable, OpCost, OpKind, Precision, PrecisionPlanReport};
+use tessera_api::parallel::{PrecisionSpec, MAX_REPLANS, REPLAN_CHECK_STEPS};
+use tessera_api::precision::{CastModel, CostTable, OpCost, OpKind, Precision, PrecisionPlanReport, ReplacedPlan};
 
 use super::model::OpTrace;
 use super::precision::{PlanError, PrecisionPlan};
@@ -35,6 +38,8 @@ pub enum PlanningError {
     Plan(#[from] PlanError),
     #[error("precision planning: a rank sent {what} that does not decode: {error}")]
     Decode { what: &'static str, error: serde_json::Error },
+    #[error("precision planning: a rank sent {what} that is not 8 bytes")]
+    Malformed { what: &'static str },
     #[error("precision planning: the model has no operators a plan can name")]
     NoOperators,
 }
@@ -122,7 +127,7 @@ pub fn profile_rank(
         return Err(PlanningError::NoOperators);
     }
     let slowdown = trainer.slowdown();
-    let operators = ops::profile(device, &mut traces, low, rounds, slowdown)?;
+    let operators = ops::profile(device, &mut traces, low, rounds, slowdown.clone())?;
     let casts = ops::profile_cast_model(trainer.device(), &traces, rounds, slowdown)?;
     Ok(RankProfiling { operators, casts, traces, grads })
 }
@@ -158,8 +163,36 @@ struct Planned {
     /// The gang's report; kept on rank 0 only, which reports it.
     report: Option<PrecisionPlanReport>,
     predicted_ms: f64,
+    /// Every rank's predicted compute, by rank, for a typical batch of `typical_work`.
+    ranks_ms: Vec<f64>,
+    typical_work: f64,
+    /// Every rank's operators below f32, by rank.
+    lowered: Vec<u32>,
     /// This rank's step times since the plan.
     iter_ms: Vec<f64>,
+    /// This rank's compute per unit of work in the steps since the last drift check.
+    window: Vec<f64>,
+    /// Drift checks in a row that found the ranks apart.
+    apart: u32,
+}
+
+impl Planned {
+    fn new(report: &PrecisionPlanReport, typical_work: f64, leader: bool) -> Planned {
+        Planned {
+            report: leader.then(|| report.clone()),
+            predicted_ms: report.predicted_step_ms,
+            ranks_ms: report.ranks.iter().map(|r| r.predicted_ms).collect(),
+            typical_work,
+            lowered: report
+                .ranks
+                .iter()
+                .map(|r| r.ops.iter().filter(|op| op.precision < Precision::F32).count() as u32)
+                .collect(),
+            iter_ms: Vec::new(),
+            window: Vec::new(),
+            apart: 0,
+        }
+    }
 }
 
 /// Drives one rank through profiling and planning; the session calls it after every step.
@@ -170,6 +203,8 @@ pub struct Planner {
     device: String,
     samples: Vec<Sample>,
     planned: Option<Planned>,
+    /// The plans this run dropped for drift, oldest first.
+    replaced: Vec<ReplacedPlan>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -192,7 +227,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 impl Planner {
     /// `seed` (the job's) shuffles the random ablation's indicator.
     pub fn new(spec: PrecisionSpec, seed: u64, device: impl Into<String>) -> Planner {
-        Planner { spec, seed, device: device.into(), samples: Vec::new(), planned: None }
+        Planner { spec, seed, device: device.into(), samples: Vec::new(), planned: None, replaced: Vec::new() }
     }
 
     /// What the plan in force predicts a step takes (the synchronous step); `None` while
@@ -201,26 +236,69 @@ impl Planner {
         self.planned.as_ref().map(|p| p.predicted_ms)
     }
 
-    /// After each optimizer step (`iter`: the whole step). Once `profile_steps` steps are
+    /// After each optimizer step (`step`, which took `iter`). Once `profile_steps` steps are
     /// timed, profiles, plans and applies the plan; returns the gang's report on rank 0 at
-    /// that step.
+    /// that step. Under a plan, checks the ranks' drift from it every
+    /// [`REPLAN_CHECK_STEPS`] steps (`drift`), and drops it when they have come apart.
     pub fn after_step(
         &mut self,
         trainer: &mut Trainer,
+        step: u64,
         iter: Duration,
     ) -> Result<Option<PrecisionPlanReport>, PlanningError> {
         if let Some(planned) = &mut self.planned {
             planned.iter_ms.push(ms(iter));
+            // The same on every rank: the spec and the plans replaced are the gang's.
+            if self.spec.replan_drift > 0.0 && self.replaced.len() < MAX_REPLANS {
+                let sample = Sample::last_step(trainer)?;
+                planned.window.push(sample.compute_ms / sample.work.max(1.0));
+                if planned.window.len() as u64 >= REPLAN_CHECK_STEPS {
+                    self.check_drift(trainer, step)?;
+                }
+            }
             return Ok(None);
         }
         self.samples.push(Sample::last_step(trainer)?);
         if self.samples.len() < self.spec.profile_steps as usize {
             return Ok(None);
         }
-        let (report, predicted_ms) = self.plan(trainer)?;
+        let (report, typical_work) = self.plan(trainer)?;
         let leader = trainer.share().is_leader();
-        self.planned = Some(Planned { report: leader.then_some(report.clone()), predicted_ms, iter_ms: Vec::new() });
+        self.planned = Some(Planned::new(&report, typical_work, leader));
         Ok(leader.then_some(report))
+    }
+
+    /// Every rank at the same step: shares its drift from the plan in force; once the
+    /// drifts have been apart in [`drift::CHECKS_IN_A_ROW`] checks, drops the plan (every
+    /// rank back at f32, profiling again), keeping it for the next plan's report.
+    fn check_drift(&mut self, trainer: &mut Trainer, step: u64) -> Result<(), PlanningError> {
+        let Some(planned) = &mut self.planned else { return Ok(()) };
+        let share = trainer.share();
+        // A gang re-formed at another size since the plan (elastic) has no prediction per
+        // rank to compare with; every rank skips alike.
+        let Some(&predicted) = planned.ranks_ms.get(share.rank).filter(|_| planned.ranks_ms.len() == share.world)
+        else {
+            planned.window.clear();
+            return Ok(());
+        };
+        let mine = drift::drift(&planned.window, planned.typical_work, predicted);
+        planned.window.clear();
+        let drifts = gather_drifts(trainer, mine)?;
+        planned.apart = if drift::spread(&drifts) > self.spec.replan_drift { planned.apart + 1 } else { 0 };
+        if planned.apart < drift::CHECKS_IN_A_ROW {
+            return Ok(());
+        }
+        self.replaced.push(ReplacedPlan {
+            step,
+            measured_ms: drifts.iter().zip(&planned.ranks_ms).map(|(d, p)| d * p).collect(),
+            predicted_ms: planned.ranks_ms.clone(),
+            lowered: planned.lowered.clone(),
+        });
+        let all_f32 = trainer.network().precision_ops().into_iter().map(|(op, _)| (op, Precision::F32)).collect();
+        trainer.network_mut().set_precision(&PrecisionPlan(all_f32))?;
+        self.samples.clear();
+        self.planned = None;
+        Ok(())
     }
 
     /// Rank 0's report with the median step time measured under the plan.
@@ -233,15 +311,19 @@ impl Planner {
         Some(report)
     }
 
+    /// Profiles, plans and applies the plan; returns the gang's report and the typical
+    /// batch's work the plan predicts for.
     fn plan(&self, trainer: &mut Trainer) -> Result<(PrecisionPlanReport, f64), PlanningError> {
         let profiling = profile_rank(trainer, &self.device, self.spec.low, self.samples.len())?;
         let (samples, statistic) = step_reading(&self.samples);
+        let typical_work = median(samples.iter().map(|s| s.work).collect()).max(1.0);
         let ranks = gather_measurements(trainer, &profiling.measurement(samples, statistic))?;
         let rank = trainer.share().rank;
         let report = if rank == 0 {
             let graph = gang_graph(&profiling.traces, &ranks);
             let indicators = indicators(&profiling.traces, &profiling.grads)?;
-            let gang = plan_gang(self.spec.policy, self.spec.low, self.seed, &graph, &ranks, &indicators)?;
+            let mut gang = plan_gang(self.spec.policy, self.spec.low, self.seed, &graph, &ranks, &indicators)?;
+            gang.report.replaced = self.replaced.clone();
             let bytes = serde_json::to_vec(&gang.report).expect("reports serialise");
             trainer.sync_mut().broadcast(bytes)?;
             gang.report
@@ -252,9 +334,19 @@ impl Planner {
         let plan = report.ranks.get(rank).ok_or(QsyncError::NoRank { rank, ranks: report.ranks.len() })?;
         let plan = PrecisionPlan(plan.ops.iter().map(|op| (op.op.clone(), op.precision)).collect());
         trainer.network_mut().set_precision(&plan)?;
-        let predicted = report.predicted_step_ms;
-        Ok((report, predicted))
+        Ok((report, typical_work))
     }
+}
+
+/// Every rank's drift, by rank (every rank calls it at the same step).
+fn gather_drifts(trainer: &mut Trainer, mine: f64) -> Result<Vec<f64>, PlanningError> {
+    trainer
+        .sync_mut()
+        .all_gather(mine.to_le_bytes().to_vec())?
+        .iter()
+        .map(|bytes| <[u8; 8]>::try_from(bytes.as_slice()).map(f64::from_le_bytes))
+        .collect::<Result<_, _>>()
+        .map_err(|_| PlanningError::Malformed { what: "its drift" })
 }
 
 /// Every rank's measurements, by rank, exchanged over the gang's ring (every rank calls it

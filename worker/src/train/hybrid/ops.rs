@@ -87,7 +87,7 @@ pub fn profile(
     let mut ops = Vec::with_capacity(traces.len());
     for trace in traces.iter_mut() {
         let candidates = candidates(trace, low);
-        let mut op = TracedOp { trace, precisions: Vec::new(), output: None, slowdown };
+        let mut op = TracedOp { trace, precisions: Vec::new(), output: None, slowdown: slowdown.clone() };
         for precision in candidates {
             match op.forward(precision) {
                 Ok(_) => op.precisions.push(precision),

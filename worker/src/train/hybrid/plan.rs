@@ -179,6 +179,7 @@ pub fn plan_gang(
         predicted_step_ms: step.step_ms,
         measured_step_ms: None,
         trace,
+        replaced: Vec::new(),
     };
     Ok(GangPlan { report, plans })
 }
