@@ -86,7 +86,7 @@ fn gang(policy: PrecisionPolicy, low: Precision) -> Vec<Run> {
 fn gang_slowed_after(policy: PrecisionPolicy, low: Precision, steps: u64, slowed_after: u64) -> Vec<Run> {
     let _alone = ONE_GANG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let csv = csv();
-    let precision = PrecisionSpec { policy, low, profile_steps: PROFILE_STEPS, replan_drift: 0.25 };
+    let precision = PrecisionSpec { policy, low, profile_steps: PROFILE_STEPS, replan_drift: 0.5 };
     let rings = ring::loopback(2, Uuid::new_v4(), Duration::from_secs(120)).unwrap();
     std::thread::scope(|scope| {
         let handles: Vec<_> = rings
@@ -285,7 +285,8 @@ fn a_rank_slowing_under_a_plan_gets_a_new_plan() {
     let slowed_after = PROFILE_STEPS as u64 + 2;
     let dropped_at = PROFILE_STEPS as u64 + 2 * REPLAN_CHECK_STEPS;
     let replanned_at = dropped_at + PROFILE_STEPS as u64;
-    let steps = replanned_at + 4;
+    // The last check must leave a new plan a check's worth of steps.
+    let steps = dropped_at + PROFILE_STEPS as u64 + REPLAN_CHECK_STEPS;
     let runs = gang_slowed_after(PrecisionPolicy::Qsync, Precision::Int8, steps, slowed_after);
     assert_eq!(runs[0].weights, runs[1].weights, "the all-reduce keeps the ranks bit-identical");
     let [first, second, finished] = &runs[0].reports[..] else { panic!("{} reports", runs[0].reports.len()) };

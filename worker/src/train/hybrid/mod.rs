@@ -236,20 +236,23 @@ impl Planner {
         self.planned.as_ref().map(|p| p.predicted_ms)
     }
 
-    /// After each optimizer step (`step`, which took `iter`). Once `profile_steps` steps are
-    /// timed, profiles, plans and applies the plan; returns the gang's report on rank 0 at
-    /// that step. Under a plan, checks the ranks' drift from it every
-    /// [`REPLAN_CHECK_STEPS`] steps (`drift`), and drops it when they have come apart.
+    /// After each optimizer step (`step` of `max_steps`, which took `iter`). Once
+    /// `profile_steps` steps are timed, profiles, plans and applies the plan; returns the
+    /// gang's report on rank 0 at that step. Under a plan, checks the ranks' drift from it
+    /// every [`REPLAN_CHECK_STEPS`] steps (`drift`), and drops it when they have come apart,
+    /// as long as a new plan would still run a check's worth of steps.
     pub fn after_step(
         &mut self,
         trainer: &mut Trainer,
         step: u64,
+        max_steps: u64,
         iter: Duration,
     ) -> Result<Option<PrecisionPlanReport>, PlanningError> {
         if let Some(planned) = &mut self.planned {
             planned.iter_ms.push(ms(iter));
-            // The same on every rank: the spec and the plans replaced are the gang's.
-            if self.spec.replan_drift > 0.0 && self.replaced.len() < MAX_REPLANS {
+            let worth_it = max_steps.saturating_sub(step) >= u64::from(self.spec.profile_steps) + REPLAN_CHECK_STEPS;
+            // The same on every rank: the spec, the steps and the plans replaced are the gang's.
+            if self.spec.replan_drift > 0.0 && self.replaced.len() < MAX_REPLANS && worth_it {
                 let sample = Sample::last_step(trainer)?;
                 planned.window.push(sample.compute_ms / sample.work.max(1.0));
                 if planned.window.len() as u64 >= REPLAN_CHECK_STEPS {
