@@ -491,3 +491,71 @@ async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(html.contains("before names no job"), "{html}");
 }
+
+/// Every dashboard page and form, with unknown, malformed and real ids in its path, query
+/// parameters and form fields of the wrong type, answers below 500 (a page saying what is
+/// wrong, a redirect, or the page itself).
+#[tokio::test]
+async fn no_page_answers_malformed_requests_with_a_5xx() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let admin = server.admin().await;
+    let model = server.upload_model(&admin, "tiny", tiny_model()).await.json::<Value>().await.unwrap();
+    let model = model["id"].as_str().unwrap().to_string();
+    let dataset = server.toy_dataset(&admin).await;
+    let created = server.post(&admin, "/deployments", serde_json::json!({"name": "embedder", "model": "tiny"})).await;
+    assert_eq!(created.status(), 201);
+    let job = server.post(&admin, "/jobs", serde_json::json!({"name": "p", "spec": {"kind": "prefetch", "model": "tiny"}})).await;
+    let job = job.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let long = "x".repeat(300);
+    let ids = ["00000000-0000-0000-0000-000000000001", "nope", "%FF", "a%00b", &long, &model, &dataset, "embedder", &job, "latest", "1"];
+    let pages = [
+        "/", "/account", "/users", "/models", "/models/{}", "/jobs", "/jobs/new", "/jobs/compare", "/jobs/{}",
+        "/jobs/{}/series", "/jobs/{}/checkpoints/{}/files/{}", "/datasets", "/deployments", "/deployments/{}",
+        "/workers", "/mig", "/fleet", "/api/docs", "/static/{}",
+    ];
+    let queries = ["", "?state=x&before=x&fragment=table&max_points=99999999999999999999&jobs=x&a=%FF&series=x"];
+    let mut failures = Vec::new();
+    let mut sent = 0;
+    for page in pages {
+        let paths: Vec<String> =
+            if page.contains("{}") { ids.iter().map(|id| page.replace("{}", id)).collect() } else { vec![page.to_string()] };
+        for path in paths {
+            for query in queries {
+                let response =
+                    http.get(format!("{}{path}{query}", server.url)).header("cookie", &cookie).send().await.unwrap();
+                sent += 1;
+                if response.status().is_server_error() {
+                    failures.push(format!("GET {path}{query}: {}", response.status()));
+                }
+            }
+        }
+    }
+    // The forms, sent fields of the wrong type or none; deletes last, so the real ids last.
+    let forms = [
+        "/account/password", "/users/{}/disable", "/users/{}/enable", "/jobs/new", "/deployments",
+        "/deployments/{}/scale", "/deployments/{}/loaning", "/jobs/{}/cancel",
+        "/models/{}/delete", "/datasets/{}/delete", "/deployments/{}/delete",
+    ];
+    let fields: [&[(&str, &str)]; 3] = [
+        &[],
+        &[("replicas", "-1"), ("name", "\0"), ("model", "%FF"), ("max_attempts", "lots"), ("loanable", "maybe")],
+        &[("current_password", ""), ("new_password", "x"), ("throughput", "1e400"), ("headroom", "NaN")],
+    ];
+    for form in forms {
+        let paths: Vec<String> =
+            if form.contains("{}") { ids.iter().map(|id| form.replace("{}", id)).collect() } else { vec![form.to_string()] };
+        for path in paths {
+            for body in fields {
+                let response = post_form(&server, &http, &cookie, &path, body).await;
+                sent += 1;
+                if response.status().is_server_error() {
+                    failures.push(format!("POST {path} {body:?}: {}", response.status()));
+                }
+            }
+        }
+    }
+    assert!(sent > 100, "{sent} requests");
+    assert!(failures.is_empty(), "{} of {sent} requests:\n{}", failures.len(), failures.join("\n"));
+}
