@@ -559,3 +559,35 @@ async fn no_page_answers_malformed_requests_with_a_5xx() {
     assert!(sent > 100, "{sent} requests");
     assert!(failures.is_empty(), "{} of {sent} requests:\n{}", failures.len(), failures.join("\n"));
 }
+
+/// A compare link keeps its jobs pickable and drawn however many jobs came after them
+/// (the picker lists the newest 500).
+#[tokio::test]
+async fn a_compare_link_shows_a_job_older_than_the_newest_500() {
+    use tessera_api::jobs::JobSpec;
+    use tessera_server::store::{self, jobs::NewJob};
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let admin = server.admin().await;
+    let dataset = server.toy_dataset(&admin).await;
+    let body = serde_json::json!({"name": "old-run", "model": {"kind": "mlp", "hidden": [8]}, "dataset": dataset,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.2},
+        "optimizer": {"type": "sgd", "momentum": 0.9}, "batch_size": 8, "max_steps": 10, "eval_every": 5,
+        "checkpoint_every": 5, "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+    let response = server.post(&admin, "/jobs", body).await;
+    assert_eq!(response.status(), 201);
+    let old = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let db = &server.state.db;
+    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+    for i in 0..500 {
+        let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
+        store::jobs::insert(db, &NewJob::new(owner, &format!("job {i}"), &spec, 1)).await.unwrap();
+    }
+    let (_, html) = page(&server, &http, &cookie, "/jobs/compare").await;
+    assert!(!html.contains("old-run"), "the picker lists the newest 500");
+    let (status, html) = page(&server, &http, &cookie, &format!("/jobs/compare?ids={old},nope")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(html.contains(&format!("value=\"{old}\" data-compare-job=\"old-run\" checked")), "{html}");
+    assert!(html.contains(&format!("data-compare=\"{old}\"")), "and drawn");
+}

@@ -302,6 +302,9 @@ struct ComparePage {
     selected: String,
 }
 
+/// Jobs older than the newest 500 a compare link may bring in.
+const MAX_LINKED: usize = 50;
+
 #[derive(Debug, Default, Deserialize)]
 pub struct CompareQuery {
     /// Comma-separated job ids.
@@ -313,8 +316,15 @@ pub struct CompareQuery {
 pub async fn compare(State(state): State<AppState>, user: WebUser, Query(query): Query<CompareQuery>) -> Response {
     let result = async {
         let wanted: Vec<&str> = query.ids.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        let rows: Vec<CompareRow> = crate::store::jobs::newest(&state.db, &user.0.scope())
-            .await?
+        let scope = user.0.scope();
+        let mut jobs = crate::store::jobs::newest(&state.db, &scope).await?;
+        // A job the link asks for stays pickable however many jobs came after it.
+        for id in wanted.iter().filter_map(|id| id.parse::<Uuid>().ok()).take(MAX_LINKED) {
+            if !jobs.iter().any(|job| job.id == id) {
+                jobs.extend(crate::store::jobs::get(&state.db, &scope, id).await?);
+            }
+        }
+        let rows: Vec<CompareRow> = jobs
             .into_iter()
             .filter_map(|job| match &job.spec {
                 JobSpec::Train(train) => Some(CompareRow {
