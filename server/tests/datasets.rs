@@ -177,11 +177,7 @@ async fn a_worker_downloads_a_dataset_and_users_cannot_use_the_agent_route() {
 /// holds the dataset finds it gone (404).
 #[tokio::test]
 async fn a_dataset_deletion_and_a_job_queued_on_it_run_one_after_the_other() {
-    use std::time::Duration;
     use tessera_server::store::{self, jobs::NewJob, RowLock};
-    // Long enough for a request to reach its transaction; a step that wrongly does not
-    // wait finishes well within it.
-    const WAIT: Duration = Duration::from_millis(500);
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let db = &server.state.db;
@@ -202,11 +198,8 @@ async fn a_dataset_deletion_and_a_job_queued_on_it_run_one_after_the_other() {
         // A job being queued holds the dataset: its deletion waits, then sees the job.
         let mut queuing = db.begin().await.unwrap();
         tessera_server::datasets::hold(db, &mut queuing, dataset).await.unwrap();
-        let deletion = tokio::spawn({
-            let request = server.http.delete(server.api(&format!("/datasets/{id}"))).bearer_auth(&token);
-            async move { request.send().await.unwrap() }
-        });
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.delete(server.api(&format!("/datasets/{id}"))).bearer_auth(&token);
+        let deletion = support::send_into_a_lock(request).await;
         assert!(!deletion.is_finished(), "{backend:?}: the deletion did not wait for the job being queued");
         let job = NewJob { dataset: Some(dataset), ..NewJob::new(owner, "t", &spec, 1) };
         let queued = store::jobs::insert_in(&mut queuing, &job).await.unwrap();
@@ -220,11 +213,8 @@ async fn a_dataset_deletion_and_a_job_queued_on_it_run_one_after_the_other() {
         assert_eq!(server.post(&token, &format!("/jobs/{queued}/cancel"), json!({})).await.status(), 200);
         let mut deleting = db.begin().await.unwrap();
         assert!(store::datasets::lock(&mut deleting, db.backend(), dataset, RowLock::Update).await.unwrap());
-        let submission = tokio::spawn({
-            let request = server.http.post(server.api("/jobs")).bearer_auth(&token).json(&body);
-            async move { request.send().await.unwrap() }
-        });
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.post(server.api("/jobs")).bearer_auth(&token).json(&body);
+        let submission = support::send_into_a_lock(request).await;
         assert!(!submission.is_finished(), "{backend:?}: the submission did not wait for the deletion");
         store::datasets::delete_in(&mut deleting, dataset).await.unwrap();
         deleting.commit().await.unwrap();

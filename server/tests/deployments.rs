@@ -117,30 +117,18 @@ async fn bad_deployments_are_refused_with_a_reason() {
 /// a deletion during a scale waits for it.
 #[tokio::test]
 async fn scaling_a_deployment_being_deleted_is_a_404_and_leaves_no_replica() {
-    use std::time::Duration;
-    // Long enough for a request to reach its transaction; a step that wrongly does not
-    // wait finishes well within it.
-    const WAIT: Duration = Duration::from_millis(500);
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let db = &server.state.db;
         let admin = server.admin().await;
         let id = deploy(&server, &admin, 1).await["id"].as_str().unwrap().to_string();
-        let scale = |replicas: u32| {
-            let request = server.http.patch(server.api("/deployments/embedder")).bearer_auth(&admin);
-            let request = request.json(&json!({"replicas": replicas}));
-            async move { request.send().await.unwrap() }
-        };
 
         // A scale holds the row: the deletion waits for it.
         let mut scaling = db.begin().await.unwrap();
         let id_uuid = id.parse().unwrap();
         assert!(tessera_server::store::deployments::set_replicas(&mut scaling, id_uuid, 2).await.unwrap());
-        let deletion = tokio::spawn({
-            let request = server.http.delete(server.api("/deployments/embedder")).bearer_auth(&admin);
-            async move { request.send().await.unwrap() }
-        });
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.delete(server.api("/deployments/embedder")).bearer_auth(&admin);
+        let deletion = support::send_into_a_lock(request).await;
         assert!(!deletion.is_finished(), "{backend:?}: the deletion did not wait for the scale");
         scaling.commit().await.unwrap();
         assert_eq!(deletion.await.unwrap().status(), 204, "{backend:?}");
@@ -151,8 +139,8 @@ async fn scaling_a_deployment_being_deleted_is_a_404_and_leaves_no_replica() {
         let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
         let mut deleting = db.begin().await.unwrap();
         sqlx::query("DELETE FROM deployments WHERE id = $1").bind(&id).execute(&mut *deleting).await.unwrap();
-        let scaled = tokio::spawn(scale(3));
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.patch(server.api("/deployments/embedder")).bearer_auth(&admin);
+        let scaled = support::send_into_a_lock(request.json(&json!({"replicas": 3}))).await;
         assert!(!scaled.is_finished(), "{backend:?}: the scale did not wait for the deletion");
         deleting.commit().await.unwrap();
         let response = scaled.await.unwrap();

@@ -181,12 +181,8 @@ async fn restart_keeps_users_models_and_queued_jobs() {
 /// (404, where its insert used to break the foreign key with a 500).
 #[tokio::test]
 async fn a_model_deletion_and_what_comes_to_use_it_run_one_after_the_other() {
-    use std::time::Duration;
     use tessera_api::jobs::JobSpec;
     use tessera_server::store::{self, jobs::NewJob, RowLock};
-    // Long enough for a request to reach its transaction; a step that wrongly does not
-    // wait finishes well within it.
-    const WAIT: Duration = Duration::from_millis(500);
     for backend in backends() {
         let server = TestServer::start(backend).await;
         let db = &server.state.db;
@@ -200,11 +196,8 @@ async fn a_model_deletion_and_what_comes_to_use_it_run_one_after_the_other() {
         // A prefetch job being queued holds the model: its deletion waits, then sees the job.
         let mut queuing = db.begin().await.unwrap();
         tessera_server::registry::hold(db, &mut queuing, model).await.unwrap();
-        let deletion = tokio::spawn({
-            let request = server.http.delete(server.api(&format!("/models/{id}"))).bearer_auth(&token);
-            async move { request.send().await.unwrap() }
-        });
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.delete(server.api(&format!("/models/{id}"))).bearer_auth(&token);
+        let deletion = support::send_into_a_lock(request).await;
         assert!(!deletion.is_finished(), "{backend:?}: the deletion did not wait for the job being queued");
         let spec = JobSpec::Prefetch { model };
         let queued = store::jobs::insert_in(&mut queuing, &NewJob::new(owner, "prefetch", &spec, 1)).await.unwrap();
@@ -218,12 +211,9 @@ async fn a_model_deletion_and_what_comes_to_use_it_run_one_after_the_other() {
         assert_eq!(server.post(&token, &format!("/jobs/{queued}/cancel"), json!({})).await.status(), 200);
         let mut deleting = db.begin().await.unwrap();
         assert!(store::models::lock(&mut deleting, db.backend(), model, RowLock::Update).await.unwrap());
-        let creation = tokio::spawn({
-            let request = server.http.post(server.api("/deployments")).bearer_auth(&token);
-            let request = request.json(&json!({"name": "embedder", "model": id, "replicas": 1}));
-            async move { request.send().await.unwrap() }
-        });
-        tokio::time::sleep(WAIT).await;
+        let request = server.http.post(server.api("/deployments")).bearer_auth(&token);
+        let request = request.json(&json!({"name": "embedder", "model": id, "replicas": 1}));
+        let creation = support::send_into_a_lock(request).await;
         assert!(!creation.is_finished(), "{backend:?}: the deployment did not wait for the deletion");
         store::models::delete_in(&mut deleting, model).await.unwrap();
         deleting.commit().await.unwrap();

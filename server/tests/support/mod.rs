@@ -287,3 +287,12 @@ pub fn tiny_tokenizer() -> Vec<u8> {
     }))
     .unwrap()
 }
+
+/// Sends `request` on a task of its own and gives it half a second to run into whatever
+/// lock the test holds: long enough for it to reach its transaction, while a request that
+/// wrongly does not wait finishes well within it. The test then checks `is_finished`.
+pub async fn send_into_a_lock(request: reqwest::RequestBuilder) -> tokio::task::JoinHandle<reqwest::Response> {
+    let sent = tokio::spawn(async move { request.send().await.unwrap() });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    sent
+}
