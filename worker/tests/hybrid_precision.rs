@@ -304,7 +304,8 @@ fn a_rank_slowing_under_a_plan_gets_a_new_plan() {
     }
     for run in &runs {
         for timing in &run.timings {
-            let profiling = timing.step <= PROFILE_STEPS as u64 || (dropped_at < timing.step && timing.step <= replanned_at);
+            let reprofiling = dropped_at < timing.step && timing.step <= replanned_at;
+            let profiling = timing.step <= PROFILE_STEPS as u64 || reprofiling;
             let expected = match timing.step <= dropped_at {
                 _ if profiling => None,
                 true => Some(first.predicted_step_ms),
@@ -314,7 +315,8 @@ fn a_rank_slowing_under_a_plan_gets_a_new_plan() {
                 (Some(a), Some(b)) => (a - b).abs() <= 1e-9 * b,
                 (a, b) => a == b,
             };
-            assert!(near(timing.predicted_ms, expected), "step {}: {:?}, not {expected:?}", timing.step, timing.predicted_ms);
+            let (step, got) = (timing.step, timing.predicted_ms);
+            assert!(near(got, expected), "step {step}: {got:?}, not {expected:?}");
         }
     }
 }

@@ -134,15 +134,19 @@ pub fn check(report: &PrecisionPlanReport, world: u32) -> Result<()> {
 /// with one figure per rank.
 fn check_replaced(report: &PrecisionPlanReport, world: usize) -> Result<()> {
     if report.replaced.len() > MAX_REPLANS {
-        return Err(invalid(format!("replaced lists {} plans; a run replans at most {MAX_REPLANS} times.", report.replaced.len())));
+        let plans = report.replaced.len();
+        return Err(invalid(format!("replaced lists {plans} plans; a run replans at most {MAX_REPLANS} times.")));
     }
     if report.replaced.windows(2).any(|pair| pair[1].step <= pair[0].step) {
         return Err(invalid("replaced must list the dropped plans oldest first, each at a later step.".into()));
     }
     for (i, dropped) in report.replaced.iter().enumerate() {
-        for (what, count) in
-            [("predicted_ms", dropped.predicted_ms.len()), ("measured_ms", dropped.measured_ms.len()), ("lowered", dropped.lowered.len())]
-        {
+        let counts = [
+            ("predicted_ms", dropped.predicted_ms.len()),
+            ("measured_ms", dropped.measured_ms.len()),
+            ("lowered", dropped.lowered.len()),
+        ];
+        for (what, count) in counts {
             if count != world {
                 return Err(invalid(format!("replaced[{i}].{what} has {count} entries; send one per rank.")));
             }

@@ -231,8 +231,12 @@ fn replaced_row(dropped: &ReplacedPlan) -> ReplacedRow {
         .zip(&dropped.lowered)
         .enumerate()
         .map(|(rank, ((&measured, &predicted), lowered))| {
-            let off = if predicted > 0.0 { format!(" ({:+.0} %)", (measured / predicted - 1.0) * 100.0) } else { String::new() };
-            format!("rank {rank}: {} measured, {} predicted{off}, {lowered} operators below f32", ms(measured), ms(predicted))
+            let off = match predicted > 0.0 {
+                true => format!(" ({:+.0} %)", (measured / predicted - 1.0) * 100.0),
+                false => String::new(),
+            };
+            let (measured, predicted) = (ms(measured), ms(predicted));
+            format!("rank {rank}: {measured} measured, {predicted} predicted{off}, {lowered} operators below f32")
         })
         .collect();
     ReplacedRow { step: dropped.step, ranks }

@@ -259,7 +259,8 @@ impl Session {
                     }
                     // Every rank plans at the same step, between two steps.
                     if let Some(planner) = &mut self.planner {
-                        if let Some(report) = planner.after_step(&mut self.trainer, self.step, self.limits.max_steps, elapsed)? {
+                        let (step, max_steps) = (self.step, self.limits.max_steps);
+                        if let Some(report) = planner.after_step(&mut self.trainer, step, max_steps, elapsed)? {
                             emit(Event::PrecisionPlan(report));
                         }
                     }
