@@ -97,6 +97,8 @@ async fn bad_deployments_are_refused_with_a_reason() {
     for (body, status) in [
         (json!({"name": "embedder", "model": "tiny"}), 409),
         (json!({"name": "x y", "model": "tiny"}), 422),
+        // A name that reads as an id would be taken for one.
+        (json!({"name": "0b5e3c1e-7d1a-4a7e-9f3b-2c1d0e9f8a7b", "model": "tiny"}), 422),
         (json!({"name": "ok", "model": "missing"}), 404),
         (json!({"name": "ok", "model": "tiny", "replicas": 1000}), 422),
         (json!({"name": "ok", "model": "tiny", "max_batch_tokens": 10}), 422),

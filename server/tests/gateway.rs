@@ -338,3 +338,53 @@ async fn a_request_over_the_replicas_body_limit_is_a_413_on_both_apis() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
 }
+
+/// An engine URL whose server reads the request and closes the connection unanswered, as
+/// a replica stopped mid-request does.
+async fn hang_up_endpoint() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buffer = [0u8; 4096];
+            let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buffer).await;
+        }
+    });
+    format!("http://{address}/replica")
+}
+
+/// An engine URL answered by something that is not an engine: a 500 with an HTML page.
+async fn not_an_engine_endpoint() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let page = || async { (StatusCode::INTERNAL_SERVER_ERROR, "<html>oops</html>") };
+    let app = Router::new().route("/replica/embed", post(page));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/replica")
+}
+
+#[tokio::test]
+async fn a_replica_that_fails_mid_request_gets_the_client_a_502_on_both_apis() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    deployment_at(&server, &admin, "broken", &[hang_up_endpoint().await]).await;
+    deployment_at(&server, &admin, "garbled", &[not_an_engine_endpoint().await]).await;
+    let (_, token) = api_token(&server, &admin).await;
+    for (model, says) in [("broken", "broke off while answering"), ("garbled", "answered what no engine says")] {
+        let response = embed_with(&server, &token, model, "hello").await;
+        assert_eq!(response.status(), 502, "{model}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "bad_gateway", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&format!("A replica of '{model}' {says}; retry")), "{body}");
+        assert!(!message.contains("127.0.0.1"), "no replica address: {body}");
+
+        let request = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hello"]}]});
+        let response = server.http.post(format!("{}/v2/models/{model}/infer", server.url)).bearer_auth(&token)
+            .json(&request).send().await.unwrap();
+        assert_eq!(response.status(), 502, "{model}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"].as_str().unwrap().contains(says), "{body}");
+    }
+}

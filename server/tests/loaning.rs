@@ -808,13 +808,15 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         assert_eq!(response.status(), 201);
         let deployment: Uuid = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
         run_replicas(&server, &secret, 2).await;
-        let data = server.toy_dataset(&admin).await;
+        // Bob's job trains on the admin's lent slice.
+        let bob = server.user(&admin, "bob").await;
+        let data = server.toy_dataset(&bob).await;
         let job = json!({"name": "one-slice", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
             "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
             "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
             "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
             "parallel": {"ranks": [{"slice": PROFILE}]}, "resources": {"preemptible": true}});
-        let response = server.post(&admin, "/jobs", job).await;
+        let response = server.post(&bob, "/jobs", job).await;
         assert_eq!(response.status(), 201);
         let job = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
 
@@ -840,7 +842,14 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         let spike = run_round(&server.state).await.unwrap();
         assert_eq!(spike.preempted, 1, "{spike:?}");
         stop_gang(&server, &secret, &ranks).await;
-        assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "preempted");
+        let preempted = get(&server, &bob, &format!("/jobs/{job}")).await;
+        assert_eq!(preempted["state"], "preempted");
+        // Bob learns why, but not the name of the admin's deployment.
+        let told = format!("{preempted} {:?}", logs(&server, &bob, &job).await);
+        let why = "Preempted by the loaning round: another user's deployment needs its 1g.10gb slices back.";
+        assert!(told.contains(why) && !told.contains("embed"), "{told}");
+        let overview = get(&server, &admin, "/fleet/loaning").await;
+        assert!(overview["reclaims"][0]["reason"].as_str().unwrap().starts_with("embed needs its"), "{overview}");
     }
 }
 
@@ -1346,5 +1355,171 @@ async fn a_cut_regroup_drops_joiners_not_yet_ready_down_to_the_minimum() {
         let fleet = slices(&server, &admin).await;
         let dropped = fleet.iter().find(|s| s["uuid"] == freed[2].as_str()).unwrap();
         assert_eq!(dropped["in_use"], false, "the dropped joiner's slice is free again: {dropped}");
+    }
+}
+
+/// The round reads the deployments first and acts on them after: one deleted in between
+/// lends nothing more, and a slice it was taking back serves again without a replica
+/// (which its foreign key would refuse).
+#[tokio::test]
+async fn a_deployment_deleted_during_a_round_gets_no_loan_and_no_replica() {
+    use tessera_server::store::deployments as deployments_store;
+    use tessera_server::store::jobs::NewJob;
+    use tessera_server::store::Scope;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let db = &server.state.db;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 4, "loanable": true});
+        assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
+        run_replicas(&server, &secret, 4).await;
+        run_round(&server.state).await.unwrap();
+        assert_eq!(next_round(&server).await.lent, 3);
+        let now = slices(&server, &admin).await;
+        let loaned = now.iter().find(|s| s["loan_state"] == "loaned").unwrap()["uuid"].as_str().unwrap().to_string();
+        let serving = now.iter().find(|s| s["loan_state"] == "serving").unwrap()["uuid"].as_str().unwrap().to_string();
+        assert!(store::start_reclaim(db, &loaned, "demand returned").await.unwrap());
+
+        // What the round read before the deletion.
+        let read = deployments_store::get(db, &Scope::all(), "embed").await.unwrap().unwrap();
+        assert_eq!(server.delete(&admin, "/deployments/embed").await.status(), 204);
+
+        assert!(!store::lend(db, &serving, read.id, None, "idle").await.unwrap());
+        let spec = tessera_server::deployments::replica_spec(&read);
+        let replica = NewJob {
+            deployment: Some(read.id),
+            pinned_slice: Some(&loaned),
+            ..NewJob::new(read.owner_id, "replica of embed", &spec, 3)
+        };
+        assert!(store::finish_reclaim(db, &loaned, read.id, &replica).await.unwrap());
+        let after = slices(&server, &admin).await;
+        for uuid in [&loaned, &serving] {
+            let slice = after.iter().find(|s| s["uuid"] == uuid.as_str()).unwrap();
+            assert_eq!(slice["loan_state"], "serving", "{slice}");
+            assert!(slice["lender"].is_null(), "{slice}");
+        }
+        let jobs: Vec<Value> = server.get(&admin, "/jobs").await.json().await.unwrap();
+        assert!(jobs.iter().all(|j| j["kind"] != "serve"), "no replica of the deleted deployment: {jobs:?}");
+    }
+}
+
+/// The overview holds the newest slice events of the hour when there are more than it shows.
+#[tokio::test]
+async fn the_overview_keeps_the_newest_slice_events() {
+    let server = TestServer::start(support::Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let now = tessera_server::store::db::now_ms();
+    for i in 0..2010 {
+        sqlx::query("INSERT INTO loan_events (id, at, slice_uuid, state, detail) VALUES ($1, $2, 'MIG-x', 'idle', $3)")
+            .bind(Uuid::new_v4().to_string())
+            .bind(now - 60_000 + i)
+            .bind(format!("event {i}"))
+            .execute(server.state.db.pool())
+            .await
+            .unwrap();
+    }
+    let overview = get(&server, &admin, "/fleet/loaning").await;
+    let events = overview["slice_events"].as_array().unwrap();
+    assert_eq!(events.len(), 2000);
+    assert_eq!((events[0]["detail"].as_str(), events[1999]["detail"].as_str()), (Some("event 2009"), Some("event 10")));
+}
+
+/// A scale reads what the deployment lends under the row's lock: a loan made between the
+/// request's first read and its transaction does not get a replica queued in its place.
+#[tokio::test]
+async fn a_scale_counts_a_loan_made_while_it_waited() {
+    use tessera_server::store::loaning::Holder;
+    use tessera_server::store::{deployments as deployments_store, RowLock};
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let db = &server.state.db;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 2, "loanable": true});
+        let id: Uuid = server.post(&admin, "/deployments", body).await.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        run_replicas(&server, &secret, 2).await;
+        let fleet = store::fleet(db, 0).await.unwrap();
+        let (slice, replica) = fleet
+            .iter()
+            .find_map(|s| match s.holder {
+                Holder::Replica { job, .. } => Some((s.uuid.clone(), job)),
+                _ => None,
+            })
+            .unwrap();
+
+        // The round lends a slice, holding the deployment's row as it does, while a scale
+        // to the same count is on its way.
+        let mut lending = db.begin().await.unwrap();
+        assert!(deployments_store::lock(&mut lending, db.backend(), id, RowLock::Share).await.unwrap());
+        let request = server.http.patch(server.api("/deployments/embed")).bearer_auth(&admin);
+        let scaled = support::send_into_a_lock(request.json(&json!({"replicas": 2}))).await;
+        sqlx::query("UPDATE slices SET loan_state = 'loaned', lender_id = $1 WHERE uuid = $2")
+            .bind(id.to_string())
+            .bind(&slice)
+            .execute(&mut *lending)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE jobs SET state = 'cancelled' WHERE id = $1")
+            .bind(replica.to_string())
+            .execute(&mut *lending)
+            .await
+            .unwrap();
+        lending.commit().await.unwrap();
+        assert_eq!(scaled.await.unwrap().status(), 200, "{backend:?}");
+        let live: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM jobs WHERE deployment_id = $1 AND state IN ('queued', 'leased', 'running')",
+        )
+        .bind(id.to_string())
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+        assert_eq!(live, 1, "{backend:?}: two replicas wanted, one slice lent: one replica");
+    }
+}
+
+/// A claim whose job or slice went between the lease and the binding answers the worker
+/// "nothing to do" (not a 500) and leaves the job queued with its attempt unspent.
+#[tokio::test]
+async fn a_claim_whose_slice_or_job_went_meanwhile_gives_the_lease_back() {
+    use tessera_server::store::jobs as jobs_store;
+    use tessera_server::store::slices::{self, Bound};
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let db = &server.state.db;
+        let admin = server.admin().await;
+        mig_worker_with_tiny(&server, &admin).await;
+        let worker: Uuid = sqlx::query_scalar::<_, String>("SELECT id FROM workers WHERE name = 'mig-1'")
+            .fetch_one(db.pool())
+            .await
+            .unwrap()
+            .parse()
+            .unwrap();
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 1});
+        assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
+        let serve = vec!["serve".to_string()];
+
+        // The worker's slices are replaced between its claim and the binding.
+        let free = slices::free_for(db, worker).await.unwrap();
+        let claimed = jobs_store::claim(db, worker, &serve, 30_000, &free).await.unwrap().expect("the replica");
+        let replaced = sqlx::query("DELETE FROM slices WHERE worker_id = $1").bind(worker.to_string());
+        replaced.execute(db.pool()).await.unwrap();
+        assert!(matches!(slices::bind_claimed(db, worker, claimed.job_id, &free).await.unwrap(), Bound::Gone));
+        let (state, attempts): (String, i64) = sqlx::query_as("SELECT state, attempts FROM jobs WHERE id = $1")
+            .bind(claimed.job_id.to_string())
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        assert_eq!((state.as_str(), attempts), ("queued", 0), "{backend:?}");
+
+        // The deployment is deleted between a claim and the binding.
+        let free = slices::free_for(db, worker).await.unwrap();
+        let claimed = jobs_store::claim(db, worker, &serve, 30_000, &free).await.unwrap().expect("the replica again");
+        assert_eq!(server.delete(&admin, "/deployments/embed").await.status(), 204);
+        assert!(matches!(slices::bind_claimed(db, worker, claimed.job_id, &free).await.unwrap(), Bound::Gone));
     }
 }

@@ -82,6 +82,9 @@ async fn a_preempted_job_waits_as_preempted_without_spending_an_attempt_and_is_c
         assert_eq!((beat["stop"].clone(), beat["preempt"].clone()), (json!([]), json!([id])), "{backend:?}");
         let (code, _) = preempt(&server, &token, &id, json!({})).await;
         assert_eq!(code, 202, "asking again is harmless");
+        let logs: Value = server.get(&token, &format!("/jobs/{id}/logs")).await.json().await.unwrap();
+        let lines: Vec<&str> = logs.as_array().unwrap().iter().map(|l| l["line"].as_str().unwrap()).collect();
+        assert!(lines.contains(&"Preempted by ada: slices reclaimed"), "the log says why: {lines:?}");
 
         assert_eq!(status(&server, &secret, &id, "preempted", "Preempted at step 37.").await, 204);
         let preempted = job(&server, &token, &id).await;

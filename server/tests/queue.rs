@@ -174,7 +174,8 @@ async fn job_fails_when_its_last_attempt_expires() {
 
 /// `GET /api/v1/jobs` pages newest first: `limit` jobs a page, the `Link` header naming the
 /// next page until the last, which has none; jobs of one millisecond in the order they were
-/// queued, so no job is listed twice or skipped. A bad page is a 400 saying what to fix.
+/// queued, so no job is listed twice or skipped; the state and kind filters travel with
+/// the pages. A bad page or filter is a 400 saying what to fix.
 #[tokio::test]
 async fn the_job_list_pages_through_every_job_once() {
     for backend in backends() {
@@ -214,6 +215,13 @@ async fn the_job_list_pages_through_every_job_once() {
         assert!(link.contains(&format!("before={}", jobs[1])) && link.contains("state=queued"), "{link}");
         let unpaged: Vec<serde_json::Value> = server.get(&admin, "/jobs").await.json().await.unwrap();
         assert_eq!(unpaged.len(), 7, "{backend:?}");
+        // So does the kind filter; the jobs are all prefetches.
+        let response = server.get(&admin, "/jobs?kind=prefetch&limit=6").await;
+        let link = response.headers()["link"].to_str().unwrap().to_string();
+        assert!(link.contains("kind=prefetch"), "{link}");
+        assert_eq!(response.json::<Vec<serde_json::Value>>().await.unwrap().len(), 6, "{backend:?}");
+        let trained: Vec<serde_json::Value> = server.get(&admin, "/jobs?kind=train").await.json().await.unwrap();
+        assert!(trained.is_empty(), "{backend:?}: {trained:?}");
 
         for (query, says) in [
             ("limit=0", "limit must be 1 to 500"),
@@ -221,6 +229,7 @@ async fn the_job_list_pages_through_every_job_once() {
             (&*format!("before={}", Uuid::new_v4()), "before names no job"),
             ("before=last", "before"),
             ("limt=3", "limt"),
+            ("kind=serve", "listed with their deployment"),
         ] {
             let response = server.get(&admin, &format!("/jobs?{query}")).await;
             assert_eq!(response.status(), 400, "{backend:?} {query}");

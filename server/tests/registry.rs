@@ -108,6 +108,11 @@ async fn a_name_is_required_and_unique_per_owner() {
     let token = server.admin().await;
     let response = server.upload_model(&token, "", tiny_model()).await;
     assert_eq!(response.status(), 422);
+    // Specs and paths name a model by id or name: a name that reads as an id is refused.
+    let response = server.upload_model(&token, "0b5e3c1e-7d1a-4a7e-9f3b-2c1d0e9f8a7b", tiny_model()).await;
+    assert_eq!(response.status(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("reads as an id"), "{body}");
     assert_eq!(server.upload_model(&token, "tiny", tiny_model()).await.status(), 201);
     let before = stored_files(&server);
     let response = server.upload_model(&token, "tiny", tiny_model()).await;

@@ -575,19 +575,53 @@ async fn a_compare_link_shows_a_job_older_than_the_newest_500() {
         "task": {"type": "classification", "label_column": "label", "validation_split": 0.2},
         "optimizer": {"type": "sgd", "momentum": 0.9}, "batch_size": 8, "max_steps": 10, "eval_every": 5,
         "checkpoint_every": 5, "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
-    let response = server.post(&admin, "/jobs", body).await;
+    let response = server.post(&admin, "/jobs", body.clone()).await;
     assert_eq!(response.status(), 201);
     let old = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
     let db = &server.state.db;
     let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+    let run = store::jobs::spec(db, old.parse().unwrap()).await.unwrap().unwrap();
     for i in 0..500 {
         let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
         store::jobs::insert(db, &NewJob::new(owner, &format!("job {i}"), &spec, 1)).await.unwrap();
     }
+    let mut parallel = body.clone();
+    parallel["name"] = "dp-run".into();
+    parallel["parallel"] = serde_json::json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}]});
+    assert_eq!(server.post(&admin, "/jobs", parallel).await.status(), 201);
     let (_, html) = page(&server, &http, &cookie, "/jobs/compare").await;
-    assert!(!html.contains("old-run"), "the picker lists the newest 500");
+    assert!(html.contains("old-run"), "jobs of other kinds do not push a run out of the picker");
+    assert!(html.contains("dp-run"), "a data-parallel run is a training job too");
+    let runs: Vec<Value> = server.get(&admin, "/jobs?kind=train").await.json().await.unwrap();
+    assert_eq!(runs.iter().map(|j| j["name"].as_str().unwrap()).collect::<Vec<_>>(), ["dp-run", "old-run"]);
+    for i in 0..500 {
+        store::jobs::insert(db, &NewJob::new(owner, &format!("run {i}"), &run, 1)).await.unwrap();
+    }
+    let (_, html) = page(&server, &http, &cookie, "/jobs/compare").await;
+    assert!(!html.contains("old-run"), "the picker lists the newest 500 training jobs");
     let (status, html) = page(&server, &http, &cookie, &format!("/jobs/compare?ids={old},nope")).await;
     assert_eq!(status, StatusCode::OK);
     assert!(html.contains(&format!("value=\"{old}\" data-compare-job=\"old-run\" checked")), "{html}");
     assert!(html.contains(&format!("data-compare=\"{old}\"")), "and drawn");
+}
+
+/// A job page shows the newest 1,000 lines of a long log and counts the ones before.
+#[tokio::test]
+async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
+    use tessera_api::jobs::JobSpec;
+    use tessera_server::store::{self, jobs::NewJob};
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let db = &server.state.db;
+    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+    let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
+    let job = store::jobs::insert(db, &NewJob::new(owner, "chatty", &spec, 1)).await.unwrap();
+    let lines: Vec<String> = (1..=10_500).map(|i| format!("line number {i}.")).collect();
+    store::jobs::append_logs(db, job, &lines, 0).await.unwrap();
+    let (status, html) = page(&server, &http, &cookie, &format!("/jobs/{job}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(html.contains("line number 10500.") && html.contains("line number 9501."), "the newest 1,000");
+    assert!(!html.contains("line number 9500."), "no more");
+    assert!(html.contains("9500 earlier lines are not shown"), "and the count of the rest");
 }

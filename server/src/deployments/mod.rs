@@ -147,20 +147,6 @@ fn check_headroom(headroom: f64) -> Result<()> {
     tessera_api::deployments::check_reclaim_headroom(headroom).map_err(|m| Error::invalid("invalid_reclaim_headroom", m))
 }
 
-fn check_name(name: &str) -> Result<()> {
-    let valid = (1..=128).contains(&name.len())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-        && !name.starts_with('.');
-    if valid {
-        Ok(())
-    } else {
-        Err(Error::invalid(
-            "invalid_name",
-            "A deployment name has 1 to 128 letters, digits, '_', '-' or '.', not starting with '.'.",
-        ))
-    }
-}
-
 /// The job spec of each of the deployment's replicas.
 pub fn replica_spec(deployment: &StoredDeployment) -> JobSpec {
     JobSpec::Serve { deployment: deployment.id, model: deployment.model_id, limits: deployment.limits }
@@ -199,7 +185,7 @@ async fn reconcile(conn: &mut AnyConnection, deployment: &StoredDeployment, want
 /// MIG slices for a throughput SLO.
 pub async fn create(state: &AppState, principal: &Principal, request: CreateDeployment) -> Result<Deployment> {
     let name = request.name.trim();
-    check_name(name)?;
+    crate::registry::check_name(Some(name), "deployment")?;
     check_replicas(request.replicas)?;
     if let Some(throughput) = request.throughput {
         slo::check(throughput, request.latency_ms)?;
@@ -301,10 +287,16 @@ pub async fn update(
     if let Some(replicas) = request.replicas {
         let mut tx = state.db.begin().await?;
         crate::quotas::check_replicas(state, &mut tx, principal, replicas, Some(deployment.id)).await?;
-        if !store::set_replicas(&mut tx, deployment.id, replicas).await? {
+        // Read again under the row's lock: a loan made since the first read (the loaning
+        // round shares the lock) changed what it lends.
+        let current = match store::set_replicas(&mut tx, deployment.id, replicas).await? {
+            true => store::get_in(&mut tx, &Scope::all(), &deployment.id.to_string()).await?,
+            false => None,
+        };
+        let Some(current) = current else {
             return Err(Error::NotFound(format!("Deployment '{}' was deleted meanwhile.", deployment.name)));
-        }
-        reconcile(&mut tx, &deployment, replicas).await?;
+        };
+        reconcile(&mut tx, &current, replicas).await?;
         tx.commit().await?;
     }
     if request.loanable.is_some() || request.reclaim_headroom.is_some() {

@@ -351,7 +351,10 @@ impl Gateway {
                     "too_large",
                     "The request is larger than a replica accepts; send fewer or shorter inputs per request.",
                 ),
-                Err(e) => return Err(GatewayError::internal(format!("replica answered {status} with a body that is not an engine error: {e}"))),
+                Err(e) => {
+                    let detail = format!("{status} with a body that is not an engine error ({e})");
+                    return Err(self.bad_gateway(target, deployment, "answered what no engine says", detail));
+                }
             };
             if status == StatusCode::TOO_MANY_REQUESTS {
                 let wait = |e: &GatewayError| e.retry_after.unwrap_or(u64::MAX);
@@ -372,10 +375,11 @@ impl Gateway {
         ))
     }
 
-    /// What the client hears when a reached replica fails it: 504 when it ran out of time.
+    /// What the client hears when a reached replica fails it: 504 when it ran out of time,
+    /// else a 502.
     fn failed(&self, target: &Target, deployment: &str, error: reqwest::Error) -> GatewayError {
         if !error.is_timeout() {
-            return GatewayError::internal(error);
+            return self.bad_gateway(target, deployment, "broke off while answering", error.to_string());
         }
         tracing::warn!(replica = %target.replica, timeout_s = self.timeout.as_secs_f64(), "replica did not answer in time");
         GatewayError::new(
@@ -385,6 +389,20 @@ impl Gateway {
                 "Deployment '{deployment}' did not answer within {} s; it may be overloaded, retry shortly or send fewer inputs at once.",
                 self.timeout.as_secs_f64()
             ),
+        )
+    }
+
+    /// A 502, as a proxy answers when what it forwards to fails: a reached replica broke
+    /// the exchange off (it stopped mid-request: scaled down, lent, crashed) or answered
+    /// what no engine says. The client hears `what`, the log also `detail` (which names
+    /// the replica's address); the deployment's routes are read again for the next request.
+    fn bad_gateway(&self, target: &Target, deployment: &str, what: &str, detail: String) -> GatewayError {
+        tracing::warn!(replica = %target.replica, detail, "replica {what}");
+        self.forget(deployment);
+        GatewayError::new(
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+            format!("A replica of '{deployment}' {what}; retry shortly."),
         )
     }
 }

@@ -19,7 +19,7 @@ use uuid::Uuid;
 use crate::auth::Principal;
 use crate::error::{optional_json, ApiJson, ApiPath, ApiQuery, Error, Result};
 use crate::state::AppState;
-use crate::store::jobs::{self as store, NewJob};
+use crate::store::jobs::{self as store, ListFilter, NewJob};
 use crate::store::{db::Db, Scope};
 use crate::{datasets, gangs, quotas, registry, training};
 
@@ -131,9 +131,9 @@ pub enum Preemption {
 }
 
 /// Preempts a running training job for the server's scheduler (`reason` goes in the job's
-/// message): a one-process job or a whole data-parallel gang checkpoints at the step it is
-/// on and stops, then waits as `preempted` (claimed like `queued`, not counted as an
-/// attempt) and resumes from that checkpoint. Asking again while a request is pending
+/// log once the request is recorded): a one-process job or a whole data-parallel gang
+/// checkpoints at the step it is on and stops, then waits as `preempted` (claimed like
+/// `queued`, not counted as an attempt) and resumes from that checkpoint. Asking again while a request is pending
 /// keeps the first reason. Refuses with 409 a job whose spec is not `preemptible`, one
 /// that is not a training job, and one with nothing running (queued, preempted, ended).
 /// Ownership is not checked: that is [`preempt`]'s, for people.
@@ -161,13 +161,19 @@ async fn request_preemption(db: &Db, id: Uuid, reason: &str, force: bool) -> Res
                 .into(),
         ));
     }
-    if store::request_preemption(db, id, reason).await? {
+    let done = if store::request_preemption(db, id, reason).await? {
         tracing::info!(job = %id, reason, "preemption requested");
-        return Ok(Preemption::Requested);
-    }
-    if train.parallel.is_some() && gangs::release_forming(db, id, reason).await? {
+        Some(Preemption::Requested)
+    } else if train.parallel.is_some() && gangs::release_forming(db, id, reason).await? {
         tracing::info!(job = %id, reason, "forming gang released for a preemption");
-        return Ok(Preemption::Released);
+        Some(Preemption::Released)
+    } else {
+        None
+    };
+    if let Some(done) = done {
+        // The job's log says why, for its owner.
+        store::append_logs(db, id, &[reason.to_string()], crate::store::db::now_ms()).await?;
+        return Ok(done);
     }
     let job = find(db, &Scope::all(), id).await?;
     Err(Error::Conflict(format!("The job is {}, not running; there is nothing to preempt.", job.state.as_str())))
@@ -233,12 +239,35 @@ pub struct Page {
     pub more: bool,
 }
 
-/// The jobs `scope` may see (in `state`, if given), newest first, at most `limit`, after
+/// The list filter a request's `state` and `kind` ask for (empty or absent: any); 400 with
+/// the values to use for anything else.
+pub fn list_filter(state: Option<&str>, kind: Option<&str>) -> Result<ListFilter> {
+    let state = match state {
+        None | Some("") => None,
+        Some(s) => Some(JobState::parse(s).ok_or_else(|| {
+            Error::BadRequest(format!(
+                "Unknown state {s:?}; use queued, preempted, leased, running, succeeded, failed or cancelled."
+            ))
+        })?),
+    };
+    let kind = match kind {
+        None | Some("") => None,
+        Some(k) => Some(store::LISTED_KINDS.into_iter().find(|listed| *listed == k).ok_or_else(|| {
+            Error::BadRequest(format!(
+                "Unknown kind {k:?}; use {} (serving replicas are listed with their deployment, ranks with their job).",
+                store::LISTED_KINDS.join(", ")
+            ))
+        })?),
+    };
+    Ok(ListFilter { state, kind })
+}
+
+/// The jobs `scope` may see that pass `filter`, newest first, at most `limit`, after
 /// `before`, the last job of the previous page; 400 when `before` names no job `scope`
 /// may see.
-pub async fn page(db: &Db, scope: &Scope, state: Option<JobState>, before: Option<Uuid>, limit: u32) -> Result<Page> {
+pub async fn page(db: &Db, scope: &Scope, filter: ListFilter, before: Option<Uuid>, limit: u32) -> Result<Page> {
     // One more than asked tells whether a next page exists.
-    let mut jobs = store::list(db, scope, state, before, limit + 1).await?.ok_or_else(|| {
+    let mut jobs = store::list(db, scope, filter, before, limit + 1).await?.ok_or_else(|| {
         Error::BadRequest("before names no job you can see; pass the id of the last job of the previous page.".into())
     })?;
     let more = jobs.len() > limit as usize;
@@ -251,6 +280,8 @@ pub async fn page(db: &Db, scope: &Scope, state: Option<JobState>, before: Optio
 pub struct ListQuery {
     /// Only jobs in this state.
     state: Option<String>,
+    /// Only jobs of this kind: prefetch, profile or train.
+    kind: Option<String>,
     /// At most this many jobs, 1 to 500 (default 500).
     limit: Option<u32>,
     /// Only the jobs listed after this one: the last job of the previous page.
@@ -268,14 +299,7 @@ pub async fn list(
     principal: Principal,
     ApiQuery(query): ApiQuery<ListQuery>,
 ) -> Result<Response> {
-    let filter = match query.state.as_deref() {
-        None | Some("") => None,
-        Some(s) => Some(JobState::parse(s).ok_or_else(|| {
-            Error::BadRequest(format!(
-                "Unknown state {s:?}; use queued, preempted, leased, running, succeeded, failed or cancelled."
-            ))
-        })?),
-    };
+    let filter = list_filter(query.state.as_deref(), query.kind.as_deref())?;
     let limit = query.limit.unwrap_or(store::LIST_LIMIT);
     if !(1..=store::LIST_LIMIT).contains(&limit) {
         return Err(Error::BadRequest(format!("limit must be 1 to {}.", store::LIST_LIMIT)));
@@ -283,8 +307,9 @@ pub async fn list(
     let Page { jobs, more } = page(&state.db, &principal.scope(), filter, query.before, limit).await?;
     let next = match (more, jobs.last()) {
         (true, Some(last)) => {
-            let state = filter.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();
-            Some(format!("</api/v1/jobs?limit={limit}&before={}{state}>; rel=\"next\"", last.id))
+            let state = filter.state.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();
+            let kind = filter.kind.map(|k| format!("&kind={k}")).unwrap_or_default();
+            Some(format!("</api/v1/jobs?limit={limit}&before={}{state}{kind}>; rel=\"next\"", last.id))
         }
         _ => None,
     };

@@ -57,7 +57,7 @@ use crate::store::db::now_ms;
 use crate::store::deployments::{self as deployments_store, StoredDeployment};
 use crate::store::jobs::{self as jobs_store, NewJob};
 use crate::store::loaning::{
-    self as store, FleetSlice, GangRank, Holder, NewReclaim, SliceGang, TrainingPlan,
+    self as store, FleetSlice, GangRank, Holder, NewReclaim, SliceGang, TrainingPlan, ANOTHER_USERS_DEPLOYMENT,
 };
 use crate::store::{models, Scope};
 
@@ -192,6 +192,17 @@ fn planned_rates(d: &StoredDeployment, slices: &[&FleetSlice]) -> Option<Vec<f64
             .map(|p| p.throughput)
             .collect(),
     )
+}
+
+/// The name of `lender` in what the owner `reader` of a job it takes slices from reads
+/// (the job's log and preemption reason): another user's deployment is not named, as on
+/// the fleet page.
+fn lender_as_seen_by(lender: &StoredDeployment, reader: Uuid) -> &str {
+    if lender.owner_id == reader {
+        &lender.name
+    } else {
+        ANOTHER_USERS_DEPLOYMENT
+    }
 }
 
 /// One scheduling round; see the module comment. The caller holds the round's lease
@@ -443,9 +454,13 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
         let mut preempted: HashSet<Uuid> = HashSet::new();
         for event in &plan.reclaims {
             let g = mine[event.job];
-            let (deployment, name) = match event.pool {
-                Pool::Loaned(i) => (Some(deployments[i].id), deployments[i].name.as_str()),
-                Pool::Training => (None, "training pool"),
+            // The record names the lender; the job's owner reads it only if it is theirs.
+            let (deployment, name, told) = match event.pool {
+                Pool::Loaned(i) => {
+                    let d = &deployments[i];
+                    (Some(d.id), d.name.as_str(), lender_as_seen_by(d, g.owner))
+                }
+                Pool::Training => (None, "training pool", "training pool"),
             };
             let mut reason = format!("{name} needs its {profile} slices back");
             if !event.preempted {
@@ -456,7 +471,8 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
                 };
             }
             if event.preempted && !preempted.contains(&g.id) {
-                if preempt::preempt_job(state, g.id, &reason).await? {
+                let told = format!("Preempted by the loaning round: {told} needs its {profile} slices back.");
+                if preempt::preempt_job(state, g.id, &told).await? {
                     report.preempted += 1;
                 }
                 preempted.insert(g.id);
@@ -513,7 +529,9 @@ pub async fn run_round(state: &AppState) -> Result<RoundReport> {
             }
             let why = match reclaimed {
                 Some(e) => match e.pool {
-                    Pool::Loaned(i) => format!("{} needs its {profile} slices back", deployments[i].name),
+                    Pool::Loaned(i) => {
+                        format!("{} needs its {profile} slices back", lender_as_seen_by(&deployments[i], g.owner))
+                    }
                     Pool::Training => format!("the training pool needs its {profile} slices back"),
                 },
                 None if to > from => {

@@ -13,17 +13,17 @@ use crate::store::Scope;
 
 /// History the overview covers: the last hour.
 pub const WINDOW_MS: i64 = 3600 * 1000;
+/// Slice events the overview holds at most: the newest of the hour.
+pub const SLICE_EVENTS: i64 = 2000;
 
 /// The rounds, reclaims and slice events of the last hour and the training queue, as
 /// `scope` may see them (other users' jobs and deployments are not named).
 pub async fn overview(state: &AppState, scope: &Scope) -> Result<LoanOverview> {
     let since = now_ms() - WINDOW_MS;
-    let mut slice_events = store::slice_events(&state.db, scope, since, 2000).await?;
-    slice_events.reverse();
     Ok(LoanOverview {
         rounds: store::rounds(&state.db, since).await?,
         reclaims: store::reclaims(&state.db, scope, since, 200).await?,
-        slice_events,
+        slice_events: store::slice_events(&state.db, scope, since, SLICE_EVENTS).await?,
         queue: store::queue(&state.db, scope).await?,
     })
 }

@@ -42,14 +42,20 @@ pub(crate) fn check_name(name: Option<&str>, what: &str) -> Result<String> {
     let ok = (1..=128).contains(&name.len())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
         && !name.starts_with('.');
-    if ok {
-        Ok(name.to_string())
-    } else {
-        Err(Error::invalid(
+    if !ok {
+        return Err(Error::invalid(
             "invalid_name",
             format!("Give the {what} a 'name' of 1 to 128 letters, digits, '_', '-' or '.', not starting with '.'."),
-        ))
+        ));
     }
+    // Paths and specs name a model, dataset or deployment by id or by name.
+    if name.parse::<Uuid>().is_ok() {
+        return Err(Error::invalid(
+            "invalid_name",
+            format!("The {what}'s 'name' {name:?} reads as an id and would be taken for one; pick another name."),
+        ));
+    }
+    Ok(name.to_string())
 }
 
 /// Validates staged files and registers them as a model owned by `owner`.

@@ -10,8 +10,8 @@ use tessera_api::jobs::JobState;
 use tessera_api::mig::SloStatus;
 use uuid::Uuid;
 
-use super::db::{self, now_ms, Db};
-use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+use super::db::{self, now_ms, Backend, Db};
+use super::{parse_json, parse_uuid, Result, RowLock, Scope, StoreError};
 
 /// A deployment row with its model's and owner's names.
 #[derive(Debug, Clone)]
@@ -81,14 +81,16 @@ pub async fn get(db: &Db, scope: &Scope, id_or_name: &str) -> Result<Option<Stor
     get_in(&mut *db.pool().acquire().await?, scope, id_or_name).await
 }
 
-/// [`get`], read inside the caller's transaction.
+/// [`get`], read inside the caller's transaction. An id wins over a name that spells it
+/// (such names are refused since; older rows may hold one).
 pub async fn get_in(conn: &mut AnyConnection, scope: &Scope, id_or_name: &str) -> Result<Option<StoredDeployment>> {
     if !db::storable(id_or_name) {
         return Ok(None);
     }
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM deployments d JOIN models m ON m.id = d.model_id \
-         JOIN users u ON u.id = d.owner_id WHERE (d.id = $1 OR d.name = $1) AND ($2 IS NULL OR d.owner_id = $2)"
+         JOIN users u ON u.id = d.owner_id WHERE (d.id = $1 OR d.name = $1) AND ($2 IS NULL OR d.owner_id = $2) \
+         ORDER BY CASE WHEN d.id = $1 THEN 0 ELSE 1 END LIMIT 1"
     )))
     .bind(id_or_name)
     .bind(scope.owner_filter())
@@ -242,13 +244,21 @@ pub async fn scale_down(conn: &mut AnyConnection, replica: Uuid) -> Result<()> {
     Ok(())
 }
 
-/// Deletes a deployment with every replica it had.
+/// Deletes a deployment with every replica it had. Its row is locked first, so a replica
+/// the loaning round queues for it meanwhile (`loaning::finish_reclaim`) is either queued
+/// before and deleted here, or finds the deployment gone.
 pub async fn delete(db: &Db, id: Uuid) -> Result<()> {
     let mut tx = db.begin().await?;
+    lock(&mut tx, db.backend(), id, RowLock::Update).await?;
     sqlx::query("DELETE FROM jobs WHERE deployment_id = $1").bind(id.to_string()).execute(&mut *tx).await?;
     sqlx::query("DELETE FROM deployments WHERE id = $1").bind(id.to_string()).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(())
+}
+
+/// Whether deployment `id` exists, locked for the caller's transaction (see [`RowLock`]).
+pub async fn lock(conn: &mut AnyConnection, backend: Backend, id: Uuid, lock: RowLock) -> Result<bool> {
+    super::lock_row(conn, backend, "deployments", id, lock).await
 }
 
 /// Another deployment sized by a throughput SLO, as the planner weighs it.

@@ -134,15 +134,27 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Job>> {
 /// The most jobs one read of the list returns.
 pub const LIST_LIMIT: u32 = 500;
 
-/// Jobs `scope` may see, newest first, without serving replicas (those are listed with
-/// their deployment) or the ranks of data-parallel jobs (those are their job's): at most
-/// `limit`, and with `before` only those listed after that job,
+/// The kinds of job [`list`] shows: serving replicas are listed with their deployment and
+/// the ranks of data-parallel jobs are their job's.
+pub const LISTED_KINDS: [&str; 3] = ["prefetch", "profile", "train"];
+
+/// Which jobs [`list`] shows: all, or those in one state, of one kind, or both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    pub state: Option<JobState>,
+    /// One of [`LISTED_KINDS`]; `train` takes in data-parallel jobs (stored as `train_gang`).
+    pub kind: Option<&'static str>,
+}
+
+/// Jobs `scope` may see that pass `filter`, newest first, without serving replicas or the
+/// ranks of data-parallel jobs (see [`LISTED_KINDS`]): at most `limit`, and with `before`
+/// only those listed after that job,
 /// so a caller pages by passing the last job it got. `Ok(None)` when `before` names no job
 /// `scope` may see. Jobs of one millisecond keep the order they were queued in.
 pub async fn list(
     db: &Db,
     scope: &Scope,
-    state: Option<JobState>,
+    filter: ListFilter,
     before: Option<Uuid>,
     limit: u32,
 ) -> Result<Option<Vec<Job>>> {
@@ -164,12 +176,15 @@ pub async fn list(
     };
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs j JOIN users u ON u.id = j.owner_id \
-         WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) AND j.deployment_id IS NULL \
-         AND j.gang_id IS NULL AND ($3 IS NULL OR j.created_at < $3 OR (j.created_at = $3 AND j.queue_seq < $4)) \
-         ORDER BY j.created_at DESC, j.queue_seq DESC LIMIT $5"
+         WHERE ($1 IS NULL OR j.owner_id = $1) AND ($2 IS NULL OR j.state = $2) \
+         AND ($3 IS NULL OR j.kind = $3 OR (j.kind = 'train_gang' AND $3 = 'train')) \
+         AND j.deployment_id IS NULL AND j.gang_id IS NULL \
+         AND ($4 IS NULL OR j.created_at < $4 OR (j.created_at = $4 AND j.queue_seq < $5)) \
+         ORDER BY j.created_at DESC, j.queue_seq DESC LIMIT $6"
     )))
     .bind(scope.owner_filter())
-    .bind(state.map(JobState::as_str))
+    .bind(filter.state.map(JobState::as_str))
+    .bind(filter.kind)
     .bind(cursor.map(|c| c.0))
     .bind(cursor.map(|c| c.1))
     .bind(limit as i64)
@@ -191,9 +206,10 @@ pub async fn count_by_state(db: &Db, scope: &Scope) -> Result<Vec<(JobState, i64
     rows.iter().map(|(state, count)| Ok((parse_state(state)?, *count))).collect()
 }
 
-/// The newest [`LIST_LIMIT`] jobs `scope` may see (the dashboard's run comparison).
-pub async fn newest(db: &Db, scope: &Scope) -> Result<Vec<Job>> {
-    Ok(list(db, scope, None, None, LIST_LIMIT).await?.unwrap_or_default())
+/// The newest [`LIST_LIMIT`] training jobs `scope` may see (the dashboard's run comparison).
+pub async fn newest_training(db: &Db, scope: &Scope) -> Result<Vec<Job>> {
+    let filter = ListFilter { state: None, kind: Some("train") };
+    Ok(list(db, scope, filter, None, LIST_LIMIT).await?.unwrap_or_default())
 }
 
 /// The spec of a job (any owner's: for the worker holding it).
@@ -266,6 +282,23 @@ pub async fn logs(db: &Db, job: Uuid, after: i64, limit: i64) -> Result<Vec<LogL
     rows.iter()
         .map(|r| Ok(LogLine { seq: r.try_get("seq")?, at: db::time(r.try_get("at")?), line: r.try_get("line")? }))
         .collect()
+}
+
+/// The last `limit` lines of a job's log, oldest first, and how many came before them
+/// (lines are numbered from 1 and never removed while the job exists).
+pub async fn log_tail(db: &Db, job: Uuid, limit: i64) -> Result<(Vec<LogLine>, u64)> {
+    let rows = sqlx::query("SELECT seq, at, line FROM job_logs WHERE job_id = $1 ORDER BY seq DESC LIMIT $2")
+        .bind(job.to_string())
+        .bind(limit)
+        .fetch_all(db.pool())
+        .await?;
+    let mut lines = rows
+        .iter()
+        .map(|r| Ok(LogLine { seq: r.try_get("seq")?, at: db::time(r.try_get("at")?), line: r.try_get("line")? }))
+        .collect::<Result<Vec<_>>>()?;
+    lines.reverse();
+    let earlier = lines.first().map_or(0, |l| l.seq.saturating_sub(1).max(0) as u64);
+    Ok((lines, earlier))
 }
 
 /// Appends lines to a job's log, numbered on from its last line, stamped `at`. The
@@ -435,6 +468,20 @@ pub async fn mark_finished(db: &Db, worker: Uuid, job: Uuid, state: JobState, me
     .await?
     .rows_affected();
     Ok(changed > 0)
+}
+
+/// Gives back a lease `worker` took on `job` and never ran: queued again, no attempt spent.
+pub async fn unclaim(db: &Db, worker: Uuid, job: Uuid) -> Result<()> {
+    sqlx::query(
+        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, attempts = attempts - 1, \
+         updated_at = $1 WHERE id = $2 AND worker_id = $3 AND state = 'leased'",
+    )
+    .bind(now_ms())
+    .bind(job.to_string())
+    .bind(worker.to_string())
+    .execute(db.pool())
+    .await?;
+    Ok(())
 }
 
 /// Puts every job `worker` holds back in the queue (it restarted: what its previous

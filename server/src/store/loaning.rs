@@ -20,7 +20,7 @@ use uuid::Uuid;
 
 use super::db::{self, now_ms, Db};
 use super::jobs::{self, NewJob};
-use super::{parse_json, parse_uuid, Result, Scope, StoreError};
+use super::{deployments, parse_json, parse_uuid, Result, RowLock, Scope, StoreError};
 
 /// Jobs holding a slice (the same rule as `slices`' HOLDING).
 const HOLDING: &str =
@@ -372,6 +372,10 @@ pub async fn lend(
 ) -> Result<bool> {
     let now = now_ms();
     let mut tx = db.begin().await?;
+    // The round read the deployment earlier; one deleted since lends nothing.
+    if !deployments::lock(&mut tx, db.backend(), deployment, RowLock::Share).await? {
+        return Ok(false);
+    }
     let changed = sqlx::query(
         "UPDATE slices SET loan_state = 'loaned', lender_id = $1 WHERE uuid = $2 AND loan_state = 'serving'",
     )
@@ -429,7 +433,8 @@ pub async fn start_reclaim(db: &Db, slice: &str, detail: &str) -> Result<bool> {
 
 /// Gives a reclaiming slice back to `lender` once no rank holds it: the slice serves
 /// again and `replica` (a serve job of the lender pinned to the slice) is queued in the
-/// same transaction. False while a rank still holds it.
+/// same transaction. A lender deleted since the round read it gets no replica; the slice
+/// serves again empty. False while a rank still holds it.
 pub async fn finish_reclaim(
     db: &Db,
     slice: &str,
@@ -438,6 +443,7 @@ pub async fn finish_reclaim(
 ) -> Result<bool> {
     let now = now_ms();
     let mut tx = db.begin().await?;
+    let lender_exists = deployments::lock(&mut tx, db.backend(), lender, RowLock::Share).await?;
     let held: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = $1 AND {HOLDING}"
     )))
@@ -459,17 +465,13 @@ pub async fn finish_reclaim(
     if changed == 0 {
         return Ok(false);
     }
-    jobs::insert_in(&mut tx, replica).await?;
-    event(
-        &mut tx,
-        now,
-        slice,
-        "serving",
-        Some(lender),
-        None,
-        "back to serving; a replica was queued on it",
-    )
-    .await?;
+    let detail = if lender_exists {
+        jobs::insert_in(&mut tx, replica).await?;
+        "back to serving; a replica was queued on it"
+    } else {
+        "back to serving; its deployment was deleted"
+    };
+    event(&mut tx, now, slice, "serving", Some(lender), None, detail).await?;
     tx.commit().await?;
     Ok(true)
 }
@@ -716,13 +718,13 @@ pub async fn reclaims(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<
         .collect()
 }
 
-/// Slice events since `since`, oldest first. An event of a deployment `scope` does not
-/// see keeps its state but not its detail, which names the deployment.
+/// The newest `limit` slice events since `since`, newest first. An event of a deployment
+/// `scope` does not see keeps its state but not its detail, which names the deployment.
 pub async fn slice_events(db: &Db, scope: &Scope, since: i64, limit: i64) -> Result<Vec<SliceEvent>> {
     let rows = sqlx::query(
         "SELECT e.at, e.slice_uuid, e.state, e.detail, e.deployment_id, d.owner_id AS lender_owner_id \
          FROM loan_events e LEFT JOIN deployments d ON d.id = e.deployment_id \
-         WHERE e.at >= $1 ORDER BY e.at, e.id LIMIT $2",
+         WHERE e.at >= $1 ORDER BY e.at DESC, e.id DESC LIMIT $2",
     )
     .bind(since)
     .bind(limit)
@@ -743,7 +745,7 @@ pub async fn slice_events(db: &Db, scope: &Scope, since: i64, limit: i64) -> Res
 }
 
 /// What a user reads in place of the name of another user's deployment.
-const ANOTHER_USERS_DEPLOYMENT: &str = "another user's deployment";
+pub const ANOTHER_USERS_DEPLOYMENT: &str = "another user's deployment";
 
 /// Whether `scope` may see the name of a deployment owned by `owner` (none: deleted since,
 /// so only the server's own scope and admins see it).

@@ -245,18 +245,30 @@ impl Free {
     }
 }
 
+/// What binding a just-claimed job to its slice found.
+#[derive(Debug)]
+pub enum Bound {
+    /// The job runs on this slice, or on none (a job of another kind, a worker without slices).
+    Job(Option<Slice>),
+    /// The job was deleted since the claim (its deployment went), or the slice it was to
+    /// take was replaced (a repartition, the worker registering again): the lease was
+    /// given back unspent and the worker has nothing to run.
+    Gone,
+}
+
 /// Binds a just-claimed serve job to its slice: the pinned one, or the first free slice
 /// nobody waits for; none on a worker without slices. A training rank the loaning round
 /// pinned to a slice gets that slice.
-pub async fn bind_claimed(db: &Db, job: Uuid, free: &Free) -> Result<Option<Slice>> {
+pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Result<Bound> {
     let row = sqlx::query("SELECT kind, slice_uuid, slice_pinned FROM jobs WHERE id = $1")
         .bind(job.to_string())
-        .fetch_one(db.pool())
+        .fetch_optional(db.pool())
         .await?;
+    let Some(row) = row else { return Ok(Bound::Gone) };
     let kind: String = row.try_get("kind")?;
     let pinned = row.try_get::<i64, _>("slice_pinned")? != 0;
     if kind != "serve" && !(kind == "train_rank" && pinned) {
-        return Ok(None);
+        return Ok(Bound::Job(None));
     }
     let uuid = if pinned {
         row.try_get::<Option<String>, _>("slice_uuid")?
@@ -269,12 +281,18 @@ pub async fn bind_claimed(db: &Db, job: Uuid, free: &Free) -> Result<Option<Slic
             .await?;
         uuid
     };
-    let Some(uuid) = uuid else { return Ok(None) };
+    let Some(uuid) = uuid else { return Ok(Bound::Job(None)) };
     let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {COLUMNS} FROM slices s WHERE s.uuid = $1")))
         .bind(&uuid)
-        .fetch_one(db.pool())
+        .fetch_optional(db.pool())
         .await?;
-    Ok(Some(slice_from_row(&row)?))
+    match row {
+        Some(row) => Ok(Bound::Job(Some(slice_from_row(&row)?))),
+        None => {
+            super::jobs::unclaim(db, worker, job).await?;
+            Ok(Bound::Gone)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -21,10 +21,9 @@ use crate::state::AppState;
 use crate::store::jobs as store;
 use crate::{jobs, registry, workers};
 
-/// The log lines a job page shows: the latest ones, which is what a person follows.
-const LOG_TAIL: usize = 1000;
-/// Lines read to find that tail (the log API pages through longer logs).
-const LOG_READ_LIMIT: i64 = 10_000;
+/// The log lines a job page shows: the latest ones, which is what a person follows (the
+/// log API pages through longer logs).
+const LOG_TAIL: i64 = 1000;
 /// Jobs a page of the list shows.
 const PAGE_SIZE: u32 = 100;
 
@@ -94,20 +93,10 @@ pub(super) async fn worker_names(state: &AppState) -> Result<HashMap<Uuid, Strin
     Ok(workers::list_all(state, &crate::store::Scope::all()).await?.into_iter().map(|w| (w.id, w.name)).collect())
 }
 
-fn parse_state(text: Option<&str>) -> Result<Option<JobState>> {
-    match text {
-        None | Some("") | Some("all") => Ok(None),
-        Some(s) => JobState::parse(s).map(Some).ok_or_else(|| {
-            Error::BadRequest(format!(
-                "Unknown state {s:?}; use queued, preempted, leased, running, succeeded, failed or cancelled."
-            ))
-        }),
-    }
-}
-
 pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Query<ListQuery>) -> Response {
     let result = async {
-        let filter = parse_state(query.state.as_deref())?;
+        // The page's tabs link "all" too.
+        let wanted = jobs::list_filter(query.state.as_deref().filter(|s| *s != "all"), None)?;
         let before = match query.before.as_deref() {
             None | Some("") => None,
             Some(text) => Some(text.parse::<Uuid>().map_err(|_| {
@@ -118,9 +107,10 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
         let counts = store::count_by_state(&state.db, &scope).await?;
         let count = |s: JobState| counts.iter().find(|(c, _)| *c == s).map_or(0, |(_, n)| *n as usize);
         let total = counts.iter().map(|(_, n)| *n as usize).sum();
-        let page = jobs::page(&state.db, &scope, filter, before, PAGE_SIZE).await?;
+        let page = jobs::page(&state.db, &scope, wanted, before, PAGE_SIZE).await?;
         let names = worker_names(&state).await?;
         let now = Utc::now();
+        let filter = wanted.state;
         let mut tabs = vec![StateTab { label: "all", href: "/jobs".into(), count: total, active: filter.is_none() }];
         tabs.extend(JobState::ALL.into_iter().map(|s| StateTab {
             label: s.as_str(),
@@ -272,7 +262,7 @@ struct JobView {
     worker: Option<String>,
     timings: Vec<Timing>,
     logs: Vec<LogView>,
-    logs_skipped: usize,
+    logs_skipped: u64,
     series: Vec<MetricSeries>,
     metrics: Vec<MetricView>,
     /// A refused action (cancelling an ended job) shown above the details.
@@ -355,10 +345,9 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
             });
         }
     }
-    let mut lines = store::logs(&state.db, job.id, 0, LOG_READ_LIMIT).await?;
-    let logs_skipped = lines.len().saturating_sub(LOG_TAIL);
+    let (lines, logs_skipped) = store::log_tail(&state.db, job.id, LOG_TAIL).await?;
     let logs = lines
-        .drain(logs_skipped..)
+        .into_iter()
         .map(|l| LogView { seq: l.seq, at: l.at.format("%H:%M:%S").to_string(), line: l.line })
         .collect();
     let points = metric_points(&crate::training::metrics::read(&state.db, job.id, Some(SUMMARY_POINTS)).await?);

@@ -302,7 +302,7 @@ struct ComparePage {
     selected: String,
 }
 
-/// Jobs older than the newest 500 a compare link may bring in.
+/// Jobs older than the newest 500 training jobs a compare link may bring in.
 const MAX_LINKED: usize = 50;
 
 #[derive(Debug, Default, Deserialize)]
@@ -317,7 +317,7 @@ pub async fn compare(State(state): State<AppState>, user: WebUser, Query(query):
     let result = async {
         let wanted: Vec<&str> = query.ids.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
         let scope = user.0.scope();
-        let mut jobs = crate::store::jobs::newest(&state.db, &scope).await?;
+        let mut jobs = crate::store::jobs::newest_training(&state.db, &scope).await?;
         // A job the link asks for stays pickable however many jobs came after it.
         for id in wanted.iter().filter_map(|id| id.parse::<Uuid>().ok()).take(MAX_LINKED) {
             if !jobs.iter().any(|job| job.id == id) {

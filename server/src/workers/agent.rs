@@ -169,7 +169,10 @@ pub async fn claim(
     let Some(claimed) = claimed else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
-    let slice = slices::bind_claimed(&state.db, claimed.job_id, &free).await?;
+    let slice = match slices::bind_claimed(&state.db, agent.worker_id, claimed.job_id, &free).await? {
+        slices::Bound::Job(slice) => slice,
+        slices::Bound::Gone => return Ok(StatusCode::NO_CONTENT.into_response()),
+    };
     Ok(ApiJson(Assignment {
         job_id: claimed.job_id,
         spec: claimed.spec,
