@@ -32,13 +32,15 @@ pub fn start_server(data_dir: &Path, worker_token: &str, lease_ttl_secs: u64) ->
 }
 
 /// Starts `tessera-server` as [`start_server`] does, over SQLite in `data_dir` unless `env`
-/// names a `TESSERA_DATABASE_URL`, with 1 s heartbeats and the settings in `env` (which
-/// must include `TESSERA_WORKER_TOKEN`). Returns the process and the server's URL.
+/// names a `TESSERA_DATABASE_URL`, on a free loopback port unless it names a `TESSERA_BIND`,
+/// with 1 s heartbeats and the settings in `env` (which must include
+/// `TESSERA_WORKER_TOKEN`). Returns the process and the server's URL.
 pub fn start_server_with(data_dir: &Path, env: &[(&str, &str)]) -> (Process, String) {
     let mut command = Command::new(binary("tessera-server"));
     command
-        .args(["--bind", "127.0.0.1:0", "--data-dir"])
+        .arg("--data-dir")
         .arg(data_dir)
+        .env("TESSERA_BIND", "127.0.0.1:0")
         .env("TESSERA_HEARTBEAT_SECS", "1")
         .env_remove("TESSERA_ADMIN_PASSWORD")
         .env_remove("TESSERA_DATABASE_URL")

@@ -1,12 +1,12 @@
 //! End to end, training: the real server and worker binaries train the built-in MLP on
-//! scikit-learn's digits, stream metrics and checkpoints, and a job whose worker is
-//! killed mid-run resumes on the next worker from its last checkpoint with one
-//! continuous metrics series.
+//! scikit-learn's digits, stream metrics and checkpoints, a job whose worker is killed
+//! mid-run resumes on the next worker from its last checkpoint with one continuous
+//! metrics series, and one whose server is killed and started again runs on untouched.
 
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tessera_tests::{digits_csv, eventually, start_server, start_worker, User};
+use tessera_tests::{digits_csv, eventually, start_server, start_server_with, start_worker, User};
 
 const WORKER_TOKEN: &str = "e2e-training-token-at-least-32-bytes-long";
 
@@ -135,4 +135,41 @@ async fn a_killed_worker_s_job_resumes_from_its_checkpoint_on_another_worker() {
     );
     assert!(reported_before >= resumed_from, "at most the steps since the checkpoint are redone");
     assert_one_continuous_series(&user.get(&format!("/jobs/{job}/metrics")).await, max_steps);
+}
+
+/// The server killed (as a crash would) and started again on its address and data: the
+/// worker keeps its running job through the outage (its calls are sent again, its
+/// heartbeat tries again) and the job finishes on its first attempt, every step reported once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restart_leaves_a_running_job_running() {
+    let Some(csv) = digits_csv() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let server_dir = data.path().join("server");
+    let lease = "10";
+    let env = [("TESSERA_WORKER_TOKEN", WORKER_TOKEN), ("TESSERA_LEASE_TTL_SECS", lease)];
+    let (mut server, url) = start_server_with(&server_dir, &env);
+    let user = User::login(&mut server, &url).await;
+    let dataset = user.upload_dataset(csv).await;
+    let worker = start_worker(&url, WORKER_TOKEN, &data.path().join("worker"), "trainer-1");
+
+    let max_steps = 3000;
+    let job =
+        user.submit(example(&dataset, max_steps, json!({"type": "cosine", "lr": 0.1, "warmup_steps": 100}))).await;
+    let step = eventually("the job reports steps", Duration::from_secs(120), || async {
+        let step = user.get(&format!("/jobs/{job}")).await["progress"]["step"].as_u64().unwrap_or(0);
+        (step >= 50).then_some(step)
+    })
+    .await;
+    server.kill();
+    assert!(step < max_steps, "the job must still be running when its server dies");
+    // Long enough for heartbeats and the job's metric batches to find no server.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let address = url.trim_start_matches("http://");
+    let (_server, again) = start_server_with(&server_dir, &[env[0], env[1], ("TESSERA_BIND", address)]);
+    assert_eq!(again, url);
+
+    let finished = user.finished(&job, &[&worker], Duration::from_secs(240)).await;
+    assert_eq!(finished["attempts"], 1, "{finished}\n{}", worker.output());
+    assert_one_continuous_series(&user.get(&format!("/jobs/{job}/metrics")).await, max_steps);
+    assert!(worker.output().contains("the server did not answer"), "the worker saw no outage: {}", worker.output());
 }

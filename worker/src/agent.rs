@@ -68,19 +68,13 @@ impl Agent {
         Ok(Agent { config, client })
     }
 
-    /// Runs until the process stops: a lost server or a forgotten registration is retried,
-    /// never given up on.
+    /// Runs until the process stops: registers, then works until the server forgets this
+    /// worker, then registers again.
     pub async fn run(mut self) {
         loop {
             let heartbeat = self.register().await;
-            match self.work(heartbeat).await {
-                Err(ClientError::Unauthorized) => tracing::warn!("the server no longer knows this worker; registering again"),
-                Err(e) => {
-                    tracing::warn!(error = %e, "lost the server; registering again shortly");
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                }
-                Ok(()) => return,
-            }
+            self.work(heartbeat).await;
+            tracing::warn!("the server no longer knows this worker; registering again");
         }
     }
 
@@ -155,17 +149,33 @@ impl Agent {
         kinds
     }
 
-    async fn work(&self, heartbeat_every: Duration) -> Result<(), ClientError> {
+    /// Heartbeats, claims and runs jobs until the server answers 401 (it forgot this
+    /// worker). A server that cannot be reached, times out or sheds load costs nothing: the
+    /// jobs keep running (their own calls retry), the next heartbeat tries again, and claims
+    /// back off. Leases outlive an outage shorter than their TTL; after a longer one the
+    /// heartbeat's answer stops the jobs the server requeued. Returning drops `tasks`,
+    /// which aborts every job: a worker registering again holds nothing (the server
+    /// requeues what its previous registration held).
+    async fn work(&self, heartbeat_every: Duration) {
         let offered = Arc::new(self.config.inventory.slices.clone());
         let mut running: HashMap<Uuid, Running> = HashMap::new();
         let mut tasks: JoinSet<Uuid> = JoinSet::new();
         let mut heartbeat = tokio::time::interval(heartbeat_every);
         let mut poll = tokio::time::interval(CLAIM_POLL);
+        let mut outage = Outage::default();
         loop {
             tokio::select! {
                 _ = heartbeat.tick() => {
                     let asked: HashMap<Uuid, u64> = running.iter().map(|(&job, r)| (job, r.preempt.asked())).collect();
-                    let answer = self.client.heartbeat(asked.keys().copied().collect()).await?;
+                    let answer = match self.client.heartbeat(asked.keys().copied().collect()).await {
+                        Ok(answer) => answer,
+                        Err(ClientError::Unauthorized) => return,
+                        Err(error) => {
+                            outage.failed("heartbeat", &error);
+                            continue;
+                        }
+                    };
+                    outage.answered();
                     for job in answer.stop {
                         if let Some(stopped) = running.remove(&job) {
                             tracing::info!(%job, "the server revoked this job's lease; stopping it");
@@ -181,7 +191,16 @@ impl Agent {
                     }
                 }
                 _ = poll.tick(), if !self.claimable(&running).is_empty() => {
-                    if let Some(assignment) = self.client.claim(&self.claimable(&running)).await? {
+                    let claimed = match self.client.claim(&self.claimable(&running)).await {
+                        Ok(claimed) => claimed,
+                        Err(ClientError::Unauthorized) => return,
+                        Err(error) => {
+                            poll.reset_after(outage.failed("claim", &error));
+                            continue;
+                        }
+                    };
+                    outage.answered();
+                    if let Some(assignment) = claimed {
                         let job = assignment.job_id;
                         let kind = assignment.spec.kind();
                         let on_slice = assignment.slice.is_some();
@@ -216,6 +235,31 @@ impl Agent {
                 }
             }
         }
+    }
+}
+
+/// Calls of the agent loop the server has not answered since it was last heard from: the
+/// first failure is logged, later ones only every so often, and claims back off.
+#[derive(Default)]
+struct Outage {
+    failures: u32,
+}
+
+impl Outage {
+    /// Notes a failed `call`; returns how long to wait before the next claim.
+    fn failed(&mut self, call: &str, error: &ClientError) -> Duration {
+        self.failures += 1;
+        if self.failures.is_power_of_two() {
+            tracing::warn!(%error, failures = self.failures, "the server did not answer the {call}; jobs keep running");
+        }
+        (CLAIM_POLL * self.failures.min(20)).min(Duration::from_secs(10))
+    }
+
+    fn answered(&mut self) {
+        if self.failures > 0 {
+            tracing::info!(failures = self.failures, "the server answers again");
+        }
+        self.failures = 0;
     }
 }
 

@@ -1,9 +1,18 @@
 //! HTTP client for the agent protocol: every call the worker makes to the server.
+//!
+//! A job's calls ride out a server restart or a moment of overload: one the server did
+//! not answer (unreachable, timed out, 429, 502, 503, 504) is sent again with backoff for
+//! up to [`RETRY_FOR`]. Every such call is safe to repeat (the server replaces metrics,
+//! checkpoints, plans and stage records by their key; a status or rendezvous says the same
+//! thing twice) except that a log batch whose answer was lost may be stored twice.
+//! The agent loop's own heartbeat and claim are sent once: its loop is their retry.
 
 use std::path::Path;
+use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::StreamExt;
-use reqwest::StatusCode;
+use reqwest::{RequestBuilder, StatusCode};
 use sha2::{Digest, Sha256};
 use tessera_api::jobs::JobState;
 use tessera_api::models::Model;
@@ -50,9 +59,33 @@ async fn check(response: reqwest::Response) -> Result<reqwest::Response, ClientE
     }
 }
 
+/// How long a job's call is sent again while the server does not answer it: longer than
+/// a restart takes, and past the 30 s lease a job outlives only if its worker heartbeats.
+pub const RETRY_FOR: Duration = Duration::from_secs(120);
+
+/// A JSON call the server has not answered in this long is given up on (and retried).
+/// Transfers of files (models, datasets, checkpoints) have no such limit.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Whether the server may answer a repeat of the call: it was not reached, did not answer
+/// in time, or said it is overloaded or restarting.
+fn worth_retrying(error: &ClientError) -> bool {
+    match error {
+        ClientError::Transport(e) => e.is_connect() || e.is_timeout() || e.is_request(),
+        ClientError::Status { status, .. } => matches!(
+            *status,
+            StatusCode::TOO_MANY_REQUESTS
+                | StatusCode::BAD_GATEWAY
+                | StatusCode::SERVICE_UNAVAILABLE
+                | StatusCode::GATEWAY_TIMEOUT
+        ),
+        _ => false,
+    }
+}
+
 impl Client {
     pub fn new(base: &str) -> Result<Client, ClientError> {
-        let http = reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10)).build()?;
+        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
         Ok(Client { http, base: base.trim_end_matches('/').to_string(), secret: String::new() })
     }
 
@@ -60,12 +93,39 @@ impl Client {
         format!("{}/api/v1/agent/{path}", self.base)
     }
 
+    /// Sends the request `build` makes, once.
+    async fn send_once(&self, build: impl Fn() -> RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        check(build().bearer_auth(&self.secret).send().await?).await
+    }
+
+    /// Sends the request `build` makes, again with backoff while [`worth_retrying`], for up
+    /// to [`RETRY_FOR`].
+    async fn send(&self, build: impl Fn() -> RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        let deadline = tokio::time::Instant::now() + RETRY_FOR;
+        let mut backoff = Duration::from_millis(250);
+        loop {
+            match self.send_once(&build).await {
+                Err(error) if worth_retrying(&error) && tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::warn!(%error, "the server did not answer; sending again in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                answer => return answer,
+            }
+        }
+    }
+
     async fn post<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
-        check(self.http.post(self.url(path)).bearer_auth(&self.secret).json(body).send().await?).await
+        self.send(|| self.http.post(self.url(path)).timeout(CALL_TIMEOUT).json(body)).await
     }
 
     async fn put<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
-        check(self.http.put(self.url(path)).bearer_auth(&self.secret).json(body).send().await?).await
+        self.send(|| self.http.put(self.url(path)).timeout(CALL_TIMEOUT).json(body)).await
+    }
+
+    /// A call of the agent loop: sent once (the loop sends the next), never waiting long.
+    async fn post_once<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
+        self.send_once(|| self.http.post(self.url(path)).timeout(CALL_TIMEOUT).json(body)).await
     }
 
     /// The secret of the last registration (empty before the first).
@@ -75,19 +135,20 @@ impl Client {
 
     /// Joins with the shared token; later calls use the secret the server hands back.
     pub async fn register(&mut self, token: &str, request: &RegisterRequest) -> Result<RegisterResponse, ClientError> {
-        let response = check(self.http.post(self.url("register")).bearer_auth(token).json(request).send().await?).await?;
+        let call = self.http.post(self.url("register")).timeout(CALL_TIMEOUT).bearer_auth(token).json(request);
+        let response = check(call.send().await?).await?;
         let registered: RegisterResponse = response.json().await?;
         self.secret = registered.secret.clone();
         Ok(registered)
     }
 
     pub async fn heartbeat(&self, jobs: Vec<Uuid>) -> Result<HeartbeatResponse, ClientError> {
-        Ok(self.post("heartbeat", &Heartbeat { jobs }).await?.json().await?)
+        Ok(self.post_once("heartbeat", &Heartbeat { jobs }).await?.json().await?)
     }
 
     pub async fn claim(&self, kinds: &[&str]) -> Result<Option<Assignment>, ClientError> {
         let request = ClaimRequest { kinds: kinds.iter().map(|k| k.to_string()).collect() };
-        let response = self.post("claim", &request).await?;
+        let response = self.post_once("claim", &request).await?;
         if response.status() == StatusCode::NO_CONTENT {
             return Ok(None);
         }
@@ -156,12 +217,17 @@ impl Client {
 
     /// Uploads a checkpoint's files as one multipart request (`step`, then `files` parts).
     pub async fn upload_checkpoint(&self, job: Uuid, step: u64, files: Vec<(String, Vec<u8>)>) -> Result<(), ClientError> {
-        let mut form = reqwest::multipart::Form::new().text("step", step.to_string());
-        for (name, bytes) in files {
-            form = form.part("files", reqwest::multipart::Part::bytes(bytes).file_name(name));
-        }
-        let request = self.http.post(self.url(&format!("jobs/{job}/checkpoints"))).bearer_auth(&self.secret).multipart(form);
-        check(request.send().await?).await?;
+        // Shared, so that each attempt's form reuses the bytes.
+        let files: Vec<(String, Bytes)> = files.into_iter().map(|(name, bytes)| (name, bytes.into())).collect();
+        let form = || {
+            let mut form = reqwest::multipart::Form::new().text("step", step.to_string());
+            for (name, bytes) in &files {
+                let part = reqwest::multipart::Part::stream_with_length(bytes.clone(), bytes.len() as u64);
+                form = form.part("files", part.file_name(name.clone()));
+            }
+            form
+        };
+        self.send(|| self.http.post(self.url(&format!("jobs/{job}/checkpoints"))).multipart(form())).await?;
         Ok(())
     }
 
@@ -188,27 +254,22 @@ impl Client {
         Ok(bytes)
     }
 
+    /// A GET whose answer may be a file: retried, but not timed.
     async fn get(&self, path: &str) -> Result<reqwest::Response, ClientError> {
-        check(self.http.get(self.url(path)).bearer_auth(&self.secret).send().await?).await
+        self.send(|| self.http.get(self.url(path))).await
     }
 
     pub async fn model(&self, id: Uuid) -> Result<Model, ClientError> {
-        let response = self.http.get(self.url(&format!("models/{id}"))).bearer_auth(&self.secret).send().await?;
-        Ok(check(response).await?.json().await?)
+        Ok(self.send(|| self.http.get(self.url(&format!("models/{id}"))).timeout(CALL_TIMEOUT)).await?.json().await?)
     }
 
     /// Streams one model file to `target`, checking its SHA-256 against `digest`; the
     /// file appears under `target` only once it is complete and verified.
     pub async fn download(&self, model: Uuid, path: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
-        let response = self
-            .http
-            .get(self.url(&format!("models/{model}/files/{path}")))
-            .bearer_auth(&self.secret)
-            .send()
-            .await?;
-        let response = check(response).await?;
-        let partial = target.with_extension("partial");
-        let mut file = tokio::fs::File::create(&partial).await?;
+        let response = self.get(&format!("models/{model}/files/{path}")).await?;
+        // Its own partial file: two jobs fetching one model on this worker never write one.
+        let partial = Partial(target.with_extension(format!("{}.partial", Uuid::new_v4().simple())));
+        let mut file = tokio::fs::File::create(&partial.0).await?;
         let mut hasher = Sha256::new();
         let mut size = 0u64;
         let mut body = response.bytes_stream();
@@ -222,10 +283,101 @@ impl Client {
         file.sync_all().await?;
         let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
         if actual != digest {
-            let _ = tokio::fs::remove_file(&partial).await;
             return Err(ClientError::DigestMismatch { path: path.into(), expected: digest.into(), actual });
         }
-        tokio::fs::rename(&partial, target).await?;
+        tokio::fs::rename(&partial.0, target).await?;
         Ok(size)
+    }
+}
+
+/// A download's partial file, removed unless it was renamed into place (a failed or
+/// aborted download leaves nothing behind).
+struct Partial(std::path::PathBuf);
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::extract::State;
+    use axum::http::StatusCode as Code;
+    use axum::routing::{get, post};
+    use axum::Router;
+
+    use super::*;
+
+    /// A client of `router`, served on a free loopback port.
+    async fn client_of(router: Router) -> Client {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        Client::new(&url).unwrap()
+    }
+
+    /// Answers 503 to the first two calls it counts, then `then`.
+    async fn shed_twice(calls: &AtomicU32, then: Code) -> Code {
+        if calls.fetch_add(1, Ordering::SeqCst) < 2 { Code::SERVICE_UNAVAILABLE } else { then }
+    }
+
+    #[tokio::test]
+    async fn a_job_s_call_is_sent_again_while_shed_and_a_refused_or_loop_call_is_not() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = |then: Code| move |State(calls): State<Arc<AtomicU32>>| async move { shed_twice(&calls, then).await };
+        let router = Router::new()
+            .route("/api/v1/agent/jobs/{job}/logs", post(counted(Code::NO_CONTENT)))
+            .route("/api/v1/agent/jobs/{job}/metrics", post(counted(Code::CONFLICT)))
+            .route("/api/v1/agent/heartbeat", post(counted(Code::OK)))
+            .with_state(calls.clone());
+        let client = client_of(router).await;
+
+        client.logs(Uuid::new_v4(), vec!["a line".into()]).await.unwrap();
+        assert_eq!(calls.swap(0, Ordering::SeqCst), 3, "shed twice, answered the third time");
+        let refused = client.metrics(Uuid::new_v4(), Vec::new()).await;
+        assert!(matches!(refused, Err(ClientError::LeaseLost)), "{refused:?}");
+        assert_eq!(calls.swap(0, Ordering::SeqCst), 3, "a 409 is an answer: not sent again");
+        let heartbeat = client.heartbeat(Vec::new()).await;
+        assert!(matches!(heartbeat, Err(ClientError::Status { status: StatusCode::SERVICE_UNAVAILABLE, .. })));
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the agent loop's heartbeat is its own retry");
+    }
+
+    #[tokio::test]
+    async fn two_downloads_of_one_file_at_once_both_land_it_whole() {
+        const CHUNK: usize = 64 << 10;
+        let bytes: Vec<u8> = (0..16 * CHUNK).map(|i| (i * 7 % 251) as u8).collect();
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+        let served = Bytes::from(bytes.clone());
+        // Slow enough that the two transfers overlap.
+        let file = move || {
+            let served = served.clone();
+            async move {
+                let chunks = futures_util::stream::iter(0..16).then(move |i| {
+                    let chunk = served.slice(i * CHUNK..(i + 1) * CHUNK);
+                    async move {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        Ok::<_, std::io::Error>(chunk)
+                    }
+                });
+                Body::from_stream(chunks)
+            }
+        };
+        let client = client_of(Router::new().route("/api/v1/agent/models/{id}/files/{*path}", get(file))).await;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("model.safetensors");
+        let model = Uuid::new_v4();
+        let (first, second) = tokio::join!(
+            client.download(model, "model.safetensors", &digest, &target),
+            client.download(model, "model.safetensors", &digest, &target),
+        );
+        assert_eq!((first.unwrap(), second.unwrap()), (bytes.len() as u64, bytes.len() as u64));
+        assert_eq!(std::fs::read(&target).unwrap(), bytes);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["model.safetensors"], "no partial file is left behind");
     }
 }
