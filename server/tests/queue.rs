@@ -172,6 +172,37 @@ async fn job_fails_when_its_last_attempt_expires() {
     }
 }
 
+/// A worker that restarts gives back what it held: queued again while attempts are left,
+/// failed on the last one (a job that crashes its worker is not retried forever).
+#[tokio::test]
+async fn a_restarted_worker_s_jobs_are_requeued_until_their_attempts_are_spent() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 2).await[0];
+        let (worker, mut secret) = server.register_worker("w0").await;
+        for attempt in 1..=2 {
+            let claimed = queue::claim(&server.state.db, worker.parse().unwrap(), &kinds(), 60_000, &Free::default())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(claimed.attempt, attempt);
+            let (rejoined, next) = server.rejoin_worker("w0", &secret).await;
+            assert_eq!(rejoined, worker);
+            secret = next;
+            if attempt == 1 {
+                assert_eq!(state_of(&server, job).await, ("queued".into(), 1), "{backend:?}");
+            }
+        }
+        assert_eq!(state_of(&server, job).await, ("failed".into(), 2), "{backend:?}");
+        let message: String = sqlx::query_scalar("SELECT message FROM jobs WHERE id = $1")
+            .bind(job.to_string())
+            .fetch_one(server.state.db.pool())
+            .await
+            .unwrap();
+        assert!(message.contains("last allowed attempt"), "{message}");
+    }
+}
+
 /// `GET /api/v1/jobs` pages newest first: `limit` jobs a page, the `Link` header naming the
 /// next page until the last, which has none; jobs of one millisecond in the order they were
 /// queued, so no job is listed twice or skipped; the state and kind filters travel with

@@ -48,6 +48,38 @@ async fn upload(server: &TestServer, http: &Client, cookie: &str, name: &str) ->
         .unwrap()
 }
 
+/// The pages are served with `style-src 'self'; script-src 'self'`: a browser ignores a
+/// `style` attribute, a `<style>` or inline `<script>`, and an `on…=` handler, so no
+/// template may use one (a progress bar drawn with an inline width always looked full).
+#[test]
+fn no_template_holds_what_the_content_security_policy_refuses() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../templates");
+    let mut refused = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (number, line) in text.lines().enumerate() {
+            let line = line.to_ascii_lowercase();
+            if line.contains(" style=") || line.contains("<style") || inline_script(&line) || handler(&line) {
+                refused.push(format!("{}:{}: {}", path.display(), number + 1, line.trim()));
+            }
+        }
+    }
+    assert!(refused.is_empty(), "the CSP refuses these:\n{}", refused.join("\n"));
+}
+
+/// Whether `line` opens a `<script>` without a `src`.
+fn inline_script(line: &str) -> bool {
+    line.match_indices("<script").any(|(at, _)| !line[at..].split('>').next().unwrap_or_default().contains(" src="))
+}
+
+/// Whether `line` has an event handler attribute such as ` onclick="…"`.
+fn handler(line: &str) -> bool {
+    line.split(' ').filter_map(|word| word.split_once('=')).any(|(name, _)| {
+        name.len() > 2 && name.starts_with("on") && name.bytes().all(|b| b.is_ascii_lowercase())
+    })
+}
+
 #[tokio::test]
 async fn pages_without_a_session_redirect_to_login_and_fragments_get_401() {
     let server = TestServer::start(Backend::Sqlite).await;

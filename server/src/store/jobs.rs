@@ -484,40 +484,39 @@ pub async fn unclaim(db: &Db, worker: Uuid, job: Uuid) -> Result<()> {
     Ok(())
 }
 
-/// Puts every job `worker` holds back in the queue (it restarted: what its previous
-/// incarnation ran is gone).
-pub async fn requeue_held_by(db: &Db, worker: Uuid, message: &str) -> Result<u64> {
-    let touched = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE jobs SET state = 'queued', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
-         message = $2, preempt_reason = NULL WHERE worker_id = $3 AND {LIVE}"
-    )))
-    .bind(now_ms())
-    .bind(message)
-    .bind(worker.to_string())
-    .execute(db.pool())
-    .await?
-    .rows_affected();
+/// The `SET` list that takes a live job's lease back: queued again, or failed once its
+/// attempts are spent. `$1` is the time, `$2` the message when requeued, `$3` when failed.
+const RELEASE: &str = "state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \
+    message = CASE WHEN attempts >= max_attempts THEN $3 ELSE $2 END, \
+    finished_at = CASE WHEN attempts >= max_attempts THEN $1 ELSE NULL END, \
+    worker_id = NULL, lease_expires_at = NULL, updated_at = $1, preempt_reason = NULL";
+
+/// Takes back every job `worker` holds (it restarted: what its previous incarnation ran
+/// is gone), requeued or failed as [`expire_leases`] does. Returns how many were touched.
+pub async fn release_held_by(db: &Db, worker: Uuid) -> Result<u64> {
+    let sql = format!("UPDATE jobs SET {RELEASE} WHERE worker_id = $4 AND {LIVE}");
+    let touched = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(now_ms())
+        .bind("The worker restarted; the job was requeued.")
+        .bind("The worker restarted during the job's last allowed attempt.")
+        .bind(worker.to_string())
+        .execute(db.pool())
+        .await?
+        .rows_affected();
     Ok(touched)
 }
 
 /// Requeues every job whose lease has expired, or fails it once its attempts are spent.
 /// Returns how many jobs were touched.
 pub async fn expire_leases(db: &Db) -> Result<u64> {
-    let now = now_ms();
-    let touched = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE jobs SET \
-           state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \
-           message = CASE WHEN attempts >= max_attempts \
-             THEN 'The lease expired on the last allowed attempt; the worker stopped responding.' \
-             ELSE 'The lease expired (the worker stopped responding); the job was requeued.' END, \
-           finished_at = CASE WHEN attempts >= max_attempts THEN $1 ELSE NULL END, \
-           worker_id = NULL, lease_expires_at = NULL, updated_at = $1, preempt_reason = NULL \
-         WHERE {LIVE} AND lease_expires_at < $1"
-    )))
-    .bind(now)
-    .execute(db.pool())
-    .await?
-    .rows_affected();
+    let sql = format!("UPDATE jobs SET {RELEASE} WHERE {LIVE} AND lease_expires_at < $1");
+    let touched = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(now_ms())
+        .bind("The lease expired (the worker stopped responding); the job was requeued.")
+        .bind("The lease expired on the last allowed attempt; the worker stopped responding.")
+        .execute(db.pool())
+        .await?
+        .rows_affected();
     Ok(touched)
 }
 

@@ -68,13 +68,20 @@ pub fn elapsed(from: DateTime<Utc>, to: DateTime<Utc>) -> String {
     }
 }
 
-/// A metric value without trailing zeros: `0.25`, `312.5`, `91578367`.
+/// A metric value without trailing zeros: `0.25`, `312.5`, `91578367`; one too small for
+/// six decimals to show three digits of it in scientific notation (`2.5e-7`, a learning
+/// rate near the end of its decay, not `0`).
 pub fn number(value: f64) -> String {
     if !value.is_finite() {
         return value.to_string();
     }
-    let text = format!("{value:.6}");
-    text.trim_end_matches('0').trim_end_matches('.').to_string()
+    let without_zeros = |text: &str| text.trim_end_matches('0').trim_end_matches('.').to_string();
+    if value != 0.0 && value.abs() < 1e-4 {
+        let text = format!("{value:.2e}");
+        let (mantissa, exponent) = text.split_once('e').expect("scientific notation has an exponent");
+        return format!("{}e{exponent}", without_zeros(mantissa));
+    }
+    without_zeros(&format!("{value:.6}"))
 }
 
 /// Points of an SVG polyline drawing `values` in a 100 × 24 box, oldest at the left and
@@ -134,6 +141,10 @@ mod tests {
         assert_eq!(number(91_578_367.0), "91578367");
         assert_eq!(number(0.000_123_4), "0.000123");
         assert_eq!(number(f64::NAN), "NaN");
+        assert_eq!(number(0.0), "0");
+        assert_eq!(number(2.5e-7), "2.5e-7");
+        assert_eq!(number(-3e-9), "-3e-9");
+        assert_eq!(number(1.234_56e-5), "1.23e-5");
     }
 
     #[test]

@@ -82,7 +82,7 @@ pub async fn register(
         )));
     };
     // Whatever the previous incarnation held is gone with it.
-    jobs::requeue_held_by(&state.db, worker_id, "The worker restarted; the job was requeued.").await?;
+    jobs::release_held_by(&state.db, worker_id).await?;
     crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &request.inventory.slices).await?;
     tracing::info!(worker = %worker_id, name, slices = request.inventory.slices.len(), "worker registered");
     Ok(ApiJson(RegisterResponse {
