@@ -69,7 +69,19 @@ impl Error {
         Error::NotFound(format!("{what} not found; check the id or name."))
     }
 
+    /// The database turned the request away for now (see [`crate::store::db::is_busy`]):
+    /// a 503 with `Retry-After`, so that clients (workers included) send it again.
+    fn busy(&self) -> bool {
+        match self {
+            Error::Database(error) | Error::Store(StoreError::Database(error)) => crate::store::db::is_busy(error),
+            _ => false,
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
+        if self.busy() {
+            return StatusCode::SERVICE_UNAVAILABLE;
+        }
         match self {
             Error::BadRequest(_) => StatusCode::BAD_REQUEST,
             Error::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
@@ -94,6 +106,9 @@ impl Error {
     }
 
     fn code(&self) -> &'static str {
+        if self.busy() {
+            return "unavailable";
+        }
         match self {
             Error::BadRequest(_) => "bad_request",
             Error::Invalid { code, .. } => code,
@@ -119,7 +134,9 @@ impl Error {
 
     /// The sentence shown to the client: internals stay in the log.
     pub fn public_message(&self) -> String {
-        if self.status().is_server_error() {
+        if self.busy() {
+            "The server is busy (its database did not take the request in time); send it again shortly.".into()
+        } else if self.status().is_server_error() {
             "The server hit an internal error; it has been logged.".into()
         } else {
             self.to_string()
@@ -139,6 +156,8 @@ impl IntoResponse for Error {
         let mut response = (status, Json(body)).into_response();
         if let Error::TooManyRequests { retry_after_secs } = self {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+        } else if status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
         }
         response
     }
@@ -237,4 +256,43 @@ pub struct ApiPath<T>(pub T);
 /// Handler for unknown `/api` routes.
 pub async fn api_not_found() -> Error {
     Error::NotFound("No such API route; see /api/openapi.json for the routes that exist.".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::sqlite::SqliteConnectOptions;
+    use sqlx::{ConnectOptions, Connection};
+
+    use super::*;
+
+    /// What a client is answered for `error`: the status, `Retry-After` and the code.
+    async fn answer(error: Error) -> (StatusCode, Option<String>, String) {
+        let response = error.into_response();
+        let status = response.status();
+        let retry = response.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap().to_string());
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+        let body: ErrorBody = serde_json::from_slice(&body).unwrap();
+        (status, retry, body.error.code)
+    }
+
+    #[tokio::test]
+    async fn a_database_that_turns_a_request_away_is_a_503_to_send_again() {
+        // A real SQLite lock: one connection holds the write lock, another that waits for
+        // no one asks for it.
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new().filename(dir.path().join("db")).create_if_missing(true);
+        let mut holder = options.clone().connect().await.unwrap();
+        let mut other = options.busy_timeout(Duration::ZERO).connect().await.unwrap();
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
+        let locked = sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap_err();
+        let unavailable = (StatusCode::SERVICE_UNAVAILABLE, Some("1".to_string()), "unavailable".to_string());
+        assert_eq!(answer(Error::Database(locked)).await, unavailable);
+        assert_eq!(answer(Error::Store(StoreError::Database(sqlx::Error::PoolTimedOut))).await, unavailable);
+        // Anything else the database says is the server's fault, said once.
+        let internal = (StatusCode::INTERNAL_SERVER_ERROR, None, "internal".to_string());
+        assert_eq!(answer(Error::Database(sqlx::Error::RowNotFound)).await, internal);
+        holder.close().await.unwrap();
+    }
 }

@@ -5,6 +5,7 @@ mod support;
 
 use std::collections::HashSet;
 
+use serde_json::json;
 use support::{backends, Backend, TestServer};
 use tessera_api::jobs::JobSpec;
 use tessera_server::store::jobs::{self as queue, NewJob};
@@ -169,6 +170,27 @@ async fn job_fails_when_its_last_attempt_expires() {
         }
         assert_eq!(state_of(&server, job).await, ("failed".into(), 2));
         assert!(queue::claim(&server.state.db, worker, &kinds(), 1000, &Free::default()).await.unwrap().is_none());
+    }
+}
+
+/// A claim whose answer the worker never got (it timed out, the connection broke) leaves
+/// a job leased to a worker that does not run it: the worker's next heartbeat, which does
+/// not list it, queues it again with its attempt unspent; a job it lists keeps its lease.
+#[tokio::test]
+async fn a_claim_the_worker_never_got_back_is_queued_again_by_its_next_heartbeat() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let jobs = enqueue(&server, 2, 3).await;
+        let (_, secret) = server.register_worker("w0").await;
+        for job in &jobs {
+            let claimed: serde_json::Value =
+                server.post(&secret, "/agent/claim", json!({"kinds": KINDS})).await.json().await.unwrap();
+            assert_eq!(claimed["job_id"], job.to_string());
+        }
+        let beat = server.post(&secret, "/agent/heartbeat", json!({"jobs": [jobs[0]]})).await;
+        assert_eq!(beat.status(), 200);
+        assert_eq!(state_of(&server, jobs[0]).await, ("leased".into(), 1), "{backend:?}");
+        assert_eq!(state_of(&server, jobs[1]).await, ("queued".into(), 0), "{backend:?}");
     }
 }
 

@@ -7,6 +7,7 @@
 //! thing twice) except that a log batch whose answer was lost may be stored twice.
 //! The agent loop's own heartbeat and claim are sent once: its loop is their retry.
 
+use std::future::Future;
 use std::path::Path;
 use std::time::Duration;
 
@@ -67,25 +68,52 @@ pub const RETRY_FOR: Duration = Duration::from_secs(120);
 /// Transfers of files (models, datasets, checkpoints) have no such limit.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Whether the server may answer a repeat of the call: it was not reached, did not answer
-/// in time, or said it is overloaded or restarting.
-fn worth_retrying(error: &ClientError) -> bool {
-    match error {
-        ClientError::Transport(e) => e.is_connect() || e.is_timeout() || e.is_request(),
-        ClientError::Status { status, .. } => matches!(
-            *status,
-            StatusCode::TOO_MANY_REQUESTS
-                | StatusCode::BAD_GATEWAY
-                | StatusCode::SERVICE_UNAVAILABLE
-                | StatusCode::GATEWAY_TIMEOUT
-        ),
-        _ => false,
+/// A connection that has given nothing for this long is given up on (and retried).
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl ClientError {
+    /// Whether the server did not answer the call (not reached, no answer in time, the
+    /// answer broke off) or said it is overloaded or restarting: a repeat may succeed.
+    pub fn unanswered(&self) -> bool {
+        match self {
+            ClientError::Transport(e) => e.is_connect() || e.is_timeout() || e.is_request() || e.is_body(),
+            ClientError::Status { status, .. } => matches!(
+                *status,
+                StatusCode::TOO_MANY_REQUESTS
+                    | StatusCode::BAD_GATEWAY
+                    | StatusCode::SERVICE_UNAVAILABLE
+                    | StatusCode::GATEWAY_TIMEOUT
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Runs `call` again with backoff while it is [`ClientError::unanswered`], for up to
+/// [`RETRY_FOR`].
+async fn retrying<T, F>(mut call: impl FnMut() -> F) -> Result<T, ClientError>
+where
+    F: Future<Output = Result<T, ClientError>>,
+{
+    let deadline = tokio::time::Instant::now() + RETRY_FOR;
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        match call().await {
+            Err(error) if error.unanswered() && tokio::time::Instant::now() + backoff < deadline => {
+                tracing::warn!(%error, "the server did not answer; sending again in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            answer => return answer,
+        }
     }
 }
 
 impl Client {
     pub fn new(base: &str) -> Result<Client, ClientError> {
-        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
+        // A transfer that stalls this long breaks off (and is retried); one that flows has no limit.
+        let http =
+            reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).read_timeout(STALL_TIMEOUT).build()?;
         Ok(Client { http, base: base.trim_end_matches('/').to_string(), secret: String::new() })
     }
 
@@ -98,21 +126,9 @@ impl Client {
         check(build().bearer_auth(&self.secret).send().await?).await
     }
 
-    /// Sends the request `build` makes, again with backoff while [`worth_retrying`], for up
-    /// to [`RETRY_FOR`].
+    /// Sends the request `build` makes, [`retrying`].
     async fn send(&self, build: impl Fn() -> RequestBuilder) -> Result<reqwest::Response, ClientError> {
-        let deadline = tokio::time::Instant::now() + RETRY_FOR;
-        let mut backoff = Duration::from_millis(250);
-        loop {
-            match self.send_once(&build).await {
-                Err(error) if worth_retrying(&error) && tokio::time::Instant::now() + backoff < deadline => {
-                    tracing::warn!(%error, "the server did not answer; sending again in {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-                answer => return answer,
-            }
-        }
+        retrying(|| self.send_once(&build)).await
     }
 
     async fn post<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
@@ -233,7 +249,7 @@ impl Client {
 
     /// The job's latest checkpoint, if it has one.
     pub async fn latest_checkpoint(&self, job: Uuid) -> Result<Option<Checkpoint>, ClientError> {
-        let response = self.get(&format!("jobs/{job}/checkpoints/latest")).await?;
+        let response = self.get_timed(&format!("jobs/{job}/checkpoints/latest")).await?;
         if response.status() == StatusCode::NO_CONTENT {
             return Ok(None);
         }
@@ -241,12 +257,12 @@ impl Client {
     }
 
     pub async fn checkpoint_file(&self, job: Uuid, step: u64, name: &str) -> Result<Vec<u8>, ClientError> {
-        Ok(self.get(&format!("jobs/{job}/checkpoints/{step}/files/{name}")).await?.bytes().await?.to_vec())
+        Ok(self.get_bytes(&format!("jobs/{job}/checkpoints/{step}/files/{name}")).await?.to_vec())
     }
 
     /// A dataset's bytes, checked against its digest.
     pub async fn dataset(&self, id: Uuid, digest: &str) -> Result<Vec<u8>, ClientError> {
-        let bytes = self.get(&format!("datasets/{id}/file")).await?.bytes().await?.to_vec();
+        let bytes = self.get_bytes(&format!("datasets/{id}/file")).await?.to_vec();
         let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
         if actual != digest {
             return Err(ClientError::DigestMismatch { path: format!("dataset {id}"), expected: digest.into(), actual });
@@ -254,21 +270,31 @@ impl Client {
         Ok(bytes)
     }
 
-    /// A GET whose answer may be a file: retried, but not timed.
-    async fn get(&self, path: &str) -> Result<reqwest::Response, ClientError> {
-        self.send(|| self.http.get(self.url(path))).await
+    /// A GET of JSON, [`retrying`].
+    async fn get_timed(&self, path: &str) -> Result<reqwest::Response, ClientError> {
+        self.send(|| self.http.get(self.url(path)).timeout(CALL_TIMEOUT)).await
+    }
+
+    /// A file's bytes, [`retrying`] the whole transfer (one that breaks off included).
+    async fn get_bytes(&self, path: &str) -> Result<Bytes, ClientError> {
+        retrying(|| async { Ok(self.send_once(|| self.http.get(self.url(path))).await?.bytes().await?) }).await
     }
 
     pub async fn model(&self, id: Uuid) -> Result<Model, ClientError> {
-        Ok(self.send(|| self.http.get(self.url(&format!("models/{id}"))).timeout(CALL_TIMEOUT)).await?.json().await?)
+        Ok(self.get_timed(&format!("models/{id}")).await?.json().await?)
     }
 
     /// Streams one model file to `target`, checking its SHA-256 against `digest`; the
-    /// file appears under `target` only once it is complete and verified.
+    /// file appears under `target` only once it is complete and verified. A transfer that
+    /// breaks off starts again ([`retrying`]).
     pub async fn download(&self, model: Uuid, path: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
-        let response = self.get(&format!("models/{model}/files/{path}")).await?;
+        retrying(|| self.download_once(model, path, digest, target)).await
+    }
+
+    async fn download_once(&self, model: Uuid, path: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
+        let response = self.send_once(|| self.http.get(self.url(&format!("models/{model}/files/{path}")))).await?;
         // Its own partial file: two jobs fetching one model on this worker never write one.
-        let partial = Partial(target.with_extension(format!("{}.partial", Uuid::new_v4().simple())));
+        let partial = Partial(target.with_extension(format!("{}-{}.partial", this_run(), Uuid::new_v4().simple())));
         let mut file = tokio::fs::File::create(&partial.0).await?;
         let mut hasher = Sha256::new();
         let mut size = 0u64;
@@ -287,6 +313,29 @@ impl Client {
         }
         tokio::fs::rename(&partial.0, target).await?;
         Ok(size)
+    }
+}
+
+/// A name for this worker process, in the names of its partial files (a process id
+/// would do, but a container's worker is process 1 each time it starts).
+fn this_run() -> &'static str {
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RUN.get_or_init(|| Uuid::new_v4().simple().to_string()[..12].to_string())
+}
+
+/// Removes the partial files under `folder` that an earlier worker process left behind
+/// (killed mid-download, it never removed them); this process's own are in use.
+pub fn remove_stale_partials(folder: &Path) {
+    let Ok(entries) = std::fs::read_dir(folder) else { return };
+    let ours = format!(".{}-", this_run());
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if path.is_dir() {
+            remove_stale_partials(&path);
+        } else if name.ends_with(".partial") && !name.contains(&ours) {
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }
 
@@ -379,5 +428,21 @@ mod tests {
         assert_eq!(std::fs::read(&target).unwrap(), bytes);
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, ["model.safetensors"], "no partial file is left behind");
+    }
+
+    #[test]
+    fn only_partial_files_of_an_earlier_worker_process_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("1_Pooling")).unwrap();
+        let ours = format!("model.{}-0f.partial", this_run());
+        let stale = ["model.0123456789ab-0f.partial", "1_Pooling/config.0123456789ab-1.partial"];
+        for name in stale.iter().chain([&"model.safetensors", &ours.as_str()]) {
+            std::fs::write(dir.path().join(name), b"x").unwrap();
+        }
+        remove_stale_partials(dir.path());
+        for name in stale {
+            assert!(!dir.path().join(name).exists(), "{name} is swept");
+        }
+        assert!(dir.path().join("model.safetensors").exists() && dir.path().join(&ours).exists());
     }
 }

@@ -107,6 +107,24 @@ pub fn storable(text: &str) -> bool {
     !text.contains('\0')
 }
 
+/// True when the database turned the statement away for now, so that the same request
+/// may succeed sent again: no pooled connection came free in time, SQLite's file stayed
+/// locked past its busy timeout (codes 5 and 6, with their extended forms), or
+/// PostgreSQL aborted the transaction as a serialisation failure or a deadlock.
+pub fn is_busy(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            match code.parse::<u32>() {
+                Ok(sqlite) => matches!(sqlite & 0xff, 5 | 6),
+                Err(_) => matches!(code.as_ref(), "40001" | "40P01"),
+            }
+        }
+        _ => false,
+    }
+}
+
 /// True when a database error is a unique-constraint violation (both backends).
 pub fn is_unique_violation(error: &sqlx::Error) -> bool {
     match error {

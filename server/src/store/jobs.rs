@@ -484,6 +484,23 @@ pub async fn unclaim(db: &Db, worker: Uuid, job: Uuid) -> Result<()> {
     Ok(())
 }
 
+/// Gives back the leases `worker` holds on jobs it has not started and did not list in its
+/// heartbeat (`listed`): claims whose answer it never got (it timed out, the connection
+/// broke). Queued again, no attempt spent; returns them. Ranks are left to their gang.
+pub async fn unclaim_unlisted(db: &Db, worker: Uuid, listed: &[Uuid]) -> Result<Vec<Uuid>> {
+    let held: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM jobs WHERE worker_id = $1 AND state = 'leased' AND kind <> 'train_rank'")
+            .bind(worker.to_string())
+            .fetch_all(db.pool())
+            .await?;
+    let mut unclaimed = Vec::new();
+    for job in held.iter().filter_map(|id| id.parse::<Uuid>().ok()).filter(|job| !listed.contains(job)) {
+        unclaim(db, worker, job).await?;
+        unclaimed.push(job);
+    }
+    Ok(unclaimed)
+}
+
 /// The `SET` list that takes a live job's lease back: queued again, or failed once its
 /// attempts are spent. `$1` is the time, `$2` the message when requeued, `$3` when failed.
 const RELEASE: &str = "state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \

@@ -198,6 +198,12 @@ pub async fn run(context: JobContext, spec: JobSpec) {
             tracing::info!(%job, "lease lost while running; leaving the job to the server");
             return;
         }
+        Err(JobError::Client(error)) if error.unanswered() => {
+            // Not the job's failure: the server was away for longer than calls are retried.
+            // Its lease, no longer renewed, expires and the job is requeued (an attempt spent).
+            tracing::warn!(%job, %error, "the server did not answer for too long; leaving the job to it");
+            return;
+        }
         Err(JobError::RankLost(reason)) => {
             // Not this rank's failure: the server requeues the gang once the lost rank's
             // lease expires, and it resumes from its last checkpoint.

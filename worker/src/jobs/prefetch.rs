@@ -33,6 +33,7 @@ pub async fn run(context: &JobContext, model_id: Uuid) -> Result<String, JobErro
 pub async fn fetch(context: &JobContext, model_id: Uuid) -> Result<(PathBuf, String), JobError> {
     let model = context.client.model(model_id).await?;
     let folder = context.data_dir.join("models").join(model.id.to_string());
+    crate::client::remove_stale_partials(&folder);
     context.log(format!("prefetching model '{}' ({} files, {} bytes) into {}", model.name, model.files.len(), model.size_bytes, folder.display())).await?;
     let started = Instant::now();
     let mut downloaded = 0u64;
