@@ -294,5 +294,12 @@ mod tests {
         let internal = (StatusCode::INTERNAL_SERVER_ERROR, None, "internal".to_string());
         assert_eq!(answer(Error::Database(sqlx::Error::RowNotFound)).await, internal);
         holder.close().await.unwrap();
+        // PostgreSQL's codes are its own: 22021 (a NUL in text) is no SQLite 5 (busy).
+        let Ok(url) = std::env::var("TESSERA_TEST_POSTGRES_URL") else { return };
+        let mut postgres = sqlx::PgConnection::connect(&url).await.unwrap();
+        let nul = sqlx::query("SELECT convert_from('\\x00'::bytea, 'UTF8')");
+        let refused = nul.execute(&mut postgres).await.unwrap_err();
+        assert_eq!(refused.as_database_error().and_then(|e| e.code()).as_deref(), Some("22021"));
+        assert_eq!(answer(Error::Database(refused)).await, internal);
     }
 }

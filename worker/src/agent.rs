@@ -227,9 +227,12 @@ impl Agent {
                         poll.reset_immediately();
                     }
                 }
-                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    if let Ok(job) = done {
-                        running.remove(&job);
+                Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                    // Only this task's entry: the job may have been claimed again meanwhile.
+                    if let Ok((task, job)) = done {
+                        if running.get(&job).is_some_and(|entry| entry.task.id() == task) {
+                            running.remove(&job);
+                        }
                     }
                     running.retain(|_, job| !job.task.is_finished());
                 }

@@ -1,10 +1,11 @@
 //! HTTP client for the agent protocol: every call the worker makes to the server.
 //!
 //! A job's calls ride out a server restart or a moment of overload: one the server did
-//! not answer (unreachable, timed out, 429, 502, 503, 504) is sent again with backoff for
-//! up to [`RETRY_FOR`]. Every such call is safe to repeat (the server replaces metrics,
-//! checkpoints, plans and stage records by their key; a status or rendezvous says the same
-//! thing twice) except that a log batch whose answer was lost may be stored twice.
+//! not answer (unreachable, timed out, 429, 502, 503, 504) is sent again with backoff,
+//! waiting up to [`RETRY_FOR`] in all. Every such call is safe to repeat (the server
+//! replaces metrics, checkpoints, plans and stage records by their key; a status or
+//! rendezvous says the same thing twice) except that a log batch whose answer was lost
+//! may be stored twice.
 //! The agent loop's own heartbeat and claim are sent once: its loop is their retry.
 
 use std::future::Future;
@@ -60,8 +61,9 @@ async fn check(response: reqwest::Response) -> Result<reqwest::Response, ClientE
     }
 }
 
-/// How long a job's call is sent again while the server does not answer it: longer than
-/// a restart takes, and past the 30 s lease a job outlives only if its worker heartbeats.
+/// How long a job waits, in all, between the attempts at a call the server does not
+/// answer: longer than a restart takes, and past the 30 s lease a job outlives only if its
+/// worker heartbeats.
 pub const RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// A JSON call the server has not answered in this long is given up on (and retried).
@@ -89,19 +91,21 @@ impl ClientError {
     }
 }
 
-/// Runs `call` again with backoff while it is [`ClientError::unanswered`], for up to
-/// [`RETRY_FOR`].
+/// Runs `call` again with backoff while it is [`ClientError::unanswered`], waiting
+/// [`RETRY_FOR`] in all between attempts (some 30 of them). The attempts' own time does
+/// not count, so a long transfer that breaks off is still sent again.
 async fn retrying<T, F>(mut call: impl FnMut() -> F) -> Result<T, ClientError>
 where
     F: Future<Output = Result<T, ClientError>>,
 {
-    let deadline = tokio::time::Instant::now() + RETRY_FOR;
+    let mut waited = Duration::ZERO;
     let mut backoff = Duration::from_millis(250);
     loop {
         match call().await {
-            Err(error) if error.unanswered() && tokio::time::Instant::now() + backoff < deadline => {
+            Err(error) if error.unanswered() && waited + backoff <= RETRY_FOR => {
                 tracing::warn!(%error, "the server did not answer; sending again in {backoff:?}");
                 tokio::time::sleep(backoff).await;
+                waited += backoff;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
             answer => return answer,

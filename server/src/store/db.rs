@@ -116,9 +116,10 @@ pub fn is_busy(error: &sqlx::Error) -> bool {
         sqlx::Error::PoolTimedOut => true,
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
-            match code.parse::<u32>() {
-                Ok(sqlite) => matches!(sqlite & 0xff, 5 | 6),
-                Err(_) => matches!(code.as_ref(), "40001" | "40P01"),
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                code.parse::<u32>().is_ok_and(|extended| matches!(extended & 0xff, 5 | 6))
+            } else {
+                matches!(code.as_ref(), "40001" | "40P01")
             }
         }
         _ => false,

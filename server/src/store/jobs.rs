@@ -484,23 +484,6 @@ pub async fn unclaim(db: &Db, worker: Uuid, job: Uuid) -> Result<()> {
     Ok(())
 }
 
-/// Gives back the leases `worker` holds on jobs it has not started and did not list in its
-/// heartbeat (`listed`): claims whose answer it never got (it timed out, the connection
-/// broke). Queued again, no attempt spent; returns them. Ranks are left to their gang.
-pub async fn unclaim_unlisted(db: &Db, worker: Uuid, listed: &[Uuid]) -> Result<Vec<Uuid>> {
-    let held: Vec<String> =
-        sqlx::query_scalar("SELECT id FROM jobs WHERE worker_id = $1 AND state = 'leased' AND kind <> 'train_rank'")
-            .bind(worker.to_string())
-            .fetch_all(db.pool())
-            .await?;
-    let mut unclaimed = Vec::new();
-    for job in held.iter().filter_map(|id| id.parse::<Uuid>().ok()).filter(|job| !listed.contains(job)) {
-        unclaim(db, worker, job).await?;
-        unclaimed.push(job);
-    }
-    Ok(unclaimed)
-}
-
 /// The `SET` list that takes a live job's lease back: queued again, or failed once its
 /// attempts are spent. `$1` is the time, `$2` the message when requeued, `$3` when failed.
 const RELEASE: &str = "state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END, \
@@ -521,6 +504,34 @@ pub async fn release_held_by(db: &Db, worker: Uuid) -> Result<u64> {
         .await?
         .rows_affected();
     Ok(touched)
+}
+
+/// Takes back the leases `worker` holds on jobs it has not started and did not list in its
+/// heartbeat (`listed`): a claim whose answer it never got (it timed out, the connection
+/// broke), or a job that ended on the worker before it started. Requeued or failed at once,
+/// as [`expire_leases`] would once the lease ran out (the attempt stays spent, so a job that
+/// keeps ending early still fails); returns them. Ranks are left to their gang.
+pub async fn release_unlisted(db: &Db, worker: Uuid, listed: &[Uuid]) -> Result<Vec<Uuid>> {
+    let held: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM jobs WHERE worker_id = $1 AND state = 'leased' AND kind <> 'train_rank'")
+            .bind(worker.to_string())
+            .fetch_all(db.pool())
+            .await?;
+    let mut released = Vec::new();
+    for job in held.iter().filter_map(|id| id.parse::<Uuid>().ok()).filter(|job| !listed.contains(job)) {
+        let sql = format!("UPDATE jobs SET {RELEASE} WHERE id = $4 AND worker_id = $5 AND state = 'leased'");
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(now_ms())
+            .bind("The worker was not running the job (it never got the claim back, or the job ended before it \
+                   started); the job was requeued.")
+            .bind("The worker was not running the job on its last allowed attempt.")
+            .bind(job.to_string())
+            .bind(worker.to_string())
+            .execute(db.pool())
+            .await?;
+        released.push(job);
+    }
+    Ok(released)
 }
 
 /// Requeues every job whose lease has expired, or fails it once its attempts are spent.

@@ -128,7 +128,7 @@ fn lease_ttl_ms(state: &AppState) -> i64 {
 /// Say the worker is alive and renew the leases of the jobs it is running; the answer
 /// names the jobs to stop and those to preempt (checkpoint now, report `preempted`). A job
 /// leased to the worker that it neither started nor listed (a claim whose answer it never
-/// got) is queued again at once, its attempt unspent.
+/// got) is requeued at once, not a lease later.
 #[utoipa::path(post, path = "/api/v1/agent/heartbeat", tag = "agent", security(("worker" = [])),
     request_body = Heartbeat, responses((status = 200, body = HeartbeatResponse)))]
 pub async fn heartbeat(
@@ -137,8 +137,8 @@ pub async fn heartbeat(
     ApiJson(beat): ApiJson<Heartbeat>,
 ) -> Result<ApiJson<HeartbeatResponse>> {
     let stop = jobs::renew(&state.db, agent.worker_id, &beat.jobs, lease_ttl_ms(&state)).await?;
-    for job in jobs::unclaim_unlisted(&state.db, agent.worker_id, &beat.jobs).await? {
-        tracing::info!(%job, worker = %agent.worker_id, "a claim the worker never got back is queued again");
+    for job in jobs::release_unlisted(&state.db, agent.worker_id, &beat.jobs).await? {
+        tracing::info!(%job, worker = %agent.worker_id, "a job leased to the worker that it does not run was released");
     }
     let preempt = jobs::preempt_requested(&state.db, agent.worker_id).await?;
     Ok(ApiJson(HeartbeatResponse { stop, preempt }))
