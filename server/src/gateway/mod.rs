@@ -43,7 +43,7 @@ pub struct GatewayError {
     pub status: StatusCode,
     pub kind: String,
     pub message: String,
-    /// Seconds the client should wait before retrying (`Retry-After`), on a 429.
+    /// Seconds the client should wait before retrying (`Retry-After`), on a 429 or a 503.
     pub retry_after: Option<u64>,
 }
 
@@ -69,6 +69,10 @@ impl GatewayError {
 impl From<crate::error::Error> for GatewayError {
     fn from(error: crate::error::Error) -> GatewayError {
         let status = error.status();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            // The database turned the request away for now: say when to send it again.
+            return GatewayError { retry_after: Some(1), ..GatewayError::new(status, "unavailable", error.public_message()) };
+        }
         if status.is_server_error() {
             return GatewayError::internal(error);
         }
@@ -416,4 +420,18 @@ pub fn timing_headers(response: &InferResponse, started: Instant) -> HeaderMap {
     headers.insert("x-inference-time", ms(response.timings.inference_us));
     headers.insert("x-total-time", ms(started.elapsed().as_micros() as u64));
     headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_database_is_a_503_to_send_again_and_other_server_errors_stay_internal() {
+        let busy = GatewayError::from(crate::error::Error::Database(sqlx::Error::PoolTimedOut));
+        let seen = |e: &GatewayError| (e.status, e.kind.clone(), e.retry_after);
+        assert_eq!(seen(&busy), (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into(), Some(1)));
+        let broken = GatewayError::from(crate::error::Error::Invariant("a test"));
+        assert_eq!(seen(&broken), (StatusCode::INTERNAL_SERVER_ERROR, "internal".into(), None));
+    }
 }
