@@ -125,6 +125,10 @@ pub struct StatusReport {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct LogBatch {
     pub lines: Vec<String>,
+    /// An id the worker gives the batch, the same each time it sends it: a batch the server
+    /// has stored under its id already is not appended again (a retry after a lost answer).
+    #[serde(default)]
+    pub batch: Option<Uuid>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

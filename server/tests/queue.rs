@@ -195,6 +195,41 @@ async fn a_claim_the_worker_never_got_back_is_requeued_by_its_next_heartbeat() {
     }
 }
 
+/// A worker sends a call again when its answer is lost (the server stored it, the reply
+/// never came): a log batch sent again under its id is stored once, and the same end
+/// reported again is a 204 again; another end after it is still refused.
+#[tokio::test]
+async fn a_worker_s_reports_sent_again_after_a_lost_answer_are_stored_once() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 3).await[0];
+        let (_, secret) = server.register_worker("w0").await;
+        server.post(&secret, "/agent/claim", json!({"kinds": KINDS})).await;
+        let status = |state: &str| json!({"state": state});
+        assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/status"), status("running")).await.status(), 204);
+        let batch = json!({"lines": ["one", "two"], "batch": Uuid::new_v4()});
+        for _ in 0..2 {
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/logs"), batch.clone()).await.status(), 204);
+        }
+        let unnamed = json!({"lines": ["three"]});
+        assert_eq!(server.post(&secret, &format!("/agent/jobs/{job}/logs"), unnamed).await.status(), 204);
+        for _ in 0..2 {
+            let ended = server.post(&secret, &format!("/agent/jobs/{job}/status"), status("succeeded")).await;
+            assert_eq!(ended.status(), 204, "{backend:?}");
+        }
+        let other = server.post(&secret, &format!("/agent/jobs/{job}/status"), status("failed")).await;
+        assert_eq!(other.status(), 409, "{backend:?}");
+        assert_eq!(state_of(&server, job).await, ("succeeded".into(), 1), "{backend:?}");
+        let lines: Vec<(i64, String)> = sqlx::query_as("SELECT seq, line FROM job_logs WHERE job_id = $1 ORDER BY seq")
+            .bind(job.to_string())
+            .fetch_all(server.state.db.pool())
+            .await
+            .unwrap();
+        let lines: Vec<(i64, &str)> = lines.iter().map(|(seq, line)| (*seq, line.as_str())).collect();
+        assert_eq!(lines, [(1, "one"), (2, "two"), (3, "three")], "{backend:?}");
+    }
+}
+
 /// A worker that restarts gives back what it held: queued again while attempts are left,
 /// failed on the last one (a job that crashes its worker is not retried forever).
 #[tokio::test]

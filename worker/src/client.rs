@@ -187,8 +187,9 @@ impl Client {
         Ok(())
     }
 
+    /// Sent again after a lost answer under the same batch id, which the server stores once.
     pub async fn logs(&self, job: Uuid, lines: Vec<String>) -> Result<(), ClientError> {
-        self.post(&format!("jobs/{job}/logs"), &LogBatch { lines }).await?;
+        self.post(&format!("jobs/{job}/logs"), &LogBatch { lines, batch: Some(Uuid::new_v4()) }).await?;
         Ok(())
     }
 

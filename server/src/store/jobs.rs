@@ -306,8 +306,15 @@ pub async fn log_tail(db: &Db, job: Uuid, limit: i64) -> Result<(Vec<LogLine>, u
 /// appends to one job never take the same number (`MAX(seq) + 1` read by two writers
 /// at once did, on PostgreSQL). Lines for a job that no longer exists are dropped.
 pub async fn append_logs(db: &Db, job: Uuid, lines: &[String], at: i64) -> Result<()> {
+    append_batch(db, job, lines, at, None).await.map(drop)
+}
+
+/// [`append_logs`] for a batch a worker named: a batch whose id the job's log holds
+/// already (it was sent again after its answer was lost) is dropped; answers whether
+/// the lines were appended.
+pub async fn append_batch(db: &Db, job: Uuid, lines: &[String], at: i64, batch: Option<Uuid>) -> Result<bool> {
     if lines.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let mut tx = db.begin().await?;
     let last: Option<i64> = sqlx::query_scalar("UPDATE jobs SET log_seq = log_seq + $1 WHERE id = $2 RETURNING log_seq")
@@ -316,20 +323,31 @@ pub async fn append_logs(db: &Db, job: Uuid, lines: &[String], at: i64) -> Resul
         .fetch_optional(&mut *tx)
         .await?;
     let Some(last) = last else {
-        return Ok(());
+        return Ok(false);
     };
     let first = last - lines.len() as i64 + 1;
     for (i, line) in lines.iter().enumerate() {
-        sqlx::query("INSERT INTO job_logs (job_id, seq, at, line) VALUES ($1, $2, $3, $4)")
-            .bind(job.to_string())
-            .bind(first + i as i64)
-            .bind(at)
-            .bind(line)
-            .execute(&mut *tx)
-            .await?;
+        // The batch's id goes on its first line, where the unique index finds a repeat.
+        let batch = if i == 0 { batch.map(|b| b.to_string()) } else { None };
+        let added = sqlx::query(
+            "INSERT INTO job_logs (job_id, seq, at, line, batch) VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        )
+        .bind(job.to_string())
+        .bind(first + i as i64)
+        .bind(at)
+        .bind(line)
+        .bind(batch)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if added == 0 {
+            // Only a repeated batch id conflicts (the numbers are the job's own); dropping
+            // the transaction takes its counter back too.
+            return Ok(false);
+        }
     }
     tx.commit().await?;
-    Ok(())
+    Ok(true)
 }
 
 /// A job a worker just leased.
@@ -424,6 +442,18 @@ pub async fn holds_lease(db: &Db, worker: Uuid, job: Uuid) -> Result<bool> {
             .fetch_one(db.pool())
             .await?;
     Ok(held > 0)
+}
+
+/// Whether `worker` ended `job` in `state` already: its report of that end was stored
+/// and is being sent again, its answer lost.
+pub async fn ended_by(db: &Db, worker: Uuid, job: Uuid, state: JobState) -> Result<bool> {
+    let ended: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND state = $3")
+        .bind(job.to_string())
+        .bind(worker.to_string())
+        .bind(state.as_str())
+        .fetch_one(db.pool())
+        .await?;
+    Ok(ended > 0)
 }
 
 /// Marks a job `worker` holds as running (a serving replica with the URL its engine

@@ -266,7 +266,8 @@ async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Resul
 }
 
 /// Report that a leased job started, succeeded or failed. A serving replica's endpoint
-/// must be on the worker's own host (see `check_endpoint`).
+/// must be on the worker's own host (see `check_endpoint`). An end reported again by the
+/// worker that reported it is a 204 again, not a 409.
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/status", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = StatusReport,
     responses((status = 204), (status = 409, body = tessera_api::error::ErrorBody),
@@ -287,8 +288,11 @@ pub async fn report_status(
             }
             jobs::mark_running(&state.db, agent.worker_id, job, message.as_deref(), endpoint).await?
         }
+        // The same end reported again (its answer was lost) is answered as the first was,
+        // and settles the gang again in case the first did not get that far.
         JobState::Succeeded | JobState::Failed => {
             jobs::mark_finished(&state.db, agent.worker_id, job, report.state, message.as_deref()).await?
+                || jobs::ended_by(&state.db, agent.worker_id, job, report.state).await?
         }
         JobState::Preempted => {
             let message = message.as_deref().unwrap_or("Preempted: checkpointed and stopped.");
@@ -321,7 +325,8 @@ fn storable_text(text: &str) -> String {
     text.replace('\0', "\u{FFFD}")
 }
 
-/// Append log lines to a leased job.
+/// Append log lines to a leased job. A batch sent again under the `batch` id it was
+/// stored with is not appended again (204 all the same).
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/logs", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = LogBatch, responses((status = 204)))]
 pub async fn append_logs(
@@ -341,7 +346,7 @@ pub async fn append_logs(
         .iter()
         .map(|line| format!("{prefix}{}", storable_text(&line.chars().take(8192).collect::<String>())))
         .collect();
-    jobs::append_logs(&state.db, job, &lines, now_ms()).await?;
+    jobs::append_batch(&state.db, job, &lines, now_ms(), batch.batch).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
