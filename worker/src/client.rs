@@ -3,9 +3,9 @@
 //! A job's calls ride out a server restart or a moment of overload: one the server did
 //! not answer (unreachable, timed out, 429, 502, 503, 504) is sent again with backoff,
 //! waiting up to [`RETRY_FOR`] in all. Every such call is safe to repeat (the server
-//! replaces metrics, checkpoints, plans and stage records by their key; a status or
-//! rendezvous says the same thing twice) except that a log batch whose answer was lost
-//! may be stored twice.
+//! replaces metrics, checkpoints, plans and stage records by their key, stores a log
+//! batch once under the id the worker gave it; a status or rendezvous says the same
+//! thing twice).
 //! The agent loop's own heartbeat and claim are sent once: its loop is their retry.
 
 use std::future::Future;
