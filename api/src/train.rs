@@ -317,17 +317,22 @@ impl LrSchedule {
                 if tau <= tau_prime {
                     return Err(SpecError::new("lr_schedule.tau", "must be greater than tau_prime"));
                 }
-                if k < 1 {
-                    return Err(SpecError::new("lr_schedule.k", "must be at least 1"));
+                // A stage records at most 1000 candidates; τ_max within `max_steps`' bound
+                // keeps the stage arithmetic far from overflowing.
+                if !(1..=1000).contains(&k) {
+                    return Err(SpecError::new("lr_schedule.k", "must be 1 to 1000"));
                 }
-                if tau_max < tau {
-                    return Err(SpecError::new("lr_schedule.tau_max", "must be at least tau"));
+                if tau_max < tau || tau_max > MAX_STEPS {
+                    return Err(SpecError::new("lr_schedule.tau_max", "must be at least tau and at most 100000000"));
                 }
                 Ok(())
             }
         }
     }
 }
+
+/// The most steps a job may train.
+const MAX_STEPS: u64 = 100_000_000;
 
 impl TrainSpec {
     /// The checks that need nothing but the spec itself (the server adds those that
@@ -348,7 +353,7 @@ impl TrainSpec {
         if self.batch_size == 0 || self.batch_size > 65_536 {
             return Err(SpecError::new("batch_size", "must be 1 to 65536"));
         }
-        if self.max_steps == 0 || self.max_steps > 100_000_000 {
+        if self.max_steps == 0 || self.max_steps > MAX_STEPS {
             return Err(SpecError::new("max_steps", "must be 1 to 100000000"));
         }
         if self.eval_every == 0 {
@@ -671,6 +676,12 @@ mod tests {
         job.lr_schedule =
             LrSchedule::Autolrs { min_lr: 1.0, max_lr: 0.1, tau_prime: 100, tau: 1000, k: 10, tau_max: 8000 };
         assert_eq!(job.validate().unwrap_err().field, "lr_schedule.max_lr");
+        let huge = 1 << 61;
+        job.lr_schedule =
+            LrSchedule::Autolrs { min_lr: 0.1, max_lr: 1.0, tau_prime: huge, tau: huge + 1, k: 10, tau_max: huge + 1 };
+        assert_eq!(job.validate().unwrap_err().field, "lr_schedule.tau_max");
+        job.lr_schedule = LrSchedule::Autolrs { min_lr: 0.1, max_lr: 1.0, tau_prime: 10, tau: 100, k: 1001, tau_max: 800 };
+        assert_eq!(job.validate().unwrap_err().field, "lr_schedule.k");
         job.lr_schedule = LrSchedule::Constant { lr: 0.1 };
         job.batch_size = 0;
         assert_eq!(job.validate().unwrap_err().field, "batch_size");

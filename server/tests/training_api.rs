@@ -102,6 +102,15 @@ async fn invalid_specs_get_a_422_naming_the_field() {
         (with(base.clone(), "task.validation_split", Some(json!(0.001))), "task.validation_split"),
         (with(base.clone(), "task.label_column", Some(json!("colour"))), "task.label_column"),
         (
+            // 60 rows, 54 held out: 6 training rows for 8 ranks.
+            with(
+                with(base.clone(), "task.validation_split", Some(json!(0.9))),
+                "parallel",
+                Some(json!({"ranks": vec![json!({"device": "cpu"}); 8]})),
+            ),
+            "parallel.ranks",
+        ),
+        (
             with(with(base.clone(), "task.type", Some(json!("regression"))), "task.label_column", Some(json!("note"))),
             "task.label_column",
         ),

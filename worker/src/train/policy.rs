@@ -123,12 +123,20 @@ impl LrPolicy for AutoLrsPolicy {
             Action::TrainCandidate { steps, measure, .. } => {
                 let progress = &mut self.state.progress;
                 progress.steps += 1;
-                if measure == Measure::TrainingLoss {
-                    progress.curve.push(loss);
-                    if progress.steps == steps {
-                        let curve = std::mem::take(&mut progress.curve);
-                        self.report(Report::CandidateTrained { curve })?;
+                let done = match measure {
+                    Measure::TrainingLoss => {
+                        progress.curve.push(loss);
+                        progress.steps == steps
                     }
+                    // Where `every` does not divide τ' the curve's last point came before
+                    // the candidate's last step (the points stay evenly spaced).
+                    Measure::ValidationLoss { every } => {
+                        progress.steps == steps && progress.curve.len() as u64 == steps / every
+                    }
+                };
+                if done {
+                    let curve = std::mem::take(&mut progress.curve);
+                    self.report(Report::CandidateTrained { curve })?;
                 }
                 Ok(())
             }
@@ -209,5 +217,43 @@ pub fn build(spec: &LrSchedule, max_steps: u64, seed: u64) -> Box<dyn LrPolicy> 
             let config = AutoLrsConfig { min_lr, max_lr, tau_prime, tau, k, tau_max };
             Box::new(AutoLrsPolicy::new(AutoLrs::new(config, seed).with_budget(max_steps)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In the validation phase a candidate's curve is its validation loss every
+    /// `every` = τ'/16 steps; where that does not divide τ' (100 / 6) the candidate still
+    /// ends after its τ' steps, with its 16 evenly spaced points.
+    #[test]
+    fn a_validation_candidate_ends_after_its_steps_where_every_does_not_divide_them() {
+        let config = AutoLrsConfig { min_lr: 1e-3, max_lr: 1e-1, tau_prime: 100, tau: 1000, k: 2, tau_max: 1000 };
+        let mut policy = AutoLrsPolicy::new(AutoLrs::new(config, 1));
+        // Steps and evaluations since the last snapshot, of the second stage's (the
+        // validation phase's) first candidate once its snapshot was taken.
+        let (mut snapshots, mut trained, mut evaluated) = (0, 0, 0);
+        let mut loss = 2.0;
+        for step in 0..5000 {
+            loss *= 0.999;
+            match policy.next(step).unwrap() {
+                Directive::Train { .. } => {
+                    trained += 1;
+                    policy.observe_train_loss(loss).unwrap();
+                }
+                Directive::Evaluate => {
+                    evaluated += 1;
+                    policy.observe_val_loss(loss).unwrap();
+                }
+                Directive::Snapshot => (snapshots, trained, evaluated) = (snapshots + 1, 0, 0),
+                Directive::Restore if snapshots == 2 => {
+                    assert_eq!((trained, evaluated), (100, 16));
+                    return;
+                }
+                Directive::Restore => {}
+            }
+        }
+        panic!("the validation phase's first candidate never ended: {trained} steps, {evaluated} evaluations");
     }
 }

@@ -127,8 +127,12 @@ pub struct Session {
     preempt: Arc<AtomicBool>,
 }
 
+/// A metric row of the finite values among `values`: JSON has no NaN, so a value of a
+/// diverged model (AutoLRS recovers from a candidate's divergence) is left out of the row
+/// rather than failing the whole report.
 fn row(step: u64, phase: Option<StepPhase>, values: impl IntoIterator<Item = (&'static str, f64)>) -> MetricRow {
-    MetricRow { step, phase, values: values.into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>() }
+    let values = values.into_iter().filter(|(_, v)| v.is_finite()).map(|(k, v)| (k.to_string(), v));
+    MetricRow { step, phase, values: values.collect::<BTreeMap<_, _>>() }
 }
 
 /// An evaluation's row; `phase` says which model it measured (a search candidate's or
@@ -239,13 +243,7 @@ impl Session {
                     }
                     let elapsed = started.elapsed();
                     let throughput = self.trainer.batch_size() as f64 / elapsed.as_secs_f64().max(1e-9);
-                    // JSON has no NaN: a diverged step (AutoLRS recovers from it) is recorded without its loss.
-                    let loss_value = Some(("loss", loss)).filter(|_| loss.is_finite());
-                    emit(Event::Step(row(
-                        self.step,
-                        phase,
-                        loss_value.into_iter().chain([("lr", lr), ("throughput", throughput)]),
-                    )));
+                    emit(Event::Step(row(self.step, phase, [("loss", loss), ("lr", lr), ("throughput", throughput)])));
                     if let Some(timing) = self.trainer.last_timing() {
                         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
                         emit(Event::RankStep(RankStep {
@@ -396,6 +394,13 @@ mod tests {
         assert!(why.contains("candidate 3 of 10") && why.contains("snapshot"), "{why}");
         assert_eq!(record.candidates.len(), 2);
         assert_eq!(record.observed_loss_after_tau, None);
+    }
+
+    #[test]
+    fn a_diverged_model_s_evaluation_is_recorded_without_its_non_finite_values() {
+        let diverged = Evaluation { val_loss: f64::NAN, accuracy: Some(0.1), rmse: Some(f64::INFINITY) };
+        let row = eval_row(7, Some(StepPhase::Search), &diverged);
+        assert_eq!(row.values.into_iter().collect::<Vec<_>>(), [("accuracy".to_string(), 0.1)]);
     }
 
     #[test]

@@ -304,6 +304,15 @@ impl Trainer {
         let batch = self.loader.next_batch();
         let share = self.sync.share();
         let rows = share.of(&batch);
+        if rows.is_empty() {
+            // The server refuses such a job; a gang grown past its data still gets here.
+            candle_core::bail!(
+                "rank {} of {} has no row of the {}-row batch: the training split has fewer rows than the ranks",
+                share.rank,
+                share.world,
+                batch.len()
+            );
+        }
         let started = Instant::now();
         let outputs = self.network.forward(&self.data.train, rows, true)?;
         let mut loss = self.loss(&outputs, &self.data.train, rows)?;
