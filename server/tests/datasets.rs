@@ -71,6 +71,11 @@ async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
         assert_eq!(fetched["digest"], wine["digest"]);
         let bytes = server.get(&token, &format!("/datasets/{id}/file")).await.bytes().await.unwrap();
         assert_eq!(&bytes[..], WINE.as_bytes());
+        // By name as by id.
+        let by_name: Value = server.get(&token, "/datasets/reviews").await.json().await.unwrap();
+        assert_eq!(by_name["id"], reviews["id"]);
+        let bytes = server.get(&token, "/datasets/reviews/file").await.bytes().await.unwrap();
+        assert_eq!(&bytes[..], jsonl.as_bytes());
 
         // Same bytes under another name share one blob; deleting one keeps the other's.
         let twin: Value = upload(&server, &token, "wine-copy", "w.csv", WINE.as_bytes()).await.json().await.unwrap();
@@ -79,8 +84,8 @@ async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
         assert_eq!(server.delete(&token, &format!("/datasets/{id}")).await.status(), 204);
         assert_eq!(stored_files(&server), blobs);
         assert_eq!(server.get(&token, &format!("/datasets/{id}")).await.status(), 404);
-        let twin_id = twin["id"].as_str().unwrap();
-        assert_eq!(server.delete(&token, &format!("/datasets/{twin_id}")).await.status(), 204);
+        assert_eq!(server.delete(&token, "/datasets/wine-copy").await.status(), 204);
+        assert_eq!(server.get(&token, "/datasets/wine-copy").await.status(), 404);
         server.collect_garbage_after_grace().await;
         assert_eq!(stored_files(&server), blobs - 1, "the last reference's blob is collected ({backend:?})");
     }

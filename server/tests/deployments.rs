@@ -88,6 +88,24 @@ async fn a_replica_whose_worker_dies_is_placed_again() {
     assert_eq!((again["job_id"].as_str(), again["attempt"].as_u64()), (Some(job.as_str()), Some(2)));
 }
 
+/// A replica is its deployment's: cancelling it through the jobs API is a 409 naming how
+/// to scale (it would leave the deployment a replica short, with nothing to queue another).
+#[tokio::test]
+async fn a_replica_cannot_be_cancelled_behind_its_deployment_s_back() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let created = deploy(&server, &admin, 1).await;
+        let replica = created["replica_status"][0]["id"].as_str().unwrap();
+        let response = server.post(&admin, &format!("/jobs/{replica}/cancel"), json!({})).await;
+        assert_eq!(response.status(), 409, "{backend:?}");
+        let error: Value = response.json().await.unwrap();
+        assert!(error["error"]["message"].as_str().unwrap().contains("PATCH /api/v1/deployments/"), "{error}");
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        assert_eq!(deployment["replica_status"].as_array().unwrap().len(), 1, "{backend:?}: {deployment}");
+    }
+}
+
 #[tokio::test]
 async fn bad_deployments_are_refused_with_a_reason() {
     let server = TestServer::start(support::Backend::Sqlite).await;

@@ -535,6 +535,14 @@ async fn nul_bytes_in_what_a_worker_names_are_422s() {
         let (_, secret) = server.register_worker("w").await;
         let response = server.post(&secret, "/agent/claim", json!({"kinds": ["pre\u{0}fetch"]})).await;
         assert_eq!(response.status(), 422, "{backend:?} claim");
+        // A list past the database's parameter limit (or one statement per entry) is refused.
+        let kinds: Vec<String> = (0..70_000).map(|i| format!("k{i}")).collect();
+        let response = server.post(&secret, "/agent/claim", json!({ "kinds": kinds })).await;
+        assert_eq!(response.status(), 422, "{backend:?} many kinds");
+        assert_eq!(error_body(response).await["error"]["code"], "invalid_kind", "{backend:?}");
+        let jobs: Vec<String> = (0..2000).map(|_| uuid::Uuid::new_v4().to_string()).collect();
+        let response = server.post(&secret, "/agent/heartbeat", json!({ "jobs": jobs })).await;
+        assert_eq!(response.status(), 422, "{backend:?} many jobs");
         assert_eq!(server.upload_model(&admin, "tiny", tiny_model()).await.status(), 201);
         let response = server.post(&admin, "/jobs", json!({"name": "warm", "spec": {"kind": "prefetch", "model": "tiny"}})).await;
         assert_eq!(response.status(), 201);

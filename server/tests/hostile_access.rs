@@ -679,7 +679,8 @@ async fn a_worker_reports_engine_endpoints_only_on_its_own_host() {
                 .to_string();
             assert!(message.contains("TESSERA_ALLOW_ADVERTISED_ENDPOINTS"), "{message}");
         }
-        for endpoint in ["ftp://127.0.0.1:21", "not a url", "http://"] {
+        let long = format!("http://127.0.0.1:9000/{}", "r".repeat(3000));
+        for endpoint in ["ftp://127.0.0.1:21", "not a url", "http://", "http://127.0.0.1:9000/r\0", &long] {
             let response = server.post(&secret, &status, running(endpoint)).await;
             assert_eq!(response.status(), 422, "{endpoint}");
             error_body(response).await;

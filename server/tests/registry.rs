@@ -145,6 +145,15 @@ async fn valid_upload_round_trips_byte_for_byte() {
         }
         let listed: Vec<Value> = server.get(&token, "/models").await.json().await.unwrap();
         assert_eq!(listed.len(), 1);
+        // By name as by id; a name that is none of yours is a 404 saying so.
+        let by_name: Value = server.get(&token, "/models/minilm").await.json().await.unwrap();
+        assert_eq!(by_name["id"], model["id"]);
+        let response = server.get(&token, "/models/minilm/files/config.json").await;
+        assert_eq!(&response.bytes().await.unwrap()[..], &files[0].1[..]);
+        let response = server.get(&token, "/models/nothing-by-that-name").await;
+        assert_eq!(response.status(), 404);
+        let error: Value = response.json().await.unwrap();
+        assert!(error["error"]["message"].as_str().unwrap().contains("nothing-by-that-name"), "{error}");
         // Same content under another name shares blobs; deleting one keeps the other's.
         assert_eq!(server.upload_model(&token, "copy", files.clone()).await.status(), 201);
         assert_eq!(server.delete(&token, &format!("/models/{id}")).await.status(), 204);
@@ -152,7 +161,7 @@ async fn valid_upload_round_trips_byte_for_byte() {
         let copy_id = copy[0]["id"].as_str().unwrap();
         let response = server.get(&token, &format!("/models/{copy_id}/files/config.json")).await;
         assert_eq!(response.status(), 200, "{copy:?} {}", response.text().await.unwrap());
-        assert_eq!(server.delete(&token, &format!("/models/{copy_id}")).await.status(), 204);
+        assert_eq!(server.delete(&token, "/models/copy").await.status(), 204);
         server.collect_garbage_after_grace().await;
         assert_eq!(stored_files(&server), 0, "deleting the last model removes its blobs");
     }

@@ -207,26 +207,29 @@ pub async fn list(State(state): State<AppState>, principal: Principal) -> Result
     Ok(ApiJson(store::list(&state.db, &principal.scope()).await?))
 }
 
+/// A dataset by its id or by the name it was uploaded under (yours).
 #[utoipa::path(get, path = "/api/v1/datasets/{id}", tag = "datasets", security(("bearer" = [])),
-    params(("id" = Uuid, Path)), responses((status = 200, body = Dataset), (status = 404, body = tessera_api::error::ErrorBody)))]
+    params(("id" = String, Path, description = "id or name")),
+    responses((status = 200, body = Dataset), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
     principal: Principal,
-    ApiPath(id): ApiPath<Uuid>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<ApiJson<Dataset>> {
-    Ok(ApiJson(find(&state, &principal.scope(), id).await?))
+    Ok(ApiJson(resolve(&state, &principal, &id).await?))
 }
 
-/// Delete a dataset (refused while an unfinished job reads it).
+/// Delete a dataset, by id or name (refused while an unfinished job reads it).
 #[utoipa::path(delete, path = "/api/v1/datasets/{id}", tag = "datasets", security(("bearer" = [])),
-    params(("id" = Uuid, Path)),
+    params(("id" = String, Path, description = "id or name")),
     responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody), (status = 409, body = tessera_api::error::ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,
     principal: Principal,
-    ApiPath(id): ApiPath<Uuid>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<StatusCode> {
-    delete_visible(&state, &principal.scope(), id).await?;
+    let dataset = resolve(&state, &principal, &id).await?;
+    delete_visible(&state, &principal.scope(), dataset.id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -246,14 +249,14 @@ async fn file_response(state: &AppState, dataset: &Dataset) -> Result<Response> 
 
 /// Download a dataset's file, byte for byte as uploaded.
 #[utoipa::path(get, path = "/api/v1/datasets/{id}/file", tag = "datasets", security(("bearer" = [])),
-    params(("id" = Uuid, Path)),
+    params(("id" = String, Path, description = "id or name")),
     responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn download(
     State(state): State<AppState>,
     principal: Principal,
-    ApiPath(id): ApiPath<Uuid>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Response> {
-    let dataset = find(&state, &principal.scope(), id).await?;
+    let dataset = resolve(&state, &principal, &id).await?;
     file_response(&state, &dataset).await
 }
 

@@ -104,10 +104,17 @@ async fn hold_inputs(db: &Db, conn: &mut AnyConnection, job: &NewJob<'_>) -> Res
     Ok(())
 }
 
-/// Cancels a job `principal` may see; 409 when it already ended.
+/// Cancels a job `principal` may see; 409 when it already ended, and for a serving
+/// replica, which its deployment answers for (a cancelled one would leave it short for good).
 pub async fn cancel_job(db: &Db, principal: &Principal, id: Uuid) -> Result<Job> {
     let scope = principal.scope();
     let job = find(db, &scope, id).await?;
+    if let JobSpec::Serve { deployment, .. } = &job.spec {
+        return Err(Error::Conflict(format!(
+            "This job is a serving replica of deployment {deployment}; change its replicas with PATCH \
+             /api/v1/deployments/{deployment}, or delete the deployment."
+        )));
+    }
     if !store::cancel(db, &scope, id, &format!("Cancelled by {}.", principal.username)).await? {
         return Err(Error::Conflict(format!(
             "The job already ended ({}); there is nothing to cancel.",

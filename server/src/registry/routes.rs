@@ -34,17 +34,29 @@ pub async fn list(State(state): State<AppState>, principal: Principal) -> Result
     Ok(ApiJson(super::list_visible(&state, &principal.scope()).await?))
 }
 
+/// A model by its id or by the name it was registered under (yours).
 #[utoipa::path(get, path = "/api/v1/models/{id}", tag = "models", security(("bearer" = [])),
-    params(("id" = Uuid, Path)), responses((status = 200, body = Model), (status = 404, body = tessera_api::error::ErrorBody)))]
-pub async fn get(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<Uuid>) -> Result<ApiJson<Model>> {
-    Ok(ApiJson(super::find(&state, &principal.scope(), id).await?))
+    params(("id" = String, Path, description = "id or name")),
+    responses((status = 200, body = Model), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<String>,
+) -> Result<ApiJson<Model>> {
+    Ok(ApiJson(super::resolve(&state, &principal, &id).await?))
 }
 
-/// Delete a model; its files are removed unless another model shares them.
+/// Delete a model (by id or name); its files are removed unless another model shares them.
 #[utoipa::path(delete, path = "/api/v1/models/{id}", tag = "models", security(("bearer" = [])),
-    params(("id" = Uuid, Path)), responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
-pub async fn delete(State(state): State<AppState>, principal: Principal, ApiPath(id): ApiPath<Uuid>) -> Result<StatusCode> {
-    super::delete_visible(&state, &principal.scope(), id).await?;
+    params(("id" = String, Path, description = "id or name")),
+    responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<String>,
+) -> Result<StatusCode> {
+    let model = super::resolve(&state, &principal, &id).await?;
+    super::delete_visible(&state, &principal.scope(), model.id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -61,14 +73,15 @@ async fn file_response(state: &AppState, model: &Model, path: &str) -> Result<Re
 
 /// Download one file of a model, byte for byte as uploaded.
 #[utoipa::path(get, path = "/api/v1/models/{id}/files/{*path}", tag = "models", security(("bearer" = [])),
-    params(("id" = Uuid, Path), ("path" = String, Path, description = "path inside the model folder")),
+    params(("id" = String, Path, description = "id or name"),
+           ("path" = String, Path, description = "path inside the model folder")),
     responses((status = 200, content_type = "application/octet-stream"), (status = 404, body = tessera_api::error::ErrorBody)))]
 pub async fn download(
     State(state): State<AppState>,
     principal: Principal,
-    ApiPath((id, path)): ApiPath<(Uuid, String)>,
+    ApiPath((id, path)): ApiPath<(String, String)>,
 ) -> Result<Response> {
-    let model = super::find(&state, &principal.scope(), id).await?;
+    let model = super::resolve(&state, &principal, &id).await?;
     file_response(&state, &model, &path).await
 }
 

@@ -125,6 +125,10 @@ fn lease_ttl_ms(state: &AppState) -> i64 {
     state.config.lease_ttl_secs as i64 * 1000
 }
 
+/// The most entries a heartbeat's `jobs` or a claim's `kinds` may list (each costs the
+/// database a statement or a parameter); far more than a worker runs or knows.
+const MAX_LISTED: usize = 1024;
+
 /// Say the worker is alive and renew the leases of the jobs it is running; the answer
 /// names the jobs to stop and those to preempt (checkpoint now, report `preempted`). A job
 /// leased to the worker that it neither started nor listed (a claim whose answer it never
@@ -136,6 +140,12 @@ pub async fn heartbeat(
     agent: AgentAuth,
     ApiJson(beat): ApiJson<Heartbeat>,
 ) -> Result<ApiJson<HeartbeatResponse>> {
+    if beat.jobs.len() > MAX_LISTED {
+        return Err(Error::invalid(
+            "too_many_jobs",
+            format!("jobs: a heartbeat lists at most {MAX_LISTED} jobs, those the worker runs."),
+        ));
+    }
     let stop = jobs::renew(&state.db, agent.worker_id, &beat.jobs, lease_ttl_ms(&state)).await?;
     for job in jobs::release_unlisted(&state.db, agent.worker_id, &beat.jobs).await? {
         tracing::info!(%job, worker = %agent.worker_id, "a job leased to the worker that it does not run was released");
@@ -152,6 +162,9 @@ pub async fn claim(
     agent: AgentAuth,
     ApiJson(request): ApiJson<ClaimRequest>,
 ) -> Result<Response> {
+    if request.kinds.len() > MAX_LISTED {
+        return Err(Error::invalid("invalid_kind", format!("kinds: ask for at most {MAX_LISTED} job kinds.")));
+    }
     if request.kinds.iter().any(|k| !db::storable(k)) {
         return Err(Error::invalid("invalid_kind", "kinds: a job kind holds no NUL byte; ask for kinds such as \"train\"."));
     }
@@ -234,6 +247,10 @@ fn same_host(a: IpAddr, b: IpAddr) -> bool {
 /// `TESSERA_ALLOW_ADVERTISED_ENDPOINTS` lifts the host rule for NAT and proxies.
 async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Result<()> {
     let invalid = |why: String| Error::invalid("invalid_endpoint", why);
+    // The URL parser drops or escapes some control characters, but the report is stored as sent.
+    if endpoint.len() > 2048 || endpoint.chars().any(char::is_control) {
+        return Err(invalid("Report an endpoint URL of at most 2048 characters, none a control character.".into()));
+    }
     let url = reqwest::Url::parse(endpoint)
         .map_err(|e| invalid(format!("The endpoint {endpoint:?} is not a URL ({e}); report http://HOST:PORT.")))?;
     let Some(host) = url.host_str() else {
