@@ -230,6 +230,27 @@ async fn a_worker_s_reports_sent_again_after_a_lost_answer_are_stored_once() {
     }
 }
 
+/// A rejoin refused for an impossible MIG partition changes nothing: the worker keeps
+/// its secret and its leases, and rejoins with a corrected inventory at once.
+#[tokio::test]
+async fn a_refused_rejoin_leaves_the_worker_as_it_was() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 3).await[0];
+        let (worker, secret) = server.register_worker("w0").await;
+        server.post(&secret, "/agent/claim", json!({"kinds": KINDS})).await;
+        let slice = json!({"uuid": "MIG-a", "gpu_uuid": "GPU-0", "gpu_index": 0, "gpu_model": "H100-80GB",
+                           "profile": "9g.99gb", "memory_bytes": 1, "simulated": true});
+        let inventory = json!({"hostname": "w0", "cpu_cores": 2, "memory_bytes": 1024, "slices": [slice]});
+        let body = json!({"name": "w0", "version": "test", "inventory": inventory, "previous_secret": secret});
+        assert_eq!(server.post(support::WORKER_TOKEN, "/agent/register", body).await.status(), 422, "{backend:?}");
+        let beat = server.post(&secret, "/agent/heartbeat", json!({"jobs": [job]})).await;
+        assert_eq!(beat.status(), 200, "{backend:?}: the old secret still holds");
+        assert_eq!(state_of(&server, job).await, ("leased".into(), 1), "{backend:?}");
+        assert_eq!(server.rejoin_worker("w0", &secret).await.0, worker);
+    }
+}
+
 /// A worker that restarts gives back what it held: queued again while attempts are left,
 /// failed on the last one (a job that crashes its worker is not retried forever).
 #[tokio::test]

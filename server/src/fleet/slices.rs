@@ -91,10 +91,10 @@ pub fn with_starts(slices: &[Slice]) -> Result<Vec<Slice>> {
     Ok(out)
 }
 
-/// Records what a registering worker offers, with legal MIG starts filled in.
+/// Records what a registering worker offers: `slices` as [`with_starts`] arranged them
+/// (checked before the registration changes anything).
 pub async fn record(db: &Db, worker: Uuid, allow_repartition: bool, slices: &[Slice]) -> Result<()> {
-    let slices = with_starts(slices)?;
-    Ok(store::record(db, worker, allow_repartition, &slices).await?)
+    Ok(store::record(db, worker, allow_repartition, slices).await?)
 }
 
 #[cfg(test)]

@@ -58,6 +58,9 @@ pub async fn register(
 ) -> Result<ApiJson<RegisterResponse>> {
     check_join_token(&state, &headers)?;
     check_identifiers(&request)?;
+    // A partition that cannot be is refused before anything changes: a refused rejoin
+    // keeps its secret, its name and its jobs.
+    let slices = crate::fleet::slices::with_starts(&request.inventory.slices)?;
     let name = request.name.trim();
     let secret = secrets::generate(secrets::WORKER_SECRET_PREFIX);
     let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
@@ -83,7 +86,7 @@ pub async fn register(
     };
     // Whatever the previous incarnation held is gone with it.
     jobs::release_held_by(&state.db, worker_id).await?;
-    crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &request.inventory.slices).await?;
+    crate::fleet::slices::record(&state.db, worker_id, request.allow_repartition, &slices).await?;
     tracing::info!(worker = %worker_id, name, slices = request.inventory.slices.len(), "worker registered");
     Ok(ApiJson(RegisterResponse {
         worker_id,
