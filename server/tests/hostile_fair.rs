@@ -512,6 +512,14 @@ async fn text_fields_part_headers_part_counts_and_preambles_are_capped() {
     )
     .await;
 
+    // A config.json padded past what validation reads whole (valid JSON all the same).
+    let mut padded = tiny_model();
+    let (_, config) = padded.iter_mut().find(|(path, _)| path == "config.json").unwrap();
+    let mut value: Value = serde_json::from_slice(config).unwrap();
+    value["pad"] = json!("a".repeat(2 << 20));
+    *config = serde_json::to_vec(&value).unwrap();
+    assert_413(server.upload_model(&admin, "padded-config", padded).await, "config.json").await;
+
     // The same model within the limits is accepted, so the limits leave real uploads be.
     let fine = model_parts("fine");
     let raw = as_raw(&fine);

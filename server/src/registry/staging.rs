@@ -168,7 +168,7 @@ impl Staged {
                 model_files::REQUIRED.join(", ")
             )));
         }
-        let read = |path: &str| std::fs::read(self.files[path].blob.path());
+        let read = |path: &str| read_capped(path, &self.files[path]);
         let config = model_config::parse_config(&read("config.json")?).map_err(|e| invalid(e.to_string()))?;
         let mut weights = std::fs::File::open(self.files["model.safetensors"].blob.path())?;
         let tensors = safetensors::validate(&mut weights).map_err(|e| match e {
@@ -191,12 +191,30 @@ impl Staged {
         let mut pooling = None;
         for (path, file) in &self.files {
             if file.role == ModelFile::Pooling {
-                let bytes = std::fs::read(file.blob.path())?;
+                let bytes = read_capped(path, file)?;
                 pooling = Some(model_files::parse_pooling(&bytes).map_err(|e| invalid(format!("{path}: {e}")))?);
             }
         }
         Ok(Validated { config, pooling })
     }
+}
+
+/// The most bytes of a model's JSON file that validation reads whole: the tokenizer
+/// (real ones run to some 30 MB), and every other (a config is a few KB).
+const TOKENIZER_MAX_BYTES: u64 = 64 << 20;
+const CONFIG_MAX_BYTES: u64 = 1 << 20;
+
+/// A staged JSON file's bytes, refused with a 413 past its cap rather than read whole into
+/// memory (the upload budget alone would let one config take gigabytes).
+fn read_capped(path: &str, file: &StagedFile) -> Result<Vec<u8>> {
+    let cap = if path == "tokenizer.json" { TOKENIZER_MAX_BYTES } else { CONFIG_MAX_BYTES };
+    if file.blob.size() > cap {
+        return Err(Error::PayloadTooLarge(format!(
+            "{path} is {} bytes; a model's {path} may have at most {cap} bytes.",
+            file.blob.size()
+        )));
+    }
+    Ok(std::fs::read(file.blob.path())?)
 }
 
 /// Relative paths of every regular file under `dir`, with `/` separators.
