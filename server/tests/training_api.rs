@@ -73,6 +73,10 @@ async fn the_issue_example_is_accepted_and_resolved() {
         assert_eq!(spec["dataset"]["digest"], dataset["digest"]);
         // Left out, the features are every number column but the label.
         assert_eq!(spec["task"]["feature_columns"], json!(["f0", "f1", "f2", "f3"]));
+        // The spec carries the columns the job reads ("note" is not one).
+        let columns: Vec<&str> =
+            spec["dataset"]["columns"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+        assert_eq!(columns, ["f0", "f1", "f2", "f3", "label"]);
         assert_eq!(spec["lr_schedule"]["tau_prime"], 100, "AutoLRS defaults are filled in");
         let id = job["id"].as_str().unwrap();
         let fetched: Value = server.get(&token, &format!("/jobs/{id}")).await.json().await.unwrap();

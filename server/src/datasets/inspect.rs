@@ -40,6 +40,9 @@ const MAX_COLUMNS: usize = 10_000;
 /// checks it, so this bounds what one row can make the server hold.
 pub const MAX_ROW_BYTES: usize = 1 << 20;
 const MAX_NAME_LEN: usize = 200;
+/// Most bytes of all column names together: a job's spec carries those it reads, once
+/// per rank of a data-parallel job.
+const MAX_NAMES_BYTES: usize = 64 << 10;
 
 /// What the values of one column have been so far.
 #[derive(Debug, Clone, Copy, Default)]
@@ -65,10 +68,17 @@ fn check_names(names: &[String], line: u64) -> Result<(), InspectError> {
     if names.len() > MAX_COLUMNS {
         return Err(invalid(line, format!("there are {} columns; at most {MAX_COLUMNS} are allowed", names.len())));
     }
+    let total: usize = names.iter().map(String::len).sum();
+    if total > MAX_NAMES_BYTES {
+        return Err(invalid(line, format!("the column names take {total} bytes; at most {MAX_NAMES_BYTES} are allowed")));
+    }
     let mut unique = HashSet::new();
     for name in names {
         if name.trim().is_empty() || name.len() > MAX_NAME_LEN {
             return Err(invalid(line, format!("column names have 1 to {MAX_NAME_LEN} characters; found {name:?}")));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(invalid(line, format!("column names hold no control characters; found {name:?}")));
         }
         if !unique.insert(name.as_str()) {
             return Err(invalid(line, format!("the column {name:?} appears twice")));

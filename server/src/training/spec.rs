@@ -146,7 +146,17 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
             id: dataset.id,
             digest: dataset.digest.clone(),
             format: dataset.format,
-            columns: dataset.columns.clone(),
+            // The columns the job reads, not all of them: a rank's spec carries them too.
+            columns: dataset
+                .columns
+                .iter()
+                .filter(|c| {
+                    c.name == task.label_column
+                        || feature_columns.contains(&c.name)
+                        || text_column.as_ref() == Some(&c.name)
+                })
+                .cloned()
+                .collect(),
             rows: dataset.rows,
         },
         task: TrainTask {
