@@ -452,3 +452,36 @@ async fn a_running_gang_grows_and_shrinks_in_place() {
         assert_eq!(resize, Some(3), "it restarts at the size the regroup was for");
     }
 }
+
+/// A rank told to leave a shrinking gang has stopped for good: when the shrink is then
+/// called off (here it does not form in time), the rank stays stopped as a preempted one,
+/// so the gang stops at its checkpoint as asked, not a lease later as a gang that lost a
+/// rank (an attempt spent).
+#[tokio::test]
+async fn a_rank_that_left_a_shrink_called_off_counts_as_stopped() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |c| c.gang_rendezvous_secs = 2).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let mut spec = body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]));
+        spec["resources"] = json!({"min_ranks": 1, "max_ranks": 2, "preemptible": true});
+        let created: Value = server.post(&token, "/jobs", spec).await.json().await.unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        let two = claim_ranks(&server, &["a", "b"]).await;
+        for (secret, rank_job, rank) in &two {
+            rendezvous(&server, secret, rank_job, 7700 + *rank as u16).await;
+        }
+        let (a, b) = (&two[0], &two[1]);
+        assert!(ask_regroup(&server, &id, (2, 1), &[&b.1]).await, "{backend:?}");
+        assert_eq!(regroup(&server, &b.0, &b.1, 7801, 1).await, (200, json!({"state": "leave"})), "{backend:?}");
+        // Rank 0 does not post in time: the shrink becomes a stop and a restart at one rank.
+        tokio::time::sleep(Duration::from_millis(2200)).await;
+        gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
+        assert_eq!(regroup(&server, &a.0, &a.1, 7800, 1).await, (200, json!({"state": "stop"})), "{backend:?}");
+        let preempted = json!({"state": "preempted", "message": "Preempted at step 4."});
+        assert_eq!(server.post(&a.0, &format!("/agent/jobs/{}/status", a.1), preempted).await.status(), 204);
+        gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
+        let stopped = job(&server, &token, &id).await;
+        assert_eq!((stopped["state"].as_str(), stopped["attempts"].as_u64()), (Some("preempted"), Some(0)), "{backend:?}");
+    }
+}
