@@ -680,7 +680,8 @@ mod tests {
         job.lr_schedule =
             LrSchedule::Autolrs { min_lr: 0.1, max_lr: 1.0, tau_prime: huge, tau: huge + 1, k: 10, tau_max: huge + 1 };
         assert_eq!(job.validate().unwrap_err().field, "lr_schedule.tau_max");
-        job.lr_schedule = LrSchedule::Autolrs { min_lr: 0.1, max_lr: 1.0, tau_prime: 10, tau: 100, k: 1001, tau_max: 800 };
+        job.lr_schedule =
+            LrSchedule::Autolrs { min_lr: 0.1, max_lr: 1.0, tau_prime: 10, tau: 100, k: 1001, tau_max: 800 };
         assert_eq!(job.validate().unwrap_err().field, "lr_schedule.k");
         job.lr_schedule = LrSchedule::Constant { lr: 0.1 };
         job.batch_size = 0;

@@ -482,6 +482,54 @@ async fn a_rank_that_left_a_shrink_called_off_counts_as_stopped() {
         assert_eq!(server.post(&a.0, &format!("/agent/jobs/{}/status", a.1), preempted).await.status(), 204);
         gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();
         let stopped = job(&server, &token, &id).await;
-        assert_eq!((stopped["state"].as_str(), stopped["attempts"].as_u64()), (Some("preempted"), Some(0)), "{backend:?}");
+        let stopped = (stopped["state"].as_str(), stopped["attempts"].as_u64());
+        assert_eq!(stopped, (Some("preempted"), Some(0)), "{backend:?}");
+    }
+}
+
+/// A sweep reads each gang under its row lock: a gang whose last rank forms it while a
+/// sweep is about to release it for its passed deadline runs on, its ranks running (a sweep
+/// that acted on what it read before its transaction sent them back to the queue under
+/// a running gang). PostgreSQL only: SQLite's transactions take the write lock at once.
+#[tokio::test]
+async fn a_gang_formed_while_a_sweep_waits_on_it_runs_on() {
+    for backend in backends().into_iter().filter(|b| *b == Backend::Postgres) {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let spec = body(&data, json!([{"device": "cpu"}, {"device": "cpu"}]));
+        let created: Value = server.post(&token, "/jobs", spec).await.json().await.unwrap();
+        let id = created["id"].as_str().unwrap().to_string();
+        let ranks = claim_ranks(&server, &["a", "b"]).await;
+        rendezvous(&server, &ranks[0].0, &ranks[0].1, 7900).await;
+        let pool = server.state.db.pool();
+        let passed = sqlx::query("UPDATE jobs SET gang_deadline = $1 WHERE id = $2").bind(now_ms() - 1000).bind(&id);
+        passed.execute(pool).await.unwrap();
+        // The last rank's rendezvous, held open: it forms the gang under the gang's row lock.
+        let mut forming = pool.begin().await.unwrap();
+        sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE").bind(&id).fetch_one(&mut *forming).await.unwrap();
+        sqlx::query("UPDATE jobs SET gang_address = '127.0.0.1:7901' WHERE id = $1")
+            .bind(&ranks[1].1)
+            .execute(&mut *forming)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE jobs SET state = 'running', attempts = attempts + 1, gang_deadline = NULL WHERE id = $1")
+            .bind(&id)
+            .execute(&mut *forming)
+            .await
+            .unwrap();
+        let ranks_run = sqlx::query("UPDATE jobs SET state = 'running' WHERE gang_id = $1").bind(&id);
+        ranks_run.execute(&mut *forming).await.unwrap();
+        let db = server.state.db.clone();
+        let sweep = tokio::spawn(async move { gangs::sweep(&db, now_ms(), None).await.unwrap() });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        forming.commit().await.unwrap();
+        assert_eq!(sweep.await.unwrap().released, 0);
+        let states: Vec<String> = sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1 OR gang_id = $1 ORDER BY id")
+            .bind(&id)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+        assert_eq!(states, ["running"; 3]);
     }
 }

@@ -70,7 +70,8 @@ fn check_names(names: &[String], line: u64) -> Result<(), InspectError> {
     }
     let total: usize = names.iter().map(String::len).sum();
     if total > MAX_NAMES_BYTES {
-        return Err(invalid(line, format!("the column names take {total} bytes; at most {MAX_NAMES_BYTES} are allowed")));
+        let message = format!("the column names take {total} bytes; at most {MAX_NAMES_BYTES} are allowed");
+        return Err(invalid(line, message));
     }
     let mut unique = HashSet::new();
     for name in names {

@@ -377,27 +377,39 @@ pub struct Swept {
 /// Brings every gang's job and ranks into agreement: releases gangs not formed by their
 /// deadline (no attempt spent), requeues or fails formed gangs that lost a rank, ends
 /// gangs whose ranks all ended, and stops the ranks of gangs that ended (cancelled).
-/// `only` limits it to one gang. Every update is conditional on the state it read, so
-/// sweeps running at once (several servers) do each change once.
+/// `only` limits it to one gang. Each gang is read again under its row lock in the
+/// transaction that changes it, so a rank's rendezvous or a sweep running at once (several
+/// servers) cannot change it between the reading and the writing.
 pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
-    let gangs = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT g.id, g.state, g.attempts, g.max_attempts, g.gang_deadline, g.preempt_reason, g.regroup_world FROM jobs g \
+    let ids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT g.id FROM jobs g \
          WHERE g.kind = 'train_gang' AND ($1 IS NULL OR g.id = $1) AND (g.state IN {UNFINISHED} OR EXISTS \
          (SELECT 1 FROM jobs r WHERE r.gang_id = g.id AND r.state IN {UNFINISHED}))"
     )))
     .bind(only.map(|id| id.to_string()))
     .fetch_all(db.pool())
     .await?;
+    // SQLite's transactions hold the database's write lock from their start.
+    let lock = if db.backend() == Backend::Postgres { " FOR UPDATE" } else { "" };
     let mut swept = Swept::default();
-    for gang in gangs {
-        let id: String = gang.try_get("id")?;
+    for id in ids {
+        let mut tx = db.begin().await?;
+        let gang = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT state, attempts, max_attempts, gang_deadline, preempt_reason, regroup_world FROM jobs \
+             WHERE id = $1{lock}"
+        )))
+        .bind(&id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(gang) = gang else {
+            continue;
+        };
         let state: String = gang.try_get("state")?;
         let attempts: i64 = gang.try_get("attempts")?;
         let max_attempts: i64 = gang.try_get("max_attempts")?;
         let deadline: Option<i64> = gang.try_get("gang_deadline")?;
         let preempt_reason: Option<String> = gang.try_get("preempt_reason")?;
         let regrouping = gang.try_get::<Option<i64>, _>("regroup_world")?.is_some();
-        let mut tx = db.begin().await?;
         let ranks = ranks_in(&mut tx, &id).await?;
         let failed = ranks.iter().find(|r| r.state == "failed");
         match state.as_str() {
