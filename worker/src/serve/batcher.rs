@@ -72,7 +72,7 @@ const MEASURED_BATCHES: f64 = 4.0;
 pub struct Request {
     pub sequences: Vec<Vec<u32>>,
     pub tokenization_us: u64,
-    /// When the replica received it (its queue time counts from here).
+    /// When it joined the queue, tokenized (its queue time counts from here).
     pub enqueued: Instant,
 }
 
@@ -330,6 +330,10 @@ async fn form_batches(
                 compute_idle = false;
                 continue;
             }
+            if !next.is_empty() {
+                // Every request of the batch left; the one it carried starts the next at once.
+                continue;
+            }
         }
         if closed && next.is_empty() {
             return;
@@ -447,11 +451,15 @@ where
     }
 }
 
+/// Sequences one pass holds at most: the CUDA attention kernel's grid takes 65535.
+const PASS_SEQUENCES: usize = u16::MAX as usize;
+
 /// Computes `sequences` in passes of at most the model's pass size (a request over the
-/// batch budget is a batch of its own, and may be larger), one output per sequence in order.
+/// batch budget is a batch of its own, and may be larger) and [`PASS_SEQUENCES`], one output
+/// per sequence in order.
 pub fn run(model: &EmbeddingModel, task: Task, sequences: &[&[u32]]) -> Result<Vec<Vec<f32>>, EngineError> {
     let mut outputs = Vec::with_capacity(sequences.len());
-    for pass in passes(sequences, model.pass_tokens().unwrap_or(usize::MAX)) {
+    for pass in passes(sequences, model.pass_tokens().unwrap_or(usize::MAX), PASS_SEQUENCES) {
         let batch: Batch = model.pack(pass, true)?;
         match task {
             Task::Embed => outputs.extend(model.embed_batch(&batch)?),
@@ -462,8 +470,12 @@ pub fn run(model: &EmbeddingModel, task: Task, sequences: &[&[u32]]) -> Result<V
 }
 
 /// `sequences` cut, in order, into runs of at most `max_tokens` tokens (a longer sequence is
-/// a run of its own).
-fn passes<'a, 's>(sequences: &'a [&'s [u32]], max_tokens: usize) -> impl Iterator<Item = &'a [&'s [u32]]> {
+/// a run of its own) and `max_sequences` sequences.
+fn passes<'a, 's>(
+    sequences: &'a [&'s [u32]],
+    max_tokens: usize,
+    max_sequences: usize,
+) -> impl Iterator<Item = &'a [&'s [u32]]> {
     let mut rest = sequences;
     std::iter::from_fn(move || {
         if rest.is_empty() {
@@ -471,7 +483,7 @@ fn passes<'a, 's>(sequences: &'a [&'s [u32]], max_tokens: usize) -> impl Iterato
         }
         let mut tokens = rest[0].len();
         let mut end = 1;
-        while end < rest.len() && tokens + rest[end].len() <= max_tokens {
+        while end < rest.len() && end < max_sequences && tokens + rest[end].len() <= max_tokens {
             tokens += rest[end].len();
             end += 1;
         }
@@ -564,6 +576,26 @@ mod tests {
             assert_eq!(answer.outputs, vec![vec![id as f32]], "request {id} got another request's output");
             assert_eq!((answer.timings.batch_size, answer.timings.batch_tokens), (5, 10));
         }
+    }
+
+    /// A request carried to the batch after the open one (it would have gone over the
+    /// budget) is computed when every request of the open batch left, not when another
+    /// request comes along.
+    #[tokio::test]
+    async fn a_carried_request_is_computed_when_every_request_before_it_left() {
+        let mut g = gated(limits(10, 64), patient(), 1e6);
+        let _computing = submit(&g.queue, 0, &[1]);
+        g.started.recv().await.unwrap();
+        let leaves = submit(&g.queue, 1, &[8]);
+        settle().await;
+        let stays = submit(&g.queue, 2, &[8]);
+        settle().await;
+        drop(leaves);
+        g.release.send(()).unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(5), g.started.recv()).await;
+        assert_eq!(next.expect("the carried request was never batched").unwrap(), vec![vec![2; 8]]);
+        g.release.send(()).unwrap();
+        assert!(stays.answer().await.unwrap().is_ok());
     }
 
     #[tokio::test]
@@ -666,11 +698,22 @@ mod tests {
     fn a_batch_is_computed_in_passes_of_at_most_the_pass_size_in_order() {
         let sequences: Vec<Vec<u32>> = [3, 4, 2, 9, 1, 1, 5].iter().enumerate().map(|(i, &n)| vec![i as u32; n]).collect();
         let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
-        let cut: Vec<Vec<u32>> = passes(&refs, 8).map(|pass| pass.iter().map(|s| s[0]).collect()).collect();
+        let cut: Vec<Vec<u32>> =
+            passes(&refs, 8, PASS_SEQUENCES).map(|pass| pass.iter().map(|s| s[0]).collect()).collect();
         // 3+4 fit in 8; 2 alone (2+9 would not); 9 is over the size on its own; 1+1+5.
         assert_eq!(cut, vec![vec![0, 1], vec![2], vec![3], vec![4, 5, 6]]);
-        assert_eq!(passes(&refs, usize::MAX).count(), 1);
-        assert_eq!(passes(&[], 8).count(), 0);
+        assert_eq!(passes(&refs, usize::MAX, PASS_SEQUENCES).count(), 1);
+        assert_eq!(passes(&[], 8, PASS_SEQUENCES).count(), 0);
+    }
+
+    /// A GPU's pass has no token size, but the attention kernel takes at most 65535
+    /// sequences a launch: a batch of more is cut there.
+    #[test]
+    fn a_pass_holds_at_most_the_kernel_s_sequences() {
+        let one = [1u32];
+        let many: Vec<&[u32]> = vec![&one[..]; 70_000];
+        let lengths: Vec<usize> = passes(&many, usize::MAX, PASS_SEQUENCES).map(<[_]>::len).collect();
+        assert_eq!(lengths, [65_535, 4_465]);
     }
 
     #[tokio::test]

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
+use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use super::batcher::{Queue, Request, SubmitError, Task};
@@ -28,6 +29,9 @@ pub struct Replica {
 
 pub struct Endpoint {
     replicas: RwLock<HashMap<Uuid, Arc<Replica>>>,
+    /// Requests tokenized at once, one per core: the others wait their turn, and are
+    /// refused then if the queue filled meanwhile (a burst is not tokenized whole first).
+    tokenizing: Semaphore,
     token: RwLock<String>,
     /// Base URL the server reaches this endpoint at.
     pub url: String,
@@ -52,7 +56,13 @@ impl Endpoint {
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let address: SocketAddr = listener.local_addr()?;
         let url = advertise.unwrap_or_else(|| format!("http://{address}")).trim_end_matches('/').to_string();
-        let endpoint = Arc::new(Endpoint { replicas: RwLock::new(HashMap::new()), token: RwLock::new(String::new()), url });
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let endpoint = Arc::new(Endpoint {
+            replicas: RwLock::new(HashMap::new()),
+            tokenizing: Semaphore::new(cores),
+            token: RwLock::new(String::new()),
+            url,
+        });
         let app = Router::new()
             .route("/replicas/{id}/embed", post(embed))
             .route("/replicas/{id}/classify", post(classify))
@@ -201,13 +211,18 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
         );
         return error(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message);
     }
-    // Under overload most requests are refused: refuse them before they cost tokenization.
+    // Under overload most requests are refused: refuse them before they cost tokenization,
+    // here and again once it is their turn to be tokenized.
     if let Err(e) = replica.queue.check() {
         return refused(e);
     }
-    let enqueued = Instant::now();
+    let turn = endpoint.tokenizing.acquire().await.expect("the tokenizing semaphore is never closed");
+    if let Err(e) = replica.queue.check() {
+        return refused(e);
+    }
     let model = replica.model.clone();
     let tokenized = tokio::task::spawn_blocking(move || tokenize(&model, request)).await;
+    drop(turn);
     let (sequences, tokenization_us) = match tokenized {
         Ok(Ok(done)) => done,
         Ok(Err(e)) => return engine_error(e),
@@ -216,7 +231,8 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
     let tokens: Vec<u32> = sequences.iter().map(|s| s.len() as u32).collect();
     // If the caller hangs up from here on, this handler is dropped with `pending`, which
     // takes the request off the queue before it is computed.
-    let pending = match replica.queue.submit(Request { sequences, tokenization_us, enqueued }) {
+    // Queue time starts here, as TEI's does: tokenization is timed on its own.
+    let pending = match replica.queue.submit(Request { sequences, tokenization_us, enqueued: Instant::now() }) {
         Ok(pending) => pending,
         Err(e) => return refused(e),
     };
