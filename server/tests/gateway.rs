@@ -31,6 +31,8 @@ struct StandIn {
     /// Requests waiting at the gate now.
     held: Arc<AtomicUsize>,
     gate: Arc<Semaphore>,
+    /// Requests it was sent.
+    calls: Arc<AtomicUsize>,
 }
 
 impl StandIn {
@@ -42,6 +44,7 @@ impl StandIn {
             vector,
             held: Arc::default(),
             gate: Arc::new(Semaphore::new(0)),
+            calls: Arc::default(),
         };
         let app = Router::new().route("/replica/embed", post(stand_in_embed)).with_state(engine.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -55,6 +58,7 @@ impl StandIn {
 }
 
 async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<InferRequest>) -> axum::response::Response {
+    engine.calls.fetch_add(1, Ordering::SeqCst);
     if request.inputs.contains(&EngineInput::Text("overload".into())) {
         let body = json!({"error": "The queue is full; retry shortly.", "kind": "overloaded"});
         return (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
@@ -67,6 +71,19 @@ async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<Infer
     let n = request.inputs.len();
     let timings = Timings { queue_us: 10, tokenization_us: 5, inference_us: 100, batch_size: 3, batch_tokens: 42 };
     Json(InferResponse { outputs: vec![engine.vector.clone(); n], tokens: vec![2; n], labels: vec![], timings }).into_response()
+}
+
+/// An engine that no longer serves its replica (stopping, scaled down): a 503 to every request.
+async fn stopped_endpoint() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let stopped = || async {
+        let body = json!({"error": "Replica x is not served here.", "kind": "unhealthy"});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body))
+    };
+    let app = Router::new().route("/replica/embed", post(stopped));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/replica")
 }
 
 /// An engine URL nothing listens on.
@@ -278,8 +295,48 @@ async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
 
     let response = embed_with(&server, &token, "gone", "hello").await;
     assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["retry-after"], "1");
     let body: Value = response.json().await.unwrap();
     assert!(body["error"]["message"].as_str().unwrap().contains("No replica of 'gone' could be reached"), "{body}");
+}
+
+/// A replica that answers it no longer serves (a 503: it is stopping, or was scaled down
+/// since the route was read) computed nothing: the request goes on to the next replica.
+#[tokio::test]
+async fn a_replica_that_no_longer_serves_is_skipped() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let live = StandIn::start(vec![1.0, 0.0]).await;
+    deployment_at(&server, &admin, "patchy", &[stopped_endpoint().await, live.url.clone()]).await;
+    let (_, token) = api_token(&server, &admin).await;
+    // The held request makes the stopped replica the least loaded, so it is tried first.
+    let held = tokio::spawn({
+        let (server_url, token) = (server.url.clone(), token.clone());
+        async move {
+            let body = json!({"model": "patchy", "input": "hold"});
+            reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
+        }
+    });
+    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
+    assert_eq!(embedding_of(embed_with(&server, &token, "patchy", "hello").await).await, json!(live.vector));
+    live.release();
+    assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
+}
+
+/// What the model cannot answer (more dimensions than it has) is a 400 before any
+/// replica computes it.
+#[tokio::test]
+async fn an_impossible_request_is_refused_before_a_replica_computes_it() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let engine = StandIn::start(vec![0.6, 0.8]).await;
+    deployment_at(&server, &admin, "embedder", &[engine.url.clone()]).await;
+    let body = json!({"model": "embedder", "input": "hi", "dimensions": 99_999});
+    let response = server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).json(&body).send().await.unwrap();
+    assert_eq!(response.status(), 400);
+    let error: Value = response.json().await.unwrap();
+    assert!(error["error"]["message"].as_str().unwrap().contains("'dimensions' must be between 1 and"), "{error}");
+    assert_eq!(engine.calls.load(Ordering::SeqCst), 0, "no replica computed it");
 }
 
 #[tokio::test]

@@ -217,7 +217,7 @@ pub async fn infer(
         // `parameters.truncate: false` refuses over-long inputs (413) instead of cutting them.
         let truncate = header["parameters"]["truncate"].as_bool().unwrap_or(true);
         let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate };
-        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &name, &request).await?;
+        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &name, &request, |_| Ok(())).await?;
         let rows = response.outputs.len();
         let width = response.outputs.first().map_or(0, Vec::len);
         let values: Vec<f32> = response.outputs.iter().flatten().copied().collect();

@@ -66,6 +66,12 @@ impl GatewayError {
     }
 }
 
+/// A 503 for a deployment with no replica to answer now, with the `Retry-After` every
+/// 503 of the platform carries.
+fn unavailable(message: String) -> GatewayError {
+    GatewayError { retry_after: Some(1), ..GatewayError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message) }
+}
+
 impl From<crate::error::Error> for GatewayError {
     fn from(error: crate::error::Error) -> GatewayError {
         let status = error.status();
@@ -213,7 +219,8 @@ impl Gateway {
                 return Ok(route.clone());
             }
         }
-        let record = deployments::route(db, deployment).await.map_err(GatewayError::internal)?.ok_or_else(|| {
+        // A busy database is a 503 to send again, as on every route.
+        let record = deployments::route(db, deployment).await.map_err(|e| crate::error::Error::from(e))?.ok_or_else(|| {
             GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'."))
         })?;
         let model = ModelShape::from_registry(&record.architecture, &record.config);
@@ -261,15 +268,18 @@ impl Gateway {
         Ok(Resolved { model: route.model.clone(), ready_replicas: route.targets.len() })
     }
 
-    /// Sends `request` to the least loaded ready replica and records the outcome.
+    /// Sends `request` to the least loaded ready replica and records the outcome; `check`
+    /// refuses first what the deployment's model cannot answer (no replica computes it).
     pub async fn infer(
         &self,
         db: &Db,
         scope: &Scope,
         deployment: &str,
         request: &InferRequest,
+        check: impl FnOnce(&ModelShape) -> Result<(), GatewayError>,
     ) -> Result<(ModelShape, InferResponse), GatewayError> {
         let route = self.visible_route(db, scope, deployment).await?;
+        check(&route.model)?;
         let started = Instant::now();
         let outcome = self.forward(&route, deployment, request).await;
         match &outcome {
@@ -283,8 +293,10 @@ impl Gateway {
     }
 
     /// One replica after another, least loaded first, until one answers; one that cannot
-    /// be reached is skipped, and so is one at capacity (its 429 computed nothing), whose
-    /// refusal the client gets if every replica refuses (with the soonest `Retry-After`).
+    /// be reached is skipped, as is one that says it does not serve (a 503: stopping, or
+    /// scaled down before the route was fetched again), and so is one at capacity (its 429
+    /// computed nothing), whose refusal the client gets if every replica refuses (with the
+    /// soonest `Retry-After`).
     /// One that was reached but does not answer in time is not retried elsewhere: it may
     /// still be working on the request, and the client has waited the whole timeout.
     ///
@@ -294,11 +306,9 @@ impl Gateway {
         let mut targets: Vec<&Target> = route.targets.iter().collect();
         targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
         if targets.is_empty() {
-            return Err(GatewayError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                format!("Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."),
-            ));
+            return Err(unavailable(format!(
+                "Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."
+            )));
         }
         // Past the replica's limit its server would refuse the body while it is still being
         // sent, which reaches us as a broken connection, not as its 413.
@@ -360,6 +370,11 @@ impl Gateway {
                     return Err(self.bad_gateway(target, deployment, "answered what no engine says", detail));
                 }
             };
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                tracing::warn!(replica = %target.replica, message = %error.message, "replica not serving; trying another");
+                self.forget(deployment);
+                continue;
+            }
             if status == StatusCode::TOO_MANY_REQUESTS {
                 let wait = |e: &GatewayError| e.retry_after.unwrap_or(u64::MAX);
                 if refused.as_ref().is_none_or(|soonest| wait(soonest) > wait(&error)) {
@@ -372,11 +387,7 @@ impl Gateway {
         if let Some(error) = refused {
             return Err(error);
         }
-        Err(GatewayError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            format!("No replica of '{deployment}' could be reached; retry shortly."),
-        ))
+        Err(unavailable(format!("No replica of '{deployment}' could be reached or is serving; retry shortly.")))
     }
 
     /// What the client hears when a reached replica fails it: 504 when it ran out of time,

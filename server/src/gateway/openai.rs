@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tessera_api::engine::{EngineInput, InferRequest};
 
-use super::{timing_headers, GatewayError};
+use super::{timing_headers, GatewayError, ModelShape};
 use crate::auth::Principal;
 use crate::error::Error;
 use crate::state::AppState;
@@ -121,19 +121,28 @@ pub async fn embeddings(
             Some(other) => return Err(bad_request(format!("encoding_format {other:?} is not supported; use \"float\" or \"base64\"."))),
         };
         let infer = InferRequest { inputs, truncate: request.truncate.unwrap_or(true) };
-        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &request.model, &infer).await?;
-        if shape.classifier {
-            return Err(bad_request(format!(
-                "'{}' serves a classifier, not embeddings; call /v2/models/{}/infer for its logits.",
-                request.model, request.model
-            )));
-        }
-        let width = response.outputs.first().map_or(0, Vec::len);
-        if let Some(dimensions) = request.dimensions {
-            if dimensions == 0 || dimensions > width {
-                return Err(bad_request(format!("'dimensions' must be between 1 and {width} for this model.")));
+        let dimensions_of = |width: usize| match request.dimensions {
+            Some(d) if d == 0 || d > width => {
+                Err(bad_request(format!("'dimensions' must be between 1 and {width} for this model.")))
             }
-        }
+            _ => Ok(()),
+        };
+        // What the model cannot answer is refused before a replica computes it.
+        let check = |shape: &ModelShape| {
+            if shape.classifier {
+                return Err(bad_request(format!(
+                    "'{}' serves a classifier, not embeddings; call /v2/models/{}/infer for its logits.",
+                    request.model, request.model
+                )));
+            }
+            // A config without `hidden_size` leaves the width to the answer.
+            match shape.dimensions {
+                0 => Ok(()),
+                width => dimensions_of(width as usize),
+            }
+        };
+        let (_, response) = state.gateway.infer(&state.db, &principal.scope(), &request.model, &infer, check).await?;
+        dimensions_of(response.outputs.first().map_or(0, Vec::len))?;
         let data = response
             .outputs
             .iter()
