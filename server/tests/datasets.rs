@@ -100,8 +100,8 @@ async fn broken_files_are_refused_naming_the_line_and_leave_nothing_behind() {
         assert_rejected(&server, &token, "a.csv", b"a,b\n1,\xff\n", 422, "UTF-8").await;
         assert_rejected(&server, &token, "a.csv", b"a,a\n1,2\n", 422, "twice").await;
         assert_rejected(&server, &token, "a.csv", b"a,\x01b\n1,2\n", 422, "control characters").await;
-        let wide: Vec<String> = (0..400).map(|i| format!("{i:0>199}")).collect();
-        let wide = format!("{}\n{}\n", wide.join(","), vec!["1"; 400].join(","));
+        let wide: Vec<String> = (0..1400).map(|i| format!("{i:0>199}")).collect();
+        let wide = format!("{}\n{}\n", wide.join(","), vec!["1"; 1400].join(","));
         assert_rejected(&server, &token, "a.csv", wide.as_bytes(), 422, "column names take").await;
         assert_rejected(&server, &token, "a.csv", b"a,b\n", 422, "no data rows").await;
         assert_rejected(&server, &token, "a.jsonl", b"{\"a\":1}\n{\"b\":2}\n", 422, "line 2").await;

@@ -474,6 +474,10 @@ async fn a_rank_that_left_a_shrink_called_off_counts_as_stopped() {
         let (a, b) = (&two[0], &two[1]);
         assert!(ask_regroup(&server, &id, (2, 1), &[&b.1]).await, "{backend:?}");
         assert_eq!(regroup(&server, &b.0, &b.1, 7801, 1).await, (200, json!({"state": "leave"})), "{backend:?}");
+        // Its worker no longer renews its lease, which lapses.
+        let lapsed = sqlx::query("UPDATE jobs SET lease_expires_at = $1 WHERE id = $2").bind(now_ms() - 1).bind(&b.1);
+        lapsed.execute(server.state.db.pool()).await.unwrap();
+        assert_eq!(tessera_server::store::jobs::expire_leases(&server.state.db).await.unwrap(), 1);
         // Rank 0 does not post in time: the shrink becomes a stop and a restart at one rank.
         tokio::time::sleep(Duration::from_millis(2200)).await;
         gangs::sweep(&server.state.db, now_ms(), None).await.unwrap();

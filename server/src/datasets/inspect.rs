@@ -40,9 +40,9 @@ const MAX_COLUMNS: usize = 10_000;
 /// checks it, so this bounds what one row can make the server hold.
 pub const MAX_ROW_BYTES: usize = 1 << 20;
 const MAX_NAME_LEN: usize = 200;
-/// Most bytes of all column names together: a job's spec carries those it reads, once
-/// per rank of a data-parallel job.
-const MAX_NAMES_BYTES: usize = 64 << 10;
+/// Most bytes of all column names together (10000 names of 26 bytes): a job's spec
+/// carries those it reads, once per rank of a data-parallel job.
+const MAX_NAMES_BYTES: usize = 256 << 10;
 
 /// What the values of one column have been so far.
 #[derive(Debug, Clone, Copy, Default)]

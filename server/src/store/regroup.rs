@@ -276,9 +276,9 @@ async fn formed(db: &Db, gang: &str, job: Uuid, generation: u32) -> Result<Regro
 /// Calls off the regroup under way in `gang`, if any: the joining ranks go (their workers
 /// learn at their next post or heartbeat), the leaving ones stay, but for those told to
 /// leave already: their processes stopped at the agreed step, so they stay stopped, as
-/// preempted ranks (the gang, which stops or restarts whenever a regroup is called off,
-/// would otherwise wait on them and count them lost a lease later). Returns the world it
-/// was forming.
+/// preempted ranks, their leases lapsed or not (the gang, which stops or restarts whenever
+/// a regroup is called off, would otherwise wait on them and count them lost). Returns
+/// the world it was forming.
 pub(super) async fn cancel_in(conn: &mut AnyConnection, gang: &str, now: i64) -> Result<Option<u32>> {
     let world: Option<i64> = sqlx::query_scalar("SELECT regroup_world FROM jobs WHERE id = $1")
         .bind(gang)
@@ -302,7 +302,7 @@ pub(super) async fn cancel_in(conn: &mut AnyConnection, gang: &str, now: i64) ->
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'preempted', worker_id = NULL, lease_expires_at = NULL, updated_at = $1, \
          message = 'Left the gang at the agreed stop, before the in-place resize was called off.' \
-         WHERE gang_id = $2 AND gang_leaving = 1 AND gang_address IS NOT NULL AND state IN {LIVE}"
+         WHERE gang_id = $2 AND gang_leaving = 1 AND gang_address IS NOT NULL AND state IN {STAYING}"
     )))
     .bind(now)
     .bind(gang)

@@ -50,18 +50,26 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
         ));
     }
     // Each rank computes its share of every batch, and a batch holds at most the training
-    // rows (counted here as the worker splits them at the most).
-    let ranks = spec.parallel.as_ref().map_or(1, |p| p.ranks.len() as u64);
-    let trained = dataset.rows - (dataset.rows as f64 * task.validation_split).ceil() as u64;
-    if trained < ranks {
-        return Err(field_error(
-            "parallel.ranks",
-            format!(
-                "{ranks} ranks need a training row each, and the dataset's {} rows leave {trained} after the \
-                 validation split; use fewer ranks or a smaller validation_split",
-                dataset.rows
-            ),
-        ));
+    // rows (those the worker's split leaves: it rounds the validation rows).
+    let trained = dataset.rows.saturating_sub((dataset.rows as f64 * task.validation_split).round() as u64);
+    match spec.parallel.as_ref().map_or(1, |p| p.ranks.len() as u64) {
+        1 if trained == 0 => {
+            return Err(field_error(
+                "task.validation_split",
+                format!("leaves no training rows of the dataset's {}", dataset.rows),
+            ))
+        }
+        ranks if trained < ranks => {
+            return Err(field_error(
+                "parallel.ranks",
+                format!(
+                    "{ranks} ranks need a training row each, and the dataset's {} rows leave {trained} after the \
+                     validation split; use fewer ranks or a smaller validation_split",
+                    dataset.rows
+                ),
+            ))
+        }
+        _ => {}
     }
     let label = column(&dataset, &task.label_column, "task.label_column")?;
     if task.kind == TaskType::Regression && label.kind != ColumnType::Number {

@@ -129,9 +129,16 @@ impl LrPolicy for AutoLrsPolicy {
                         progress.steps == steps
                     }
                     // Where `every` does not divide τ' the curve's last point came before
-                    // the candidate's last step (the points stay evenly spaced).
+                    // the candidate's last step (the points stay evenly spaced). A candidate
+                    // resumed past τ' (checkpointed by a worker before this rule) ends too,
+                    // on its first τ'/every points.
                     Measure::ValidationLoss { every } => {
-                        progress.steps == steps && progress.curve.len() as u64 == steps / every
+                        let points = (steps / every) as usize;
+                        let done = progress.steps >= steps && progress.curve.len() >= points;
+                        if done {
+                            progress.curve.truncate(points);
+                        }
+                        done
                     }
                 };
                 if done {
