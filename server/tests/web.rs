@@ -445,6 +445,38 @@ async fn deployments_are_created_scaled_and_deleted_from_the_dashboard() {
     assert!(list.contains("No deployments yet"), "{list}");
 }
 
+/// What a deployment holds on the dashboard: its model's delete is refused on the model's
+/// page, which says why; a replica's job page points to the deployment that scales it
+/// instead of offering a cancel that cannot work; the loaning form keeps an exact headroom.
+#[tokio::test]
+async fn a_deployment_s_model_replicas_and_headroom_on_the_dashboard() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let model: Value = upload(&server, &http, &cookie, "tiny-bert").await.json().await.unwrap();
+    let model_id = model["id"].as_str().unwrap();
+    let form = [("name", "embedder"), ("model", model_id), ("replicas", "1")];
+    let detail = header(&post_form(&server, &http, &cookie, "/deployments", &form).await, LOCATION).to_string();
+
+    let response = post_form(&server, &http, &cookie, &format!("/models/{model_id}/delete"), &[]).await;
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("served by deployment") && body.contains("alert-error"), "{body}");
+    assert!(body.contains("1_Pooling/config.json"), "the model's page, its files listed: {body}");
+
+    let (_, fragment) = page(&server, &http, &cookie, &format!("{detail}?fragment=detail")).await;
+    let replica = fragment.split(r#"data-replica=""#).nth(1).and_then(|rest| rest.split('"').next()).unwrap().to_string();
+    let (status, job) = page(&server, &http, &cookie, &format!("/jobs/{replica}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!job.contains("/cancel\""), "no cancel form for a replica: {job}");
+    assert!(job.contains(&format!(r#"href="{detail}""#)), "{job}");
+
+    let saved = [("loanable", "on"), ("headroom_percent", "12.5")];
+    post_form(&server, &http, &cookie, &format!("{detail}/loaning"), &saved).await;
+    let (_, body) = page(&server, &http, &cookie, &detail).await;
+    assert!(body.contains(r#"name="headroom_percent" value="12.5""#), "{body}");
+}
+
 /// An attribute value as the browser reads it (askama escapes `&` as `&#38;`).
 fn unescape(value: &str) -> String {
     value.replace("&#38;", "&").replace("&amp;", "&")

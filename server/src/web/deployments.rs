@@ -330,7 +330,8 @@ async fn deployment_view(state: &AppState, deployment: Deployment) -> Result<Dep
         window_minutes: stats.window_seconds / 60,
         since: format::instant(stats.since),
         loanable: deployment.loanable,
-        headroom_percent: format!("{}", (deployment.reclaim_headroom * 100.0).round()),
+        // Exact, so saving the form unchanged keeps the headroom (12.5, not 13).
+        headroom_percent: format::number(deployment.reclaim_headroom * 100.0),
         loaned: deployment.loaned_slices,
     })
 }

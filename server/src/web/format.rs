@@ -70,13 +70,14 @@ pub fn elapsed(from: DateTime<Utc>, to: DateTime<Utc>) -> String {
 
 /// A metric value without trailing zeros: `0.25`, `312.5`, `91578367`; one too small for
 /// six decimals to show three digits of it in scientific notation (`2.5e-7`, a learning
-/// rate near the end of its decay, not `0`).
+/// rate near the end of its decay, not `0`), and so is one too large for its digits to
+/// mean anything (`1e23`, a diverged loss, not `99999999999999991611392`).
 pub fn number(value: f64) -> String {
     if !value.is_finite() {
         return value.to_string();
     }
     let without_zeros = |text: &str| text.trim_end_matches('0').trim_end_matches('.').to_string();
-    if value != 0.0 && value.abs() < 1e-4 {
+    if value != 0.0 && (value.abs() < 1e-4 || value.abs() >= 1e15) {
         let text = format!("{value:.2e}");
         let (mantissa, exponent) = text.split_once('e').expect("scientific notation has an exponent");
         return format!("{}e{exponent}", without_zeros(mantissa));
@@ -145,6 +146,9 @@ mod tests {
         assert_eq!(number(2.5e-7), "2.5e-7");
         assert_eq!(number(-3e-9), "-3e-9");
         assert_eq!(number(1.234_56e-5), "1.23e-5");
+        assert_eq!(number(1e23), "1e23");
+        assert_eq!(number(-f64::from(f32::MAX)), "-3.4e38");
+        assert_eq!(number(999_999_999_999_999.0), "999999999999999");
     }
 
     #[test]

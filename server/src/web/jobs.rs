@@ -257,6 +257,8 @@ struct JobView {
     /// What the job works on, e.g. the model a prefetch fetches.
     target_label: String,
     target_href: Option<String>,
+    /// A serving replica's deployment, which scales it (it is not cancelled on its own).
+    deployment_href: Option<String>,
     attempts: u32,
     max_attempts: u32,
     worker: Option<String>,
@@ -375,6 +377,10 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
         message: job.message,
         target_label,
         target_href,
+        deployment_href: match &job.spec {
+            JobSpec::Serve { deployment, .. } => Some(format!("/deployments/{deployment}")),
+            _ => None,
+        },
         attempts: job.attempts,
         max_attempts: job.max_attempts,
         worker,

@@ -9,7 +9,7 @@ use chrono::Utc;
 use serde::Deserialize;
 use tessera_api::models::Model;
 
-use super::{format, render, Layout, WebUser};
+use super::{format, render, with_status, Layout, WebUser};
 use crate::error::{ApiJson, ApiMultipart, Error, Result};
 use crate::registry::{self, model_files};
 use crate::state::AppState;
@@ -122,39 +122,53 @@ struct ModelPage {
     model: ModelRow,
     digest: String,
     files: Vec<FileRow>,
+    /// Why the last action on the model was refused.
+    error: Option<String>,
+}
+
+fn model_page(user: &WebUser, model: &Model, error: Option<String>) -> ModelPage {
+    let files = model
+        .files
+        .iter()
+        .map(|f| FileRow {
+            path: f.path.clone(),
+            size: format::bytes(f.size_bytes),
+            digest: f.digest.clone(),
+            digest_short: format::short_digest(&f.digest),
+        })
+        .collect();
+    ModelPage {
+        layout: user.layout(model.name.clone(), "models"),
+        model: ModelRow::new(model, Utc::now()),
+        digest: model.digest.clone(),
+        files,
+        error,
+    }
 }
 
 pub async fn detail(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
     let result = async {
         let model = registry::resolve(&state, &user.0, &id).await?;
-        let files = model
-            .files
-            .iter()
-            .map(|f| FileRow {
-                path: f.path.clone(),
-                size: format::bytes(f.size_bytes),
-                digest: f.digest.clone(),
-                digest_short: format::short_digest(&f.digest),
-            })
-            .collect();
-        let page = ModelPage {
-            layout: user.layout(model.name.clone(), "models"),
-            model: ModelRow::new(&model, Utc::now()),
-            digest: model.digest.clone(),
-            files,
-        };
-        Ok(render(&page)?.into_response())
+        Ok(render(&model_page(&user, &model, None))?.into_response())
     }
     .await;
     user.page(result)
 }
 
+/// Deletes the model; one still served or used by a job stays, its page saying by what.
 pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
-    let result: Result<Redirect, Error> = async {
+    let result = async {
         let model = registry::resolve(&state, &user.0, &id).await?;
-        registry::delete_visible(&state, &user.0.scope(), model.id).await?;
-        tracing::info!(model = %model.id, name = %model.name, user = %user.0.username, "model deleted from the dashboard");
-        Ok(Redirect::to("/models"))
+        match registry::delete_visible(&state, &user.0.scope(), model.id).await {
+            Ok(()) => {
+                tracing::info!(model = %model.id, name = %model.name, user = %user.0.username, "model deleted from the dashboard");
+                Ok(Redirect::to("/models").into_response())
+            }
+            Err(error @ Error::Conflict(_)) => {
+                with_status(StatusCode::CONFLICT, render(&model_page(&user, &model, Some(error.public_message()))))
+            }
+            Err(error) => Err(error),
+        }
     }
     .await;
     user.page(result)
