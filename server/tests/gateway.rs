@@ -270,6 +270,23 @@ async fn the_least_loaded_ready_replica_gets_the_next_request() {
     }
 }
 
+/// Holds a request on `live`, a replica of deployment "patchy", which makes its other
+/// replica the least loaded; the next request still gets `live`'s answer, and so does the
+/// held one once released.
+async fn reaches_the_live_replica(server: &TestServer, token: &str, live: &StandIn) {
+    let held = tokio::spawn({
+        let (server_url, token) = (server.url.clone(), token.to_string());
+        async move {
+            let body = json!({"model": "patchy", "input": "hold"});
+            reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
+        }
+    });
+    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
+    assert_eq!(embedding_of(embed_with(server, token, "patchy", "hello").await).await, json!(live.vector));
+    live.release();
+    assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
+}
+
 #[tokio::test]
 async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
     let server = TestServer::start(Backend::Sqlite).await;
@@ -281,17 +298,7 @@ async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
 
     // With a request held on the live replica, the unreachable one is the least loaded and
     // is tried first; the request still reaches the live one.
-    let held = tokio::spawn({
-        let (server_url, token) = (server.url.clone(), token.clone());
-        async move {
-            let body = json!({"model": "patchy", "input": "hold"});
-            reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
-        }
-    });
-    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
-    assert_eq!(embedding_of(embed_with(&server, &token, "patchy", "hello").await).await, json!(live.vector));
-    live.release();
-    assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
+    reaches_the_live_replica(&server, &token, &live).await;
 
     let response = embed_with(&server, &token, "gone", "hello").await;
     assert_eq!(response.status(), 503);
@@ -310,17 +317,7 @@ async fn a_replica_that_no_longer_serves_is_skipped() {
     deployment_at(&server, &admin, "patchy", &[stopped_endpoint().await, live.url.clone()]).await;
     let (_, token) = api_token(&server, &admin).await;
     // The held request makes the stopped replica the least loaded, so it is tried first.
-    let held = tokio::spawn({
-        let (server_url, token) = (server.url.clone(), token.clone());
-        async move {
-            let body = json!({"model": "patchy", "input": "hold"});
-            reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
-        }
-    });
-    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
-    assert_eq!(embedding_of(embed_with(&server, &token, "patchy", "hello").await).await, json!(live.vector));
-    live.release();
-    assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
+    reaches_the_live_replica(&server, &token, &live).await;
 }
 
 /// What the model cannot answer (more dimensions than it has) is a 400 before any
