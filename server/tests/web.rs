@@ -477,6 +477,28 @@ async fn a_deployment_s_model_replicas_and_headroom_on_the_dashboard() {
     assert!(body.contains(r#"name="headroom_percent" value="12.5""#), "{body}");
 }
 
+/// A refused dataset upload shows the reason and keeps the name typed (the browser cannot
+/// keep the file); an accepted one is listed.
+#[tokio::test]
+async fn a_refused_dataset_upload_keeps_its_name() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let send = |bytes: &'static [u8]| {
+        let file = reqwest::multipart::Part::bytes(bytes).file_name("wine.csv");
+        let form = reqwest::multipart::Form::new().text("name", "wine-quality").part("file", file);
+        http.post(format!("{}/datasets/upload", server.url)).header("cookie", &cookie).multipart(form).send()
+    };
+    let response = send(b"a,b\n1\n").await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("alert-error") && body.contains(r#"value="wine-quality""#), "{body}");
+    let response = send(b"a,b\n1,2\n").await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("Uploaded") && body.contains("1 rows, 2 columns"), "{body}");
+}
+
 /// An attribute value as the browser reads it (askama escapes `&` as `&#38;`).
 fn unescape(value: &str) -> String {
     value.replace("&#38;", "&").replace("&amp;", "&")

@@ -34,6 +34,8 @@ struct DatasetsPage {
     /// The outcome of the last upload or delete, shown above the form.
     notice: Option<String>,
     error: Option<String>,
+    /// The name a refused upload gave, kept in the form (a browser cannot keep the file).
+    name: String,
 }
 
 async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: Option<String>) -> Result<DatasetsPage> {
@@ -70,6 +72,7 @@ async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: O
         max_upload: format::bytes(state.config.max_upload_bytes),
         notice,
         error,
+        name: String::new(),
     })
 }
 
@@ -80,8 +83,12 @@ pub async fn list(State(state): State<AppState>, user: WebUser) -> Response {
 
 pub async fn upload(State(state): State<AppState>, user: WebUser, ApiMultipart(mut multipart): ApiMultipart) -> Response {
     let result = async {
+        let mut name = String::new();
         let outcome = match datasets::receive(&mut multipart, &state).await {
-            Ok(received) => datasets::register(&state, &user.0, received).await,
+            Ok(received) => {
+                name = received.name.clone().unwrap_or_default();
+                datasets::register(&state, &user.0, received).await
+            }
             Err(error) => Err(error),
         };
         match outcome {
@@ -92,7 +99,8 @@ pub async fn upload(State(state): State<AppState>, user: WebUser, ApiMultipart(m
             }
             Err(error) if error.status().is_client_error() => {
                 let status = error.status();
-                with_status(status, render(&page(&state, &user, None, Some(error.public_message())).await?))
+                let refused = DatasetsPage { name, ..page(&state, &user, None, Some(error.public_message())).await? };
+                with_status(status, render(&refused))
             }
             Err(error) => Err(error),
         }
