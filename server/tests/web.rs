@@ -7,7 +7,7 @@ mod support;
 use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
 use reqwest::redirect::Policy;
 use reqwest::{Client, Response, StatusCode};
-use serde_json::Value;
+use serde_json::{json, Value};
 use support::{model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD};
 
 /// A browser-like client that shows redirects instead of following them.
@@ -497,6 +497,32 @@ async fn a_refused_dataset_upload_keeps_its_name() {
     assert_eq!(response.status(), StatusCode::OK);
     let body = response.text().await.unwrap();
     assert!(body.contains("Uploaded") && body.contains("1 rows, 2 columns"), "{body}");
+}
+
+/// A data-parallel job is never leased itself: its page names the workers of its ranks.
+#[tokio::test]
+async fn a_data_parallel_job_s_page_names_its_ranks_workers() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let admin = server.admin().await;
+    let data = server.toy_dataset(&admin).await;
+    let spec = json!({"name": "dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+        "parallel": {"ranks": [{"device": "cpu"}, {"device": "cpu"}]}});
+    let created: Value = server.post(&admin, "/jobs", spec).await.json().await.unwrap();
+    let id = created["id"].as_str().unwrap();
+    let (_, waiting) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
+    assert!(waiting.contains("not leased yet"), "{waiting}");
+    for name in ["box-a", "box-b"] {
+        let (_, secret) = server.register_worker(name).await;
+        let claimed = server.post(&secret, "/agent/claim", json!({"kinds": ["train_rank"]})).await;
+        assert_eq!(claimed.status(), StatusCode::OK);
+    }
+    let (_, held) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
+    assert!(held.contains("rank 0: box-a") && held.contains("rank 1: box-b"), "{held}");
 }
 
 /// An attribute value as the browser reads it (askama escapes `&` as `&#38;`).

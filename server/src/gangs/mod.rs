@@ -129,6 +129,12 @@ pub async fn leased_job(state: &AppState, worker: Uuid, job: Uuid) -> Result<(Uu
     })
 }
 
+/// The worker holding each rank of data-parallel job `gang`, by rank (see
+/// `store::gangs::rank_workers`).
+pub async fn rank_workers(db: &Db, gang: Uuid) -> Result<Vec<(u32, Option<Uuid>)>> {
+    Ok(store::rank_workers(db, gang).await?)
+}
+
 /// After a rank's status changed, or a gang's job was cancelled: bring the gang's job and
 /// its ranks in line (nothing for other jobs).
 pub async fn settle(db: &Db, job: Uuid) -> Result<()> {

@@ -606,6 +606,22 @@ pub async fn upsert_rank_steps(db: &Db, gang: Uuid, steps: &[RankStep]) -> Resul
     Ok(())
 }
 
+/// The worker holding each rank of `gang` (none for a rank waiting for a claim), by rank;
+/// ranks joining an in-place resize are left out.
+pub async fn rank_workers(db: &Db, gang: Uuid) -> Result<Vec<(u32, Option<Uuid>)>> {
+    let rows = sqlx::query("SELECT gang_rank, worker_id FROM jobs WHERE gang_id = $1 AND gang_joining = 0 ORDER BY gang_rank")
+        .bind(gang.to_string())
+        .fetch_all(db.pool())
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let worker: Option<String> = r.try_get("worker_id")?;
+            let worker = worker.map(|w| parse_uuid("jobs", "worker_id", &w)).transpose()?;
+            Ok((r.try_get::<i64, _>("gang_rank")? as u32, worker))
+        })
+        .collect()
+}
+
 /// A gang's step timings, by rank then step.
 pub async fn rank_steps(db: &Db, gang: Uuid) -> Result<Vec<RankStep>> {
     let rows = sqlx::query(

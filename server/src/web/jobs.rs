@@ -322,7 +322,22 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
     };
     let worker = match job.worker_id {
         Some(id) => Some(worker_label(&worker_names(state).await?, id)),
-        None => None,
+        // A data-parallel job runs on its ranks' workers; the job itself is never leased.
+        None => {
+            let held: Vec<(u32, Uuid)> = crate::gangs::rank_workers(&state.db, job.id)
+                .await?
+                .into_iter()
+                .filter_map(|(rank, worker)| worker.map(|w| (rank, w)))
+                .collect();
+            if held.is_empty() {
+                None
+            } else {
+                let names = worker_names(state).await?;
+                let ranks: Vec<String> =
+                    held.iter().map(|(rank, id)| format!("rank {rank}: {}", worker_label(&names, *id))).collect();
+                Some(ranks.join(" · "))
+            }
+        }
     };
     let mut timings: Vec<Timing> = [
         timing("Created", Some(job.created_at), now),
