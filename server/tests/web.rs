@@ -737,3 +737,25 @@ async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
     assert!(!html.contains("line number 9500."), "no more");
     assert!(html.contains("9500 earlier lines are not shown"), "and the count of the rest");
 }
+
+/// A metric's card counts all its points, though the page shows a downsampled few.
+#[tokio::test]
+async fn a_job_page_counts_every_point_of_a_long_series() {
+    use tessera_api::jobs::JobSpec;
+    use tessera_server::store::training::{Point, Series};
+    use tessera_server::store::{self, jobs::NewJob};
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let db = &server.state.db;
+    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
+    let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
+    let job = store::jobs::insert(db, &NewJob::new(owner, "long", &spec, 1)).await.unwrap();
+    let point =
+        |step: i64| Point { series: Series::Step, name: "loss".into(), step, value: 1.0 / (step + 1) as f64, at: 0, phase: None };
+    tessera_server::training::metrics::store(db, job, (0..1000).map(point).collect()).await.unwrap();
+    let (status, html) = page(&server, &http, &cookie, &format!("/jobs/{job}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(html.contains("1000 points · min"), "{html}");
+    assert!(html.contains("of the 1000 points"), "{html}");
+}

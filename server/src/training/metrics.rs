@@ -84,6 +84,15 @@ pub async fn store_report(db: &Db, job: Uuid, report: &TrainingMetrics, rank: Op
 /// A job's series as rows by step. With `max_points`, each metric is downsampled on its
 /// own (min/max per bucket), so a row then holds only the metrics kept at its step.
 pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<TrainingMetrics> {
+    Ok(read_counted(db, job, max_points).await?.0)
+}
+
+/// [`read`], with how many points each metric has in all (before downsampling).
+pub async fn read_counted(
+    db: &Db,
+    job: Uuid,
+    max_points: Option<usize>,
+) -> Result<(TrainingMetrics, BTreeMap<String, usize>)> {
     let mut series: BTreeMap<(Series, String), Vec<(i64, f64)>> = BTreeMap::new();
     let mut phases: BTreeMap<(Series, i64), StepPhase> = BTreeMap::new();
     for (kind, name, step, value, phase) in store::metrics(db, job).await? {
@@ -91,6 +100,10 @@ pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<Train
         if let Some(phase) = phase {
             phases.insert((kind, step), phase);
         }
+    }
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for ((_, name), points) in &series {
+        *counts.entry(name.clone()).or_default() += points.len();
     }
     let mut steps: BTreeMap<i64, BTreeMap<String, f64>> = BTreeMap::new();
     let mut evals: BTreeMap<i64, BTreeMap<String, f64>> = BTreeMap::new();
@@ -116,5 +129,5 @@ pub async fn read(db: &Db, job: Uuid, max_points: Option<usize>) -> Result<Train
         let stride = ranks.len().div_ceil(max.saturating_mul(per_rank).max(1)).max(1);
         ranks.retain(|r| r.step % stride as u64 == 0);
     }
-    Ok(TrainingMetrics { steps: rows_of(Series::Step, steps), evals: rows_of(Series::Eval, evals), ranks })
+    Ok((TrainingMetrics { steps: rows_of(Series::Step, steps), evals: rows_of(Series::Eval, evals), ranks }, counts))
 }

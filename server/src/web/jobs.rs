@@ -2,7 +2,7 @@
 //! followed live until the job ends), cancel, and a form to submit a prefetch job.
 //! Every action goes through the same functions as the `/api/v1/jobs` routes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use askama::Template;
 use axum::extract::{Path, Query, State};
@@ -191,7 +191,6 @@ struct MetricView {
     name: String,
     step: i64,
     value: String,
-    at: String,
 }
 
 /// One metric at a glance: its latest value, range and shape over the steps.
@@ -226,8 +225,9 @@ fn metric_points(recorded: &TrainingMetrics) -> Vec<MetricPoint> {
     points
 }
 
-/// Groups points (ordered by name, then step) into one series per metric.
-fn series(points: &[MetricPoint]) -> Vec<MetricSeries> {
+/// Groups points (ordered by name, then step) into one series per metric, each counting
+/// the points it has in all (`counts`; those shown may be a downsampled few).
+fn series(points: &[MetricPoint], counts: &BTreeMap<String, usize>) -> Vec<MetricSeries> {
     points
         .chunk_by(|a, b| a.name == b.name)
         .map(|run| {
@@ -236,7 +236,7 @@ fn series(points: &[MetricPoint]) -> Vec<MetricSeries> {
             let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             MetricSeries {
                 name: run[0].name.clone(),
-                count: run.len(),
+                count: counts.get(&run[0].name).copied().unwrap_or(run.len()),
                 last: format::number(values[values.len() - 1]),
                 min: format::number(min),
                 max: format::number(max),
@@ -266,7 +266,9 @@ struct JobView {
     logs: Vec<LogView>,
     logs_skipped: u64,
     series: Vec<MetricSeries>,
+    /// The points shown (each metric downsampled to at most [`SUMMARY_POINTS`]) and all.
     metrics: Vec<MetricView>,
+    metrics_total: usize,
     /// A refused action (cancelling an ended job) shown above the details.
     alert: Option<String>,
     /// Training jobs: progress, checkpoints and the AutoLRS panel.
@@ -367,16 +369,13 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
         .into_iter()
         .map(|l| LogView { seq: l.seq, at: l.at.format("%H:%M:%S").to_string(), line: l.line })
         .collect();
-    let points = metric_points(&crate::training::metrics::read(&state.db, job.id, Some(SUMMARY_POINTS)).await?);
-    let series = series(&points);
+    let (recorded, counts) = crate::training::metrics::read_counted(&state.db, job.id, Some(SUMMARY_POINTS)).await?;
+    let points = metric_points(&recorded);
+    let series = series(&points, &counts);
+    let metrics_total = counts.values().sum();
     let metrics = points
         .into_iter()
-        .map(|p| MetricView {
-            name: p.name,
-            step: p.step,
-            value: format::number(p.value),
-            at: p.at.map(format::instant).unwrap_or_default(),
-        })
+        .map(|p| MetricView { name: p.name, step: p.step, value: format::number(p.value) })
         .collect();
     let training = training::view(state, &job).await?;
     let precision = precision::view(state, &job).await?;
@@ -404,6 +403,7 @@ async fn job_view(state: &AppState, user: &WebUser, job: Job) -> Result<JobView>
         logs_skipped,
         series,
         metrics,
+        metrics_total,
         alert: None,
     })
 }
