@@ -55,6 +55,10 @@ pub struct EngineError {
     pub kind: String,
 }
 
+/// The kind of an engine's 503 for a request it did not take (the replica is not served
+/// there, or its queue closed): nothing was computed, so another replica may take it.
+pub const NOT_SERVING: &str = "not_serving";
+
 /// `GET <endpoint>/info`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EngineInfo {

@@ -20,10 +20,12 @@ use serde_json::{json, Value};
 use support::{backends, tiny_model, Backend, TestServer};
 use tessera_api::engine::{EngineInput, InferRequest, InferResponse, Timings};
 use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 
 /// A stand-in engine. It answers every embed with its own `vector` and fixed batch
-/// figures; `"overload"` gets the 429 a full queue gives; `"hold"` waits for a permit on
-/// `gate`, which stays shut until the test opens it.
+/// figures; `"overload"` gets the 429 a full queue gives, `"break"` the 503 of a replica
+/// that broke down on it; `"hold"` waits for a permit on `gate`, which stays shut until
+/// the test opens it.
 #[derive(Clone)]
 struct StandIn {
     url: String,
@@ -63,6 +65,10 @@ async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<Infer
         let body = json!({"error": "The queue is full; retry shortly.", "kind": "overloaded"});
         return (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
     }
+    if request.inputs.contains(&EngineInput::Text("break".into())) {
+        let body = json!({"error": "The replica stopped before answering.", "kind": "unhealthy"});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     if request.inputs.contains(&EngineInput::Text("hold".into())) {
         engine.held.fetch_add(1, Ordering::SeqCst);
         let _permit = engine.gate.acquire().await.unwrap();
@@ -78,7 +84,7 @@ async fn stopped_endpoint() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let stopped = || async {
-        let body = json!({"error": "Replica x is not served here.", "kind": "unhealthy"});
+        let body = json!({"error": "Replica x is not served here.", "kind": "not_serving"});
         (StatusCode::SERVICE_UNAVAILABLE, Json(body))
     };
     let app = Router::new().route("/replica/embed", post(stopped));
@@ -270,18 +276,25 @@ async fn the_least_loaded_ready_replica_gets_the_next_request() {
     }
 }
 
-/// Holds a request on `live`, a replica of deployment "patchy", which makes its other
-/// replica the least loaded; the next request still gets `live`'s answer, and so does the
-/// held one once released.
-async fn reaches_the_live_replica(server: &TestServer, token: &str, live: &StandIn) {
+/// Sends a request to `deployment` that `live`, one of its replicas, holds (which makes
+/// the others the least loaded); returns it once held.
+async fn hold_on(server: &TestServer, token: &str, deployment: &str, live: &StandIn) -> JoinHandle<reqwest::Response> {
     let held = tokio::spawn({
         let (server_url, token) = (server.url.clone(), token.to_string());
+        let body = json!({"model": deployment, "input": "hold"});
         async move {
-            let body = json!({"model": "patchy", "input": "hold"});
             reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
         }
     });
     until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
+    held
+}
+
+/// With a request held on `live`, a replica of deployment "patchy", its other replica is
+/// the least loaded; the next request still gets `live`'s answer, and so does the held one
+/// once released.
+async fn reaches_the_live_replica(server: &TestServer, token: &str, live: &StandIn) {
+    let held = hold_on(server, token, "patchy", live).await;
     assert_eq!(embedding_of(embed_with(server, token, "patchy", "hello").await).await, json!(live.vector));
     live.release();
     assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
@@ -318,6 +331,20 @@ async fn a_replica_that_no_longer_serves_is_skipped() {
     let (_, token) = api_token(&server, &admin).await;
     // The held request makes the stopped replica the least loaded, so it is tried first.
     reaches_the_live_replica(&server, &token, &live).await;
+}
+
+/// A replica that broke down on a request (a 503 of another kind) is not passed over: the
+/// request could break the next one too, so the client hears of it.
+#[tokio::test]
+async fn a_replica_that_broke_down_on_a_request_is_not_retried_elsewhere() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let (a, b) = (StandIn::start(vec![1.0, 0.0]).await, StandIn::start(vec![0.0, 1.0]).await);
+    deployment_at(&server, &admin, "fragile", &[a.url.clone(), b.url.clone()]).await;
+    let (_, token) = api_token(&server, &admin).await;
+    assert_eq!(embed_with(&server, &token, "fragile", "break").await.status(), 503);
+    let calls = a.calls.load(Ordering::SeqCst) + b.calls.load(Ordering::SeqCst);
+    assert_eq!(calls, 1, "one replica was asked");
 }
 
 /// What the model cannot answer (more dimensions than it has) is a 400 before any

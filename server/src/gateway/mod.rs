@@ -220,7 +220,7 @@ impl Gateway {
             }
         }
         // A busy database is a 503 to send again, as on every route.
-        let record = deployments::route(db, deployment).await.map_err(|e| crate::error::Error::from(e))?.ok_or_else(|| {
+        let record = deployments::route(db, deployment).await.map_err(crate::error::Error::from)?.ok_or_else(|| {
             GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'."))
         })?;
         let model = ModelShape::from_registry(&record.architecture, &record.config);
@@ -293,10 +293,10 @@ impl Gateway {
     }
 
     /// One replica after another, least loaded first, until one answers; one that cannot
-    /// be reached is skipped, as is one that says it does not serve (a 503: stopping, or
-    /// scaled down before the route was fetched again), and so is one at capacity (its 429
-    /// computed nothing), whose refusal the client gets if every replica refuses (with the
-    /// soonest `Retry-After`).
+    /// be reached is skipped, as is one that says it does not serve the request (a 503 of
+    /// kind `not_serving`: stopping, or scaled down since the route was read), and so is one
+    /// at capacity (its 429 computed nothing), whose refusal the client gets if every replica
+    /// refuses (with the soonest `Retry-After`).
     /// One that was reached but does not answer in time is not retried elsewhere: it may
     /// still be working on the request, and the client has waited the whole timeout.
     ///
@@ -370,9 +370,10 @@ impl Gateway {
                     return Err(self.bad_gateway(target, deployment, "answered what no engine says", detail));
                 }
             };
-            if status == StatusCode::SERVICE_UNAVAILABLE {
+            // Only a refusal that computed nothing goes on: a replica that broke down on
+            // the request (any other 503) would take the next one down with it.
+            if status == StatusCode::SERVICE_UNAVAILABLE && error.kind == tessera_api::engine::NOT_SERVING {
                 tracing::warn!(replica = %target.replica, message = %error.message, "replica not serving; trying another");
-                self.forget(deployment);
                 continue;
             }
             if status == StatusCode::TOO_MANY_REQUESTS {

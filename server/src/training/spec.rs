@@ -42,34 +42,25 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
         Err(other) => return Err(other),
     };
     let task = &spec.task;
-    let held_out = (dataset.rows as f64 * task.validation_split).floor() as u64;
+    // As the worker splits the rows: the validation rows rounded.
+    let held_out = (dataset.rows as f64 * task.validation_split).round() as u64;
     if held_out == 0 || held_out >= dataset.rows {
         return Err(field_error(
             "task.validation_split",
             format!("leaves no validation or no training rows of the dataset's {}", dataset.rows),
         ));
     }
-    // Each rank computes its share of every batch, and a batch holds at most the training
-    // rows (those the worker's split leaves: it rounds the validation rows).
-    let trained = dataset.rows.saturating_sub((dataset.rows as f64 * task.validation_split).round() as u64);
-    match spec.parallel.as_ref().map_or(1, |p| p.ranks.len() as u64) {
-        1 if trained == 0 => {
-            return Err(field_error(
-                "task.validation_split",
-                format!("leaves no training rows of the dataset's {}", dataset.rows),
-            ))
-        }
-        ranks if trained < ranks => {
-            return Err(field_error(
-                "parallel.ranks",
-                format!(
-                    "{ranks} ranks need a training row each, and the dataset's {} rows leave {trained} after the \
-                     validation split; use fewer ranks or a smaller validation_split",
-                    dataset.rows
-                ),
-            ))
-        }
-        _ => {}
+    // Each rank computes its share of every batch, and a batch holds at most the training rows.
+    let (trained, ranks) = (dataset.rows - held_out, spec.parallel.as_ref().map_or(1, |p| p.ranks.len() as u64));
+    if trained < ranks {
+        return Err(field_error(
+            "parallel.ranks",
+            format!(
+                "{ranks} ranks need a training row each, and the dataset's {} rows leave {trained} after the \
+                 validation split; use fewer ranks or a smaller validation_split",
+                dataset.rows
+            ),
+        ));
     }
     let label = column(&dataset, &task.label_column, "task.label_column")?;
     if task.kind == TaskType::Regression && label.kind != ColumnType::Number {

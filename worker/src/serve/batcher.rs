@@ -414,7 +414,12 @@ where
             }
             load.computing = Some((started, tokens));
         }
-        let result = compute(&sequences);
+        // A panic in the engine fails its batch, not the replica (its queue would close, and
+        // a retried request would take the next replica down with it).
+        let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compute(&sequences))) {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err("the engine failed on this batch (a panic); the worker's log has the details".to_string()),
+        };
         let elapsed = started.elapsed();
         {
             let mut load = load.lock().expect("load lock");
@@ -444,7 +449,7 @@ where
             Err(error) => {
                 tracing::error!(%error, "batch failed");
                 for job in jobs {
-                    let _ = job.reply.send(Err(error.to_string()));
+                    let _ = job.reply.send(Err(error.clone()));
                 }
             }
         }
@@ -596,6 +601,23 @@ mod tests {
         assert_eq!(next.expect("the carried request was never batched").unwrap(), vec![vec![2; 8]]);
         g.release.send(()).unwrap();
         assert!(stays.answer().await.unwrap().is_ok());
+    }
+
+    /// A panic in the engine fails the batch it computed (a 500, which the gateway does not
+    /// send elsewhere), and the replica goes on serving.
+    #[tokio::test]
+    async fn a_batch_whose_engine_panics_fails_alone() {
+        let mut first = true;
+        let queue = Queue::with_compute(limits(1000, 64), patient(), 1e6, move |sequences: &[&[u32]]| {
+            if std::mem::take(&mut first) {
+                panic!("an engine bug");
+            }
+            Ok(sequences.iter().map(|s| vec![s[0] as f32]).collect())
+        });
+        let failed = submit(&queue, 1, &[2]).answer().await.expect("an answer, not a closed queue");
+        assert!(failed.is_err_and(|message| message.contains("panic")));
+        let served = submit(&queue, 2, &[2]).answer().await.unwrap().unwrap();
+        assert_eq!(served.outputs, vec![vec![2.0]]);
     }
 
     #[tokio::test]

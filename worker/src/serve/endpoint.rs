@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse};
+use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse, NOT_SERVING};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
@@ -31,7 +31,7 @@ pub struct Endpoint {
     replicas: RwLock<HashMap<Uuid, Arc<Replica>>>,
     /// Requests tokenized at once, one per core: the others wait their turn, and are
     /// refused then if the queue filled meanwhile (a burst is not tokenized whole first).
-    tokenizing: Semaphore,
+    tokenizing: Arc<Semaphore>,
     token: RwLock<String>,
     /// Base URL the server reaches this endpoint at.
     pub url: String,
@@ -59,7 +59,7 @@ impl Endpoint {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let endpoint = Arc::new(Endpoint {
             replicas: RwLock::new(HashMap::new()),
-            tokenizing: Semaphore::new(cores),
+            tokenizing: Arc::new(Semaphore::new(cores)),
             token: RwLock::new(String::new()),
             url,
         });
@@ -112,7 +112,7 @@ fn refused(e: SubmitError) -> Response {
             response
         }
         SubmitError::TooManyTokens { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message),
-        SubmitError::Closed => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", message),
+        SubmitError::Closed => error(StatusCode::SERVICE_UNAVAILABLE, NOT_SERVING, message),
     }
 }
 
@@ -141,7 +141,7 @@ fn authorize(endpoint: &Endpoint, headers: &HeaderMap, id: Uuid) -> Result<Arc<R
         return Err(error(StatusCode::UNAUTHORIZED, "unauthorized", "Only the Tessera server may call this endpoint."));
     }
     let replica = endpoint.replicas.read().expect("replicas lock").get(&id).cloned();
-    replica.ok_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", format!("Replica {id} is not served here.")))
+    replica.ok_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, NOT_SERVING, format!("Replica {id} is not served here.")))
 }
 
 /// Names the input an error is about (the engine numbers inputs within its own call).
@@ -216,13 +216,26 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
     if let Err(e) = replica.queue.check() {
         return refused(e);
     }
-    let turn = endpoint.tokenizing.acquire().await.expect("the tokenizing semaphore is never closed");
+    let arrived = Instant::now();
+    let turn = endpoint.tokenizing.clone().acquire_owned();
+    let Ok(turn) = tokio::time::timeout(replica.queue.admission().max_queue_wait(), turn).await else {
+        let message = "The replica's tokenizers are busy past its queue-time limit; retry shortly.";
+        let mut response = error(StatusCode::TOO_MANY_REQUESTS, "overloaded", message);
+        response.headers_mut().insert(axum::http::header::RETRY_AFTER, 1.into());
+        return response;
+    };
+    let turn = turn.expect("the tokenizing semaphore is never closed");
+    let waited = arrived.elapsed();
     if let Err(e) = replica.queue.check() {
         return refused(e);
     }
     let model = replica.model.clone();
-    let tokenized = tokio::task::spawn_blocking(move || tokenize(&model, request)).await;
-    drop(turn);
+    // The turn ends when the tokenization does, even if the client hangs up before.
+    let tokenized = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        tokenize(&model, request)
+    })
+    .await;
     let (sequences, tokenization_us) = match tokenized {
         Ok(Ok(done)) => done,
         Ok(Err(e)) => return engine_error(e),
@@ -231,8 +244,10 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
     let tokens: Vec<u32> = sequences.iter().map(|s| s.len() as u32).collect();
     // If the caller hangs up from here on, this handler is dropped with `pending`, which
     // takes the request off the queue before it is computed.
-    // Queue time starts here, as TEI's does: tokenization is timed on its own.
-    let pending = match replica.queue.submit(Request { sequences, tokenization_us, enqueued: Instant::now() }) {
+    // Queue time is the waiting, for a tokenizer's turn and for the batch; tokenization is
+    // timed on its own (TEI's split).
+    let enqueued = Instant::now().checked_sub(waited).unwrap_or(arrived);
+    let pending = match replica.queue.submit(Request { sequences, tokenization_us, enqueued }) {
         Ok(pending) => pending,
         Err(e) => return refused(e),
     };
