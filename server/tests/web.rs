@@ -717,9 +717,8 @@ async fn a_compare_link_shows_a_job_older_than_the_newest_500() {
     assert!(html.contains(&format!("data-compare=\"{old}\"")), "and drawn");
 }
 
-/// A job page shows the newest 1,000 lines of a long log and counts the ones before.
-#[tokio::test]
-async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
+/// A server with a signed-in browser and a queued job `name` of the admin's.
+async fn admin_s_job(name: &str) -> (TestServer, Client, String, uuid::Uuid) {
     use tessera_api::jobs::JobSpec;
     use tessera_server::store::{self, jobs::NewJob};
     let server = TestServer::start(Backend::Sqlite).await;
@@ -728,9 +727,17 @@ async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
     let db = &server.state.db;
     let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
     let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
-    let job = store::jobs::insert(db, &NewJob::new(owner, "chatty", &spec, 1)).await.unwrap();
+    let job = store::jobs::insert(db, &NewJob::new(owner, name, &spec, 1)).await.unwrap();
+    (server, http, cookie, job)
+}
+
+/// A job page shows the newest 1,000 lines of a long log and counts the ones before.
+#[tokio::test]
+async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
+    let (server, http, cookie, job) = admin_s_job("chatty").await;
+    let db = &server.state.db;
     let lines: Vec<String> = (1..=10_500).map(|i| format!("line number {i}.")).collect();
-    store::jobs::append_logs(db, job, &lines, 0).await.unwrap();
+    tessera_server::store::jobs::append_logs(db, job, &lines, 0).await.unwrap();
     let (status, html) = page(&server, &http, &cookie, &format!("/jobs/{job}")).await;
     assert_eq!(status, StatusCode::OK);
     assert!(html.contains("line number 10500.") && html.contains("line number 9501."), "the newest 1,000");
@@ -741,16 +748,9 @@ async fn a_job_page_shows_the_newest_lines_of_a_long_log() {
 /// A metric's card counts all its points, though the page shows a downsampled few.
 #[tokio::test]
 async fn a_job_page_counts_every_point_of_a_long_series() {
-    use tessera_api::jobs::JobSpec;
     use tessera_server::store::training::{Point, Series};
-    use tessera_server::store::{self, jobs::NewJob};
-    let server = TestServer::start(Backend::Sqlite).await;
-    let http = browser();
-    let cookie = sign_in(&server, &http).await;
+    let (server, http, cookie, job) = admin_s_job("long").await;
     let db = &server.state.db;
-    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
-    let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
-    let job = store::jobs::insert(db, &NewJob::new(owner, "long", &spec, 1)).await.unwrap();
     let point =
         |step: i64| Point { series: Series::Step, name: "loss".into(), step, value: 1.0 / (step + 1) as f64, at: 0, phase: None };
     tessera_server::training::metrics::store(db, job, (0..1000).map(point).collect()).await.unwrap();
