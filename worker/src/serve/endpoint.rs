@@ -218,11 +218,10 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
     }
     let arrived = Instant::now();
     let turn = endpoint.tokenizing.clone().acquire_owned();
-    let Ok(turn) = tokio::time::timeout(replica.queue.admission().max_queue_wait(), turn).await else {
-        let message = "The replica's tokenizers are busy past its queue-time limit; retry shortly.";
-        let mut response = error(StatusCode::TOO_MANY_REQUESTS, "overloaded", message);
-        response.headers_mut().insert(axum::http::header::RETRY_AFTER, 1.into());
-        return response;
+    let limit = replica.queue.admission().max_queue_wait();
+    let Ok(turn) = tokio::time::timeout(limit, turn).await else {
+        // It waited its whole queue-time limit for a tokenizer: at capacity, as a full queue.
+        return refused(SubmitError::Overloaded { wait: limit, limit, retry_after_secs: 1 });
     };
     let turn = turn.expect("the tokenizing semaphore is never closed");
     let waited = arrived.elapsed();
