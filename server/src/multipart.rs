@@ -54,22 +54,10 @@ pub fn bounded(request: Request) -> Request {
     Request::from_parts(parts, Body::from_stream(scanner))
 }
 
-/// The `boundary` parameter of a `multipart/form-data` content type.
+/// The `boundary` parameter of a `multipart/form-data` content type, read as the parser
+/// reads it (a quoted boundary may hold `;`), so both follow the same delimiter.
 fn boundary(content_type: &str) -> Option<String> {
-    let mut params = content_type.split(';');
-    if !params
-        .next()?
-        .trim()
-        .eq_ignore_ascii_case("multipart/form-data")
-    {
-        return None;
-    }
-    params.find_map(|param| {
-        let (key, value) = param.split_once('=')?;
-        key.trim()
-            .eq_ignore_ascii_case("boundary")
-            .then(|| value.trim().trim_matches('"').to_string())
-    })
+    multer::parse_boundary(content_type).ok()
 }
 
 /// Where in the multipart framing the bytes seen so far end.
@@ -77,8 +65,12 @@ fn boundary(content_type: &str) -> Option<String> {
 enum Framing {
     /// Before the first `--boundary`.
     Preamble,
+    /// After a boundary, before the line break that ends its line.
+    BoundaryLine,
     /// After a boundary line, before the blank line that ends the part's headers (or,
-    /// after the closing boundary, in the epilogue).
+    /// after the closing boundary, in the epilogue). The parser looks for that blank line
+    /// only past the boundary line's own line break, so this does too: `--B\r\n\r\n` is
+    /// not an empty header block to either.
     Headers,
     /// In a part's body, until the next `\r\n--boundary`.
     Body,
@@ -98,6 +90,7 @@ struct Framer {
     carry: Vec<u8>,
 }
 
+const LINE_END: &[u8] = b"\r\n";
 const HEADERS_END: &[u8] = b"\r\n\r\n";
 
 impl Framer {
@@ -115,6 +108,7 @@ impl Framer {
     fn pattern(&self) -> &[u8] {
         match self.framing {
             Framing::Preamble => &self.first_delimiter,
+            Framing::BoundaryLine => LINE_END,
             Framing::Headers => HEADERS_END,
             Framing::Body => &self.delimiter,
         }
@@ -136,11 +130,14 @@ impl Framer {
                             if self.boundaries > MAX_PARTS + 1 {
                                 return Err(MultipartLimit::Parts);
                             }
-                            Framing::Headers
+                            Framing::BoundaryLine
                         }
+                        Framing::BoundaryLine => Framing::Headers,
                         Framing::Headers => Framing::Body,
                     };
-                    self.held = 0;
+                    if self.framing != Framing::Headers {
+                        self.held = 0;
+                    }
                 }
                 None => {
                     self.hold(chunk.len())?;
@@ -293,6 +290,21 @@ mod tests {
     }
 
     #[test]
+    fn a_blank_line_right_after_the_boundary_is_not_an_empty_header_block() {
+        // The parser holds everything after `--XyZ\r\n` until a blank line, so this is
+        // one endless header block, not a part body.
+        let mut body = b"--XyZ\r\n\r\n".to_vec();
+        body.extend_from_slice(&vec![b'A'; MAX_PART_HEADER_BYTES]);
+        for size in [1, 3, 1000] {
+            assert!(matches!(feed_in_chunks(&body, size), Err(MultipartLimit::PartHeader)), "chunks of {size}");
+        }
+        // A part whose headers are the boundary line's break and one blank line streams on.
+        let mut body = b"--XyZ\r\n\r\n\r\n".to_vec();
+        body.extend_from_slice(&vec![b'A'; 2 * MAX_PART_HEADER_BYTES]);
+        assert_eq!(feed_in_chunks(&body, 7).unwrap().framing, Framing::Body);
+    }
+
+    #[test]
     fn reads_the_boundary_parameter() {
         assert_eq!(
             boundary("multipart/form-data; boundary=abc").as_deref(),
@@ -302,6 +314,7 @@ mod tests {
             boundary("Multipart/Form-Data;charset=utf-8; Boundary=\"a b\"").as_deref(),
             Some("a b")
         );
+        assert_eq!(boundary("multipart/form-data; boundary=\"a;b\"").as_deref(), Some("a;b"));
         assert_eq!(boundary("text/plain; boundary=abc"), None);
         assert_eq!(boundary("multipart/form-data"), None);
     }

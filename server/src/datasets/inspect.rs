@@ -3,7 +3,7 @@
 //! reader, not the request or the database.
 
 use std::cell::Cell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read};
 use std::rc::Rc;
 
@@ -214,6 +214,8 @@ fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
     let mut reader = BufReader::new(reader);
     let mut names: Option<Vec<String>> = None;
     let mut seen: Vec<Seen> = Vec::new();
+    // Each key's column, so a row of k keys is k lookups, not k²/2 comparisons.
+    let mut positions: HashMap<String, usize> = HashMap::new();
     let mut rows = 0u64;
     let mut bytes = Vec::new();
     let mut number = 0u64;
@@ -242,6 +244,7 @@ fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
             None => {
                 check_names(&keys, number)?;
                 seen = vec![Seen::default(); keys.len()];
+                positions = keys.iter().enumerate().map(|(i, k)| (k.clone(), i)).collect();
                 names.insert(keys.clone())
             }
         };
@@ -254,8 +257,7 @@ fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
             ));
         }
         for (key, value) in &entries {
-            let index = names.iter().position(|n| n == key).expect("keys checked above");
-            let slot = &mut seen[index];
+            let slot = &mut seen[positions[key.as_str()]];
             match value {
                 serde_json::Value::Null => {}
                 serde_json::Value::Number(_) => slot.number = true,
