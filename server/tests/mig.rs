@@ -336,10 +336,21 @@ async fn bad_slo_requests_are_refused_with_what_to_fix() {
         let (status, message) = error_of(server.post(&secret, &format!("/agent/jobs/{id}/profiles"), report).await).await;
         assert_eq!(status, 422);
         assert!(message.contains("no MIG profile \"5g.50gb\""), "{message}");
+        // A rate that would size a plan in billions of GPUs is no measurement.
+        let report = json!([{"gpu_model": "H100-80GB", "profile": "7g.80gb", "simulated": true,
+                             "points": [{"batch_size": 1, "throughput": 1e-12, "p99_ms": 1.0}]}]);
+        let (status, message) = error_of(server.post(&secret, &format!("/agent/jobs/{id}/profiles"), report).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("throughput at least 0.001 req/s"), "{message}");
         let (status, message) = error_of(server.post(&admin, "/models/tiny/profiles", json!({"batch_sizes": [0]})).await).await;
         assert_eq!(status, 422);
         assert!(message.contains("batch_sizes"), "{message}");
 
+        // 10^7 req/s at 12 a GPU is more GPUs than the planner plans.
+        profile(&server, &admin, &secret, &[("7g.80gb", 10.0)]).await;
+        let (status, message) = error_of(deploy_slo(&server, &admin, "huge", 1e7).await).await;
+        assert_eq!(status, 422);
+        assert!(message.contains("GPUs for 10000000 req/s") && message.contains("at most 10000;"), "{message}");
         profile(&server, &admin, &secret, &[("7g.80gb", 1000.0)]).await;
         assert_eq!(deploy_slo(&server, &admin, "ok", 100.0).await.status(), 201);
         let response = server.http.patch(server.api("/deployments/ok")).bearer_auth(&admin).json(&json!({"replicas": 3})).send().await.unwrap();

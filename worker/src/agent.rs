@@ -133,20 +133,8 @@ impl Agent {
     /// The job kinds there is room for now.
     fn claimable(&self, running: &HashMap<Uuid, Running>) -> Vec<&'static str> {
         let used = |u: Use| running.values().filter(|job| job.usage == u).count();
-        let mut kinds = Vec::new();
-        if used(Use::Batch) < self.config.slots {
-            kinds.extend(["prefetch", "train", "train_rank", "profile"]);
-        }
-        if used(Use::Replica) < self.config.replica_slots {
-            kinds.push("serve");
-        }
-        // A rank pinned to one of its slices, while a slice may be free (replicas and such
-        // ranks hold one each).
-        let on_slices = used(Use::Replica) + used(Use::SliceRank);
-        if on_slices < self.config.inventory.slices.len() && !kinds.contains(&"train_rank") {
-            kinds.push("slice_rank");
-        }
-        kinds
+        let has_slices = !self.config.inventory.slices.is_empty();
+        claimable_kinds(used(Use::Batch) < self.config.slots, used(Use::Replica) < self.config.replica_slots, has_slices)
     }
 
     /// Heartbeats, claims and runs jobs until the server answers 401 (it forgot this
@@ -205,6 +193,12 @@ impl Agent {
                         let kind = assignment.spec.kind();
                         let on_slice = assignment.slice.is_some();
                         tracing::info!(%job, kind, attempt = assignment.attempt, "leased a job");
+                        // Leased again while an earlier run of it is still here (ending, its last
+                        // report retrying): that run is over to the server, and its late report
+                        // must not end this one.
+                        if let Some(stale) = running.remove(&job) {
+                            stale.task.abort();
+                        }
                         let context = JobContext::new(
                             self.client.clone(),
                             job,
@@ -239,6 +233,24 @@ impl Agent {
             }
         }
     }
+}
+
+/// The kinds to claim: batch jobs while a batch slot is free; a replica while a replica
+/// slot is free, or always on a worker with device slices, whose free slices the server
+/// knows (it may have repartitioned them into more than the worker started with); and a
+/// rank pinned to one of its slices when no batch slot is.
+fn claimable_kinds(batch_slot: bool, replica_slot: bool, has_slices: bool) -> Vec<&'static str> {
+    let mut kinds = Vec::new();
+    if batch_slot {
+        kinds.extend(["prefetch", "train", "train_rank", "profile"]);
+    }
+    if replica_slot || has_slices {
+        kinds.push("serve");
+    }
+    if has_slices && !batch_slot {
+        kinds.push("slice_rank");
+    }
+    kinds
 }
 
 /// Calls of the agent loop the server has not answered since it was last heard from: the
@@ -276,4 +288,18 @@ fn write_private(path: &std::path::Path, contents: &str) -> std::io::Result<()> 
     #[cfg(unix)]
     options.mode(0o600);
     options.open(path)?.write_all(contents.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::claimable_kinds;
+
+    #[test]
+    fn a_worker_with_slices_asks_for_replicas_past_the_slices_it_started_with() {
+        assert_eq!(claimable_kinds(true, true, false), ["prefetch", "train", "train_rank", "profile", "serve"]);
+        assert_eq!(claimable_kinds(true, false, false), ["prefetch", "train", "train_rank", "profile"]);
+        // Its replica slots are taken, but the server may have cut its GPU into more slices.
+        assert_eq!(claimable_kinds(false, false, true), ["serve", "slice_rank"]);
+        assert!(claimable_kinds(false, false, false).is_empty());
+    }
 }

@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::{replica_spec, REPLICA_MAX_ATTEMPTS};
 use crate::auth::Principal;
 use crate::error::{Error, Result};
+use crate::scheduler::mig::input::MAX_GPUS;
 use crate::scheduler::mig::{GpuModel, Placed};
 use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice, SloPlan};
 use crate::scheduler::throughput::{complete, rates};
@@ -148,8 +149,25 @@ pub async fn plan(
             format!("No profile of model '{}' meets a p99 of {} ms; relax latency_ms or profile the model again.", model.name, latency_ms.unwrap_or_default()),
         ));
     }
+    let least = want.least_gpus();
+    if least > MAX_GPUS {
+        return Err(Error::invalid(
+            "invalid_slo",
+            format!(
+                "At its best measured rate model '{}' needs at least {least:.0} GPUs for {throughput} req/s, and the \
+                 planner plans at most {MAX_GPUS}; check that the throughput is in requests per second.",
+                model.name
+            ),
+        ));
+    }
     let fleet = fleet(state).await?;
-    let plan = plan_slo(&fleet, &want, &others(db, id).await?);
+    let others = others(db, id).await?;
+    // The planner's searches take a while on big fleets: off the async threads.
+    let (fleet, plan) = tokio::task::spawn_blocking(move || {
+        let plan = plan_slo(&fleet, &want, &others);
+        (fleet, plan)
+    })
+    .await?;
     Ok(Planned { fleet, plan, throughput, latency_ms, _one_at_a_time: one_at_a_time })
 }
 

@@ -95,6 +95,9 @@ pub async fn get(
     }))
 }
 
+/// The least throughput a profile point may report, requests per second.
+const MIN_THROUGHPUT: f64 = 1e-3;
+
 fn check_report(report: &ProfileReport) -> Result<()> {
     let invalid = |m: String| Err(Error::invalid("invalid_profile", m));
     let Some(gpu) = GpuModel::parse(&report.gpu_model) else {
@@ -112,9 +115,11 @@ fn check_report(report: &ProfileReport) -> Result<()> {
     }
     for p in &report.points {
         let positive = |x: f64| x.is_finite() && x > 0.0;
-        if p.batch_size == 0 || !positive(p.throughput) || !positive(p.p99_ms) {
+        // A rate below one request in 1000 s is no measurement; it would size a plan in
+        // billions of GPUs.
+        if p.batch_size == 0 || !positive(p.p99_ms) || !(p.throughput.is_finite() && p.throughput >= MIN_THROUGHPUT) {
             return invalid(format!(
-                "{} {} batch {}: batch size, throughput and p99_ms must be positive",
+                "{} {} batch {}: batch size and p99_ms must be positive, throughput at least {MIN_THROUGHPUT} req/s",
                 report.gpu_model, report.profile, p.batch_size
             ));
         }

@@ -97,6 +97,11 @@ pub async fn record(db: &Db, worker: Uuid, allow_repartition: bool, slices: &[Sl
     Ok(store::record(db, worker, allow_repartition, slices).await?)
 }
 
+/// The first of `slices` another online worker (not named `name`) offers, with its name.
+pub async fn offered_by_another(db: &Db, name: &str, slices: &[Slice], online_since: i64) -> Result<Option<(String, String)>> {
+    Ok(store::offered_by_another(db, name, slices, online_since).await?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -55,6 +55,22 @@ pub struct Demand {
 }
 
 impl Demand {
+    /// A floor on the GPUs the demand needs: every slice of a GPU (at most seven) at its
+    /// best measured rate, on the best GPU model; infinite without any rate.
+    pub fn least_gpus(&self) -> f64 {
+        let best = self
+            .rates
+            .iter()
+            .flat_map(|(_, rates)| rates.iter().flatten())
+            .map(|r| r.throughput)
+            .fold(0.0, f64::max);
+        if best > 0.0 {
+            self.throughput / (best * 7.0)
+        } else {
+            f64::INFINITY
+        }
+    }
+
     pub fn rate(&self, gpu: GpuModel, placed: Placed) -> Option<Rate> {
         self.rates
             .iter()

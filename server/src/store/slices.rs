@@ -31,6 +31,31 @@ fn slice_from_row(row: &AnyRow) -> Result<Slice> {
     })
 }
 
+/// The first of `slices` another worker online since `online_since` (ms) offers, and that
+/// worker's name: a slice has one worker, and a live one keeps it.
+pub async fn offered_by_another(
+    db: &Db,
+    name: &str,
+    slices: &[Slice],
+    online_since: i64,
+) -> Result<Option<(String, String)>> {
+    for slice in slices {
+        let other: Option<String> = sqlx::query_scalar(
+            "SELECT w.name FROM slices s JOIN workers w ON w.id = s.worker_id \
+             WHERE s.uuid = $1 AND w.name <> $2 AND w.last_seen_at >= $3",
+        )
+        .bind(&slice.uuid)
+        .bind(name)
+        .bind(online_since)
+        .fetch_optional(db.pool())
+        .await?;
+        if let Some(other) = other {
+            return Ok(Some((slice.uuid.clone(), other)));
+        }
+    }
+    Ok(None)
+}
+
 /// Replaces what a registering worker offers. A simulated GPU the scheduler
 /// repartitioned keeps the partition the server applied (the server's record is that
 /// GPU's truth) as long as the worker still allows repartitioning. `slices` come with
@@ -52,18 +77,19 @@ pub async fn record(db: &Db, worker: Uuid, allow_repartition: bool, slices: &[Sl
     };
     let kept: Vec<&String> =
         recorded.iter().filter(|g| slices.iter().any(|s| &s.gpu_uuid == *g && s.simulated)).collect();
-    let stale: Vec<String> = sqlx::query_scalar("SELECT DISTINCT gpu_uuid FROM slices WHERE worker_id = $1")
+    let reported: Vec<&Slice> = slices.iter().filter(|s| !kept.contains(&&s.gpu_uuid)).collect();
+    // A slice offered again keeps its row, and with it its loan (lent to training, being
+    // reclaimed) and lender: a worker restarting does not end a loan the round made.
+    let stale: Vec<(String, String)> = sqlx::query_as("SELECT uuid, gpu_uuid FROM slices WHERE worker_id = $1")
         .bind(worker.to_string())
         .fetch_all(&mut *tx)
         .await?;
-    for gpu in stale.iter().filter(|g| !kept.contains(g)) {
-        sqlx::query("DELETE FROM slices WHERE worker_id = $1 AND gpu_uuid = $2")
-            .bind(worker.to_string())
-            .bind(gpu)
-            .execute(&mut *tx)
-            .await?;
+    for (uuid, gpu) in &stale {
+        if !kept.contains(&gpu) && !reported.iter().any(|s| &s.uuid == uuid) {
+            sqlx::query("DELETE FROM slices WHERE uuid = $1").bind(uuid).execute(&mut *tx).await?;
+        }
     }
-    for s in slices.iter().filter(|s| !kept.contains(&&s.gpu_uuid)) {
+    for s in reported {
         insert(&mut tx, worker, s).await?;
     }
     tx.commit().await?;
@@ -159,16 +185,23 @@ pub struct FleetSliceRow {
     /// The worker lets the server repartition its simulated GPUs.
     pub allow_repartition: bool,
     pub slice: Slice,
-    /// The deployment whose replica holds the slice, if any.
+    /// The deployment whose replica holds the slice, if any; [`TRAINING`] for a slice
+    /// lent to training, being reclaimed, or held by a training rank.
     pub holder: Option<String>,
 }
+
+/// The holder the planner sees for a slice training has: not a deployment name (those
+/// are letters, digits, `_`, `-` and `.`), so the planner neither takes the slice nor
+/// repartitions its GPU.
+pub const TRAINING: &str = "(training)";
 
 /// The slices of workers seen since `online_since` (ms), by worker name, GPU and start.
 pub async fn online(db: &Db, online_since: i64) -> Result<Vec<FleetSliceRow>> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT s.worker_id, w.allow_repartition, {COLUMNS}, \
+        "SELECT s.worker_id, w.allow_repartition, {COLUMNS}, s.loan_state, \
            (SELECT d.name FROM jobs j JOIN deployments d ON d.id = j.deployment_id WHERE j.slice_uuid = s.uuid AND {HOLDING} \
-            LIMIT 1) AS holder \
+            LIMIT 1) AS holder, \
+           (SELECT COUNT(*) FROM jobs j WHERE j.slice_uuid = s.uuid AND {HOLDING} AND j.deployment_id IS NULL) AS ranks \
          FROM slices s JOIN workers w ON w.id = s.worker_id WHERE w.last_seen_at >= $1 \
          ORDER BY w.name, s.gpu_index, s.start"
     )))
@@ -177,11 +210,14 @@ pub async fn online(db: &Db, online_since: i64) -> Result<Vec<FleetSliceRow>> {
     .await?;
     rows.iter()
         .map(|row| {
+            let lent = row.try_get::<String, _>("loan_state")? != LoanState::Serving.as_str();
+            let ranks = row.try_get::<i64, _>("ranks")? > 0;
+            let holder: Option<String> = row.try_get("holder")?;
             Ok(FleetSliceRow {
                 worker: parse_uuid("slices", "worker_id", &row.try_get::<String, _>("worker_id")?)?,
                 allow_repartition: row.try_get::<i64, _>("allow_repartition")? != 0,
                 slice: slice_from_row(row)?,
-                holder: row.try_get("holder")?,
+                holder: if lent || ranks { Some(TRAINING.to_string()) } else { holder },
             })
         })
         .collect()

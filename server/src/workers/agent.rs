@@ -66,6 +66,12 @@ pub async fn register(
     let engine_token = secrets::generate(secrets::ENGINE_TOKEN_PREFIX);
     let previous_digest = request.previous_secret.as_deref().map(secrets::digest);
     let online_since = super::online_since(&state);
+    if let Some((slice, other)) = crate::fleet::slices::offered_by_another(&state.db, name, &slices, online_since).await? {
+        return Err(Error::Conflict(format!(
+            "The slice {slice} is offered by worker '{other}', which is online; one device slice has one worker (run \
+             one worker per GPU host, or stop '{other}' first)."
+        )));
+    }
     let registration = Registration {
         name,
         version: &request.version,

@@ -86,6 +86,10 @@ pub(crate) fn cheapest_vector(space: &Space, w: usize, prices: &[f64]) -> f64 {
             }
             let most = (need / rate - 1e-12).ceil().max(0.0) as u64;
             for n in (0..=most).rev() {
+                // Past the node budget each call returns at once; the loop must stop too.
+                if self.nodes > 20_000 {
+                    return;
+                }
                 self.go(i + 1, need - n as f64 * rate, cost + n as f64 * price);
             }
         }
