@@ -105,7 +105,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::logs))
         .routes(routes!(training::routes::job_metrics))
         .routes(routes!(training::routes::job_lr_stages))
-        .routes(routes!(training::routes::job_checkpoints))
+        .routes(routes!(training::routes::job_checkpoints, training::routes::delete_job_checkpoints))
         .routes(routes!(training::routes::checkpoint_file))
         .routes(routes!(training::routes::job_precision_plan))
         .routes(without_body_limit(routes!(datasets::upload, datasets::list)))
@@ -279,7 +279,8 @@ async fn healthz(axum::extract::State(state): axum::extract::State<AppState>) ->
     Ok("ok")
 }
 
-/// Requeues jobs whose leases expired, every few seconds, until the server stops.
+/// Requeues jobs whose leases expired, settles gangs and restarts ended replicas, every
+/// few seconds, until the server stops.
 fn spawn_lease_expiry(state: AppState) {
     let period = Duration::from_secs((state.config.lease_ttl_secs / 3).clamp(1, 5));
     tokio::spawn(async move {
@@ -296,6 +297,13 @@ fn spawn_lease_expiry(state: AppState) {
                 Ok(swept) if swept == Default::default() => {}
                 Ok(swept) => tracing::info!(?swept, "gangs released, requeued or settled"),
                 Err(e) => tracing::warn!(error = %e, "gang sweep failed"),
+            }
+            // After expiry too: a replica that just ran out of attempts restarts in the same tick.
+            let online_since = crate::workers::online_since(&state);
+            match crate::deployments::repair(&state.db, crate::store::db::now_ms(), online_since).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(replicas = n, "ended replicas restarted"),
+                Err(e) => tracing::warn!(error = %e, "replica repair failed"),
             }
         }
     });

@@ -103,7 +103,7 @@ async fn storage_fits(
         return Err(Error::QuotaExceeded(format!(
             "You store {stored} bytes (models, datasets and checkpoints); this upload of {adding} bytes would pass the \
              {limit} bytes one user may store (quota TESSERA_QUOTA_STORAGE_BYTES). Delete models or datasets you no \
-             longer need."
+             longer need, or the checkpoints of ended jobs (DELETE /api/v1/jobs/{{id}}/checkpoints)."
         )));
     }
     Ok(())

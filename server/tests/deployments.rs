@@ -174,3 +174,71 @@ async fn scaling_a_deployment_being_deleted_is_a_404_and_leaves_no_replica() {
         assert_eq!(replicas, 0, "{backend:?}: replicas outlived their deployment");
     }
 }
+
+/// The repair tick restarts a replica that ended while its deployment is short: at once
+/// the first time, then after a back-off that doubles; a replica that served has its
+/// attempts counted afresh; a deployment scaled below its live replicas restarts none.
+#[tokio::test]
+async fn an_ended_replica_is_restarted_in_place_after_its_back_off() {
+    use tessera_server::deployments::repair;
+    use tessera_server::store::db::now_ms;
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        deploy(&server, &admin, 2).await;
+        let (_, secret) = server.register_worker("gpu-1").await;
+        let mut ids = Vec::new();
+        for port in [1, 2] {
+            let replica = claim_serve(&server, &secret).await.unwrap();
+            let id = replica["job_id"].as_str().unwrap().to_string();
+            let report = json!({"state": "running", "endpoint": format!("http://127.0.0.1:{port}/r")});
+            assert_eq!(server.post(&secret, &format!("/agent/jobs/{id}/status"), report).await.status(), 204);
+            ids.push(id);
+        }
+        let crashed = &ids[0];
+        let report = json!({"state": "failed", "message": "the engine crashed"});
+        assert_eq!(server.post(&secret, &format!("/agent/jobs/{crashed}/status"), report).await.status(), 204);
+        let db = &server.state.db;
+        assert_eq!(repair(db, now_ms(), 0).await.unwrap(), 1, "{backend:?}");
+        let replica = |d: &Value| d["replica_status"].as_array().unwrap().iter().find(|r| r["id"] == crashed.as_str()).cloned().unwrap();
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        let restarted = replica(&deployment);
+        assert_eq!((restarted["state"].as_str(), restarted["attempts"].as_u64()), (Some("pending"), Some(0)), "{deployment}");
+        assert!(restarted["message"].as_str().unwrap().contains("Restarted after it ended: the engine crashed"), "{restarted}");
+        assert_eq!(deployment["replica_status"].as_array().unwrap().len(), 2, "in place, not a new replica");
+
+        // It fails again before serving: the next restart waits 10 s.
+        let again = claim_serve(&server, &secret).await.unwrap();
+        assert_eq!(again["job_id"].as_str(), Some(crashed.as_str()));
+        let report = json!({"state": "failed", "message": "out of memory"});
+        server.post(&secret, &format!("/agent/jobs/{crashed}/status"), report).await;
+        assert_eq!(repair(db, now_ms(), 0).await.unwrap(), 0, "backing off");
+        assert_eq!(repair(db, now_ms() + 10_500, 0).await.unwrap(), 1);
+
+        // Released by a worker restart, placed again (attempt 2), then serving: attempts
+        // count from 1 again.
+        let again = claim_serve(&server, &secret).await.unwrap();
+        assert_eq!(again["attempt"], 1);
+        let (_, secret) = server.rejoin_worker("gpu-1", &secret).await;
+        let mut placed = Vec::new();
+        while let Some(replica) = claim_serve(&server, &secret).await {
+            placed.push(replica["attempt"].as_u64().unwrap());
+            let report = json!({"state": "running", "endpoint": "http://127.0.0.1:3/r"});
+            server.post(&secret, &format!("/agent/jobs/{}/status", replica["job_id"].as_str().unwrap()), report).await;
+        }
+        assert_eq!(placed, [2, 2], "both were released by the restart");
+        let deployment: Value = server.get(&admin, "/deployments/embedder").await.json().await.unwrap();
+        assert!(deployment["replica_status"].as_array().unwrap().iter().all(|r| r["attempts"] == 1), "{deployment}");
+
+        // Scaled to one with one serving: the other ending restarts nothing.
+        let response = server.http.patch(server.api("/deployments/embedder")).bearer_auth(&admin)
+            .json(&json!({"replicas": 1})).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        let live: Vec<String> = server.get(&admin, "/deployments/embedder").await.json::<Value>().await.unwrap()["replica_status"]
+            .as_array().unwrap().iter().filter(|r| r["state"] == "ready").map(|r| r["id"].as_str().unwrap().to_string()).collect();
+        assert_eq!(live.len(), 1);
+        server.post(&secret, &format!("/agent/jobs/{}/status", live[0]), json!({"state": "failed"})).await;
+        assert_eq!(repair(db, now_ms() + 3_600_000, 0).await.unwrap(), 1, "one replica wanted, none live");
+        assert_eq!(repair(db, now_ms() + 3_600_000, 0).await.unwrap(), 0, "and then none short");
+    }
+}

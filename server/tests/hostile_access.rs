@@ -370,8 +370,8 @@ async fn the_dashboard_changes_passwords_and_disables_users() {
     let pw = password_of("alice");
     let form = [("current_password", pw.as_str()), ("new_password", "a-new-password")];
     let response = post_form(&server, &http, &alice, "/account/password", &form).await;
-    assert_eq!(response.status(), 200);
-    let html = response.text().await.unwrap();
+    let (location, html) = support::follow_notice(&server, &http, &alice, response).await;
+    assert_eq!(location, "/account");
     assert!(html.contains("2 other session(s) were signed out"), "{html}");
     assert_eq!(
         (me_status(&server, &first).await, me_status(&server, &elsewhere).await),
@@ -397,8 +397,8 @@ async fn the_dashboard_changes_passwords_and_disables_users() {
     );
     let id = user_id(&server, &admin, "alice").await;
     let response = post_form(&server, &http, &admin_cookie, &format!("/users/{id}/disable"), &[]).await;
-    assert_eq!(response.status(), 200);
-    assert!(response.text().await.unwrap().contains("alice was disabled"));
+    let (_, html) = support::follow_notice(&server, &http, &admin_cookie, response).await;
+    assert!(html.contains("alice was disabled"), "{html}");
     assert!(
         sends_to_login(&page(&server, &http, &alice, "/models").await),
         "the disabled user's browser is signed out"

@@ -21,21 +21,27 @@ const PROFILE: &str = "1g.10gb";
 
 /// A worker offering seven simulated 1g.10gb slices of one H100.
 async fn register_mig(server: &TestServer, name: &str) -> String {
-    let slices: Vec<Value> = (0..7)
-        .map(|i| {
-            json!({"uuid": format!("MIG-sim-{name}-0-{i}"), "gpu_uuid": format!("GPU-sim-{name}-0"), "gpu_index": 0,
-                   "gpu_model": "H100-80GB", "profile": PROFILE, "start": null, "memory_bytes": 10u64 << 30, "simulated": true})
-        })
-        .collect();
-    let inventory =
-        json!({"hostname": name, "cpu_cores": 2, "memory_bytes": 1024, "slices": slices});
-    let body = json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": false});
-    let response = server.post(WORKER_TOKEN, "/agent/register", body).await;
+    let response = offer_slices(server, name, name, None).await;
     assert_eq!(response.status(), 200);
     response.json::<Value>().await.unwrap()["secret"]
         .as_str()
         .unwrap()
         .to_string()
+}
+
+/// Worker `name` registers, offering the seven slices of `host`'s H100.
+async fn offer_slices(server: &TestServer, name: &str, host: &str, previous_secret: Option<&str>) -> reqwest::Response {
+    let slices: Vec<Value> = (0..7)
+        .map(|i| {
+            json!({"uuid": format!("MIG-sim-{host}-0-{i}"), "gpu_uuid": format!("GPU-sim-{host}-0"), "gpu_index": 0,
+                   "gpu_model": "H100-80GB", "profile": PROFILE, "start": null, "memory_bytes": 10u64 << 30, "simulated": true})
+        })
+        .collect();
+    let inventory =
+        json!({"hostname": host, "cpu_cores": 2, "memory_bytes": 1024, "slices": slices});
+    let body = json!({"name": name, "version": "test", "inventory": inventory, "allow_repartition": false,
+                      "previous_secret": previous_secret});
+    server.post(WORKER_TOKEN, "/agent/register", body).await
 }
 
 async fn claim(server: &TestServer, secret: &str, kinds: &[&str]) -> Option<Value> {
@@ -836,6 +842,16 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         let slice = now.iter().find(|s| s["uuid"] == ranks[0].2.as_str()).unwrap();
         assert_eq!((slice["loan_state"].as_str(), slice["lender"].as_str()), (Some("loaned"), Some("embed")), "{slice}");
         assert_eq!(get(&server, &admin, &format!("/jobs/{job}")).await["state"], "running");
+        // An SLO deployment planned now gets the five free slices, not the lent one.
+        let body = json!({"name": "more", "model": "tiny", "throughput": 600.0, "latency_ms": 50});
+        let response = server.post(&admin, "/deployments", body).await;
+        assert_eq!(response.status(), 201);
+        let more: Value = response.json().await.unwrap();
+        let planned: Vec<&str> = more["slo"]["slices"].as_array().unwrap().iter().map(|s| s["slice"].as_str().unwrap()).collect();
+        assert_eq!(planned.len(), 5, "{more}");
+        assert!(!planned.contains(&ranks[0].2.as_str()), "{more}");
+        let response = server.http.delete(server.api("/deployments/more")).bearer_auth(&admin).send().await.unwrap();
+        assert_eq!(response.status(), 204);
 
         // 150 req/s × 1.2 needs both slices of 100 req/s: the lent one comes back.
         store::record_rates(&server.state.db, Uuid::new_v4(), &[(deployment, 150.0)]).await.unwrap();
@@ -850,6 +866,51 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         assert!(told.contains(why) && !told.contains("embed"), "{told}");
         let overview = get(&server, &admin, "/fleet/loaning").await;
         assert!(overview["reclaims"][0]["reason"].as_str().unwrap().starts_with("embed needs its"), "{overview}");
+    }
+}
+
+/// A worker that restarts keeps the loans on its slices (the lender stays a replica
+/// short by the loan, not for good), and another worker cannot take slices a live one offers.
+#[tokio::test]
+async fn a_worker_restart_keeps_its_slices_loans() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 2, "loanable": true, "reclaim_headroom": 0.2});
+        assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
+        run_replicas(&server, &secret, 2).await;
+        let data = server.toy_dataset(&admin).await;
+        let job = json!({"name": "one-slice", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let response = server.post(&admin, "/jobs", job).await;
+        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+        run_round(&server.state).await.unwrap();
+        assert_eq!(run_round(&server.state).await.unwrap().lent, 1);
+
+        let (status, _, message) = error(offer_slices(&server, "mig-2", "mig-1", None).await).await;
+        assert_eq!((status, message.contains("offered by worker 'mig-1', which is online")), (409, true), "{message}");
+        let response = offer_slices(&server, "mig-1", "mig-1", Some(&secret)).await;
+        assert_eq!(response.status(), 200);
+        let now = slices(&server, &admin).await;
+        assert_eq!(now.len(), 7);
+        assert_eq!(count(&now, "loaned"), 1, "{now:?}");
+        assert!(now.iter().any(|s| s["loan_state"] == "loaned" && s["lender"] == "embed"), "{now:?}");
+        assert_eq!(get(&server, &admin, "/deployments/embed").await["loaned_slices"], 1);
+
+        // Scaled to zero, it gives its loan up (the training on it goes on) and queues nothing.
+        assert_eq!(patch(&server, &admin, "/deployments/embed", json!({"replicas": 0})).await.status(), 200);
+        let repaired = tessera_server::deployments::repair(&server.state.db, tessera_server::store::db::now_ms(), 0).await;
+        assert_eq!(repaired.unwrap(), 0);
+        let d = get(&server, &admin, "/deployments/embed").await;
+        assert_eq!((d["loaned_slices"].as_u64(), d["replica_status"].as_array().map(Vec::len)), (Some(0), Some(0)), "{d}");
+        assert_eq!(count(&slices(&server, &admin).await, "loaned"), 0);
+        // Scaled up again, it queues both replicas.
+        let d: Value = patch(&server, &admin, "/deployments/embed", json!({"replicas": 2})).await.json().await.unwrap();
+        assert_eq!(d["replica_status"].as_array().unwrap().len(), 2, "{d}");
     }
 }
 

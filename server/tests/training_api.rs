@@ -405,10 +405,22 @@ async fn checkpoints_round_trip_and_a_resuming_worker_gets_the_latest() {
         let blobs = std::fs::read_dir(server.dir.join("blobs/sha256")).unwrap().count();
         assert_eq!(blobs, 5 + 5 + 1, "5 weights, 5 states and the dataset ({backend:?})");
 
+        // A running job keeps its checkpoints; an ended one's can be deleted, blobs and all.
+        let checkpoints = server.api(&format!("/jobs/{job}/checkpoints"));
+        let response = server.http.delete(&checkpoints).bearer_auth(&token).send().await.unwrap();
+        assert_eq!(response.status(), 409);
+        assert!(response.text().await.unwrap().contains("may still resume from its checkpoints"));
+
         // A cancelled job takes no more checkpoints.
         assert_eq!(server.post(&token, &format!("/jobs/{job}/cancel"), json!({})).await.status(), 200);
         assert_eq!(upload_checkpoint(&server, &second, &job, 9000, b"late").await.status(), 409);
         assert_eq!(server.state.blobs.temp_files(), 0);
+        assert_eq!(server.http.delete(&checkpoints).bearer_auth(&token).send().await.unwrap().status(), 204);
+        let listed: Vec<Value> = server.get(&token, &format!("/jobs/{job}/checkpoints")).await.json().await.unwrap();
+        assert!(listed.is_empty(), "{listed:?}");
+        server.collect_garbage_after_grace().await;
+        let blobs = std::fs::read_dir(server.dir.join("blobs/sha256")).unwrap().count();
+        assert_eq!(blobs, 1, "the dataset's ({backend:?})");
     }
 }
 

@@ -494,9 +494,17 @@ async fn a_refused_dataset_upload_keeps_its_name() {
     let body = response.text().await.unwrap();
     assert!(body.contains("alert-error") && body.contains(r#"value="wine-quality""#), "{body}");
     let response = send(b"a,b\n1,2\n").await.unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let body = response.text().await.unwrap();
+    let (location, body) = support::follow_notice(&server, &http, &cookie, response).await;
+    assert_eq!(location, "/datasets");
     assert!(body.contains("Uploaded") && body.contains("1 rows, 2 columns"), "{body}");
+    // Reloading shows the list without the notice and uploads nothing again.
+    let (_, body) = page(&server, &http, &cookie, "/datasets").await;
+    assert!(!body.contains("Uploaded") && body.contains("wine-quality"), "{body}");
+    // The form's URL in the address bar goes to the page, not to a JSON 405.
+    let response = http.get(format!("{}/datasets/upload", server.url)).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!((response.status(), header(&response, LOCATION)), (StatusCode::SEE_OTHER, "/datasets"));
+    let response = http.get(format!("{}/jobs/a%0D%0A%FF/cancel", server.url)).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!((response.status(), header(&response, LOCATION)), (StatusCode::SEE_OTHER, "/jobs"));
 }
 
 /// A data-parallel job is never leased itself: its page names the workers of its ranks.

@@ -152,6 +152,17 @@ pub fn replica_spec(deployment: &StoredDeployment) -> JobSpec {
     JobSpec::Serve { deployment: deployment.id, model: deployment.model_id, limits: deployment.limits }
 }
 
+/// Queues `count` new replicas of the deployment, on any worker that can serve them.
+async fn queue_replicas(conn: &mut AnyConnection, deployment: &StoredDeployment, count: u32) -> Result<()> {
+    let spec = replica_spec(deployment);
+    let name = format!("replica of {}", deployment.name);
+    let job = NewJob { deployment: Some(deployment.id), ..NewJob::new(deployment.owner_id, &name, &spec, REPLICA_MAX_ATTEMPTS) };
+    for _ in 0..count {
+        jobs::insert_in(conn, &job).await?;
+    }
+    Ok(())
+}
+
 /// Brings the number of live replicas to `wanted` less the slices it lent to training:
 /// queues new ones, or cancels the least advanced ones (pending before loading before
 /// ready, newest first). Runs in the caller's transaction, with the replica count it
@@ -162,15 +173,7 @@ async fn reconcile(conn: &mut AnyConnection, deployment: &StoredDeployment, want
     let live: Vec<&Replica> = replicas.iter().filter(|r| r.state != ServingState::Failed).collect();
     let live_count = live.len() as u32;
     if live_count < wanted {
-        let spec = replica_spec(deployment);
-        let name = format!("replica of {}", deployment.name);
-        let job = NewJob {
-            deployment: Some(deployment.id),
-            ..NewJob::new(deployment.owner_id, &name, &spec, REPLICA_MAX_ATTEMPTS)
-        };
-        for _ in live_count..wanted {
-            jobs::insert_in(conn, &job).await?;
-        }
+        queue_replicas(conn, deployment, wanted - live_count).await?;
     } else if live_count > wanted {
         let mut victims = live;
         victims.sort_by_key(|r| (r.state == ServingState::Ready, r.state == ServingState::Loading, std::cmp::Reverse(r.updated_at)));
@@ -179,6 +182,76 @@ async fn reconcile(conn: &mut AnyConnection, deployment: &StoredDeployment, want
         }
     }
     Ok(())
+}
+
+/// A run that lasted this long ends a crash loop: the next restart is immediate again.
+const HEALTHY_RUN_MS: i64 = 10 * 60 * 1000;
+/// The back-off before the second restart in a row; it doubles with each, up to the cap.
+const FIRST_BACKOFF_MS: i64 = 10_000;
+const MAX_BACKOFF_MS: i64 = 5 * 60 * 1000;
+
+/// How long after it ended a replica with `restarts` restarts in a row before this end is
+/// restarted: at once the first time, then 10 s, 20 s, … up to 5 minutes (a crash loop
+/// backs off as Kubernetes' does).
+fn backoff_ms(restarts: u32) -> i64 {
+    match restarts {
+        0 => 0,
+        n => FIRST_BACKOFF_MS.saturating_mul(1 << (n - 1).min(10)).min(MAX_BACKOFF_MS),
+    }
+}
+
+/// The repair tick, for each deployment whose live replicas and lent slices do not add
+/// up to its replica count:
+/// - a replica-count deployment scaled below what it lent gives the surplus loans up (the
+///   training on them goes on, and no replica is queued for them when it ends);
+/// - replicas that ended (the engine crashed, failed to load, ran out of attempts as
+///   workers came and went) while it is short are queued again in place, the latest to end
+///   first, each after its back-off. An SLO deployment's replica keeps the slice its plan
+///   pinned it to while that slice's worker was seen since `online_since` (ms);
+/// - a replica-count deployment short by more than its ended replicas (a slice it lent
+///   went with its worker) queues new ones.
+///
+/// Returns how many replicas were restarted or queued.
+pub async fn repair(db: &Db, now: i64, online_since: i64) -> Result<u32> {
+    let mut repaired = 0;
+    for id in store::out_of_step(db).await? {
+        let mut tx = db.begin().await?;
+        // Under the row's lock, as a scale or the loaning round changes it.
+        if !store::lock(&mut tx, db.backend(), id, crate::store::RowLock::Update).await? {
+            continue;
+        }
+        let Some(deployment) = store::get_in(&mut tx, &Scope::all(), &id.to_string()).await? else {
+            continue;
+        };
+        let counted = deployment.slo.is_none();
+        let live = store::replicas_in(&mut tx, id).await?.iter().filter(|r| r.state != ServingState::Failed).count() as u32;
+        let mut loaned = deployment.loaned_slices;
+        if counted && loaned > 0 && live + loaned > deployment.replicas {
+            let surplus = (live + loaned - deployment.replicas).min(loaned);
+            loaned -= loaning_store::give_up_loans(&mut tx, id, surplus).await? as u32;
+        }
+        let short = deployment.replicas.saturating_sub(loaned).saturating_sub(live) as usize;
+        let ended = store::ended_replicas_in(&mut tx, id).await?;
+        let ended_count = ended.len();
+        let due = ended.into_iter().filter_map(|ended| {
+            let healthy = ended.started_at.is_some_and(|started| ended.finished_at - started >= HEALTHY_RUN_MS);
+            let restarts = if healthy { 0 } else { ended.restarts };
+            (now - ended.finished_at >= backoff_ms(restarts)).then_some((ended.id, restarts))
+        });
+        for (replica, restarts) in due.take(short).collect::<Vec<_>>() {
+            if store::restart(&mut tx, replica, restarts + 1, online_since).await? {
+                repaired += 1;
+            }
+        }
+        // Those backing off will restart; only the rest are new.
+        if counted {
+            let missing = short.saturating_sub(ended_count) as u32;
+            queue_replicas(&mut tx, &deployment, missing).await?;
+            repaired += missing;
+        }
+        tx.commit().await?;
+    }
+    Ok(repaired)
 }
 
 /// Serves a model under a name for `principal`: with a replica count, or planned onto
@@ -329,6 +402,14 @@ mod tests {
             slice: None,
             updated_at: chrono::DateTime::default(),
         }
+    }
+
+    #[test]
+    fn a_crash_loop_backs_off_doubling_up_to_five_minutes() {
+        let waits: Vec<i64> = (0..12).map(backoff_ms).collect();
+        assert_eq!(&waits[..6], &[0, 10_000, 20_000, 40_000, 80_000, 160_000]);
+        assert!(waits[6..].iter().all(|&w| w == MAX_BACKOFF_MS), "{waits:?}");
+        assert_eq!(backoff_ms(u32::MAX), MAX_BACKOFF_MS);
     }
 
     #[test]

@@ -230,6 +230,76 @@ pub async fn set_slo(conn: &mut AnyConnection, id: Uuid, replicas: u32, slo: &Sl
     Ok(())
 }
 
+/// Deployments whose live replicas and lent slices do not add up to their replica count:
+/// what the repair tick looks at. Read without locks, so a tick with nothing to do takes none.
+pub async fn out_of_step(db: &Db) -> Result<Vec<Uuid>> {
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT d.id FROM deployments d WHERE d.replicas <> (SELECT COUNT(*) FROM slices s WHERE s.lender_id = d.id) \
+           + (SELECT COUNT(*) FROM jobs j WHERE j.deployment_id = d.id AND j.state IN ('queued', 'preempted', 'leased', 'running'))",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    ids.iter().map(|id| parse_uuid("jobs", "deployment_id", id)).collect()
+}
+
+/// A replica's run that ended: when it started (reported running) and ended, and how
+/// many restarts in a row came before it.
+#[derive(Debug, Clone)]
+pub struct EndedReplica {
+    pub id: Uuid,
+    pub started_at: Option<i64>,
+    pub finished_at: i64,
+    pub restarts: u32,
+}
+
+/// The deployment's ended replicas, the latest to end first.
+pub async fn ended_replicas_in(conn: &mut AnyConnection, deployment: Uuid) -> Result<Vec<EndedReplica>> {
+    let rows = sqlx::query(
+        "SELECT id, started_at, COALESCE(finished_at, updated_at) AS ended, restarts FROM jobs \
+         WHERE deployment_id = $1 AND state IN ('failed', 'succeeded') ORDER BY ended DESC, id",
+    )
+    .bind(deployment.to_string())
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(EndedReplica {
+                id: parse_uuid("jobs", "id", &row.try_get::<String, _>("id")?)?,
+                started_at: row.try_get("started_at")?,
+                finished_at: row.try_get("ended")?,
+                restarts: row.try_get::<i64, _>("restarts")? as u32,
+            })
+        })
+        .collect()
+}
+
+/// Queues an ended replica again in place (the same id, its attempts afresh) with its
+/// `restarts` count; false when it did not end after all. A replica pinned to a slice that
+/// is gone (the GPU was repartitioned), lent, or whose worker was not seen since
+/// `online_since` (ms) is unpinned, so any free slice serves it.
+pub async fn restart(conn: &mut AnyConnection, replica: Uuid, restarts: u32, online_since: i64) -> Result<bool> {
+    let now = now_ms();
+    let usable = "EXISTS (SELECT 1 FROM slices s JOIN workers w ON w.id = s.worker_id WHERE s.uuid = jobs.slice_uuid \
+                  AND s.loan_state = 'serving' AND w.last_seen_at >= $4)";
+    let sql = format!(
+        "UPDATE jobs SET state = 'queued', attempts = 0, restarts = $1, worker_id = NULL, lease_expires_at = NULL, \
+           endpoint = NULL, started_at = NULL, finished_at = NULL, updated_at = $2, \
+           message = 'Restarted after it ended: ' || COALESCE(message, 'no reason given.'), \
+           slice_uuid = CASE WHEN slice_pinned = 1 AND {usable} THEN slice_uuid ELSE NULL END, \
+           slice_pinned = CASE WHEN slice_pinned = 1 AND {usable} THEN 1 ELSE 0 END \
+         WHERE id = $3 AND state IN ('failed', 'succeeded')"
+    );
+    let changed = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(i64::from(restarts))
+        .bind(now)
+        .bind(replica.to_string())
+        .bind(online_since)
+        .execute(conn)
+        .await?
+        .rows_affected();
+    Ok(changed > 0)
+}
+
 /// Stops a replica that is no longer wanted; one that already ended is left alone.
 pub async fn scale_down(conn: &mut AnyConnection, replica: Uuid) -> Result<()> {
     let now = now_ms();

@@ -457,7 +457,9 @@ pub async fn ended_by(db: &Db, worker: Uuid, job: Uuid, state: JobState) -> Resu
 }
 
 /// Marks a job `worker` holds as running (a serving replica with the URL its engine
-/// answers on); false when the worker does not hold it.
+/// answers on); false when the worker does not hold it. A replica that serves has its
+/// attempts counted afresh: they count the placements in a row that never came up, not
+/// every worker restart over months of serving.
 pub async fn mark_running(
     db: &Db,
     worker: Uuid,
@@ -468,7 +470,8 @@ pub async fn mark_running(
     let now = now_ms();
     let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'running', message = $1, updated_at = $2, started_at = COALESCE(started_at, $2), \
-         endpoint = $5 WHERE id = $3 AND worker_id = $4 AND {LIVE}"
+         endpoint = $5, attempts = CASE WHEN kind = 'serve' THEN 1 ELSE attempts END \
+         WHERE id = $3 AND worker_id = $4 AND {LIVE}"
     )))
     .bind(message)
     .bind(now)

@@ -488,6 +488,20 @@ pub async fn release_lender(db: &Db, deployment: Uuid) -> Result<u64> {
     .rows_affected())
 }
 
+/// Gives up `count` of the slices `deployment` lent, those being reclaimed first: back to
+/// serving with no lender, the training on them going on. Returns how many.
+pub async fn give_up_loans(conn: &mut AnyConnection, deployment: Uuid, count: u32) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE uuid IN (SELECT uuid FROM slices \
+         WHERE lender_id = $1 ORDER BY CASE WHEN loan_state = 'reclaiming' THEN 0 ELSE 1 END, uuid LIMIT $2)",
+    )
+    .bind(deployment.to_string())
+    .bind(i64::from(count))
+    .execute(conn)
+    .await?
+    .rows_affected())
+}
+
 /// Loaned or reclaiming slices whose lender is gone (deleted deployment): back to serving.
 pub async fn release_orphans(db: &Db) -> Result<u64> {
     Ok(sqlx::query(

@@ -182,11 +182,23 @@ pub async fn lr_stages(db: &Db, job: Uuid) -> Result<Vec<LrStage>> {
 }
 
 /// Stores a checkpoint and its files, replacing one at the same step (the ledger's
-/// triggers move the blob references).
-pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<()> {
+/// triggers move the blob references); false, storing nothing, when the job has ended.
+pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<bool> {
     let job_id = checkpoint.job_id.to_string();
     let step = checkpoint.step as i64;
     let mut tx = db.begin().await?;
+    // Under the job's row lock, so a cancel (and a delete of its checkpoints after it)
+    // comes wholly before or after: a job that ended while this streamed stores nothing.
+    super::lock_row(&mut tx, db.backend(), "jobs", checkpoint.job_id, super::RowLock::Share).await?;
+    let unfinished: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+    )
+    .bind(&job_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if unfinished == 0 {
+        return Ok(false);
+    }
     sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step = $2")
         .bind(&job_id)
         .bind(step)
@@ -212,7 +224,7 @@ pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<()> 
         .await?;
     }
     tx.commit().await?;
-    Ok(())
+    Ok(true)
 }
 
 /// The step of `job`'s `n`-th newest checkpoint (1 = the newest), if it has that many.

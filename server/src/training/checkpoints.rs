@@ -95,12 +95,19 @@ pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> R
         Checkpoint { job_id: job, step: step as u64, size_bytes: size, files: stored, created_at: db::time(now_ms()) };
     // The blobs of a replaced or dropped checkpoint are released in the ledger and
     // collected after the grace period.
-    store::replace_checkpoint(&state.db, &checkpoint).await?;
+    if !store::replace_checkpoint(&state.db, &checkpoint).await? {
+        return Err(Error::Conflict("The job ended while its checkpoint was uploading; it was not stored.".into()));
+    }
     // The step below which checkpoints are dropped: the KEEP-th newest.
     if let Some(cutoff) = store::nth_newest_checkpoint(&state.db, job, KEEP).await? {
         store::delete_checkpoints_before(&state.db, job, cutoff).await?;
     }
     Ok(checkpoint)
+}
+
+/// Deletes every checkpoint of `job` (their blobs are released as a pruned one's are).
+pub async fn delete_all(state: &AppState, job: Uuid) -> Result<()> {
+    Ok(store::delete_checkpoints_before(&state.db, job, i64::MAX).await?)
 }
 
 /// A job's checkpoints, oldest step first.

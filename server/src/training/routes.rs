@@ -65,6 +65,27 @@ pub async fn job_checkpoints(
     Ok(ApiJson(checkpoints::list(&state, id).await?))
 }
 
+/// Delete an ended job's checkpoints, freeing the storage they count against its owner's
+/// quota. A job that may still resume from them (queued, preempted, running) keeps them.
+#[utoipa::path(delete, path = "/api/v1/jobs/{id}/checkpoints", tag = "jobs", security(("bearer" = [])),
+    params(("id" = Uuid, Path)), responses((status = 204), (status = 404, body = tessera_api::error::ErrorBody),
+              (status = 409, body = tessera_api::error::ErrorBody)))]
+pub async fn delete_job_checkpoints(
+    State(state): State<AppState>,
+    principal: Principal,
+    ApiPath(id): ApiPath<Uuid>,
+) -> Result<StatusCode> {
+    let job = jobs::find(&state.db, &principal.scope(), id).await?;
+    if !job.state.is_terminal() {
+        return Err(Error::Conflict(format!(
+            "The job is {}; it may still resume from its checkpoints. Cancel it first, or wait for it to end.",
+            job.state.as_str()
+        )));
+    }
+    checkpoints::delete_all(&state, id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// Download one file of a job's checkpoint.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/checkpoints/{step}/files/{name}", tag = "jobs", security(("bearer" = [])),
     params(("id" = Uuid, Path), ("step" = u64, Path), ("name" = String, Path)),

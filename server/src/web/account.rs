@@ -15,7 +15,7 @@ use tessera_api::accounts::ChangePassword;
 use uuid::Uuid;
 
 use super::session::cookie_session;
-use super::{format, render, with_status, Layout, WebUser};
+use super::{flash, format, render, with_status, Layout, WebUser};
 use crate::accounts;
 use crate::error::{Error, Result};
 use crate::state::AppState;
@@ -39,9 +39,9 @@ fn account_page(user: &WebUser, notice: Option<String>, error: Option<String>) -
     }
 }
 
-pub async fn account(user: WebUser) -> Response {
-    let result = render(&account_page(&user, None, None)).map(IntoResponse::into_response);
-    user.page(result)
+pub async fn account(user: WebUser, headers: HeaderMap) -> Response {
+    let result = render(&account_page(&user, flash::notice(&headers), None)).map(IntoResponse::into_response);
+    flash::shown(user.page(result), &headers)
 }
 
 #[derive(Debug, Deserialize)]
@@ -68,7 +68,7 @@ pub async fn change_password(
         match accounts::change_password(&state, &user.0, session, client, request).await {
             Ok(ended) => {
                 let notice = format!("Your password was changed; {ended} other session(s) were signed out.");
-                Ok(render(&account_page(&user, Some(notice), None))?.into_response())
+                Ok(flash::redirect("/account", &notice, &headers))
             }
             Err(error) if error.status().is_client_error() => with_status(
                 error.status(),
@@ -132,12 +132,13 @@ async fn users_page(
     })
 }
 
-pub async fn list(State(state): State<AppState>, user: WebUser) -> Response {
-    let result = async { Ok(render(&users_page(&state, &user, None, None).await?)?.into_response()) }.await;
-    user.page(result)
+pub async fn list(State(state): State<AppState>, user: WebUser, headers: HeaderMap) -> Response {
+    let notice = flash::notice(&headers);
+    let result = async { Ok(render(&users_page(&state, &user, notice, None).await?)?.into_response()) }.await;
+    flash::shown(user.page(result), &headers)
 }
 
-async fn set_disabled(state: &AppState, user: &WebUser, id: &str, disabled: bool) -> Result<Response> {
+async fn set_disabled(state: &AppState, user: &WebUser, headers: &HeaderMap, id: &str, disabled: bool) -> Result<Response> {
     let id: Uuid = id.parse().map_err(|_| Error::not_found("User"))?;
     match accounts::set_disabled(state, &user.0, id, disabled).await {
         Ok(changed) => {
@@ -147,7 +148,7 @@ async fn set_disabled(state: &AppState, user: &WebUser, id: &str, disabled: bool
                 "enabled"
             };
             let notice = format!("{} was {verb}.", changed.username);
-            Ok(render(&users_page(state, user, Some(notice), None).await?)?.into_response())
+            Ok(flash::redirect("/users", &notice, headers))
         }
         Err(error @ (Error::Conflict(_) | Error::NotFound(_))) => with_status(
             error.status(),
@@ -157,12 +158,12 @@ async fn set_disabled(state: &AppState, user: &WebUser, id: &str, disabled: bool
     }
 }
 
-pub async fn disable(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
-    let result = set_disabled(&state, &user, &id, true).await;
+pub async fn disable(State(state): State<AppState>, user: WebUser, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let result = set_disabled(&state, &user, &headers, &id, true).await;
     user.page(result)
 }
 
-pub async fn enable(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
-    let result = set_disabled(&state, &user, &id, false).await;
+pub async fn enable(State(state): State<AppState>, user: WebUser, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let result = set_disabled(&state, &user, &headers, &id, false).await;
     user.page(result)
 }

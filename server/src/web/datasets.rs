@@ -4,11 +4,11 @@
 
 use askama::Template;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use chrono::Utc;
 
-use super::{format, render, with_status, Layout, WebUser};
+use super::{flash, format, render, with_status, Layout, WebUser};
 use crate::datasets;
 use crate::error::{ApiMultipart, Error, Result};
 use crate::state::AppState;
@@ -76,12 +76,18 @@ async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: O
     })
 }
 
-pub async fn list(State(state): State<AppState>, user: WebUser) -> Response {
-    let result = async { Ok(render(&page(&state, &user, None, None).await?)?.into_response()) }.await;
-    user.page(result)
+pub async fn list(State(state): State<AppState>, user: WebUser, headers: HeaderMap) -> Response {
+    let notice = flash::notice(&headers);
+    let result = async { Ok(render(&page(&state, &user, notice, None).await?)?.into_response()) }.await;
+    flash::shown(user.page(result), &headers)
 }
 
-pub async fn upload(State(state): State<AppState>, user: WebUser, ApiMultipart(mut multipart): ApiMultipart) -> Response {
+pub async fn upload(
+    State(state): State<AppState>,
+    user: WebUser,
+    headers: HeaderMap,
+    ApiMultipart(mut multipart): ApiMultipart,
+) -> Response {
     let result = async {
         let mut name = String::new();
         let outcome = match datasets::receive(&mut multipart, &state).await {
@@ -95,7 +101,7 @@ pub async fn upload(State(state): State<AppState>, user: WebUser, ApiMultipart(m
             Ok(dataset) => {
                 let notice =
                     format!("Uploaded '{}': {} rows, {} columns.", dataset.name, dataset.rows, dataset.columns.len());
-                Ok(render(&page(&state, &user, Some(notice), None).await?)?.into_response())
+                Ok(flash::redirect("/datasets", &notice, &headers))
             }
             Err(error) if error.status().is_client_error() => {
                 let status = error.status();

@@ -8,6 +8,7 @@ mod assets;
 mod chart;
 mod datasets;
 mod deployments;
+mod flash;
 mod fleet;
 mod format;
 mod jobs;
@@ -23,7 +24,7 @@ use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::Router;
 
 use crate::error::Error;
@@ -34,17 +35,17 @@ pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/", get(|| async { Redirect::to("/models") }))
         .route("/login", get(session::login_form).post(session::login))
-        .route("/logout", post(session::logout))
+        .route("/logout", flash::back_to("/").post(session::logout))
         .route("/account", get(account::account))
-        .route("/account/password", post(account::change_password))
+        .route("/account/password", flash::back_to("/account").post(account::change_password))
         .route("/users", get(account::list))
-        .route("/users/{id}/disable", post(account::disable))
-        .route("/users/{id}/enable", post(account::enable))
+        .route("/users/{id}/disable", flash::back_to("/users").post(account::disable))
+        .route("/users/{id}/enable", flash::back_to("/users").post(account::enable))
         .route("/models", get(models::list))
         // Uploads are capped by the registry while streaming, as on the API route.
-        .route("/models/upload", post(models::upload).layer(DefaultBodyLimit::disable()))
+        .route("/models/upload", flash::back_to("/models").post(models::upload).layer(DefaultBodyLimit::disable()))
         .route("/models/{id}", get(models::detail))
-        .route("/models/{id}/delete", post(models::delete))
+        .route("/models/{id}/delete", flash::back_to_item("models").post(models::delete))
         .route("/jobs", get(jobs::list))
         .route("/jobs/new", get(jobs::new_form).post(jobs::create))
         .route("/jobs/compare", get(training::compare))
@@ -53,14 +54,14 @@ pub fn routes() -> Router<AppState> {
         .route("/jobs/{id}/checkpoints/{step}/files/{name}", get(training::checkpoint_file))
         .route("/datasets", get(datasets::list))
         // Uploads are capped while streaming, as on the API route.
-        .route("/datasets/upload", post(datasets::upload).layer(DefaultBodyLimit::disable()))
-        .route("/datasets/{id}/delete", post(datasets::delete))
-        .route("/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/datasets/upload", flash::back_to("/datasets").post(datasets::upload).layer(DefaultBodyLimit::disable()))
+        .route("/datasets/{id}/delete", flash::back_to("/datasets").post(datasets::delete))
+        .route("/jobs/{id}/cancel", flash::back_to_item("jobs").post(jobs::cancel))
         .route("/deployments", get(deployments::list).post(deployments::create))
         .route("/deployments/{id}", get(deployments::detail))
-        .route("/deployments/{id}/scale", post(deployments::scale))
-        .route("/deployments/{id}/loaning", post(deployments::loaning))
-        .route("/deployments/{id}/delete", post(deployments::delete))
+        .route("/deployments/{id}/scale", flash::back_to_item("deployments").post(deployments::scale))
+        .route("/deployments/{id}/loaning", flash::back_to_item("deployments").post(deployments::loaning))
+        .route("/deployments/{id}/delete", flash::back_to_item("deployments").post(deployments::delete))
         .route("/workers", get(workers::list))
         .route("/mig", get(mig::page))
         .route("/fleet", get(fleet::page))

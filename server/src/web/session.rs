@@ -82,7 +82,7 @@ pub fn cookie_session(state: &AppState, headers: &HeaderMap) -> Option<uuid::Uui
     cookie(headers, COOKIE).and_then(|token| auth::session_of(state, token))
 }
 
-fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+pub(super) fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     headers
         .get_all(header::COOKIE)
         .iter()
@@ -95,7 +95,7 @@ fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
 }
 
 /// Behind a TLS-terminating proxy the cookie must not travel over plain HTTP.
-fn secure_attribute(headers: &HeaderMap) -> &'static str {
+pub(super) fn secure_attribute(headers: &HeaderMap) -> &'static str {
     let https = headers
         .get("x-forwarded-proto")
         .and_then(|v| v.to_str().ok())

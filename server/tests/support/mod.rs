@@ -296,3 +296,17 @@ pub async fn send_into_a_lock(request: reqwest::RequestBuilder) -> tokio::task::
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     sent
 }
+
+/// Follows a dashboard form's 303 as a browser does, sending the notice cookie it set
+/// along with the session `cookie`: where it went, and that page's body.
+pub async fn follow_notice(server: &TestServer, http: &reqwest::Client, cookie: &str, response: reqwest::Response) -> (String, String) {
+    assert_eq!(response.status(), 303, "a form that worked redirects");
+    let location = response.headers()["location"].to_str().unwrap().to_string();
+    let notice = response.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
+    assert!(notice.starts_with("tessera_notice="), "{notice}");
+    let page = http.get(format!("{}{location}", server.url)).header("cookie", format!("{cookie}; {notice}")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    let cleared = page.headers().get_all("set-cookie").iter().any(|v| v.to_str().unwrap().starts_with("tessera_notice=;"));
+    assert!(cleared, "the page clears the notice it showed");
+    (location, page.text().await.unwrap())
+}
