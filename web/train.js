@@ -34,14 +34,22 @@
     });
   }
 
+  // Ticks at a round step; counted by index, so a step too small to move `t` cannot loop.
   function niceTicks(lo, hi, count) {
     if (!(hi > lo)) { hi = lo + 1; }
     var step = Math.pow(10, Math.floor(Math.log10((hi - lo) / count)));
     var err = (hi - lo) / count / step;
     if (err >= 7.5) step *= 10; else if (err >= 3.5) step *= 5; else if (err >= 1.5) step *= 2;
-    var ticks = [];
-    for (var t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(t);
+    var first = Math.ceil(lo / step) * step, ticks = [];
+    for (var i = 0; i <= 4 * count && first + i * step <= hi + step * 1e-9; i++) ticks.push(first + i * step);
     return ticks;
+  }
+
+  // [min, max] of a list, by loop: spreading a long list into Math.min overflows the stack.
+  function extent(values) {
+    var lo = Infinity, hi = -Infinity;
+    for (var i = 0; i < values.length; i++) { lo = Math.min(lo, values[i]); hi = Math.max(hi, values[i]); }
+    return [lo, hi];
   }
 
   function label(v) {
@@ -83,9 +91,9 @@
     ctx.fillStyle = getComputedStyle(canvas).color;
     ctx.font = "11px system-ui, sans-serif";
     if (!xs.length) { ctx.fillText("No points yet", 12, 20); return; }
-    var x0 = Math.min.apply(null, xs), x1 = Math.max.apply(null, xs);
-    var y0 = Math.min.apply(null, ys), y1 = Math.max.apply(null, ys);
-    if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
+    var xr = extent(xs), yr = extent(ys), x0 = xr[0], x1 = xr[1], y0 = yr[0], y1 = yr[1];
+    // A flat line (smoothing leaves one a few ULPs wide) gets a unit-wide axis around it.
+    if (y1 - y0 <= Math.abs(y1) * 1e-9) { y0 -= 0.5; y1 += 0.5; }
     if (x1 === x0) { x1 = x0 + 1; }
     var left = 52, right = 10, top = 8, bottom = 22;
     var sx = function (x) { return left + (x - x0) / (x1 - x0) * (width - left - right); };
