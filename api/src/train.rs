@@ -449,6 +449,92 @@ impl TrainJob {
     }
 }
 
+/// The most classes a classification job may have. The model's head grows with them, and
+/// a label column with more distinct values is more likely an id or a measurement than a
+/// class; the server refuses such a job when the dataset's column counts say so, the worker
+/// when its data does.
+pub const MAX_CLASSES: usize = 10_000;
+
+/// The most parameters a built-in MLP may have. Training holds four f32 values a parameter
+/// (the weight, its gradient and AdamW's two moments: 1.6 GB at the cap) and a checkpoint
+/// copies two of them while it is written, so the largest MLP leaves most of a 24 GiB CPU
+/// worker to its data and activations. Past the cap a spec could make the worker allocate
+/// more memory than it has and abort, then abort every worker the requeued job reaches.
+pub const MAX_MLP_PARAMETERS: u64 = 100_000_000;
+
+/// The most f32 values one training step's forward may hold for its backward: 2^31, 8 GiB.
+/// The backward's gradients take about as much again while it runs, so a step at the cap,
+/// beside the largest MLP's state, stays within a 24 GiB CPU worker.
+pub const MAX_ACTIVATIONS: u64 = 1 << 31;
+
+/// The longest text input, in tokens, a transformer job trains on; longer texts are
+/// truncated.
+pub const MAX_TEXT_TOKENS: usize = 128;
+
+/// The parameters of an MLP of these layer widths (its inputs first, its outputs last): a
+/// weight and a bias per layer.
+pub fn mlp_parameters(widths: &[u64]) -> u64 {
+    widths.windows(2).map(|pair| pair[0].saturating_mul(pair[1]).saturating_add(pair[1])).fold(0, u64::saturating_add)
+}
+
+/// The f32 values an MLP's forward holds for its backward, per row: each layer's output
+/// before and after its ReLU, and the batch itself, so about twice the sum of the widths.
+pub fn mlp_activations_per_row(widths: &[u64]) -> u64 {
+    widths.iter().fold(0u64, |sum, &width| sum.saturating_add(width)).saturating_mul(2)
+}
+
+/// The f32 values a BERT-family encoder's forward holds for its backward, per row of
+/// `tokens` tokens: per layer and token about ten hidden-wide states (the query, key and
+/// value projections, the attention's output and its projection, the residual sums and
+/// LayerNorms), the feed-forward's intermediate before and after its activation, and every
+/// head's attention scores before and after the softmax.
+pub fn encoder_activations_per_row(tokens: u64, hidden: u64, intermediate: u64, heads: u64, layers: u64) -> u64 {
+    let per_token = hidden
+        .saturating_mul(10)
+        .saturating_add(intermediate.saturating_mul(2))
+        .saturating_add(heads.saturating_mul(tokens).saturating_mul(2));
+    layers.saturating_mul(tokens).saturating_mul(per_token)
+}
+
+/// Refuses an MLP of these widths (inputs first, outputs last) trained on `batch` rows a
+/// step when it is past [`MAX_MLP_PARAMETERS`] or its step past [`MAX_ACTIVATIONS`]. The
+/// server checks a spec with it before queueing, the worker again before allocating.
+pub fn check_mlp(widths: &[u64], batch: u64) -> Result<(), SpecError> {
+    let parameters = mlp_parameters(widths);
+    if parameters > MAX_MLP_PARAMETERS {
+        let (inputs, outputs) = (widths.first().copied().unwrap_or(0), widths.last().copied().unwrap_or(0));
+        return Err(SpecError::new(
+            "model.hidden",
+            format!(
+                "with {inputs} inputs and {outputs} outputs these widths make an MLP of {parameters} parameters, past \
+                 the {MAX_MLP_PARAMETERS} allowed; use fewer or narrower layers"
+            ),
+        ));
+    }
+    check_activations(batch, mlp_activations_per_row(widths))
+}
+
+/// Refuses a step of `batch` rows whose forward, at `per_row` values a row, would hold more
+/// than [`MAX_ACTIVATIONS`].
+pub fn check_activations(batch: u64, per_row: u64) -> Result<(), SpecError> {
+    let held = batch.saturating_mul(per_row);
+    if held <= MAX_ACTIVATIONS {
+        return Ok(());
+    }
+    let most = MAX_ACTIVATIONS / per_row.max(1);
+    let advice = match most {
+        0 => "the model is too large for even one row".to_string(),
+        _ => format!("use a batch_size of at most {most}"),
+    };
+    Err(SpecError::new(
+        "batch_size",
+        format!(
+            "a step of {batch} rows would hold about {held} activations ({per_row} a row), past the \
+             {MAX_ACTIVATIONS} allowed; {advice}"
+        ),
+    ))
+}
+
 /// One row of a metric series: the step and the values named at it, e.g.
 /// `{"step": 10, "loss": 0.41, "lr": 0.1, "phase": "search"}`. The same shape goes up
 /// (worker → server) and comes back (`GET /api/v1/jobs/{id}/metrics`).
@@ -686,6 +772,30 @@ mod tests {
         job.lr_schedule = LrSchedule::Constant { lr: 0.1 };
         job.batch_size = 0;
         assert_eq!(job.validate().unwrap_err().field, "batch_size");
+    }
+
+    #[test]
+    fn an_mlp_past_the_parameter_cap_is_refused_naming_model_hidden() {
+        // 16 widths of 65536 pass `validate`; two are already 4.3 billion parameters.
+        let error = check_mlp(&[10, 65_536, 65_536, 3], 1).unwrap_err();
+        assert_eq!(error.field, "model.hidden");
+        assert!(error.message.contains("4295950339 parameters"), "{error}");
+        assert_eq!(mlp_parameters(&[3, 5, 2]), 3 * 5 + 5 + 5 * 2 + 2);
+        check_mlp(&[10, 8192, 8192, 3], 1).unwrap();
+    }
+
+    #[test]
+    fn a_batch_past_the_activation_cap_is_refused_naming_batch_size() {
+        // 67 million parameters are allowed, but not 65536 rows of 2·16397 activations.
+        let widths = [10, 8192, 8192, 3];
+        let error = check_mlp(&widths, 65_536).unwrap_err();
+        assert_eq!(error.field, "batch_size");
+        assert!(error.message.contains("at most 65484"), "{error}");
+        check_mlp(&widths, 65_484).unwrap();
+        // BERT-base (768 wide, 3072 intermediate, 12 heads and layers) at 128 tokens.
+        let bert_base = encoder_activations_per_row(128, 768, 3072, 12, 12);
+        assert!(check_activations(64, bert_base).is_ok());
+        assert_eq!(check_activations(65_536, bert_base).unwrap_err().field, "batch_size");
     }
 
     #[test]

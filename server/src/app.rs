@@ -115,6 +115,7 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(deployments::routes::get, deployments::routes::update, deployments::routes::delete))
         .routes(routes!(deployments::routes::stats))
         .routes(routes!(workers::list))
+        .routes(routes!(workers::remove))
         .routes(routes!(loaning::routes::get))
         .routes(routes!(fleet::profiles::create, fleet::profiles::get))
         .routes(routes!(fleet::profiles::agent_report))
@@ -156,6 +157,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/{*rest}", axum::routing::any(error::api_not_found))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{model}", get(openai::model))
         .route("/v2", get(kserve::server_metadata))
         .route("/v2/health/live", get(kserve::live))
         .route("/v2/health/ready", get(kserve::ready))
@@ -186,7 +188,7 @@ pub fn router(state: AppState) -> Router {
 /// A path under `/v1` or `/v2` that no route serves: a 404 in that family's shape.
 async fn gateway_not_found(uri: Uri) -> Response {
     let message = if is_openai(uri.path()) {
-        "No such OpenAI-compatible route; this server serves GET /v1/models and POST /v1/embeddings."
+        "No such OpenAI-compatible route; this server serves GET /v1/models[/{model}] and POST /v1/embeddings."
     } else {
         "No such KServe route; this server serves /v2, /v2/health/{live,ready} and /v2/models/{name}[/versions/{version}] \
          with /ready and /infer."

@@ -35,6 +35,10 @@ pub enum Error {
     QuotaExceeded(String),
     #[error("too many attempts; try again in {retry_after_secs} s")]
     TooManyRequests { retry_after_secs: u64 },
+    /// The server has no room for the request now (every password check slot is taken):
+    /// a 503 with `Retry-After` whose sentence says what is busy, not an internal error.
+    #[error("{0}")]
+    Overloaded(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
     #[error(transparent)]
@@ -93,6 +97,7 @@ impl Error {
             Error::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Error::QuotaExceeded(_) => StatusCode::FORBIDDEN,
             Error::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             Error::Database(_)
             | Error::Store(_)
             | Error::Io(_)
@@ -120,6 +125,7 @@ impl Error {
             Error::PayloadTooLarge(_) => "payload_too_large",
             Error::QuotaExceeded(_) => "quota_exceeded",
             Error::TooManyRequests { .. } => "rate_limited",
+            Error::Overloaded(_) => "unavailable",
             Error::Database(_)
             | Error::Store(_)
             | Error::Io(_)
@@ -132,11 +138,17 @@ impl Error {
         }
     }
 
+    /// A failure of the server's own, logged and kept from the client; an `Overloaded`
+    /// 503 is a refusal for now that says what to do.
+    fn internal(&self) -> bool {
+        self.status().is_server_error() && !matches!(self, Error::Overloaded(_))
+    }
+
     /// The sentence shown to the client: internals stay in the log.
     pub fn public_message(&self) -> String {
         if self.busy() {
             "The server is busy (its database did not take the request in time); send it again shortly.".into()
-        } else if self.status().is_server_error() {
+        } else if self.internal() {
             "The server hit an internal error; it has been logged.".into()
         } else {
             self.to_string()
@@ -147,7 +159,7 @@ impl Error {
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
+        if self.internal() {
             tracing::error!(error = ?self, "request failed");
         }
         let body = ErrorBody {

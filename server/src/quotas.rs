@@ -81,6 +81,35 @@ pub async fn check_storage(
     storage_fits(state, conn, owner, adding).await
 }
 
+/// Refuses a training job for `owner` when what they store already reaches
+/// `TESSERA_QUOTA_STORAGE_BYTES`: the job's checkpoints would add to it, and a running
+/// job's checkpoint upload is never refused (it must be able to save its progress), so
+/// storage is bounded here, before the job is queued. Call inside the transaction that
+/// inserts the job: it holds `owner`'s row until that transaction ends.
+pub async fn check_checkpoint_room(
+    state: &AppState,
+    conn: &mut AnyConnection,
+    owner: &Principal,
+) -> Result<()> {
+    if owner.is_admin() {
+        return Ok(());
+    }
+    usage::lock_owner(conn, owner.id).await?;
+    let limit = state.config.quota_storage_bytes;
+    let stored = usage::stored_bytes(conn, owner.id).await?.max(0) as u64;
+    if stored >= limit {
+        return Err(Error::QuotaExceeded(format!(
+            "You store {stored} bytes (models, datasets and checkpoints), the {limit} bytes one user may store (quota \
+             TESSERA_QUOTA_STORAGE_BYTES), and a training job's checkpoints would add to them. {FREE_STORAGE}"
+        )));
+    }
+    Ok(())
+}
+
+/// How a user past the storage quota makes room, the end of each refusal's sentence.
+const FREE_STORAGE: &str = "Delete models or datasets you no longer need, or the checkpoints of ended jobs \
+                            (DELETE /api/v1/jobs/{id}/checkpoints).";
+
 /// [`check_storage`] without holding the user's row, for an upload to call before it
 /// commits its blobs: a user already past the quota is refused before their bytes go
 /// into the store. Only the check in the inserting transaction is binding.
@@ -102,8 +131,7 @@ async fn storage_fits(
     if stored.saturating_add(adding) > limit {
         return Err(Error::QuotaExceeded(format!(
             "You store {stored} bytes (models, datasets and checkpoints); this upload of {adding} bytes would pass the \
-             {limit} bytes one user may store (quota TESSERA_QUOTA_STORAGE_BYTES). Delete models or datasets you no \
-             longer need, or the checkpoints of ended jobs (DELETE /api/v1/jobs/{{id}}/checkpoints)."
+             {limit} bytes one user may store (quota TESSERA_QUOTA_STORAGE_BYTES). {FREE_STORAGE}"
         )));
     }
     Ok(())

@@ -50,8 +50,10 @@ async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
         assert!(wine["digest"].as_str().unwrap().starts_with("sha256:"));
         assert_eq!(
             wine["columns"],
-            json!([{"name": "fixed_acidity", "type": "number"}, {"name": "alcohol", "type": "number"},
-                   {"name": "colour", "type": "string"}, {"name": "quality", "type": "number"}])
+            json!([{"name": "fixed_acidity", "type": "number", "distinct": 3},
+                   {"name": "alcohol", "type": "number", "distinct": 3},
+                   {"name": "colour", "type": "string", "distinct": 2},
+                   {"name": "quality", "type": "number", "distinct": 2}])
         );
         for key in ["id", "name", "created_at"] {
             assert!(wine.get(key).is_some(), "{key} missing from {wine}");
@@ -62,7 +64,7 @@ async fn csv_and_jsonl_are_typed_counted_listed_downloaded_and_deleted() {
             upload(&server, &token, "reviews", "reviews.jsonl", jsonl.as_bytes()).await.json().await.unwrap();
         assert_eq!(reviews["format"], "jsonl");
         assert_eq!(reviews["rows"], 2);
-        assert_eq!(reviews["columns"][0], json!({"name": "text", "type": "string"}));
+        assert_eq!(reviews["columns"][0], json!({"name": "text", "type": "string", "distinct": 2}));
 
         let listed: Vec<Value> = server.get(&token, "/datasets").await.json().await.unwrap();
         assert_eq!(listed.len(), 2);

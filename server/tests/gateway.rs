@@ -1,13 +1,14 @@
 //! The gateway over real HTTP, in front of stand-in engine endpoints (loopback HTTP
 //! servers speaking the worker's engine protocol): requests feed the per-deployment stats
 //! route, which only the owner and admins may read, and Prometheus histograms; the least
-//! loaded replica gets the next request and an unreachable one is skipped; a replica that
-//! never answers gets the client a 504; an API token stops working the moment it is
-//! revoked even though the server remembers verified tokens.
+//! loaded replica gets the next request, one that is unreachable or computed nothing is
+//! skipped, and one that failed lately is tried last; a replica that never answers gets the
+//! client a 504; KServe's readiness and versions; OpenAI's model retrieval; an API token
+//! stops working the moment it is revoked even though the server remembers verified tokens.
 
 mod support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +24,8 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 /// A stand-in engine. It answers every embed with its own `vector` and fixed batch
-/// figures; `"overload"` gets the 429 a full queue gives, `"break"` the 503 of a replica
-/// that broke down on it; `"hold"` waits for a permit on `gate`, which stays shut until
+/// figures; `"overload"` gets the 429 a full queue gives, `"break"` the 500 of an engine
+/// that failed on its batch; `"hold"` waits for a permit on `gate`, which stays shut until
 /// the test opens it.
 #[derive(Clone)]
 struct StandIn {
@@ -35,6 +36,8 @@ struct StandIn {
     gate: Arc<Semaphore>,
     /// Requests it was sent.
     calls: Arc<AtomicUsize>,
+    /// While set, every request gets the 500 that `"break"` gets.
+    failing: Arc<AtomicBool>,
 }
 
 impl StandIn {
@@ -47,6 +50,7 @@ impl StandIn {
             held: Arc::default(),
             gate: Arc::new(Semaphore::new(0)),
             calls: Arc::default(),
+            failing: Arc::default(),
         };
         let app = Router::new().route("/replica/embed", post(stand_in_embed)).with_state(engine.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -65,9 +69,9 @@ async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<Infer
         let body = json!({"error": "The queue is full; retry shortly.", "kind": "overloaded"});
         return (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
     }
-    if request.inputs.contains(&EngineInput::Text("break".into())) {
-        let body = json!({"error": "The replica stopped before answering.", "kind": "unhealthy"});
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    if engine.failing.load(Ordering::SeqCst) || request.inputs.contains(&EngineInput::Text("break".into())) {
+        let body = json!({"error": "The engine failed; see the worker's log.", "kind": "backend"});
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
     }
     if request.inputs.contains(&EngineInput::Text("hold".into())) {
         engine.held.fetch_add(1, Ordering::SeqCst);
@@ -79,15 +83,12 @@ async fn stand_in_embed(State(engine): State<StandIn>, Json(request): Json<Infer
     Json(InferResponse { outputs: vec![engine.vector.clone(); n], tokens: vec![2; n], labels: vec![], timings }).into_response()
 }
 
-/// An engine that no longer serves its replica (stopping, scaled down): a 503 to every request.
-async fn stopped_endpoint() -> String {
+/// An engine that refuses every request with `status` and an engine error of `kind`.
+async fn refusing_endpoint(status: StatusCode, kind: &'static str, message: &'static str) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let stopped = || async {
-        let body = json!({"error": "Replica x is not served here.", "kind": "not_serving"});
-        (StatusCode::SERVICE_UNAVAILABLE, Json(body))
-    };
-    let app = Router::new().route("/replica/embed", post(stopped));
+    let refuse = move || async move { (status, Json(json!({"error": message, "kind": kind}))) };
+    let app = Router::new().route("/replica/embed", post(refuse));
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{address}/replica")
 }
@@ -147,6 +148,11 @@ async fn embed_with(server: &TestServer, token: &str, model: &str, input: &str) 
     let body = json!({"model": model, "input": input});
     let request = server.http.post(format!("{}/v1/embeddings", server.url)).bearer_auth(token).json(&body);
     request.timeout(Duration::from_secs(30)).send().await.unwrap()
+}
+
+/// A GET of a gateway path (outside `/api/v1`).
+async fn gateway_get(server: &TestServer, token: &str, path: &str) -> reqwest::Response {
+    server.http.get(format!("{}{path}", server.url)).bearer_auth(token).send().await.unwrap()
 }
 
 async fn embedding_of(response: reqwest::Response) -> Value {
@@ -257,14 +263,7 @@ async fn the_least_loaded_ready_replica_gets_the_next_request() {
         let (_, token) = api_token(&server, &admin).await;
 
         // One replica is busy with a request that has not finished...
-        let held = tokio::spawn({
-            let (server_url, token) = (server.url.clone(), token.clone());
-            async move {
-                let body = json!({"model": "pair", "input": "hold"});
-                reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
-            }
-        });
-        until("a replica holds the request", || first.held.load(Ordering::SeqCst) + second.held.load(Ordering::SeqCst) == 1).await;
+        let held = hold_on(&server, &token, "pair", &[&first, &second]).await;
         let (busy, idle) = if first.held.load(Ordering::SeqCst) == 1 { (&first, &second) } else { (&second, &first) };
 
         // ...so every request meanwhile goes to the other one.
@@ -276,9 +275,14 @@ async fn the_least_loaded_ready_replica_gets_the_next_request() {
     }
 }
 
-/// Sends a request to `deployment` that `live`, one of its replicas, holds (which makes
+/// Sends a request to `deployment` that one of `engines`, its replicas, holds (which makes
 /// the others the least loaded); returns it once held.
-async fn hold_on(server: &TestServer, token: &str, deployment: &str, live: &StandIn) -> JoinHandle<reqwest::Response> {
+async fn hold_on(
+    server: &TestServer,
+    token: &str,
+    deployment: &str,
+    engines: &[&StandIn],
+) -> JoinHandle<reqwest::Response> {
     let held = tokio::spawn({
         let (server_url, token) = (server.url.clone(), token.to_string());
         let body = json!({"model": deployment, "input": "hold"});
@@ -286,16 +290,17 @@ async fn hold_on(server: &TestServer, token: &str, deployment: &str, live: &Stan
             reqwest::Client::new().post(format!("{server_url}/v1/embeddings")).bearer_auth(token).json(&body).send().await.unwrap()
         }
     });
-    until("the live replica holds the request", || live.held.load(Ordering::SeqCst) == 1).await;
+    let holding = || engines.iter().map(|engine| engine.held.load(Ordering::SeqCst)).sum::<usize>() == 1;
+    until("a replica holds the request", holding).await;
     held
 }
 
-/// With a request held on `live`, a replica of deployment "patchy", its other replica is
-/// the least loaded; the next request still gets `live`'s answer, and so does the held one
+/// With a request held on `live`, a replica of `deployment`, its other replica is the
+/// least loaded; the next request still gets `live`'s answer, and so does the held one
 /// once released.
-async fn reaches_the_live_replica(server: &TestServer, token: &str, live: &StandIn) {
-    let held = hold_on(server, token, "patchy", live).await;
-    assert_eq!(embedding_of(embed_with(server, token, "patchy", "hello").await).await, json!(live.vector));
+async fn reaches_the_live_replica(server: &TestServer, token: &str, deployment: &str, live: &StandIn) {
+    let held = hold_on(server, token, deployment, &[live]).await;
+    assert_eq!(embedding_of(embed_with(server, token, deployment, "hello").await).await, json!(live.vector));
     live.release();
     assert_eq!(embedding_of(held.await.unwrap()).await, json!(live.vector));
 }
@@ -309,9 +314,10 @@ async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
     deployment_at(&server, &admin, "gone", &[unreachable_endpoint().await]).await;
     let (_, token) = api_token(&server, &admin).await;
 
-    // With a request held on the live replica, the unreachable one is the least loaded and
-    // is tried first; the request still reaches the live one.
-    reaches_the_live_replica(&server, &token, &live).await;
+    // With a request held on the live replica, the unreachable one is the least loaded (and
+    // tried first, unless a request before found it unreachable); the request still
+    // reaches the live one.
+    reaches_the_live_replica(&server, &token, "patchy", &live).await;
 
     let response = embed_with(&server, &token, "gone", "hello").await;
     assert_eq!(response.status(), 503);
@@ -320,20 +326,38 @@ async fn an_unreachable_replica_is_skipped_and_none_reachable_is_a_503() {
     assert!(body["error"]["message"].as_str().unwrap().contains("No replica of 'gone' could be reached"), "{body}");
 }
 
-/// A replica that answers it no longer serves (a 503: it is stopping, or was scaled down
-/// since the route was read) computed nothing: the request goes on to the next replica.
+/// A replica whose answer computed nothing is passed over for the next one: one that no
+/// longer serves the request (stopping, or scaled down since the route was read), one that
+/// stopped before answering, and one that refuses the gateway's engine token (its worker
+/// registered again since the route was read). With no other replica the client gets a 503
+/// to send again, never the replica's 401, which it would read as its own key refused.
 #[tokio::test]
-async fn a_replica_that_no_longer_serves_is_skipped() {
+async fn a_replica_that_computed_nothing_is_skipped_and_none_left_is_a_503() {
     let server = TestServer::start(Backend::Sqlite).await;
     let admin = server.admin().await;
-    let live = StandIn::start(vec![1.0, 0.0]).await;
-    deployment_at(&server, &admin, "patchy", &[stopped_endpoint().await, live.url.clone()]).await;
     let (_, token) = api_token(&server, &admin).await;
-    // The held request makes the stopped replica the least loaded, so it is tried first.
-    reaches_the_live_replica(&server, &token, &live).await;
+    let refusals = [
+        ("stopping", StatusCode::SERVICE_UNAVAILABLE, "not_serving", "Replica x is not served here."),
+        ("stopped", StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The replica stopped before answering."),
+        ("re-registered", StatusCode::UNAUTHORIZED, "unauthorized", "Only the Tessera server may call this endpoint."),
+    ];
+    for (name, status, kind, message) in refusals {
+        // The held request makes the refusing replica the least loaded, so it is tried first.
+        let live = StandIn::start(vec![1.0, 0.0]).await;
+        deployment_at(&server, &admin, name, &[refusing_endpoint(status, kind, message).await, live.url.clone()]).await;
+        reaches_the_live_replica(&server, &token, name, &live).await;
+
+        let alone = format!("{name}-alone");
+        deployment_at(&server, &admin, &alone, &[refusing_endpoint(status, kind, message).await]).await;
+        let response = embed_with(&server, &token, &alone, "hello").await;
+        assert_eq!(response.status(), 503, "{name}");
+        assert_eq!(response.headers()["retry-after"], "1", "{name}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains("could be reached or is serving"), "{body}");
+    }
 }
 
-/// A replica that broke down on a request (a 503 of another kind) is not passed over: the
+/// A replica that broke down on a request (its engine's 500) is not passed over: the
 /// request could break the next one too, so the client hears of it.
 #[tokio::test]
 async fn a_replica_that_broke_down_on_a_request_is_not_retried_elsewhere() {
@@ -342,9 +366,121 @@ async fn a_replica_that_broke_down_on_a_request_is_not_retried_elsewhere() {
     let (a, b) = (StandIn::start(vec![1.0, 0.0]).await, StandIn::start(vec![0.0, 1.0]).await);
     deployment_at(&server, &admin, "fragile", &[a.url.clone(), b.url.clone()]).await;
     let (_, token) = api_token(&server, &admin).await;
-    assert_eq!(embed_with(&server, &token, "fragile", "break").await.status(), 503);
+    assert_eq!(embed_with(&server, &token, "fragile", "break").await.status(), 500);
     let calls = a.calls.load(Ordering::SeqCst) + b.calls.load(Ordering::SeqCst);
     assert_eq!(calls, 1, "one replica was asked");
+}
+
+/// A replica whose engine fails every request fast is, once it has failed one, tried after
+/// the healthy replicas for a while, though it stays the least loaded: failing fast must
+/// not win it the traffic.
+#[tokio::test]
+async fn a_replica_that_keeps_failing_is_tried_after_the_healthy_ones() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let (first, second) = (StandIn::start(vec![1.0, 0.0]).await, StandIn::start(vec![0.0, 1.0]).await);
+    deployment_at(&server, &admin, "pair", &[first.url.clone(), second.url.clone()]).await;
+    let (_, token) = api_token(&server, &admin).await;
+    let held = hold_on(&server, &token, "pair", &[&first, &second]).await;
+    let (busy, idle) = if first.held.load(Ordering::SeqCst) == 1 { (&first, &second) } else { (&second, &first) };
+
+    // The idle replica, the least loaded, breaks: the request that meets it fails...
+    idle.failing.store(true, Ordering::SeqCst);
+    assert_eq!(embed_with(&server, &token, "pair", "hello").await.status(), 500);
+    // ...and the next ones go to the busy replica, which answers them.
+    for _ in 0..4 {
+        assert_eq!(embedding_of(embed_with(&server, &token, "pair", "hello").await).await, json!(busy.vector));
+    }
+    assert_eq!(idle.calls.load(Ordering::SeqCst), 1, "the failing replica was asked once");
+    busy.release();
+    assert_eq!(embedding_of(held.await.unwrap()).await, json!(busy.vector));
+}
+
+/// KServe's model readiness is its status: 200 when a replica is ready, and 400 (as Triton
+/// answers; a 503 reads as the server failing) while none is. A deployment has one
+/// version, "1": a path naming another is a 404 that says so, on every route, and no
+/// replica computes it.
+#[tokio::test]
+async fn kserve_readiness_is_a_400_when_not_ready_and_only_version_1_exists() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let engine = StandIn::start(vec![0.6, 0.8]).await;
+    deployment_at(&server, &admin, "embedder", &[engine.url.clone()]).await;
+    // A deployment whose replica no worker has taken yet.
+    assert_eq!(server.upload_model(&admin, "waiting", tiny_model()).await.status(), 201);
+    let waiting = json!({"name": "waiting", "model": "waiting", "replicas": 1});
+    assert_eq!(server.post(&admin, "/deployments", waiting).await.status(), 201);
+
+    for path in ["/v2/models/embedder/ready", "/v2/models/embedder/versions/1/ready"] {
+        let response = gateway_get(&server, &admin, path).await;
+        assert_eq!(response.status(), 200, "{path}");
+        assert_eq!(response.json::<Value>().await.unwrap()["ready"], true, "{path}");
+    }
+    let response = gateway_get(&server, &admin, "/v2/models/waiting/ready").await;
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.json::<Value>().await.unwrap()["ready"], false);
+
+    let infer = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hello"]}]});
+    let url = |path: &str| format!("{}/v2/models/embedder{path}", server.url);
+    let requests = [
+        server.http.get(url("/versions/2")),
+        server.http.get(url("/versions/2/ready")),
+        server.http.post(url("/versions/2/infer")).json(&infer),
+    ];
+    for request in requests {
+        let response = request.bearer_auth(&admin).send().await.unwrap();
+        assert_eq!(response.status(), 404);
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"].as_str().unwrap().contains("its only version is \"1\""), "{body}");
+    }
+    assert_eq!(engine.calls.load(Ordering::SeqCst), 0, "no replica computed version 2");
+    let response = server.http.post(url("/versions/1/infer")).bearer_auth(&admin).json(&infer).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.json::<Value>().await.unwrap()["model_version"], "1");
+}
+
+/// `GET /v1/models/{model}` (the OpenAI SDK's `models.retrieve`) answers the object the
+/// list holds for it, and a 404 in OpenAI's shape for a model the caller may not call.
+#[tokio::test]
+async fn a_model_is_retrieved_as_the_list_shows_it() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let alice = server.user(&admin, "alice").await;
+    let bob = server.user(&admin, "bob").await;
+    ready_deployment(&server, &alice).await;
+
+    let list: Value = gateway_get(&server, &alice, "/v1/models").await.json().await.unwrap();
+    let response = gateway_get(&server, &alice, "/v1/models/embedder").await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.json::<Value>().await.unwrap(), list["data"][0], "{list}");
+    assert_eq!(gateway_get(&server, &admin, "/v1/models/embedder").await.status(), 200, "admins see it too");
+
+    for (token, path) in [(&bob, "/v1/models/embedder"), (&alice, "/v1/models/absent")] {
+        let response = gateway_get(&server, token, path).await;
+        assert_eq!(response.status(), 404, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], 404, "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("No deployment named"), "{body}");
+    }
+    let anonymous = server.http.get(format!("{}/v1/models/embedder", server.url)).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+}
+
+/// An embeddings request without credentials is answered 401 before its body is read: one
+/// whose body never finishes arriving gets the answer at once, so no anonymous client makes
+/// the server buffer or parse what it sends.
+#[tokio::test]
+async fn an_unauthenticated_embeddings_request_is_refused_before_its_body_is_read() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let mut socket = tokio::net::TcpStream::connect(server.url.trim_start_matches("http://")).await.unwrap();
+    let head = "POST /v1/embeddings HTTP/1.1\r\nhost: tessera\r\ncontent-type: application/json\r\n\
+                content-length: 100000\r\n\r\n{\"model\": \"embedder\", \"input\": [";
+    tokio::io::AsyncWriteExt::write_all(&mut socket, head.as_bytes()).await.unwrap();
+    let mut answer = [0u8; 1024];
+    let read = tokio::io::AsyncReadExt::read(&mut socket, &mut answer);
+    let n = tokio::time::timeout(Duration::from_secs(10), read).await.expect("answered with the body unsent").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
 }
 
 /// What the model cannot answer (more dimensions than it has) is a 400 before any
@@ -468,4 +604,24 @@ async fn a_replica_that_fails_mid_request_gets_the_client_a_502_on_both_apis() {
         let body: Value = response.json().await.unwrap();
         assert!(body["error"].as_str().unwrap().contains(says), "{body}");
     }
+}
+
+/// A replica cannot send the gateway, with the user's request and the engine token, on to
+/// another address: an engine's redirect is an answer no engine gives (502), not followed.
+#[tokio::test]
+async fn an_engine_s_redirect_is_not_followed() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let elsewhere = StandIn::start(vec![9.0, 9.0]).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let target = format!("{}/embed", elsewhere.url);
+    let redirect = move || async move { (StatusCode::TEMPORARY_REDIRECT, [(axum::http::header::LOCATION, target)]) };
+    let app = Router::new().route("/replica/embed", post(redirect));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    deployment_at(&server, &admin, "sly", &[format!("http://{address}/replica")]).await;
+    let (_, token) = api_token(&server, &admin).await;
+    let response = embed_with(&server, &token, "sly", "hello").await;
+    assert_eq!(response.status(), 502);
+    assert_eq!(elsewhere.calls.load(Ordering::SeqCst), 0, "the redirect was followed");
 }

@@ -219,7 +219,8 @@ async fn unknown_gateway_paths_are_404s_in_the_gateways_shapes() {
     };
     // A cross-site POST is the dashboard guard's business, not the gateway's.
     let openai = [
-        request(reqwest::Method::GET, "/v1/models/foo"),
+        // An OpenAI route this server does not serve (`/v1/models/{model}` it does).
+        request(reqwest::Method::GET, "/v1/files"),
         request(reqwest::Method::POST, "/v1/chat/completions").json(&json!({"model": "m", "messages": []})),
         request(reqwest::Method::POST, "/v1/chat/completions").header("origin", "https://evil.example").json(&json!({})),
         request(reqwest::Method::GET, "/v1/"),

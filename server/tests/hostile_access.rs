@@ -10,6 +10,10 @@ use reqwest::redirect::Policy;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use support::{backends, model_form, tiny_model, Backend, TestServer, ADMIN_PASSWORD, WORKER_TOKEN};
+use tessera_api::accounts::ApiToken;
+use tessera_server::store::db::now_ms;
+use tessera_server::store::users;
+use uuid::Uuid;
 
 /// The `{"error":{"code","message"}}` body of a rejection, asserting its shape.
 async fn error_body(response: reqwest::Response) -> Value {
@@ -348,6 +352,45 @@ async fn a_disabled_user_loses_every_session_and_token_and_cannot_log_in() {
             400,
             "unknown field"
         );
+    }
+}
+
+#[tokio::test]
+async fn no_session_or_api_token_is_stored_for_a_disabled_user() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        server.user(&admin, "alice").await;
+        let id = user_id(&server, &admin, "alice").await;
+        let alice: Uuid = id.parse().unwrap();
+        let db = &server.state.db;
+        let token = |name: &str| ApiToken {
+            id: Uuid::new_v4(),
+            name: name.into(),
+            prefix: "tsk_000000".into(),
+            owner: "alice".into(),
+            created_at: chrono::Utc::now(),
+            last_used_at: None,
+        };
+
+        // What a login or a token request that checked alice just before the disable
+        // would store just after it: nothing, so nothing outlives the disable.
+        assert_eq!(patch_user(&server, &admin, &id, json!({"disabled": true})).await.status(), 200);
+        let session = Uuid::new_v4();
+        let expires_at = now_ms() + 3_600_000;
+        let stored = users::insert_session(db, session, alice, expires_at).await.unwrap();
+        assert!(!stored, "{backend:?}: a session was stored for a disabled user");
+        assert_eq!(users::session_user(db, session).await.unwrap(), None);
+        let stored = users::insert_token(db, alice, &token("late"), "digest-of-late").await.unwrap();
+        assert!(!stored, "{backend:?}: a token was stored for a disabled user");
+        assert_eq!(users::use_token(db, "digest-of-late").await.unwrap(), None);
+
+        // Enabled again, alice's new sessions and tokens are stored as before.
+        assert_eq!(patch_user(&server, &admin, &id, json!({"disabled": false})).await.status(), 200);
+        assert!(users::insert_session(db, session, alice, expires_at).await.unwrap(), "{backend:?}");
+        assert_eq!(users::session_user(db, session).await.unwrap(), Some(alice));
+        assert!(users::insert_token(db, alice, &token("later"), "digest-of-later").await.unwrap(), "{backend:?}");
+        assert_eq!(users::use_token(db, "digest-of-later").await.unwrap(), Some(alice));
     }
 }
 
@@ -700,6 +743,44 @@ async fn a_worker_reports_engine_endpoints_only_on_its_own_host() {
 }
 
 #[tokio::test]
+async fn a_worker_joins_with_a_lowercase_bearer_and_extra_spaces() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let inventory = json!({"hostname": "w1", "cpu_cores": 2, "memory_bytes": 1024});
+    let register = |authorization: String| {
+        server
+            .http
+            .post(server.api("/agent/register"))
+            .header("authorization", authorization)
+            .json(&json!({"name": "w1", "version": "test", "inventory": inventory}))
+            .send()
+    };
+    let response = register(format!("bearer  {WORKER_TOKEN}")).await.unwrap();
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    let response = register(format!("bearer  {WORKER_TOKEN}-wrong")).await.unwrap();
+    assert_eq!(response.status(), 401, "the token itself is still checked");
+    error_body(response).await;
+}
+
+#[tokio::test]
+async fn bogus_credentials_are_refused_without_waiting_for_the_write_lock() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    // Anyone may send a bogus worker secret or API token: checking one must be a read,
+    // answered at once while a slow write holds SQLite's one write lock.
+    let writer = server.state.db.begin().await.unwrap();
+    let heartbeat =
+        server.http.post(server.api("/agent/heartbeat")).bearer_auth("tsw_bogus").json(&json!({"jobs": []}));
+    let me = server.http.get(server.api("/auth/me")).bearer_auth("tsk_bogus");
+    for (what, request) in [("worker secret", heartbeat), ("API token", me)] {
+        let sent = support::send_into_a_lock(request).await;
+        assert!(sent.is_finished(), "a bogus {what} waited for the write lock");
+        let response = sent.await.unwrap();
+        assert_eq!(response.status(), 401, "{what}");
+        error_body(response).await;
+    }
+    writer.rollback().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_second_worker_cannot_take_a_live_workers_name() {
     for backend in backends() {
         let server = TestServer::start_tweaked(backend, |c| c.heartbeat_secs = 1).await;
@@ -810,4 +891,56 @@ async fn users_see_other_tenants_slices_as_in_use_without_names() {
             assert!(html.contains("alice-secret-project"));
         }
     }
+}
+
+/// An admin removes a worker that is gone: it leaves the list and its secret stops
+/// working; a running one cannot be removed (it would register again), nor can a user
+/// remove one. The same name joining later comes back.
+#[tokio::test]
+async fn an_admin_removes_an_offline_worker_and_its_secret_stops_working() {
+    for backend in backends() {
+        let server = TestServer::start_tweaked(backend, |c| c.heartbeat_secs = 1).await;
+        let admin = server.admin().await;
+        let user = server.user(&admin, "mallory").await;
+        let (id, secret) = server.register_worker("retired-box").await;
+        let remove = |token: &str, id: &str| server.http.delete(server.api(&format!("/workers/{id}"))).bearer_auth(token).send();
+        assert_eq!(remove(&user, &id).await.unwrap().status(), 403, "{backend:?}");
+        let online = remove(&admin, &id).await.unwrap();
+        assert_eq!(online.status(), 409, "{backend:?}");
+        assert!(error_body(online).await["error"]["message"].as_str().unwrap().contains("stop it first"));
+
+        // Three missed heartbeats of a second each, and it is offline.
+        tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+        assert_eq!(remove(&admin, &id).await.unwrap().status(), 204, "{backend:?}");
+        assert_eq!(remove(&admin, &id).await.unwrap().status(), 404, "removed once");
+        assert_eq!(remove(&admin, &Uuid::new_v4().to_string()).await.unwrap().status(), 404);
+        let listed: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        assert!(listed.as_array().unwrap().iter().all(|w| w["name"] != "retired-box"), "{listed}");
+        let beat = server.post(&secret, "/agent/heartbeat", json!({"jobs": []})).await;
+        assert_eq!(beat.status(), 401, "{backend:?}: the removed worker's secret still works");
+
+        let (again, _) = server.register_worker("retired-box").await;
+        assert_eq!(again, id, "the same name comes back as the same worker");
+        let listed: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        assert!(listed.as_array().unwrap().iter().any(|w| w["name"] == "retired-box"), "{listed}");
+    }
+}
+
+/// Changing TESSERA_WORKER_TOKEN cuts off every worker admitted with the old one: its
+/// secret is refused, and it cannot join again with the old token.
+#[tokio::test]
+async fn a_new_worker_token_cuts_off_workers_admitted_with_the_old_one() {
+    let mut server = TestServer::start(Backend::Sqlite).await;
+    let (_, secret) = server.register_worker("old-box").await;
+    assert_eq!(server.post(&secret, "/agent/heartbeat", json!({"jobs": []})).await.status(), 200);
+    server.config.worker_token = Some("a-rotated-worker-token-of-at-least-32-bytes".into());
+    let server = server.restart().await;
+    let refused = server.post(&secret, "/agent/heartbeat", json!({"jobs": []})).await;
+    assert_eq!(refused.status(), 401);
+    assert!(error_body(refused).await["error"]["message"].as_str().unwrap().contains("TESSERA_WORKER_TOKEN"));
+    let inventory = json!({"hostname": "old-box", "cpu_cores": 2, "memory_bytes": 1024});
+    let rejoin = json!({"name": "old-box", "version": "test", "inventory": inventory, "previous_secret": secret});
+    assert_eq!(server.post(WORKER_TOKEN, "/agent/register", rejoin.clone()).await.status(), 401);
+    let joined = server.post("a-rotated-worker-token-of-at-least-32-bytes", "/agent/register", rejoin).await;
+    assert_eq!(joined.status(), 200, "the current token admits it");
 }

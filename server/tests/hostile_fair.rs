@@ -268,6 +268,61 @@ async fn a_data_parallel_job_counts_once_against_the_jobs_quota() {
     }
 }
 
+#[tokio::test]
+async fn a_user_at_the_storage_quota_cannot_submit_training_jobs() {
+    for backend in backends() {
+        let mut csv = String::from("f0,label\n");
+        for i in 0..20 {
+            csv.push_str(&format!("{},{}\n", i % 7, i % 2));
+        }
+        let size = csv.len() as u64;
+        let server = TestServer::start_tweaked(backend, |config| config.quota_storage_bytes = 2 * size).await;
+        let admin = server.admin().await;
+        let alice = server.user(&admin, "alice").await;
+        let response = upload_dataset(&server, &alice, "d", "d.csv", csv.clone().into_bytes()).await;
+        assert_eq!(response.status(), 201, "{backend:?}");
+        let dataset = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        let train = |name: &str, dataset: &str, parallel: bool| {
+            let mut job = json!({"name": name, "model": {"kind": "mlp", "hidden": [4]}, "dataset": dataset,
+                "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+                "optimizer": {"type": "sgd"}, "batch_size": 4, "max_steps": 10, "eval_every": 5,
+                "checkpoint_every": 5, "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1});
+            if parallel {
+                job["parallel"] = json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}]});
+            }
+            job
+        };
+        // Below the quota a training job is queued, its checkpoints to come.
+        let response = server.post(&alice, "/jobs", train("below", &dataset, false)).await;
+        assert_eq!(response.status(), 201, "{backend:?}: {}", response.text().await.unwrap());
+
+        // A second copy fills the quota exactly: an upload that fits, but no room is left
+        // for checkpoints, which a running job uploads unrefused.
+        let response = upload_dataset(&server, &alice, "d2", "d2.csv", csv.clone().into_bytes()).await;
+        assert_eq!(response.status(), 201, "{backend:?}");
+        for parallel in [false, true] {
+            let response = server.post(&alice, "/jobs", train("at quota", &dataset, parallel)).await;
+            assert_eq!(response.status(), 403, "{backend:?}: parallel {parallel}");
+            let body = error_body(response).await;
+            assert_eq!(body["error"]["code"], "quota_exceeded");
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("TESSERA_QUOTA_STORAGE_BYTES") && message.contains("checkpoints"), "{message}");
+        }
+        let jobs: Vec<Value> = server.get(&alice, "/jobs").await.json().await.unwrap();
+        assert_eq!(jobs.len(), 1, "{backend:?}: a refused job was queued: {jobs:?}");
+
+        // Admins are not bound, past the quota too.
+        let mut theirs = String::new();
+        for name in ["a1", "a2", "a3"] {
+            let response = upload_dataset(&server, &admin, name, "a.csv", csv.clone().into_bytes()).await;
+            assert_eq!(response.status(), 201, "{backend:?}");
+            theirs = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        }
+        let response = server.post(&admin, "/jobs", train("admin's", &theirs, false)).await;
+        assert_eq!(response.status(), 201, "{backend:?}: {}", response.text().await.unwrap());
+    }
+}
+
 /// The replicas alice's deployments ask for, all together.
 async fn replicas_asked(server: &TestServer, token: &str) -> u64 {
     let deployments: Value = server.get(token, "/deployments").await.json().await.unwrap();

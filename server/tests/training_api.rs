@@ -20,9 +20,13 @@ fn digits_csv() -> String {
 }
 
 async fn upload_dataset(server: &TestServer, token: &str, name: &str) -> Value {
+    upload_csv(server, token, name, digits_csv()).await
+}
+
+async fn upload_csv(server: &TestServer, token: &str, name: &str, csv: String) -> Value {
     let form = reqwest::multipart::Form::new()
         .text("name", name.to_string())
-        .part("file", reqwest::multipart::Part::bytes(digits_csv().into_bytes()).file_name("digits.csv"));
+        .part("file", reqwest::multipart::Part::bytes(csv.into_bytes()).file_name(format!("{name}.csv")));
     let response = server.http.post(server.api("/datasets")).bearer_auth(token).multipart(form).send().await.unwrap();
     assert_eq!(response.status(), 201);
     response.json().await.unwrap()
@@ -156,6 +160,86 @@ async fn invalid_specs_get_a_422_naming_the_field() {
     }
     let jobs: Vec<Value> = server.get(&token, "/jobs").await.json().await.unwrap();
     assert!(jobs.is_empty(), "no invalid spec was queued");
+}
+
+/// Submits `body`, which must get a 422 naming `field`; returns the message.
+async fn refused(server: &TestServer, token: &str, body: Value, field: &str) -> String {
+    let (status, error) = submit(server, token, body).await;
+    assert_eq!(status, 422, "{field}: {error}");
+    assert_eq!(error["error"]["code"], "invalid_spec", "{field}: {error}");
+    let message = error["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.starts_with(field), "the message {message:?} should name {field:?}");
+    message
+}
+
+#[tokio::test]
+async fn models_and_batches_too_large_to_train_get_a_422_naming_the_field() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let digits = upload_dataset(&server, &token, "digits").await;
+        // Sixteen layers of 65536 pass the spec's own checks; 64 billion parameters would
+        // abort the worker that allocated them.
+        let sixteen = json!({"kind": "mlp", "hidden": vec![65_536; 16]});
+        let body = with(example(digits["id"].as_str().unwrap()), "model", Some(sixteen));
+        let message = refused(&server, &token, body, "model.hidden").await;
+        assert!(message.contains("64426016771 parameters"), "{message}");
+
+        // Wide layers between narrow ones are few parameters (1.8 million), but a row of them
+        // is 2·524303 activations: 2048 rows of them pass 2^31, 2047 stay within it.
+        let rows: String = (0..2600).map(|i| format!("{},{},{},{},{}\n", i % 7, i % 5, i, i % 3, i % 3)).collect();
+        let tall = upload_csv(&server, &token, "tall", format!("f0,f1,f2,f3,label\n{rows}")).await;
+        let alternating: Vec<u32> = (0..16).map(|i| if i % 2 == 0 { 65_536 } else { 1 }).collect();
+        let model = json!({"kind": "mlp", "hidden": alternating});
+        let body = with(example(tall["id"].as_str().unwrap()), "model", Some(model));
+        let message = refused(&server, &token, with(body.clone(), "batch_size", Some(json!(2048))), "batch_size").await;
+        assert!(message.contains("at most 2047"), "{message}");
+        let (status, job) = submit(&server, &token, with(body, "batch_size", Some(json!(2047)))).await;
+        assert_eq!(status, 201, "{backend:?}: {job}");
+    }
+}
+
+#[tokio::test]
+async fn columns_with_missing_values_or_too_many_classes_get_a_422_naming_them() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        // f1 lacks a value in 3 rows, grade in 1, note (never read) in half of them.
+        let rows: String = (0..60)
+            .map(|i| {
+                let f1 = if i % 20 == 0 { String::new() } else { (i % 5).to_string() };
+                let grade = if i == 7 { "" } else { ["a", "b"][i % 2] };
+                let note = if i % 2 == 0 { "" } else { "seen" };
+                format!("{},{f1},{},{grade},{note}\n", i % 7, i % 3)
+            })
+            .collect();
+        let patchy = upload_csv(&server, &token, "patchy", format!("f0,f1,label,grade,note\n{rows}")).await;
+        let columns = &patchy["columns"];
+        assert_eq!((columns[1]["missing"].as_u64(), columns[2].get("missing")), (Some(3), None), "{patchy}");
+        let base = example(patchy["id"].as_str().unwrap());
+
+        let listed = with(base.clone(), "task.feature_columns", Some(json!(["f0", "f1"])));
+        let message = refused(&server, &token, listed, "task.feature_columns[1]").await;
+        assert!(message.contains("\"f1\" has no value in 3 of the dataset's 60 rows"), "{message}");
+        // Left out, the features would be f0 and f1: the gap is named all the same.
+        refused(&server, &token, base.clone(), "task.feature_columns").await;
+        let f0 = with(base.clone(), "task.feature_columns", Some(json!(["f0"])));
+        let graded = with(f0.clone(), "task.label_column", Some(json!("grade")));
+        refused(&server, &token, graded, "task.label_column").await;
+        // A column the job does not read may lack values.
+        let (status, job) = submit(&server, &token, f0).await;
+        assert_eq!(status, 201, "{backend:?}: {job}");
+
+        // An id column has a value per row: too many to be classes, fine as a regression target.
+        let ids: String = (0..10_005).map(|i| format!("{},{i}\n", i % 7)).collect();
+        let wide = upload_csv(&server, &token, "ids", format!("f0,label\n{ids}")).await;
+        assert_eq!(wide["columns"][1]["distinct"], 10_001, "counted to one past the cap");
+        let base = example(wide["id"].as_str().unwrap());
+        let message = refused(&server, &token, base.clone(), "task.label_column").await;
+        assert!(message.contains("more than 10000 distinct values"), "{message}");
+        let (status, job) = submit(&server, &token, with(base, "task.type", Some(json!("regression")))).await;
+        assert_eq!(status, 201, "{backend:?}: {job}");
+    }
 }
 
 #[tokio::test]

@@ -507,6 +507,14 @@ async fn a_refused_dataset_upload_keeps_its_name() {
     assert_eq!((response.status(), header(&response, LOCATION)), (StatusCode::SEE_OTHER, "/jobs"));
 }
 
+/// A small training job `name` on the toy dataset `data`.
+fn toy_training(data: &str, name: &str) -> Value {
+    json!({"name": name, "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1})
+}
+
 /// A data-parallel job is never leased itself: its page names the workers of its ranks.
 #[tokio::test]
 async fn a_data_parallel_job_s_page_names_its_ranks_workers() {
@@ -514,12 +522,8 @@ async fn a_data_parallel_job_s_page_names_its_ranks_workers() {
     let http = browser();
     let cookie = sign_in(&server, &http).await;
     let admin = server.admin().await;
-    let data = server.toy_dataset(&admin).await;
-    let spec = json!({"name": "dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
-        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
-        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
-        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
-        "parallel": {"ranks": [{"device": "cpu"}, {"device": "cpu"}]}});
+    let mut spec = toy_training(&server.toy_dataset(&admin).await, "dp");
+    spec["parallel"] = json!({"ranks": [{"device": "cpu"}, {"device": "cpu"}]});
     let created: Value = server.post(&admin, "/jobs", spec).await.json().await.unwrap();
     let id = created["id"].as_str().unwrap();
     let (_, waiting) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
@@ -531,6 +535,44 @@ async fn a_data_parallel_job_s_page_names_its_ranks_workers() {
     }
     let (_, held) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
     assert!(held.contains("rank 0: box-a") && held.contains("rank 1: box-b"), "{held}");
+}
+
+/// An ended job's checkpoints are deleted from its page; a job that may still resume from
+/// them keeps them, and the page says why.
+#[tokio::test]
+async fn an_ended_job_s_checkpoints_are_deleted_from_its_page() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let admin = server.admin().await;
+    let spec = toy_training(&server.toy_dataset(&admin).await, "kept");
+    let created: Value = server.post(&admin, "/jobs", spec).await.json().await.unwrap();
+    let id = created["id"].as_str().unwrap();
+    let (_, secret) = server.register_worker("box").await;
+    assert_eq!(server.post(&secret, "/agent/claim", json!({"kinds": ["train"]})).await.status(), StatusCode::OK);
+    let files = reqwest::multipart::Part::bytes(vec![7u8; 100]).file_name("model.safetensors");
+    let form = reqwest::multipart::Form::new().text("step", "5").part("files", files);
+    let url = server.api(&format!("/agent/jobs/{id}/checkpoints"));
+    let uploaded = server.http.post(&url).bearer_auth(&secret).multipart(form).send().await.unwrap();
+    assert_eq!(uploaded.status(), StatusCode::CREATED);
+
+    let delete = format!("/jobs/{id}/checkpoints/delete");
+    let (_, running) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
+    assert!(!running.contains(&delete), "no delete button while the job may resume: {running}");
+    let refused = post_form(&server, &http, &cookie, &delete, &[]).await;
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let body = refused.text().await.unwrap();
+    assert!(body.contains("alert-error") && body.contains("may still resume from its checkpoints"), "{body}");
+
+    assert_eq!(server.post(&admin, &format!("/jobs/{id}/cancel"), json!({})).await.status(), StatusCode::OK);
+    let (_, ended) = page(&server, &http, &cookie, &format!("/jobs/{id}")).await;
+    assert!(ended.contains(&delete), "{ended}");
+    let response = post_form(&server, &http, &cookie, &delete, &[]).await;
+    let (location, body) = support::follow_notice(&server, &http, &cookie, response).await;
+    assert_eq!(location, format!("/jobs/{id}"));
+    assert!(body.contains("Deleted 1 checkpoint of ") && body.contains("No checkpoint yet."), "{body}");
+    let listed: Vec<Value> = server.get(&admin, &format!("/jobs/{id}/checkpoints")).await.json().await.unwrap();
+    assert!(listed.is_empty(), "{listed:?}");
 }
 
 /// An attribute value as the browser reads it (askama escapes `&` as `&#38;`).
@@ -655,7 +697,7 @@ async fn no_page_answers_malformed_requests_with_a_5xx() {
     // The forms, sent fields of the wrong type or none; deletes last, so the real ids last.
     let forms = [
         "/account/password", "/users/{}/disable", "/users/{}/enable", "/jobs/new", "/deployments",
-        "/deployments/{}/scale", "/deployments/{}/loaning", "/jobs/{}/cancel",
+        "/deployments/{}/scale", "/deployments/{}/loaning", "/jobs/{}/cancel", "/jobs/{}/checkpoints/delete",
         "/models/{}/delete", "/datasets/{}/delete", "/deployments/{}/delete",
     ];
     let fields: [&[(&str, &str)]; 3] = [

@@ -130,10 +130,14 @@ impl Agent {
         }
     }
 
-    /// The job kinds there is room for now.
+    /// The job kinds there is room for now: none on a worker with slices while an engine
+    /// process it stopped still answers what it admitted (its slice holds its memory).
     fn claimable(&self, running: &HashMap<Uuid, Running>) -> Vec<&'static str> {
         let used = |u: Use| running.values().filter(|job| job.usage == u).count();
         let has_slices = !self.config.inventory.slices.is_empty();
+        if has_slices && self.config.endpoint.any_stopping() {
+            return Vec::new();
+        }
         claimable_kinds(used(Use::Batch) < self.config.slots, used(Use::Replica) < self.config.replica_slots, has_slices)
     }
 

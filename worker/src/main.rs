@@ -86,7 +86,16 @@ async fn main() -> anyhow::Result<()> {
     }
     if std::env::args().nth(1).as_deref() == Some("engine") {
         let engine = EngineCli::parse_from(std::env::args().skip(1));
-        return Ok(run_engine(engine.args).await?);
+        // Exits here: the runtime would wait for its stdin read, which cannot be cancelled
+        // and ends only when the worker closes the pipe.
+        let code = match run_engine(engine.args).await {
+            Ok(()) => 0,
+            Err(error) => {
+                eprintln!("Error: {error}");
+                1
+            }
+        };
+        std::process::exit(code);
     }
     let cli = Cli::parse();
     #[cfg(feature = "cuda")]

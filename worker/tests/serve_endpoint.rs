@@ -118,6 +118,32 @@ async fn the_engine_endpoint_answers_a_caller_with_the_engine_token() {
     assert_eq!((info.dimensions, info.max_input_tokens), (HIDDEN as u32, MAX_POSITIONS as u32));
 }
 
+/// A tokenizer that adds no special tokens gives no ids for a blank text: that input is
+/// refused with a 422 naming it, before it can join (and fail) a batch of other requests.
+#[tokio::test]
+async fn a_blank_text_under_a_tokenizer_without_special_tokens_is_a_422_naming_the_input() {
+    let folder = tiny_model();
+    let mut tokenizer = word_level_tokenizer(WORDS, None);
+    tokenizer["post_processor"] = serde_json::Value::Null;
+    std::fs::write(folder.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let endpoint = endpoint_with_token().await;
+    let (replica, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(256, 8), Admission::DEFAULT).await.unwrap();
+    let id = Uuid::new_v4();
+    let _registration = endpoint.add(id, replica);
+    let url = format!("{}/embed", endpoint.replica_url(id));
+    let http = http();
+    let blank = http.post(&url).bearer_auth(TOKEN).json(&texts(&["the cat", "   "])).send();
+    let other = http.post(&url).bearer_auth(TOKEN).json(&texts(&["a mat"])).send();
+    let (blank, other) = tokio::join!(blank, other);
+    let blank = blank.unwrap();
+    assert_eq!(blank.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let error: WireError = blank.json().await.unwrap();
+    assert!(error.error.contains("input 1"), "{}", error.error);
+    let other = other.unwrap();
+    assert_eq!(other.status(), StatusCode::OK, "another caller's request is served");
+    assert_eq!(other.json::<InferResponse>().await.unwrap().tokens, vec![2], "no special tokens added");
+}
+
 #[tokio::test]
 async fn load_replica_runs_a_full_warm_up_batch_before_it_returns_the_replica() {
     let folder = tiny_model();
@@ -159,4 +185,39 @@ async fn a_full_replica_queue_is_answered_429() {
         .unwrap();
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.json::<WireError>().await.unwrap().kind, "overloaded");
+}
+
+/// A stopping replica answers what it admitted: new requests hear `not_serving` at once
+/// (the gateway tries another replica), the one being computed gets its answer, and the
+/// drain ends when it has.
+#[tokio::test]
+async fn a_draining_replica_answers_what_it_admitted_and_refuses_the_rest() {
+    let folder = tiny_model();
+    let endpoint = endpoint_with_token().await;
+    let (loaded, _) = load_replica(folder.path().into(), LoadOptions::default(), Uuid::new_v4(), limits(256, 8), Admission::DEFAULT).await.unwrap();
+    let (started, mut computing) = mpsc::unbounded_channel();
+    let (release, mut gate) = mpsc::unbounded_channel::<()>();
+    let queue = Queue::with_compute(limits(256, 8), Admission::DEFAULT, 1000.0, move |sequences: &[&[u32]]| {
+        let _ = started.send(());
+        let _ = gate.blocking_recv();
+        Ok(vec![vec![0.5; HIDDEN]; sequences.len()])
+    });
+    let id = Uuid::new_v4();
+    let registration = endpoint.add(id, Replica { model: loaded.model.clone(), model_id: loaded.model_id, task: loaded.task, queue });
+    let url = format!("{}/embed", endpoint.replica_url(id));
+    let in_flight = tokio::spawn(http().post(&url).bearer_auth(TOKEN).json(&texts(&["the cat"])).send());
+    computing.recv().await.unwrap();
+
+    let drained = tokio::spawn(registration.drain(Duration::from_secs(20)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let refused = http().post(&url).bearer_auth(TOKEN).json(&texts(&["a mat"])).send().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.json::<WireError>().await.unwrap().kind, "not_serving");
+    assert!(!drained.is_finished(), "the drain waits for the request being computed");
+
+    release.send(()).unwrap();
+    let answered = in_flight.await.unwrap().unwrap();
+    assert_eq!(answered.status(), StatusCode::OK);
+    assert_eq!(answered.json::<InferResponse>().await.unwrap().outputs, vec![vec![0.5; HIDDEN]]);
+    assert!(drained.await.unwrap(), "drained before the deadline");
 }

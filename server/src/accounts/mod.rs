@@ -91,8 +91,9 @@ pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRe
     let wrong = || Error::Unauthorized("Wrong username or password.".into());
     let user = users::find_by_name(&state.db, &request.username).await?;
     let Some(user) = user else {
-        // Spend the same time as a real check so timing does not reveal which names exist.
-        let _ = password::hash(request.password.clone()).await;
+        // Spend the same time as a real check so timing does not reveal which names exist,
+        // and answer a busy server's 503 as a real check would.
+        password::hash(request.password.clone()).await?;
         return Err(wrong());
     };
     if !password::verify(request.password.clone(), user.password_hash.clone()).await? {
@@ -100,7 +101,7 @@ pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRe
     }
     // Said only after the right password, so it tells a guesser nothing.
     if user.disabled_at.is_some() {
-        return Err(Error::Forbidden("This account is disabled; ask an admin to enable it.".into()));
+        return Err(auth::account_disabled());
     }
     Ok(user)
 }
@@ -166,7 +167,8 @@ pub async fn set_disabled(state: &AppState, principal: &Principal, id: Uuid, dis
 /// Exchange a username and password for a session token.
 #[utoipa::path(post, path = "/api/v1/auth/login", tag = "accounts", request_body = LoginRequest,
     responses((status = 200, body = LoginResponse), (status = 401, body = tessera_api::error::ErrorBody),
-              (status = 429, description = "Too many attempts")))]
+              (status = 403, body = tessera_api::error::ErrorBody), (status = 429, description = "Too many attempts"),
+              (status = 503, description = "Too many password checks at once; send it again shortly")))]
 pub async fn login(
     State(state): State<AppState>,
     ConnectInfo(client): ConnectInfo<SocketAddr>,

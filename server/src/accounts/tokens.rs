@@ -14,7 +14,8 @@ use crate::store::users;
 
 /// Create a personal API token; the response holds the secret, shown only this once.
 #[utoipa::path(post, path = "/api/v1/tokens", tag = "tokens", security(("bearer" = [])), request_body = CreateToken,
-    responses((status = 201, body = CreatedToken), (status = 422, body = tessera_api::error::ErrorBody)))]
+    responses((status = 201, body = CreatedToken), (status = 403, body = tessera_api::error::ErrorBody),
+              (status = 422, body = tessera_api::error::ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
@@ -33,7 +34,10 @@ pub async fn create(
         created_at: db::time(now_ms()),
         last_used_at: None,
     };
-    users::insert_token(&state.db, principal.id, &info, &secrets::digest(&secret)).await?;
+    // A user disabled while this request ran gets no token (see `users::insert_token`).
+    if !users::insert_token(&state.db, principal.id, &info, &secrets::digest(&secret)).await? {
+        return Err(crate::auth::account_disabled());
+    }
     Ok((StatusCode::CREATED, ApiJson(CreatedToken { info, token: secret })))
 }
 

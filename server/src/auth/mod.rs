@@ -121,11 +121,21 @@ pub fn session_of(state: &AppState, token: &str) -> Option<Uuid> {
     state.sessions.verify(token).map(|claims| claims.session)
 }
 
-/// Starts a session for `user`: its row, then the JWT that names it.
+/// What a disabled user is told when it signs in or asks for a credential: said only to
+/// one that proved the password or holds a session, so it tells a guesser nothing.
+pub fn account_disabled() -> Error {
+    Error::Forbidden("This account is disabled; ask an admin to enable it.".into())
+}
+
+/// Starts a session for `user`: its row, then the JWT that names it. A user disabled
+/// since its password was checked gets no row (the store checks in the same transaction),
+/// so a login racing the disable cannot outlive it.
 pub async fn start_session(state: &AppState, user: Uuid) -> Result<(String, chrono::DateTime<chrono::Utc>), Error> {
     let session = Uuid::new_v4();
     let (token, expires_at) = state.sessions.issue(user, session);
-    users::insert_session(&state.db, session, user, expires_at.timestamp_millis()).await?;
+    if !users::insert_session(&state.db, session, user, expires_at.timestamp_millis()).await? {
+        return Err(account_disabled());
+    }
     Ok((token, expires_at))
 }
 
@@ -159,9 +169,21 @@ impl FromRequestParts<AppState> for AgentAuth {
         let token = bearer(parts).ok_or_else(|| {
             Error::Unauthorized("Workers send `Authorization: Bearer <worker secret>` from registration.".into())
         })?;
-        let worker_id = workers::touch_by_secret(&state.db, &secrets::digest(token))
-            .await?
-            .ok_or_else(|| Error::Unauthorized("Unknown worker secret; register the worker again.".into()))?;
+        let unknown = || Error::Unauthorized("Unknown worker secret; register the worker again.".into());
+        let digest = secrets::digest(token);
+        let (worker_id, joined_with) = workers::by_secret(&state.db, &digest).await?.ok_or_else(unknown)?;
+        // A changed (or unset) TESSERA_WORKER_TOKEN cuts off every worker admitted with the old one.
+        let current = state.config.worker_token.as_deref().map(secrets::digest);
+        if joined_with.is_some_and(|joined| current.as_deref() != Some(joined.as_str())) {
+            return Err(Error::Unauthorized(
+                "This worker joined with a worker token this server no longer accepts (TESSERA_WORKER_TOKEN \
+                 changed or was unset); start it with the server's current token."
+                    .into(),
+            ));
+        }
+        if !workers::touch(&state.db, worker_id, &digest).await? {
+            return Err(unknown());
+        }
         Ok(AgentAuth { worker_id })
     }
 }

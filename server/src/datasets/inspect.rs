@@ -1,14 +1,20 @@
 //! Reads an uploaded dataset once, start to end, to check it and learn its shape: the
-//! columns (in file order) with their types, and the number of rows. Pure: it sees a
-//! reader, not the request or the database.
+//! columns (in file order) with their types, missing values and distinct values, and the
+//! number of rows. Pure: it sees a reader, not the request or the database.
+//!
+//! What it accepts the worker's parser (`worker/src/train/data.rs`) reads the same way: the
+//! same `csv` reader settings, the same number rule ([`parse_number`]), the same missing
+//! values. A job that reads a column with missing values is refused at submission.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::{BufRead, BufReader, Read};
 use std::rc::Rc;
 
 use serde::de::{Deserializer, MapAccess, Visitor};
-use tessera_api::datasets::{ColumnType, DatasetColumn, DatasetFormat};
+use tessera_api::datasets::{self, parse_number, ColumnType, DatasetColumn, DatasetFormat};
+use tessera_api::train::MAX_CLASSES;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
@@ -44,20 +50,69 @@ const MAX_NAME_LEN: usize = 200;
 /// carries those it reads, once per rank of a data-parallel job.
 const MAX_NAMES_BYTES: usize = 256 << 10;
 
+/// Most value hashes the distinct counts of all columns hold at once (2^21, some 40 MB with
+/// the sets' overhead). A column's set is dropped when it passes [`MAX_CLASSES`], so this
+/// binds only on wide files of many columns still under the cap: the column whose set would
+/// pass it is left uncounted, and a job on it finds its class count on the worker.
+const DISTINCT_BUDGET: usize = 1 << 21;
+
+/// A column's distinct values so far, as 64-bit hashes of the values the worker compares.
+#[derive(Debug, Clone)]
+enum Distinct {
+    Counting(HashSet<u64>),
+    /// More than [`MAX_CLASSES`].
+    Over,
+    /// Dropped to stay within [`DISTINCT_BUDGET`].
+    Uncounted,
+}
+
 /// What the values of one column have been so far.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone)]
 struct Seen {
     number: bool,
     text: bool,
+    missing: u64,
+    distinct: Distinct,
+}
+
+impl Default for Seen {
+    fn default() -> Seen {
+        Seen { number: false, text: false, missing: 0, distinct: Distinct::Counting(HashSet::new()) }
+    }
 }
 
 impl Seen {
-    fn kind(self) -> ColumnType {
+    fn kind(&self) -> ColumnType {
         if self.number && !self.text {
             ColumnType::Number
         } else {
             ColumnType::String
         }
+    }
+
+    /// Counts a value that is not missing; `held` is the hashes all columns' sets hold.
+    fn count(&mut self, value: impl Hash, held: &mut usize) {
+        let Distinct::Counting(set) = &mut self.distinct else { return };
+        let mut hasher = DefaultHasher::new();
+        value.hash(&mut hasher);
+        if !set.insert(hasher.finish()) {
+            return;
+        }
+        *held += 1;
+        let size = set.len();
+        if size > MAX_CLASSES || *held > DISTINCT_BUDGET {
+            *held -= size;
+            self.distinct = if size > MAX_CLASSES { Distinct::Over } else { Distinct::Uncounted };
+        }
+    }
+
+    fn column(&self, name: String) -> DatasetColumn {
+        let distinct = match &self.distinct {
+            Distinct::Counting(set) => Some(set.len() as u64),
+            Distinct::Over => Some(MAX_CLASSES as u64 + 1),
+            Distinct::Uncounted => None,
+        };
+        DatasetColumn { name, kind: self.kind(), missing: self.missing, distinct }
     }
 }
 
@@ -92,7 +147,7 @@ fn summary(names: Vec<String>, seen: Vec<Seen>, rows: u64) -> Result<Summary, In
     if rows == 0 {
         return Err(InspectError::Empty("The dataset has no data rows.".into()));
     }
-    let columns = names.into_iter().zip(seen).map(|(name, seen)| DatasetColumn { name, kind: seen.kind() }).collect();
+    let columns = names.into_iter().zip(seen).map(|(name, seen)| seen.column(name)).collect();
     Ok(Summary { columns, rows })
 }
 
@@ -104,8 +159,9 @@ pub fn inspect(format: DatasetFormat, reader: impl Read) -> Result<Summary, Insp
 }
 
 /// CSV with a header row: every record has as many fields as the header, the bytes are
-/// UTF-8. A column is a number column when every non-empty field parses as a finite
-/// number; empty fields are missing values.
+/// UTF-8. A column is a number column when every field that is not blank is a number
+/// ([`parse_number`]); blank fields are missing values. A quote inside an unquoted field is
+/// kept as written (`5" screen`), as the `csv` reader does.
 fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
     let record_start = Rc::new(Cell::new(0u64));
     let metered = Metered { inner: reader, pulled: 0, record_start: record_start.clone() };
@@ -117,19 +173,21 @@ fn inspect_csv(reader: impl Read) -> Result<Summary, InspectError> {
     }
     check_names(&names, 1)?;
     let mut seen = vec![Seen::default(); names.len()];
-    let mut rows = 0u64;
+    let (mut rows, mut held) = (0u64, 0usize);
     let mut record = csv::StringRecord::new();
     while csv.read_record(&mut record).map_err(|e| csv_error(e, csv.position().line()))? {
         record_start.set(csv.position().byte());
         for (field, seen) in record.iter().zip(seen.iter_mut()) {
             let field = field.trim();
             if field.is_empty() {
+                seen.missing += 1;
                 continue;
             }
-            match field.parse::<f64>() {
-                Ok(value) if value.is_finite() => seen.number = true,
-                _ => seen.text = true,
+            match parse_number(field) {
+                Some(_) => seen.number = true,
+                None => seen.text = true,
             }
+            seen.count(field, &mut held);
         }
         rows += 1;
     }
@@ -208,15 +266,16 @@ impl<'de> serde::Deserialize<'de> for FlatObject {
 }
 
 /// JSONL: one flat JSON object per line, every line with the same keys. Values are
-/// numbers, strings, booleans (read as strings) or null (missing); a key holding numbers
-/// on some lines and strings on others is refused, so a column has one type.
+/// numbers within f32's range ([`datasets::to_f32`]), strings, booleans (read as strings)
+/// or null; null and blank strings are missing values. A key holding numbers on some lines
+/// and strings on others is refused, so a column has one type.
 fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
     let mut reader = BufReader::new(reader);
     let mut names: Option<Vec<String>> = None;
     let mut seen: Vec<Seen> = Vec::new();
     // Each key's column, so a row of k keys is k lookups, not k²/2 comparisons.
     let mut positions: HashMap<String, usize> = HashMap::new();
-    let mut rows = 0u64;
+    let (mut rows, mut held) = (0u64, 0usize);
     let mut bytes = Vec::new();
     let mut number = 0u64;
     loop {
@@ -248,20 +307,47 @@ fn inspect_jsonl(reader: impl Read) -> Result<Summary, InspectError> {
                 names.insert(keys.clone())
             }
         };
-        if keys.len() != names.len() || keys.iter().collect::<HashSet<_>>() != names.iter().collect::<HashSet<_>>() {
-            let missing: Vec<&String> = names.iter().filter(|n| !keys.contains(n)).collect();
-            let extra: Vec<&String> = keys.iter().filter(|k| !names.contains(k)).collect();
+        let present: HashSet<&str> = keys.iter().map(String::as_str).collect();
+        if keys.len() != names.len() || present.len() != keys.len() || !keys.iter().all(|k| positions.contains_key(k)) {
+            // By hash, and a few of each named: a line may hold a hundred thousand keys.
+            let missing: Vec<&String> = names.iter().filter(|n| !present.contains(n.as_str())).take(5).collect();
+            let extra: Vec<&String> = keys.iter().filter(|k| !positions.contains_key(*k)).take(5).collect();
             return Err(invalid(
                 number,
-                format!("the keys differ from the first line's (missing {missing:?}, extra {extra:?}); every line needs the same keys"),
+                format!(
+                    "the keys differ from the first line's (missing {missing:?}, extra {extra:?}, the first 5 of each); \
+                     every line needs the same keys"
+                ),
             ));
         }
         for (key, value) in &entries {
             let slot = &mut seen[positions[key.as_str()]];
             match value {
-                serde_json::Value::Null => {}
-                serde_json::Value::Number(_) => slot.number = true,
-                serde_json::Value::String(_) | serde_json::Value::Bool(_) => slot.text = true,
+                serde_json::Value::Null => slot.missing += 1,
+                serde_json::Value::String(text) if text.trim().is_empty() => slot.missing += 1,
+                serde_json::Value::Number(n) if n.as_f64().and_then(datasets::to_f32).is_none() => {
+                    return Err(invalid(
+                        number,
+                        format!(
+                            "{key:?} holds {n}, outside ±3.4e38, the range of the f32 numbers training reads; \
+                             scale the column or write its values as strings"
+                        ),
+                    ))
+                }
+                serde_json::Value::Number(n) => {
+                    slot.number = true;
+                    slot.count(n, &mut held);
+                }
+                // As the worker reads them: a string without its surrounding spaces, a boolean
+                // as `true` or `false`.
+                serde_json::Value::String(text) => {
+                    slot.text = true;
+                    slot.count(text.trim(), &mut held);
+                }
+                serde_json::Value::Bool(flag) => {
+                    slot.text = true;
+                    slot.count(if *flag { "true" } else { "false" }, &mut held);
+                }
                 _ => {
                     return Err(invalid(
                         number,
@@ -298,6 +384,60 @@ mod tests {
             columns(&summary),
             [("x", ColumnType::Number), ("y", ColumnType::Number), ("label", ColumnType::String)]
         );
+    }
+
+    fn counts(summary: &Summary) -> Vec<(u64, Option<u64>)> {
+        summary.columns.iter().map(|c| (c.missing, c.distinct)).collect()
+    }
+
+    #[test]
+    fn blank_fields_and_nulls_are_counted_as_missing_values() {
+        let csv = "x,label,note\n1,cat,\n , dog,a\n2,cat, \n2,,b\n";
+        let summary = inspect(DatasetFormat::Csv, csv.as_bytes()).unwrap();
+        assert_eq!(columns(&summary)[0], ("x", ColumnType::Number), "a blank cell leaves a number column one");
+        // Distinct as the worker compares them: ` dog` is `dog`, `2` twice is one value.
+        assert_eq!(counts(&summary), [(1, Some(2)), (1, Some(2)), (2, Some(2))]);
+        let jsonl = "{\"x\":1,\"t\":\"a\"}\n{\"x\":null,\"t\":\" \"}\n{\"x\":1.0,\"t\":true}\n";
+        let summary = inspect(DatasetFormat::Jsonl, jsonl.as_bytes()).unwrap();
+        assert_eq!(columns(&summary), [("x", ColumnType::Number), ("t", ColumnType::String)]);
+        // 1 and 1.0 are two values to the worker, which reads their spelling.
+        assert_eq!(counts(&summary), [(1, Some(2)), (1, Some(2))]);
+    }
+
+    #[test]
+    fn numbers_past_f32_are_strings_in_csv_and_refused_in_jsonl() {
+        let summary = inspect(DatasetFormat::Csv, "x,y\n1e39,1\n2,3.4e38\n".as_bytes()).unwrap();
+        assert_eq!(columns(&summary), [("x", ColumnType::String), ("y", ColumnType::Number)]);
+        let error = inspect(DatasetFormat::Jsonl, "{\"x\":1}\n{\"x\":1e39}\n".as_bytes()).unwrap_err();
+        assert!(matches!(error, InspectError::Invalid { line: 2, .. }), "{error}");
+        assert!(error.to_string().contains("f32"), "{error}");
+    }
+
+    /// A line of many keys other than the first line's is named by a few of them, found by
+    /// hash: comparing every key with every name took seconds and wrote megabytes.
+    #[test]
+    fn a_line_with_other_keys_names_a_few_of_them() {
+        let first: Vec<String> = (0..1000).map(|i| format!("\"c{i}\":1")).collect();
+        let other: Vec<String> = (0..60_000).map(|i| format!("\"k{i}\":1")).collect();
+        let file = format!("{{{}}}\n{{{}}}\n", first.join(","), other.join(","));
+        let started = std::time::Instant::now();
+        let error = inspect(DatasetFormat::Jsonl, file.as_bytes()).unwrap_err().to_string();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+        assert!(error.len() < 400 && error.contains("\"c0\"") && error.contains("\"k4\""), "{error}");
+        assert!(!error.contains("\"k5\""), "{error}");
+    }
+
+    #[test]
+    fn a_quote_inside_an_unquoted_csv_field_is_kept() {
+        let summary = inspect(DatasetFormat::Csv, "size,y\n5\" screen,1\n7\" screen,2\n".as_bytes()).unwrap();
+        assert_eq!((summary.rows, columns(&summary)[0]), (2, ("size", ColumnType::String)));
+    }
+
+    #[test]
+    fn distinct_values_are_counted_to_one_past_the_class_cap() {
+        let rows: String = (0..MAX_CLASSES + 5).map(|i| format!("{i},{}\n", i % 3)).collect();
+        let summary = inspect(DatasetFormat::Csv, format!("id,label\n{rows}").as_bytes()).unwrap();
+        assert_eq!(counts(&summary), [(0, Some(MAX_CLASSES as u64 + 1)), (0, Some(3))]);
     }
 
     #[test]

@@ -20,6 +20,9 @@ use crate::state::AppState;
 
 const HEADER_LENGTH: &str = "inference-header-content-length";
 
+/// The one version a deployment has: it serves one model, which an update replaces.
+const VERSION: &str = "1";
+
 pub(crate) fn kserve_error(error: GatewayError) -> Response {
     error.with_headers((error.status, Json(json!({"error": error.message}))).into_response())
 }
@@ -43,6 +46,19 @@ pub async fn ready(State(state): State<AppState>) -> Response {
     }
 }
 
+/// A path's `{version}`, when it names one, must be [`VERSION`]: any other is a 404 that
+/// says which exists, rather than version 1 answering for it.
+fn check_version(segments: &[String]) -> Result<(), GatewayError> {
+    match segments {
+        [name, version] if version != VERSION => Err(GatewayError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("Model '{name}' has no version '{version}'; its only version is \"{VERSION}\"."),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn output_name(classifier: bool) -> &'static str {
     if classifier {
         "logits"
@@ -61,9 +77,10 @@ pub async fn model_metadata(
         let ApiPath(segments) = path?;
         let name = &segments[0];
         let resolved = state.gateway.resolve(&state.db, &principal.scope(), name).await?;
+        check_version(&segments)?;
         Ok::<_, GatewayError>(Json(json!({
             "name": name,
-            "versions": ["1"],
+            "versions": [VERSION],
             "platform": "tessera",
             "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
             "outputs": [{"name": output_name(resolved.model.classifier), "datatype": "FP32",
@@ -85,8 +102,11 @@ pub async fn model_ready(
         let ApiPath(segments) = path?;
         let name = &segments[0];
         let resolved = state.gateway.resolve(&state.db, &principal.scope(), name).await?;
+        check_version(&segments)?;
         let ready = resolved.ready_replicas > 0;
-        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        // The protocol answers with the status: 200 for true, a 4xx for false (Triton's 400);
+        // a 5xx would say that the server failed.
+        let status = if ready { StatusCode::OK } else { StatusCode::BAD_REQUEST };
         Ok::<_, GatewayError>((status, Json(json!({"name": name, "ready": ready}))).into_response())
     }
     .await;
@@ -217,12 +237,14 @@ pub async fn infer(
         // `parameters.truncate: false` refuses over-long inputs (413) instead of cutting them.
         let truncate = header["parameters"]["truncate"].as_bool().unwrap_or(true);
         let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate };
-        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &name, &request, |_| Ok(())).await?;
+        // The version is checked once the deployment is found: an unknown name is the 404 saying so.
+        let (shape, response) =
+            state.gateway.infer(&state.db, &principal.scope(), &name, &request, |_| check_version(&segments)).await?;
         let rows = response.outputs.len();
         let width = response.outputs.first().map_or(0, Vec::len);
         let values: Vec<f32> = response.outputs.iter().flatten().copied().collect();
         let mut output = json!({"name": output_name(shape.classifier), "datatype": "FP32", "shape": [rows, width]});
-        let mut reply = json!({"model_name": name, "model_version": "1", "outputs": []});
+        let mut reply = json!({"model_name": name, "model_version": VERSION, "outputs": []});
         if let Some(id) = header.get("id") {
             reply["id"] = id.clone();
         }

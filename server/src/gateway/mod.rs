@@ -3,10 +3,12 @@
 //! so a request costs no database round trip; connections to workers are kept alive.
 //! A replica that does not answer within the inference timeout gets the client a 504; one
 //! at capacity refuses at once (429, `Retry-After`), and the next replica is tried before
-//! the client hears it.
+//! the client hears it. A replica that failed lately is tried after the others
+//! (`ejection.rs`).
 //! Everything a request needs that does not change with it (replica URLs, authorization
 //! headers, metric handles) is built once per route, not per request.
 
+mod ejection;
 pub mod kserve;
 pub mod openai;
 pub mod stats;
@@ -18,9 +20,10 @@ use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use metrics::{Counter, Histogram};
-use tessera_api::engine::{EngineError, InferRequest, InferResponse};
+use tessera_api::engine::{EngineError, InferRequest, InferResponse, NOT_SERVING};
 use uuid::Uuid;
 
+use self::ejection::Ejections;
 use self::stats::{Sample, TrafficStats};
 use crate::store::db::Db;
 use crate::store::{deployments, Scope};
@@ -37,6 +40,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// (control characters are escaped), so the gateway checks what it would send.
 const REPLICA_BODY_LIMIT_BYTES: usize = 2 << 20;
 
+/// The kind of an engine's 503 for a request its replica stopped before computing
+/// (`worker/src/serve/endpoint.rs`): as with [`NOT_SERVING`], another replica may take it.
+const UNHEALTHY: &str = "unhealthy";
+
 /// A failure, with the status the client should see and a sentence for it.
 #[derive(Debug)]
 pub struct GatewayError {
@@ -52,9 +59,12 @@ impl GatewayError {
         GatewayError { status, kind: kind.into(), message: message.into(), retry_after: None }
     }
 
-    /// `response` with this error's `Retry-After`, whichever shape its body has.
+    /// `response` with this error's `Retry-After`, whichever shape its body has. Every 503
+    /// carries one (a second unless the error says otherwise), as on every route of the
+    /// platform, so that clients send the request again.
     pub fn with_headers(&self, mut response: axum::response::Response) -> axum::response::Response {
-        if let Some(seconds) = self.retry_after {
+        let unavailable = self.status == StatusCode::SERVICE_UNAVAILABLE;
+        if let Some(seconds) = self.retry_after.or(unavailable.then_some(1)) {
             response.headers_mut().insert(header::RETRY_AFTER, seconds.into());
         }
         response
@@ -70,6 +80,12 @@ impl GatewayError {
 /// 503 of the platform carries.
 fn unavailable(message: String) -> GatewayError {
     GatewayError { retry_after: Some(1), ..GatewayError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message) }
+}
+
+/// The 404 for a deployment that does not exist and for one the caller may not see: the
+/// same answer, so that guessing names finds out nothing.
+fn no_deployment(name: &str) -> GatewayError {
+    GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{name}'."))
 }
 
 impl From<crate::error::Error> for GatewayError {
@@ -181,6 +197,8 @@ pub struct Gateway {
     timeout: Duration,
     routes: Mutex<HashMap<String, Arc<Route>>>,
     inflight: Mutex<HashMap<Uuid, Arc<AtomicUsize>>>,
+    /// Replicas that failed lately, tried after the others.
+    ejections: Mutex<Ejections>,
     /// Per-deployment windowed figures for the dashboard and the stats route.
     pub stats: TrafficStats,
 }
@@ -202,6 +220,8 @@ impl Gateway {
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(timeout)
             .tcp_nodelay(true)
+            // A replica answers; it never sends the gateway (and the user's request) on.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .expect("an HTTP client with default TLS settings builds");
         Gateway {
@@ -209,6 +229,7 @@ impl Gateway {
             timeout,
             routes: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
+            ejections: Mutex::new(Ejections::default()),
             stats: TrafficStats::default(),
         }
     }
@@ -220,9 +241,10 @@ impl Gateway {
             }
         }
         // A busy database is a 503 to send again, as on every route.
-        let record = deployments::route(db, deployment).await.map_err(crate::error::Error::from)?.ok_or_else(|| {
-            GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'."))
-        })?;
+        let record = deployments::route(db, deployment)
+            .await
+            .map_err(crate::error::Error::from)?
+            .ok_or_else(|| no_deployment(deployment))?;
         let model = ModelShape::from_registry(&record.architecture, &record.config);
         let mut targets = Vec::with_capacity(record.targets.len());
         for target in record.targets {
@@ -245,7 +267,10 @@ impl Gateway {
             targets,
             metrics: RouteMetrics::new(deployment),
         });
-        self.routes.lock().expect("routes lock").insert(deployment.to_string(), route.clone());
+        let mut routes = self.routes.lock().expect("routes lock");
+        routes.insert(deployment.to_string(), route.clone());
+        let routed = |replica: Uuid| routes.values().any(|cached| cached.targets.iter().any(|t| t.replica == replica));
+        self.ejections.lock().expect("ejections lock").retain(routed, Instant::now());
         Ok(route)
     }
 
@@ -257,7 +282,7 @@ impl Gateway {
     async fn visible_route(&self, db: &Db, scope: &Scope, deployment: &str) -> Result<Arc<Route>, GatewayError> {
         let route = self.route(db, deployment).await?;
         if !scope.sees(route.owner_id) {
-            return Err(GatewayError::new(StatusCode::NOT_FOUND, "not_found", format!("No deployment named '{deployment}'.")));
+            return Err(no_deployment(deployment));
         }
         Ok(route)
     }
@@ -292,19 +317,22 @@ impl Gateway {
         Ok((route.model.clone(), outcome?))
     }
 
-    /// One replica after another, least loaded first, until one answers; one that cannot
-    /// be reached is skipped, as is one that says it does not serve the request (a 503 of
-    /// kind `not_serving`: stopping, or scaled down since the route was read), and so is one
-    /// at capacity (its 429 computed nothing), whose refusal the client gets if every replica
-    /// refuses (with the soonest `Retry-After`).
+    /// One replica after another, in [`try_order`], until one answers. One that cannot be
+    /// reached is skipped, and so is one whose answer computed nothing: a 503 of kind
+    /// `not_serving` (stopping, or scaled down since the route was read) or `unhealthy` (it
+    /// stopped before answering); a 401 (its worker registered again, with a new engine
+    /// token, since the route was read: a client would read a 401 as its own key refused);
+    /// and a 429 (at capacity), whose refusal the client gets if every replica refuses
+    /// (with the soonest `Retry-After`).
     /// One that was reached but does not answer in time is not retried elsewhere: it may
-    /// still be working on the request, and the client has waited the whole timeout.
+    /// still be working on the request, and the client has waited the whole timeout. Nor is
+    /// one that failed on the request (another 5xx): the request could fail the next too.
+    /// A replica that could not be reached, timed out or failed is set back ([`ejection`]).
     ///
     /// If the client goes away, this future is dropped with the request in flight, which
     /// closes its connection to the replica; the replica then drops the queued work.
     async fn forward(&self, route: &Route, deployment: &str, request: &InferRequest) -> Result<InferResponse, GatewayError> {
-        let mut targets: Vec<&Target> = route.targets.iter().collect();
-        targets.sort_by_key(|t| t.inflight.load(Ordering::Relaxed));
+        let targets = try_order(&route.targets, &self.ejections.lock().expect("ejections lock"), Instant::now());
         if targets.is_empty() {
             return Err(unavailable(format!(
                 "Deployment '{deployment}' has no ready replica yet; see its state in /api/v1/deployments/{deployment}."
@@ -339,7 +367,9 @@ impl Gateway {
             let response = match sent {
                 Ok(response) => response,
                 Err(error) if error.is_connect() => {
+                    // A host that is down costs each request the connect timeout: spare the next ones.
                     tracing::warn!(replica = %target.replica, %error, "replica unreachable; trying another");
+                    self.eject(target);
                     self.forget(deployment);
                     continue;
                 }
@@ -347,7 +377,16 @@ impl Gateway {
             };
             let status = response.status();
             if status.is_success() {
-                return response.json().await.map_err(|error| self.failed(target, deployment, error));
+                let answer = response.json().await.map_err(|error| self.failed(target, deployment, error))?;
+                self.ejections.lock().expect("ejections lock").succeeded(target.replica);
+                return Ok(answer);
+            }
+            if status == StatusCode::UNAUTHORIZED {
+                // The route read again has the worker's new engine token; until then it goes last.
+                tracing::warn!(replica = %target.replica, "replica refused the engine token; trying another");
+                self.eject(target);
+                self.forget(deployment);
+                continue;
             }
             let retry_after = response
                 .headers()
@@ -371,9 +410,11 @@ impl Gateway {
                 }
             };
             // Only a refusal that computed nothing goes on: a replica that broke down on
-            // the request (any other 503) would take the next one down with it.
-            if status == StatusCode::SERVICE_UNAVAILABLE && error.kind == tessera_api::engine::NOT_SERVING {
+            // the request (a 500) could take the next one down with it.
+            // It stopped or is stopping (scaled down, lent): the route read again leaves it out.
+            if status == StatusCode::SERVICE_UNAVAILABLE && [NOT_SERVING, UNHEALTHY].contains(&error.kind.as_str()) {
                 tracing::warn!(replica = %target.replica, message = %error.message, "replica not serving; trying another");
+                self.forget(deployment);
                 continue;
             }
             if status == StatusCode::TOO_MANY_REQUESTS {
@@ -383,12 +424,20 @@ impl Gateway {
                 }
                 continue;
             }
+            if status.is_server_error() {
+                self.eject(target);
+            }
             return Err(error);
         }
         if let Some(error) = refused {
             return Err(error);
         }
         Err(unavailable(format!("No replica of '{deployment}' could be reached or is serving; retry shortly.")))
+    }
+
+    /// Sets `target` back after a failure, so that the next requests try it last.
+    fn eject(&self, target: &Target) {
+        self.ejections.lock().expect("ejections lock").failed(target.replica, Instant::now());
     }
 
     /// What the client hears when a reached replica fails it: 504 when it ran out of time,
@@ -398,6 +447,7 @@ impl Gateway {
             return self.bad_gateway(target, deployment, "broke off while answering", error.to_string());
         }
         tracing::warn!(replica = %target.replica, timeout_s = self.timeout.as_secs_f64(), "replica did not answer in time");
+        self.eject(target);
         GatewayError::new(
             StatusCode::GATEWAY_TIMEOUT,
             "timeout",
@@ -411,9 +461,11 @@ impl Gateway {
     /// A 502, as a proxy answers when what it forwards to fails: a reached replica broke
     /// the exchange off (it stopped mid-request: scaled down, lent, crashed) or answered
     /// what no engine says. The client hears `what`, the log also `detail` (which names
-    /// the replica's address); the deployment's routes are read again for the next request.
+    /// the replica's address); the replica is set back, and the deployment's routes are
+    /// read again for the next request.
     fn bad_gateway(&self, target: &Target, deployment: &str, what: &str, detail: String) -> GatewayError {
         tracing::warn!(replica = %target.replica, detail, "replica {what}");
+        self.eject(target);
         self.forget(deployment);
         GatewayError::new(
             StatusCode::BAD_GATEWAY,
@@ -421,6 +473,19 @@ impl Gateway {
             format!("A replica of '{deployment}' {what}; retry shortly."),
         )
     }
+}
+
+/// `targets` in the order to try them: those not set back by a recent failure first, each
+/// group least loaded first. One set back is tried last rather than dropped, so that a
+/// deployment whose every replica failed lately is still served by one that recovered.
+fn try_order<'a>(targets: &'a [Target], ejections: &Ejections, now: Instant) -> Vec<&'a Target> {
+    // Each key is read once: in-flight counts move while the sort runs.
+    let mut keyed: Vec<((bool, usize), &Target)> = targets
+        .iter()
+        .map(|target| ((ejections.ejected(target.replica, now), target.inflight.load(Ordering::Relaxed)), target))
+        .collect();
+    keyed.sort_by_key(|&(key, _)| key);
+    keyed.into_iter().map(|(_, target)| target).collect()
 }
 
 /// `x-queue-time`, `x-tokenization-time`, `x-inference-time`, `x-total-time` (ms, as TEI).
@@ -445,5 +510,37 @@ mod tests {
         assert_eq!(seen(&busy), (StatusCode::SERVICE_UNAVAILABLE, "unavailable".into(), Some(1)));
         let broken = GatewayError::from(crate::error::Error::Invariant("a test"));
         assert_eq!(seen(&broken), (StatusCode::INTERNAL_SERVER_ERROR, "internal".into(), None));
+    }
+
+    #[test]
+    fn every_503_carries_retry_after() {
+        let retry_after = |error: GatewayError| {
+            let response = error.with_headers(axum::response::IntoResponse::into_response(error.status));
+            response.headers().get(header::RETRY_AFTER).map(|value| value.to_str().unwrap().to_string())
+        };
+        // An engine's 503 of a kind the gateway does not retry reaches the client as it came.
+        let passed_on = GatewayError::new(StatusCode::SERVICE_UNAVAILABLE, "draining", "The engine said so.");
+        assert_eq!(retry_after(passed_on), Some("1".to_string()));
+        let full = GatewayError::new(StatusCode::TOO_MANY_REQUESTS, "overloaded", "The queue is full.");
+        let told = GatewayError { retry_after: Some(7), ..full };
+        assert_eq!(retry_after(told), Some("7".to_string()));
+        assert_eq!(retry_after(GatewayError::new(StatusCode::BAD_GATEWAY, "bad_gateway", "It broke off.")), None);
+    }
+
+    #[test]
+    fn replicas_set_back_are_tried_last_and_the_rest_least_loaded_first() {
+        let target = |inflight: usize| Target {
+            replica: Uuid::new_v4(),
+            url: String::new(),
+            authorization: HeaderValue::from_static("Bearer engine-token"),
+            inflight: Arc::new(AtomicUsize::new(inflight)),
+        };
+        let targets = [target(0), target(2), target(1)];
+        let now = Instant::now();
+        let mut ejections = Ejections::default();
+        ejections.failed(targets[0].replica, now);
+        let order: Vec<usize> =
+            try_order(&targets, &ejections, now).iter().map(|t| t.inflight.load(Ordering::Relaxed)).collect();
+        assert_eq!(order, [1, 2, 0], "the idle replica failed lately: it goes last, not away");
     }
 }

@@ -1,21 +1,24 @@
-//! OpenAI-compatible embeddings: `POST /v1/embeddings`, `GET /v1/models`. The official
-//! `openai` client asks for base64 unless told otherwise, so both encodings are served.
+//! OpenAI-compatible embeddings: `POST /v1/embeddings`, `GET /v1/models[/{model}]`. The
+//! official `openai` client asks for base64 unless told otherwise, so both encodings are
+//! served.
 
 use std::borrow::Cow;
 use std::time::Instant;
 
-use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tessera_api::engine::{EngineInput, InferRequest};
 
-use super::{timing_headers, GatewayError, ModelShape};
+use super::{no_deployment, timing_headers, GatewayError, ModelShape};
 use crate::auth::Principal;
-use crate::error::Error;
+use crate::error::{ApiPath, Error};
 use crate::state::AppState;
 
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
@@ -91,15 +94,18 @@ fn shorten(mut vector: Vec<f32>, dimensions: usize) -> Vec<f32> {
     vector
 }
 
+/// `POST /v1/embeddings`. The body (`unread`) is read and parsed only once the caller is
+/// known: an anonymous client gets its 401 without the server buffering what it sent, or
+/// parsing it (the untagged `input` costs several times the body's size).
 pub async fn embeddings(
     State(state): State<AppState>,
     principal: Result<Principal, Error>,
-    body: Result<Json<EmbeddingsRequest>, axum::extract::rejection::JsonRejection>,
+    unread: Request,
 ) -> Response {
     let started = Instant::now();
     let result = async {
         let principal = principal?;
-        let Json(request) = body.map_err(|e| {
+        let Json(request) = Json::<EmbeddingsRequest>::from_request(unread, &state).await.map_err(|e: JsonRejection| {
             // Too large is a 413 naming the limit, as on every route (in OpenAI's shape here).
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 return GatewayError::new(e.status(), "invalid_request_error", Error::from(e).public_message());
@@ -174,15 +180,41 @@ pub async fn embeddings(
     result.unwrap_or_else(openai_error)
 }
 
+/// OpenAI's model object for the deployment `name`, whose id it is.
+fn model_object(name: &str, created_at: DateTime<Utc>, owner: &str) -> Value {
+    json!({"id": name, "object": "model", "created": created_at.timestamp(), "owned_by": owner})
+}
+
+/// `GET /v1/models`: the deployments the caller may call (its own; every one for an admin).
 pub async fn models(State(state): State<AppState>, principal: Result<Principal, Error>) -> Response {
     let result = async {
         let principal = principal?;
         let deployments = crate::deployments::list_visible(&state.db, &principal.scope()).await?;
-        let data: Vec<Value> = deployments
-            .iter()
-            .map(|d| json!({"id": d.name, "object": "model", "created": d.created_at.timestamp(), "owned_by": d.owner}))
-            .collect();
+        let data: Vec<Value> = deployments.iter().map(|d| model_object(&d.name, d.created_at, &d.owner)).collect();
         Ok::<_, GatewayError>(Json(json!({"object": "list", "data": data})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(openai_error)
+}
+
+/// `GET /v1/models/{model}` (the SDK's `models.retrieve`): the list's object for one
+/// deployment, a 404 for one the caller may not call as for one that does not exist.
+pub async fn model(
+    State(state): State<AppState>,
+    principal: Result<Principal, Error>,
+    path: Result<ApiPath<String>, Error>,
+) -> Response {
+    let result = async {
+        let principal = principal?;
+        let ApiPath(name) = path?;
+        // By name only: a model's id is its deployment's name, not the deployment's UUID.
+        let deployment = crate::store::deployments::get(&state.db, &principal.scope(), &name)
+            .await
+            .map_err(Error::from)?
+            .filter(|d| d.name == name)
+            .ok_or_else(|| no_deployment(&name))?;
+        let object = model_object(&deployment.name, deployment.created_at, &deployment.owner);
+        Ok::<_, GatewayError>(Json(object).into_response())
     }
     .await;
     result.unwrap_or_else(openai_error)

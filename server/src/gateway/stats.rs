@@ -62,7 +62,8 @@ struct Counts {
     tokens: u64,
     batch_size_sum: u64,
     batch_tokens_sum: u64,
-    latency: [u32; BINS],
+    /// Requests served per latency bin; as wide as `requests`, so that no bin wraps first.
+    latency: [u64; BINS],
 }
 
 impl Default for Counts {
@@ -99,7 +100,7 @@ impl Counts {
         let rank = ((p / 100.0) * served as f64).ceil().max(1.0) as u64;
         let mut seen = 0u64;
         for (bin, &count) in self.latency.iter().enumerate() {
-            seen += count as u64;
+            seen += count;
             if seen >= rank {
                 return bin_value(bin);
             }
@@ -304,5 +305,18 @@ mod tests {
         assert_eq!(stats.snapshot_at(Uuid::new_v4(), Duration::from_secs(120)).request_rate, 0.0);
         stats.forget(id);
         assert_eq!(stats.snapshot_at(id, Duration::from_secs(120)).total.requests, 0);
+    }
+
+    #[test]
+    fn latency_bins_count_past_four_billion() {
+        let mut busy = Counts::default();
+        let many = u64::from(u32::MAX);
+        busy.requests = many;
+        busy.latency[bin_of(1.0)] = many;
+        let mut total = busy.clone();
+        total.merge(&busy);
+        assert_eq!(total.latency[bin_of(1.0)], 2 * many);
+        let p50 = total.percentile(total.requests, 50.0);
+        assert!((p50 - 1.0).abs() < 0.08, "{p50}");
     }
 }

@@ -65,7 +65,7 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
                 let spec = JobSpec::Train(job.clone());
                 let row = NewJob { dataset: Some(dataset), ..NewJob::new(principal.id, &name, &spec, max_attempts) };
                 let mut tx = state.db.begin().await?;
-                quotas::check_jobs(state, &mut tx, principal).await?;
+                check_quotas(state, &mut tx, principal, &spec).await?;
                 hold_inputs(&state.db, &mut tx, &row).await?;
                 let id = gangs::queue(&mut tx, &row, &job, parallel).await?;
                 tx.commit().await?;
@@ -84,12 +84,22 @@ pub async fn submit(state: &AppState, principal: &Principal, request: CreateJob)
     let job = NewJob { dataset, ..NewJob::new(principal.id, &name, &spec, max_attempts) };
     // The quota check and the insert are one step for this user (see `quotas`).
     let mut tx = state.db.begin().await?;
-    quotas::check_jobs(state, &mut tx, principal).await?;
+    check_quotas(state, &mut tx, principal, &spec).await?;
     hold_inputs(&state.db, &mut tx, &job).await?;
     let id = store::insert_in(&mut tx, &job).await?;
     tx.commit().await?;
     tracing::info!(job = %id, kind = spec.kind(), user = %principal.username, "job queued");
     Ok(id)
+}
+
+/// The quotas a new job must fit, checked in the transaction that queues it: one more
+/// job, and for a training job room in storage for the checkpoints it will upload.
+async fn check_quotas(state: &AppState, conn: &mut AnyConnection, principal: &Principal, spec: &JobSpec) -> Result<()> {
+    quotas::check_jobs(state, conn, principal).await?;
+    if matches!(spec, JobSpec::Train(_)) {
+        quotas::check_checkpoint_room(state, conn, principal).await?;
+    }
+    Ok(())
 }
 
 /// Keeps the registered model and the dataset `job` reads from being deleted until the

@@ -49,8 +49,14 @@ pub enum ConfigError {
     },
     #[error("config.json has an `id2label` that is not an object of label names; make it map each label id to a name, or remove it.")]
     BadLabels,
-    #[error("config.json's `architectures[0]` contains a control character; give the class name transformers saved, e.g. `BertModel`.")]
+    #[error("config.json's `architectures[0]` is over 200 characters or contains a control character; give the class name transformers saved, e.g. `BertModel`.")]
     BadArchitecture,
+    #[error("config.json sets `{key}` to {value}; the serving engine runs `{supported}` only.")]
+    UnsupportedSetting {
+        key: &'static str,
+        value: String,
+        supported: &'static str,
+    },
     #[error("The weights have no word-embedding tensor; expected one named {expected}.")]
     MissingEmbeddings { expected: String },
     #[error("Tensor `{tensor}` has shape {found:?} but config.json implies [vocab_size, hidden_size] = {expected:?}; upload the config.json that belongs to these weights.")]
@@ -136,6 +142,18 @@ pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
     let num_attention_heads = size(keys.num_attention_heads)?;
     let vocab_size = size("vocab_size")?;
     let max_position_embeddings = size("max_position_embeddings")?;
+    size("intermediate_size")?;
+    // The settings the engine runs one way of (`EncoderConfig::validate` in the worker).
+    for (key, supported) in [("hidden_act", "gelu"), ("position_embedding_type", "absolute")] {
+        match config.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(value)) if value == supported => {}
+            Some(value) => {
+                let value = value.to_string().chars().take(100).collect();
+                return Err(ConfigError::UnsupportedSetting { key, value, supported });
+            }
+        }
+    }
     if hidden_size % num_attention_heads != 0 {
         return Err(ConfigError::HeadsDoNotDivide {
             hidden_size,
@@ -150,7 +168,7 @@ pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
         .unwrap_or(model_type)
         .to_owned();
     // Kept as a column and shown back: a NUL would fail PostgreSQL's insert, an escape a terminal.
-    if architecture.chars().any(char::is_control) {
+    if architecture.chars().count() > 200 || architecture.chars().any(char::is_control) {
         return Err(ConfigError::BadArchitecture);
     }
     let num_labels = match config.get("id2label") {
@@ -216,18 +234,20 @@ pub fn check_weights(cfg: &ModelConfig, tensors: &[TensorInfo]) -> Result<(), Co
 }
 
 /// Loads `tokenizer.json` and encodes a short text once, which catches files that parse
-/// but cannot run (e.g. a model section referring to a missing vocabulary).
+/// but cannot run (e.g. a model section referring to a missing vocabulary). The file's
+/// padding and truncation are set aside first, as the engine sets them aside: they are a
+/// training setup, and a hostile one (padding to 10¹¹ tokens, a stride past the length)
+/// would abort or panic the encode. A panic elsewhere in the tokenizer is a refusal too.
 pub fn check_tokenizer(bytes: &[u8]) -> Result<(), ConfigError> {
-    let tokenizer =
-        tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| ConfigError::Tokenizer {
-            detail: e.to_string(),
-        })?;
-    tokenizer
-        .encode("hello world", true)
-        .map_err(|e| ConfigError::Tokenizer {
-            detail: e.to_string(),
-        })?;
-    Ok(())
+    let refused = |detail: String| ConfigError::Tokenizer { detail };
+    let encoded = std::panic::catch_unwind(|| {
+        let mut tokenizer = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| refused(e.to_string()))?;
+        tokenizer.with_padding(None);
+        tokenizer.with_truncation(None).map_err(|e| refused(e.to_string()))?;
+        tokenizer.encode("hello world", true).map_err(|e| refused(e.to_string()))?;
+        Ok(())
+    });
+    encoded.unwrap_or_else(|_| Err(refused("the tokenizer broke down encoding \"hello world\"".into())))
 }
 
 #[cfg(test)]
@@ -258,6 +278,7 @@ mod tests {
             "num_attention_heads": 4,
             "vocab_size": 100,
             "max_position_embeddings": 128,
+            "intermediate_size": 256,
             "id2label": {"0": "NEGATIVE", "1": "NEUTRAL", "2": "POSITIVE"},
         })
     }
@@ -393,9 +414,23 @@ mod tests {
         ));
     }
 
+    /// What the engine refuses to load is refused at upload, not on every replica after.
+    #[test]
+    fn rejects_settings_the_engine_does_not_run() {
+        let err = parse(&without(bert(), "intermediate_size")).expect_err("no intermediate size");
+        assert!(matches!(err, ConfigError::MissingSize { key: "intermediate_size", .. }), "{err:?}");
+        for (key, value) in [("hidden_act", json!("relu")), ("position_embedding_type", json!("relative_key"))] {
+            let err = parse(&with(bert(), key, value)).expect_err(key);
+            assert!(matches!(err, ConfigError::UnsupportedSetting { key: found, .. } if found == key), "{err:?}");
+        }
+        let config = with(with(bert(), "hidden_act", json!("gelu")), "position_embedding_type", json!("absolute"));
+        parse(&config).expect("the settings the engine runs");
+    }
+
     #[test]
     fn rejects_an_architecture_with_a_control_character() {
-        for name in ["Bert\u{0}Model", "BertModel\n", "\u{1b}[31mBertModel"] {
+        let long = "B".repeat(201);
+        for name in ["Bert\u{0}Model", "BertModel\n", "\u{1b}[31mBertModel", &long] {
             let err = parse(&with(bert(), "architectures", json!([name]))).expect_err(name);
             assert!(matches!(err, ConfigError::BadArchitecture), "{name:?}: {err:?}");
             assert!(err.to_string().contains("architectures[0]"));
@@ -457,9 +492,8 @@ mod tests {
         assert!(check_tokenizer(b"\xff").is_err());
     }
 
-    #[test]
-    fn accepts_minimal_word_level_tokenizer() {
-        let tokenizer = json!({
+    fn minimal_tokenizer() -> serde_json::Value {
+        json!({
             "version": "1.0",
             "truncation": null,
             "padding": null,
@@ -469,8 +503,25 @@ mod tests {
             "post_processor": null,
             "decoder": null,
             "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"},
-        });
-        check_tokenizer(tokenizer.to_string().as_bytes()).expect("valid tokenizer");
+        })
+    }
+
+    #[test]
+    fn accepts_minimal_word_level_tokenizer() {
+        check_tokenizer(minimal_tokenizer().to_string().as_bytes()).expect("valid tokenizer");
+    }
+
+    /// Padding to 10¹¹ tokens would abort the process on its allocation, a stride past the
+    /// truncation length panics: the check sets both aside, as the engine does.
+    #[test]
+    fn a_hostile_padding_or_truncation_setup_is_set_aside() {
+        let mut padded = minimal_tokenizer();
+        padded["padding"] = json!({"strategy": {"Fixed": 100_000_000_000u64}, "direction": "Right",
+            "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"});
+        check_tokenizer(padded.to_string().as_bytes()).expect("padding set aside");
+        let mut truncated = minimal_tokenizer();
+        truncated["truncation"] = json!({"max_length": 1, "stride": 1, "strategy": "LongestFirst", "direction": "Right"});
+        check_tokenizer(truncated.to_string().as_bytes()).expect("truncation set aside");
     }
 
     #[test]

@@ -175,9 +175,85 @@ pub fn parse_pooling(bytes: &[u8]) -> Result<Pooling, ConfigError> {
     }
 }
 
+/// The sentence-transformers modules the engine runs, by the last part of their type.
+const MODULES: &[&str] = &["Transformer", "Pooling", "Normalize"];
+
+/// Checks `modules.json` as the engine reads it: a list of modules of the kinds it runs,
+/// a Pooling one naming the folder of the uploaded pooling config (`pooling_folder`, e.g.
+/// `1_Pooling`), so the pooling recorded here is the one every replica uses.
+pub fn check_modules(bytes: &[u8], pooling_folder: Option<&str>) -> Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct Module {
+        #[serde(default)]
+        path: String,
+        #[serde(rename = "type")]
+        kind: String,
+    }
+    let modules: Vec<Module> = serde_json::from_slice(bytes).map_err(|e| {
+        format!("modules.json is not a list of modules with a `type` each ({e}); upload the one sentence-transformers saved.")
+    })?;
+    for module in &modules {
+        let kind = module.kind.rsplit('.').next().unwrap_or_default();
+        if !MODULES.contains(&kind) {
+            return Err(format!(
+                "modules.json names the module `{}`; the serving engine runs {} modules only.",
+                module.kind.chars().take(100).collect::<String>(),
+                MODULES.join(", ")
+            ));
+        }
+        if kind == "Pooling" && Some(module.path.trim_end_matches('/')) != pooling_folder {
+            return Err(format!(
+                "modules.json puts its Pooling module at `{}`, but the upload's pooling config is {}; upload the \
+                 `<N>_Pooling/config.json` it names.",
+                module.path.chars().take(100).collect::<String>(),
+                pooling_folder.map_or("missing".to_string(), |f| format!("`{f}/config.json`"))
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks `sentence_bert_config.json` as the engine reads it: an object whose
+/// `max_seq_length`, when given, is a whole number of tokens.
+pub fn check_sentence_config(bytes: &[u8]) -> Result<(), String> {
+    let fix = "upload the sentence_bert_config.json sentence-transformers saved";
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| format!("sentence_bert_config.json is not JSON ({e}); {fix}."))?;
+    match value.get("max_seq_length") {
+        _ if !value.is_object() => Err(format!("sentence_bert_config.json is not a JSON object; {fix}.")),
+        None | Some(Value::Null) => Ok(()),
+        Some(length) if length.as_u64().is_some() => Ok(()),
+        Some(length) => Err(format!("sentence_bert_config.json gives `max_seq_length` as {length}; it must be a whole number.")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn modules_json_may_name_only_modules_the_engine_runs_and_the_uploaded_pooling() {
+        let minilm = br#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]"#;
+        check_modules(minilm, Some("1_Pooling")).expect("MiniLM's modules");
+        let refused = |bytes: &[u8], folder: Option<&str>| check_modules(bytes, folder).expect_err("refused");
+        assert!(refused(minilm, None).contains("pooling config is missing"));
+        assert!(refused(minilm, Some("2_Pooling")).contains("`2_Pooling/config.json`"));
+        let outside = br#"[{"path": "../../etc", "type": "sentence_transformers.models.Pooling"}]"#;
+        assert!(refused(outside, Some("1_Pooling")).contains("../../etc"));
+        let dense = br#"[{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]"#;
+        assert!(refused(dense, None).contains("Dense"));
+        assert!(refused(b"{}", None).contains("not a list"));
+    }
+
+    #[test]
+    fn sentence_bert_config_needs_a_whole_max_seq_length() {
+        check_sentence_config(br#"{"max_seq_length": 256, "do_lower_case": false}"#).expect("MiniLM's");
+        check_sentence_config(b"{}").expect("no length");
+        for bad in [&b"[1]"[..], br#"{"max_seq_length": "long"}"#, br#"{"max_seq_length": -1}"#, b"nope"] {
+            check_sentence_config(bad).expect_err(std::str::from_utf8(bad).unwrap());
+        }
+    }
 
     #[test]
     fn accepts_every_allowed_name_with_its_role() {

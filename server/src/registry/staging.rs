@@ -195,6 +195,14 @@ impl Staged {
                 pooling = Some(model_files::parse_pooling(&bytes).map_err(|e| invalid(format!("{path}: {e}")))?);
             }
         }
+        // The engine follows modules.json to the pooling config, and refuses what it cannot run.
+        if self.files.contains_key("modules.json") {
+            let folder = poolings.first().and_then(|path| path.strip_suffix("/config.json"));
+            model_files::check_modules(&read("modules.json")?, folder).map_err(invalid)?;
+        }
+        if self.files.contains_key("sentence_bert_config.json") {
+            model_files::check_sentence_config(&read("sentence_bert_config.json")?).map_err(invalid)?;
+        }
         Ok(Validated { config, pooling })
     }
 }

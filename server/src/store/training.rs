@@ -181,15 +181,32 @@ pub async fn lr_stages(db: &Db, job: Uuid) -> Result<Vec<LrStage>> {
         .collect()
 }
 
+/// Whether a checkpoint was stored.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stored {
+    Yes,
+    /// The job ended while its checkpoint streamed in.
+    JobEnded,
+    /// The uploading worker lost the lease it uploads under (it expired, the job or rank
+    /// moved to another worker) while its checkpoint streamed in.
+    LeaseLost,
+}
+
 /// Stores a checkpoint and its files, replacing one at the same step (the ledger's
-/// triggers move the blob references); false, storing nothing, when the job has ended.
-pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<bool> {
+/// triggers move the blob references), if the job is unfinished and `worker` still holds
+/// `held` (the job, or the rank of its gang it uploads for).
+pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint, worker: Uuid, held: Uuid) -> Result<Stored> {
     let job_id = checkpoint.job_id.to_string();
     let step = checkpoint.step as i64;
     let mut tx = db.begin().await?;
     // Under the job's row lock, so a cancel (and a delete of its checkpoints after it)
     // comes wholly before or after: a job that ended while this streamed stores nothing.
+    // The same for the lease: a worker that claims the job (or rank) after it expired
+    // fetches the latest checkpoint only once this is in or refused.
     super::lock_row(&mut tx, db.backend(), "jobs", checkpoint.job_id, super::RowLock::Share).await?;
+    if held != checkpoint.job_id {
+        super::lock_row(&mut tx, db.backend(), "jobs", held, super::RowLock::Share).await?;
+    }
     let unfinished: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM jobs WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')",
     )
@@ -197,7 +214,17 @@ pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<bool
     .fetch_one(&mut *tx)
     .await?;
     if unfinished == 0 {
-        return Ok(false);
+        return Ok(Stored::JobEnded);
+    }
+    let holds: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE id = $1 AND worker_id = $2 AND state IN ('leased', 'running')",
+    )
+    .bind(held.to_string())
+    .bind(worker.to_string())
+    .fetch_one(&mut *tx)
+    .await?;
+    if holds == 0 {
+        return Ok(Stored::LeaseLost);
     }
     sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step = $2")
         .bind(&job_id)
@@ -224,7 +251,7 @@ pub async fn replace_checkpoint(db: &Db, checkpoint: &Checkpoint) -> Result<bool
         .await?;
     }
     tx.commit().await?;
-    Ok(true)
+    Ok(Stored::Yes)
 }
 
 /// The step of `job`'s `n`-th newest checkpoint (1 = the newest), if it has that many.
@@ -237,13 +264,14 @@ pub async fn nth_newest_checkpoint(db: &Db, job: Uuid, n: i64) -> Result<Option<
 }
 
 /// Deletes `job`'s checkpoints before `step` (their files go with them).
-pub async fn delete_checkpoints_before(db: &Db, job: Uuid, step: i64) -> Result<()> {
-    sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step < $2")
+pub async fn delete_checkpoints_before(db: &Db, job: Uuid, step: i64) -> Result<u64> {
+    let deleted = sqlx::query("DELETE FROM checkpoints WHERE job_id = $1 AND step < $2")
         .bind(job.to_string())
         .bind(step)
         .execute(db.pool())
-        .await?;
-    Ok(())
+        .await?
+        .rows_affected();
+    Ok(deleted)
 }
 
 /// A job's checkpoints, oldest step first.

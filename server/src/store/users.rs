@@ -1,9 +1,10 @@
 //! Users, their sign-in sessions and their personal API tokens. A token is stored as its
-//! digest only; looking one up also records when it was last used, in the same statement.
-//! A session row is what a session JWT's `sid` claim names: deleting it ends the session.
+//! digest only; looking one up also records when it was last used. A session row is what
+//! a session JWT's `sid` claim names: deleting it ends the session. A session or token is
+//! stored only for a user not disabled, checked in the transaction that stores it.
 
 use sqlx::any::AnyRow;
-use sqlx::Row;
+use sqlx::{AnyConnection, Row};
 use tessera_api::accounts::{ApiToken, Role, User};
 use uuid::Uuid;
 
@@ -95,19 +96,47 @@ pub async fn insert(db: &Db, user: &StoredUser) -> Result<()> {
     Ok(())
 }
 
-/// The user an API token (by digest) belongs to, marking the token used now.
+/// The user an API token (by digest) belongs to, marking the token used now. Read first
+/// and written only on a match: anyone may send a bogus token, and on SQLite every write
+/// waits for the one write lock.
 pub async fn use_token(db: &Db, digest: &str) -> Result<Option<Uuid>> {
-    let user: Option<String> =
-        sqlx::query_scalar("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2 RETURNING user_id")
-            .bind(now_ms())
-            .bind(digest)
-            .fetch_optional(db.pool())
-            .await?;
-    user.map(|id| parse_uuid("api_tokens", "user_id", &id)).transpose()
+    let user: Option<String> = sqlx::query_scalar("SELECT user_id FROM api_tokens WHERE token_hash = $1")
+        .bind(digest)
+        .fetch_optional(db.pool())
+        .await?;
+    let Some(user) = user else { return Ok(None) };
+    let marked = sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE token_hash = $2")
+        .bind(now_ms())
+        .bind(digest)
+        .execute(db.pool())
+        .await?;
+    // Revoked between the two statements: it no longer signs anyone in.
+    if marked.rows_affected() == 0 {
+        return Ok(None);
+    }
+    parse_uuid("api_tokens", "user_id", &user).map(Some)
 }
 
-/// Stores a new token's metadata and digest for `user`.
-pub async fn insert_token(db: &Db, user: Uuid, token: &ApiToken, digest: &str) -> Result<()> {
+/// Holds `user`'s row until the caller's transaction ends, and says whether the user
+/// exists and is not disabled. A disable waits for the holder to commit, or the holder
+/// waits for the disable and then sees it (PostgreSQL re-reads the row it waited for;
+/// SQLite's write transactions are serial), so what the caller stores next is either
+/// there before the disable removes what the user holds, or not stored at all.
+async fn lock_enabled(conn: &mut AnyConnection, user: Uuid) -> Result<bool> {
+    let locked = sqlx::query("UPDATE users SET role = role WHERE id = $1 AND disabled_at IS NULL")
+        .bind(user.to_string())
+        .execute(conn)
+        .await?;
+    Ok(locked.rows_affected() > 0)
+}
+
+/// Stores a new token's metadata and digest for `user`; false, storing nothing, when the
+/// user is disabled (or gone).
+pub async fn insert_token(db: &Db, user: Uuid, token: &ApiToken, digest: &str) -> Result<bool> {
+    let mut tx = db.begin().await?;
+    if !lock_enabled(&mut tx, user).await? {
+        return Ok(false);
+    }
     sqlx::query(
         "INSERT INTO api_tokens (id, user_id, name, prefix, token_hash, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
     )
@@ -117,9 +146,10 @@ pub async fn insert_token(db: &Db, user: Uuid, token: &ApiToken, digest: &str) -
     .bind(&token.prefix)
     .bind(digest)
     .bind(token.created_at.timestamp_millis())
-    .execute(db.pool())
+    .execute(&mut *tx)
     .await?;
-    Ok(())
+    tx.commit().await?;
+    Ok(true)
 }
 
 fn token_from_row(row: &AnyRow) -> Result<ApiToken> {
@@ -183,21 +213,27 @@ pub async fn delete_tokens_of(db: &Db, user: Uuid) -> Result<Vec<String>> {
 }
 
 /// Records a new session of `user` valid until `expires_at` (ms), dropping expired ones
-/// on the way, so the table holds only the sessions of the last `TESSERA_SESSION_HOURS`.
-pub async fn insert_session(db: &Db, id: Uuid, user: Uuid, expires_at: i64) -> Result<()> {
+/// on the way, so the table holds only the sessions of the last `TESSERA_SESSION_HOURS`;
+/// false, storing nothing, when the user is disabled (or gone).
+pub async fn insert_session(db: &Db, id: Uuid, user: Uuid, expires_at: i64) -> Result<bool> {
     let now = now_ms();
+    let mut tx = db.begin().await?;
+    if !lock_enabled(&mut tx, user).await? {
+        return Ok(false);
+    }
     sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")
         .bind(now)
-        .execute(db.pool())
+        .execute(&mut *tx)
         .await?;
     sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at) VALUES ($1, $2, $3, $4)")
         .bind(id.to_string())
         .bind(user.to_string())
         .bind(now)
         .bind(expires_at)
-        .execute(db.pool())
+        .execute(&mut *tx)
         .await?;
-    Ok(())
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// The user a live (not ended, not expired) session belongs to.

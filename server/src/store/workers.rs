@@ -31,7 +31,8 @@ fn from_row(row: &AnyRow, online_since: i64) -> Result<Worker> {
 /// `slices` are left empty (`store::slices::by_worker` has them).
 pub async fn list(db: &Db, online_since: i64) -> Result<Vec<Worker>> {
     let rows = sqlx::query(
-        "SELECT id, name, version, inventory, allow_repartition, registered_at, last_seen_at FROM workers ORDER BY name",
+        "SELECT id, name, version, inventory, allow_repartition, registered_at, last_seen_at FROM workers \
+         WHERE retired_at IS NULL ORDER BY name",
     )
     .fetch_all(db.pool())
     .await?;
@@ -53,6 +54,8 @@ pub struct Registration<'a> {
     pub inventory: &'a Inventory,
     pub secret_digest: &'a str,
     pub engine_token: &'a str,
+    /// Digest of the worker token it joined with.
+    pub join_digest: &'a str,
     /// Digest of the secret the worker presents from its last registration, if any.
     pub previous_digest: Option<&'a str>,
     /// A worker of the same name last heard before this (ms) is gone and may be replaced.
@@ -67,11 +70,12 @@ pub struct Registration<'a> {
 pub async fn register(db: &Db, worker: &Registration<'_>) -> Result<Option<Uuid>> {
     let now = now_ms();
     let id: Option<String> = sqlx::query_scalar(
-        "INSERT INTO workers (id, name, version, inventory, secret_hash, engine_token, registered_at, last_seen_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7) \
+        "INSERT INTO workers (id, name, version, inventory, secret_hash, engine_token, registered_at, last_seen_at, \
+           join_digest) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $10) \
          ON CONFLICT (name) DO UPDATE SET version = excluded.version, inventory = excluded.inventory, \
            secret_hash = excluded.secret_hash, engine_token = excluded.engine_token, \
-           last_seen_at = excluded.last_seen_at \
+           last_seen_at = excluded.last_seen_at, join_digest = excluded.join_digest, retired_at = NULL \
          WHERE workers.last_seen_at < $8 OR workers.secret_hash = $9 \
          RETURNING id",
     )
@@ -84,6 +88,7 @@ pub async fn register(db: &Db, worker: &Registration<'_>) -> Result<Option<Uuid>
     .bind(now)
     .bind(worker.online_since)
     .bind(worker.previous_digest)
+    .bind(worker.join_digest)
     .fetch_optional(db.pool())
     .await?;
     id.map(|id| parse_uuid("workers", "id", &id)).transpose()
@@ -107,14 +112,61 @@ pub async fn held_specs(db: &Db, worker: Uuid) -> Result<Vec<JobSpec>> {
     specs.iter().map(|text| parse_json("jobs", "spec", text)).collect()
 }
 
-/// The worker whose secret has this digest, marked as seen now; `None` for an unknown
-/// secret.
-pub async fn touch_by_secret(db: &Db, secret_digest: &str) -> Result<Option<Uuid>> {
-    let id: Option<String> =
-        sqlx::query_scalar("UPDATE workers SET last_seen_at = $1 WHERE secret_hash = $2 RETURNING id")
-            .bind(now_ms())
-            .bind(secret_digest)
+/// The worker whose secret has this digest, with the digest of the worker token it
+/// joined with (`None` for one registered before that was kept); `None` for an unknown
+/// secret. A read (by the `workers_secret` index): anyone may send a bogus secret, and on
+/// SQLite every write waits for the one write lock.
+pub async fn by_secret(db: &Db, secret_digest: &str) -> Result<Option<(Uuid, Option<String>)>> {
+    let row = sqlx::query("SELECT id, join_digest FROM workers WHERE secret_hash = $1")
+        .bind(secret_digest)
+        .fetch_optional(db.pool())
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let id = parse_uuid("workers", "id", &row.try_get::<String, _>("id")?)?;
+    Ok(Some((id, row.try_get("join_digest")?)))
+}
+
+/// Marks worker `id` as seen now; false when its secret changed since it was read (it
+/// registered again: the old secret no longer works).
+pub async fn touch(db: &Db, id: Uuid, secret_digest: &str) -> Result<bool> {
+    let touched = sqlx::query("UPDATE workers SET last_seen_at = $1 WHERE id = $2 AND secret_hash = $3")
+        .bind(now_ms())
+        .bind(id.to_string())
+        .bind(secret_digest)
+        .execute(db.pool())
+        .await?;
+    Ok(touched.rows_affected() > 0)
+}
+
+/// What retiring a worker found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Retired {
+    Yes,
+    /// Heard from at or after `online_since`: it would only register again.
+    Online,
+    Unknown,
+}
+
+/// Retires the worker `id`, last heard before `online_since`: it leaves the fleet's list
+/// and its secret stops working; its row stays for the jobs it ran, and a worker joining
+/// under its name again brings it back.
+pub async fn retire(db: &Db, id: Uuid, online_since: i64) -> Result<Retired> {
+    let retired = sqlx::query(
+        "UPDATE workers SET retired_at = $1, secret_hash = '', engine_token = '' \
+         WHERE id = $2 AND retired_at IS NULL AND last_seen_at < $3",
+    )
+    .bind(now_ms())
+    .bind(id.to_string())
+    .bind(online_since)
+    .execute(db.pool())
+    .await?;
+    if retired.rows_affected() > 0 {
+        return Ok(Retired::Yes);
+    }
+    let online: Option<i64> =
+        sqlx::query_scalar("SELECT last_seen_at FROM workers WHERE id = $1 AND retired_at IS NULL")
+            .bind(id.to_string())
             .fetch_optional(db.pool())
             .await?;
-    id.map(|id| parse_uuid("workers", "id", &id)).transpose()
+    Ok(if online.is_some() { Retired::Online } else { Retired::Unknown })
 }

@@ -9,6 +9,7 @@ use axum::body::Body;
 use axum::extract::Multipart;
 use axum::http::header;
 use axum::response::Response;
+use tessera_api::jobs::Job;
 use tessera_api::train::{Checkpoint, CheckpointFile};
 use uuid::Uuid;
 
@@ -16,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::registry::{blobs::TempBlob, staging};
 use crate::state::AppState;
 use crate::store::db::{self, now_ms};
-use crate::store::training as store;
+use crate::store::training::{self as store, Stored};
 
 /// Checkpoints kept per job (the newest by step).
 pub const KEEP: i64 = 5;
@@ -80,8 +81,15 @@ async fn receive(multipart: &mut Multipart, state: &AppState) -> Result<(i64, Ve
 }
 
 /// Stores an uploaded checkpoint of `job` (replacing one at the same step) and drops
-/// checkpoints beyond the newest `KEEP`.
-pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> Result<Checkpoint> {
+/// checkpoints beyond the newest `KEEP`; `worker` uploads it under its lease of `held`
+/// (the job, or its rank of the job's gang), and must still hold it once it is in.
+pub async fn upload(
+    state: &AppState,
+    job: Uuid,
+    worker: Uuid,
+    held: Uuid,
+    multipart: &mut Multipart,
+) -> Result<Checkpoint> {
     let (step, files) = receive(multipart, state).await?;
     let size: u64 = files.iter().map(|(_, blob, _)| blob.size()).sum();
     let mut stored = Vec::with_capacity(files.len());
@@ -95,8 +103,18 @@ pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> R
         Checkpoint { job_id: job, step: step as u64, size_bytes: size, files: stored, created_at: db::time(now_ms()) };
     // The blobs of a replaced or dropped checkpoint are released in the ledger and
     // collected after the grace period.
-    if !store::replace_checkpoint(&state.db, &checkpoint).await? {
-        return Err(Error::Conflict("The job ended while its checkpoint was uploading; it was not stored.".into()));
+    match store::replace_checkpoint(&state.db, &checkpoint, worker, held).await? {
+        Stored::Yes => {}
+        Stored::JobEnded => {
+            return Err(Error::Conflict("The job ended while its checkpoint was uploading; it was not stored.".into()))
+        }
+        Stored::LeaseLost => {
+            return Err(Error::Conflict(
+                "This worker lost the job's lease while its checkpoint was uploading (it expired or the job moved to \
+                 another worker); it was not stored: stop the job."
+                    .into(),
+            ))
+        }
     }
     // The step below which checkpoints are dropped: the KEEP-th newest.
     if let Some(cutoff) = store::nth_newest_checkpoint(&state.db, job, KEEP).await? {
@@ -105,9 +123,17 @@ pub async fn upload(state: &AppState, job: Uuid, multipart: &mut Multipart) -> R
     Ok(checkpoint)
 }
 
-/// Deletes every checkpoint of `job` (their blobs are released as a pruned one's are).
-pub async fn delete_all(state: &AppState, job: Uuid) -> Result<()> {
-    Ok(store::delete_checkpoints_before(&state.db, job, i64::MAX).await?)
+/// Deletes every checkpoint of an ended job (their blobs are released as a pruned one's
+/// are) and says how many; a job that may still resume from them (queued, preempted,
+/// running) keeps them: 409.
+pub async fn delete_ended(state: &AppState, job: &Job) -> Result<u64> {
+    if !job.state.is_terminal() {
+        return Err(Error::Conflict(format!(
+            "The job is {}; it may still resume from its checkpoints. Cancel it first, or wait for it to end.",
+            job.state.as_str()
+        )));
+    }
+    Ok(store::delete_checkpoints_before(&state.db, job.id, i64::MAX).await?)
 }
 
 /// A job's checkpoints, oldest step first.

@@ -76,13 +76,7 @@ pub async fn delete_job_checkpoints(
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<StatusCode> {
     let job = jobs::find(&state.db, &principal.scope(), id).await?;
-    if !job.state.is_terminal() {
-        return Err(Error::Conflict(format!(
-            "The job is {}; it may still resume from its checkpoints. Cancel it first, or wait for it to end.",
-            job.state.as_str()
-        )));
-    }
-    checkpoints::delete_all(&state, id).await?;
+    checkpoints::delete_ended(&state, &job).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -158,8 +152,8 @@ pub async fn agent_upload_checkpoint(
     ApiPath(job): ApiPath<Uuid>,
     ApiMultipart(mut multipart): ApiMultipart,
 ) -> Result<(StatusCode, ApiJson<Checkpoint>)> {
-    let (job, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
-    let checkpoint = checkpoints::upload(&state, job, &mut multipart).await?;
+    let (reported, _) = gangs::leased_job(&state, agent.worker_id, job).await?;
+    let checkpoint = checkpoints::upload(&state, reported, agent.worker_id, job, &mut multipart).await?;
     Ok((StatusCode::CREATED, ApiJson(checkpoint)))
 }
 

@@ -5,7 +5,8 @@
 use serde_json::Value;
 use tessera_api::datasets::{ColumnType, Dataset, DatasetColumn};
 use tessera_api::train::{
-    BuiltinModel, ModelChoice, SpecError, TaskType, TrainDataset, TrainJob, TrainModel, TrainSpec, TrainTask,
+    self, BuiltinModel, ModelChoice, SpecError, TaskType, TrainDataset, TrainJob, TrainModel, TrainSpec, TrainTask,
+    MAX_CLASSES, MAX_TEXT_TOKENS,
 };
 use uuid::Uuid;
 
@@ -28,6 +29,54 @@ fn column<'a>(dataset: &'a Dataset, name: &str, field: &str) -> Result<&'a Datas
         let names: Vec<&str> = dataset.columns.iter().map(|c| c.name.as_str()).collect();
         field_error(field, format!("the dataset has no column {name:?}; its columns are {}", names.join(", ")))
     })
+}
+
+/// Refuses a column the job reads when some of its rows have no value: the worker would
+/// fail on the first of them, after the job had waited its turn. A dataset uploaded before
+/// missing values were counted records none here; a job on it fails on the worker instead,
+/// naming the column and the row.
+fn complete(column: &DatasetColumn, field: &str, rows: u64) -> Result<()> {
+    if column.missing == 0 {
+        return Ok(());
+    }
+    Err(field_error(
+        field,
+        format!(
+            "{:?} has no value in {} of the dataset's {rows} rows; a job reads only columns with a value in \
+             every row, so fill them in or leave the column out",
+            column.name, column.missing
+        ),
+    ))
+}
+
+/// The classes of a classification label, as far as the dataset's counts know them (2, the
+/// fewest a job trains on, where they were not counted: the worker checks its data).
+fn classes(label: &DatasetColumn) -> Result<u64> {
+    match label.distinct {
+        Some(count) if count > MAX_CLASSES as u64 => Err(field_error(
+            "task.label_column",
+            format!(
+                "{:?} holds more than {MAX_CLASSES} distinct values, the most classes a job may have; train a \
+                 regression on it, or pick the column that holds the classes",
+                label.name
+            ),
+        )),
+        Some(count) => Ok(count.max(2)),
+        None => Ok(2),
+    }
+}
+
+/// What one row's forward holds in the encoder a registered model's stored config
+/// describes, at the longest input the worker tokenises; `None` when the config lacks a
+/// size (the worker checks with the `config.json` it loads).
+fn encoder_activations(config: &Value) -> Option<u64> {
+    let size = |key: &str| config.get(key).and_then(Value::as_u64);
+    let hidden = size("hidden_size")?;
+    let tokens = size("max_position_embeddings")?.min(MAX_TEXT_TOKENS as u64);
+    // The registry keeps no intermediate size; BERT-family models use four times the width.
+    let intermediate = size("intermediate_size").unwrap_or(hidden.saturating_mul(4));
+    let (heads, layers) = (size("num_attention_heads")?, size("num_hidden_layers")?);
+    Some(train::encoder_activations_per_row(tokens, hidden, intermediate, heads, layers))
 }
 
 /// Checks the spec against its dataset and model and spells out what the worker needs.
@@ -62,6 +111,8 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
             ),
         ));
     }
+    // A step trains on a batch of at most the training rows (the worker clamps it).
+    let batch = u64::from(spec.batch_size).min(trained);
     let label = column(&dataset, &task.label_column, "task.label_column")?;
     if task.kind == TaskType::Regression && label.kind != ColumnType::Number {
         return Err(field_error(
@@ -69,6 +120,11 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
             format!("regression needs a number column; {:?} holds strings", label.name),
         ));
     }
+    complete(label, "task.label_column", dataset.rows)?;
+    let outputs = match task.kind {
+        TaskType::Classification => classes(label)?,
+        TaskType::Regression => 1,
+    };
     let (model, feature_columns, text_column) = match &spec.model {
         ModelChoice::Builtin(BuiltinModel::Mlp { hidden }) => {
             if task.text_column.is_some() {
@@ -88,15 +144,21 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
                         if *name == task.label_column || names[..i].contains(name) {
                             return Err(field_error(&field, format!("{name:?} is the label or listed twice")));
                         }
+                        complete(found, &field, dataset.rows)?;
                     }
                     names.clone()
                 }
-                None => dataset
-                    .columns
-                    .iter()
-                    .filter(|c| c.kind == ColumnType::Number && c.name != task.label_column)
-                    .map(|c| c.name.clone())
-                    .collect(),
+                None => {
+                    let chosen: Vec<&DatasetColumn> = dataset
+                        .columns
+                        .iter()
+                        .filter(|c| c.kind == ColumnType::Number && c.name != task.label_column)
+                        .collect();
+                    for found in &chosen {
+                        complete(found, "task.feature_columns", dataset.rows)?;
+                    }
+                    chosen.iter().map(|c| c.name.clone()).collect()
+                }
             };
             if features.is_empty() {
                 return Err(field_error(
@@ -104,6 +166,11 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
                     "the MLP needs at least one number column besides the label",
                 ));
             }
+            let widths: Vec<u64> = std::iter::once(features.len() as u64)
+                .chain(hidden.iter().map(|&width| u64::from(width)))
+                .chain([outputs])
+                .collect();
+            train::check_mlp(&widths, batch).map_err(spec_error)?;
             (TrainModel::Mlp { hidden: hidden.clone() }, features, None)
         }
         ModelChoice::Registered(id_or_name) => {
@@ -124,16 +191,21 @@ pub async fn resolve(state: &AppState, principal: &Principal, spec: &TrainSpec) 
                 .text_column
                 .as_deref()
                 .ok_or_else(|| field_error("task.text_column", "name the column holding the text to fine-tune on"))?;
-            if column(&dataset, text, "task.text_column")?.kind != ColumnType::String {
+            let text_column = column(&dataset, text, "task.text_column")?;
+            if text_column.kind != ColumnType::String {
                 return Err(field_error("task.text_column", format!("{text:?} holds numbers, not text")));
             }
             if text == task.label_column {
                 return Err(field_error("task.text_column", "the text column cannot be the label"));
             }
-            let num_labels = models::config(&state.db, model.id)
-                .await?
-                .and_then(|c| c.get("num_labels").and_then(Value::as_u64))
-                .map(|n| n as u32);
+            complete(text_column, "task.text_column", dataset.rows)?;
+            // The encoder's size is the registered model's; the batch is the spec's.
+            let config = models::config(&state.db, model.id).await?;
+            if let Some(per_row) = config.as_ref().and_then(encoder_activations) {
+                train::check_activations(batch, per_row).map_err(spec_error)?;
+            }
+            let num_labels =
+                config.as_ref().and_then(|c| c.get("num_labels").and_then(Value::as_u64)).map(|n| n as u32);
             let model =
                 TrainModel::Registered { id: model.id, name: model.name, architecture: model.architecture, num_labels };
             (model, Vec::new(), Some(text.to_string()))

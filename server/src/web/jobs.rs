@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use askama::Template;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use chrono::{DateTime, Utc};
@@ -15,10 +15,11 @@ use tessera_api::jobs::{CreateJob, GenericJob, GenericSpec, Job, JobSpec, JobSta
 use tessera_api::train::{TrainModel, TrainingMetrics};
 use uuid::Uuid;
 
-use super::{format, precision, render, training, with_status, Layout, WebUser};
+use super::{flash, format, precision, render, training, with_status, Layout, WebUser};
 use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::store::jobs as store;
+use crate::training::checkpoints;
 use crate::{jobs, registry, workers};
 
 /// The log lines a job page shows: the latest ones, which is what a person follows (the
@@ -281,7 +282,23 @@ struct JobView {
 #[template(path = "job.html")]
 struct JobPage {
     layout: Layout,
+    notice: Option<String>,
     job: JobView,
+}
+
+/// A job's page with the notice a form left for it, or the reason `alert` a form on it
+/// was refused.
+async fn job_page(
+    state: &AppState,
+    user: &WebUser,
+    job: Job,
+    notice: Option<String>,
+    alert: Option<String>,
+) -> Result<JobPage> {
+    let layout = user.layout(job.name.clone(), "jobs");
+    let mut view = job_view(state, user, job).await?;
+    view.alert = alert;
+    Ok(JobPage { layout, notice, job: view })
 }
 
 #[derive(Template)]
@@ -420,20 +437,19 @@ pub struct DetailQuery {
 pub async fn detail(
     State(state): State<AppState>,
     user: WebUser,
+    headers: HeaderMap,
     Path(id): Path<String>,
     Query(query): Query<DetailQuery>,
 ) -> Response {
     let result = async {
         let job = jobs::find(&state.db, &user.0.scope(), parse_id(&id)?).await?;
-        let title = job.name.clone();
-        let view = job_view(&state, &user, job).await?;
         if query.fragment.is_some() {
-            return Ok(render(&JobFragment { job: view })?.into_response());
+            return Ok(render(&JobFragment { job: job_view(&state, &user, job).await? })?.into_response());
         }
-        Ok(render(&JobPage { layout: user.layout(title, "jobs"), job: view })?.into_response())
+        Ok(render(&job_page(&state, &user, job, flash::notice(&headers), None).await?)?.into_response())
     }
     .await;
-    user.page(result)
+    flash::shown(user.page(result), &headers)
 }
 
 pub async fn cancel(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
@@ -444,10 +460,35 @@ pub async fn cancel(State(state): State<AppState>, user: WebUser, Path(id): Path
             // Already ended: show the job as it is now, with the reason.
             Err(error @ Error::Conflict(_)) => {
                 let job = jobs::find(&state.db, &user.0.scope(), id).await?;
-                let title = job.name.clone();
-                let mut view = job_view(&state, &user, job).await?;
-                view.alert = Some(error.public_message());
-                with_status(StatusCode::CONFLICT, render(&JobPage { layout: user.layout(title, "jobs"), job: view }))
+                let page = job_page(&state, &user, job, None, Some(error.public_message())).await?;
+                with_status(StatusCode::CONFLICT, render(&page))
+            }
+            Err(error) => Err(error),
+        }
+    }
+    .await;
+    user.page(result)
+}
+
+/// Deletes an ended job's checkpoints (the button under its checkpoint table); a job that
+/// may still resume from them keeps them and its page says why.
+pub async fn delete_checkpoints(
+    State(state): State<AppState>,
+    user: WebUser,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let result = async {
+        let job = jobs::find(&state.db, &user.0.scope(), parse_id(&id)?).await?;
+        match checkpoints::delete_ended(&state, &job).await {
+            Ok(deleted) => {
+                let plural = if deleted == 1 { "" } else { "s" };
+                let notice = format!("Deleted {deleted} checkpoint{plural} of '{}'.", job.name);
+                Ok(flash::redirect(&format!("/jobs/{}", job.id), &notice, &headers))
+            }
+            Err(error @ Error::Conflict(_)) => {
+                let page = job_page(&state, &user, job, None, Some(error.public_message())).await?;
+                with_status(StatusCode::CONFLICT, render(&page))
             }
             Err(error) => Err(error),
         }

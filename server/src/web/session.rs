@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use askama::Template;
 use axum::extract::{ConnectInfo, FromRequestParts, Query, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderMap, HeaderValue, Method};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use serde::Deserialize;
@@ -188,12 +188,13 @@ pub async fn login(
 ) -> Response {
     let request = LoginRequest { username: form.username.trim().to_string(), password: form.password };
     let next = safe_next(&form.next).to_string();
-    match crate::accounts::check_login(&state, client, &request).await {
-        Ok(user) => {
-            let token = match auth::start_session(&state, user.id).await {
-                Ok((token, _)) => token,
-                Err(error) => return error.into_response(),
-            };
+    let signed_in = match crate::accounts::check_login(&state, client, &request).await {
+        // Disabled while the password was checked: refused like a disabled user's login.
+        Ok(user) => auth::start_session(&state, user.id).await.map(|(token, _)| (user, token)),
+        Err(error) => Err(error),
+    };
+    match signed_in {
+        Ok((user, token)) => {
             let max_age = state.config.session_hours * 3600;
             let mut response = Redirect::to(&next).into_response();
             response.headers_mut().insert(header::SET_COOKIE, session_cookie(&token, max_age, &headers));
@@ -202,11 +203,12 @@ pub async fn login(
         }
         Err(error) => {
             let status = error.status();
-            if status.is_server_error() {
+            if status.is_server_error() && !matches!(error, Error::Overloaded(_)) {
                 tracing::error!(error = ?error, "login failed");
             }
             let retry_after = match &error {
                 Error::TooManyRequests { retry_after_secs } => Some(*retry_after_secs),
+                _ if status == StatusCode::SERVICE_UNAVAILABLE => Some(1),
                 _ => None,
             };
             let page = LoginPage {

@@ -1,15 +1,17 @@
 //! The workers page: every host with its devices, online or offline by its heartbeats.
 
 use askama::Template;
-use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use serde::Deserialize;
 use tessera_api::workers::{Gpu, Worker, WorkerStatus};
 
-use super::{format, render, Layout, WebUser};
-use crate::error::Result;
+use uuid::Uuid;
+
+use super::{flash, format, render, with_status, Layout, WebUser};
+use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::workers;
 
@@ -41,6 +43,7 @@ impl GpuView {
 }
 
 struct WorkerRow {
+    id: String,
     name: String,
     hostname: String,
     online: bool,
@@ -50,20 +53,25 @@ struct WorkerRow {
     version: String,
     last_seen_ago: String,
     last_seen_at: String,
+    /// An admin may remove an offline worker.
+    removable: bool,
 }
 
 impl WorkerRow {
-    fn new(worker: &Worker, now: chrono::DateTime<Utc>) -> WorkerRow {
+    fn new(worker: &Worker, now: chrono::DateTime<Utc>, admin: bool) -> WorkerRow {
+        let online = worker.status == WorkerStatus::Online;
         WorkerRow {
+            id: worker.id.to_string(),
             name: worker.name.clone(),
             hostname: worker.inventory.hostname.clone(),
-            online: worker.status == WorkerStatus::Online,
+            online,
             cpu_cores: worker.inventory.cpu_cores,
             memory: format::bytes(worker.inventory.memory_bytes),
             gpus: worker.inventory.gpus.iter().map(GpuView::new).collect(),
             version: worker.version.clone(),
             last_seen_ago: format::ago(worker.last_seen_at, now),
             last_seen_at: format::instant(worker.last_seen_at),
+            removable: admin && !online,
         }
     }
 }
@@ -72,6 +80,8 @@ impl WorkerRow {
 #[template(path = "workers.html")]
 struct WorkersPage {
     layout: Layout,
+    notice: Option<String>,
+    alert: Option<String>,
     rows: Vec<WorkerRow>,
     online: usize,
     server_url: String,
@@ -101,6 +111,25 @@ fn server_url(headers: &HeaderMap) -> String {
     format!("{scheme}://{host}")
 }
 
+async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<WorkerRow>> {
+    let now = Utc::now();
+    let workers = workers::list_all(state, &user.0.scope()).await?;
+    Ok(workers.iter().map(|w| WorkerRow::new(w, now, user.0.is_admin())).collect())
+}
+
+async fn page(
+    state: &AppState,
+    user: &WebUser,
+    headers: &HeaderMap,
+    notice: Option<String>,
+    alert: Option<String>,
+) -> Result<WorkersPage> {
+    let rows = rows(state, user).await?;
+    let online = rows.iter().filter(|r| r.online).count();
+    let layout = user.layout("Workers", "workers");
+    Ok(WorkersPage { layout, notice, alert, rows, online, server_url: server_url(headers) })
+}
+
 pub async fn list(
     State(state): State<AppState>,
     user: WebUser,
@@ -108,15 +137,35 @@ pub async fn list(
     Query(query): Query<ListQuery>,
 ) -> Response {
     let result: Result<Response> = async {
-        let now = Utc::now();
-        let rows: Vec<WorkerRow> = workers::list_all(&state, &user.0.scope()).await?.iter().map(|w| WorkerRow::new(w, now)).collect();
-        let online = rows.iter().filter(|r| r.online).count();
-        let server_url = server_url(&headers);
         if query.fragment.is_some() {
-            return Ok(render(&WorkersTable { rows, online, server_url })?.into_response());
+            let rows = rows(&state, &user).await?;
+            let online = rows.iter().filter(|r| r.online).count();
+            return Ok(render(&WorkersTable { rows, online, server_url: server_url(&headers) })?.into_response());
         }
-        let page = WorkersPage { layout: user.layout("Workers", "workers"), rows, online, server_url };
-        Ok(render(&page)?.into_response())
+        Ok(render(&page(&state, &user, &headers, flash::notice(&headers), None).await?)?.into_response())
+    }
+    .await;
+    flash::shown(user.page(result), &headers)
+}
+
+/// Removes an offline worker (admins; the button in its row).
+pub async fn remove(
+    State(state): State<AppState>,
+    user: WebUser,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let result = async {
+        user.0.require_admin()?;
+        let id: Uuid = id.parse().map_err(|_| Error::not_found("Worker"))?;
+        match workers::retire(&state, id).await {
+            Ok(()) => Ok(flash::redirect("/workers", "Removed the worker.", &headers)),
+            Err(error @ Error::Conflict(_)) => {
+                let refused = page(&state, &user, &headers, None, Some(error.public_message())).await?;
+                with_status(StatusCode::CONFLICT, render(&refused))
+            }
+            Err(error) => Err(error),
+        }
     }
     .await;
     user.page(result)

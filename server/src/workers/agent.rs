@@ -34,11 +34,7 @@ fn check_join_token(state: &AppState, headers: &HeaderMap) -> Result<()> {
     let expected = state.config.worker_token.as_deref().ok_or_else(|| {
         Error::Forbidden("This server accepts no workers: start it with TESSERA_WORKER_TOKEN set.".into())
     })?;
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
+    let given = crate::auth::bearer_of(headers).unwrap_or_default();
     if secrets::equal(given, expected) {
         Ok(())
     } else {
@@ -78,6 +74,7 @@ pub async fn register(
         inventory: &request.inventory,
         secret_digest: &secrets::digest(&secret),
         engine_token: &engine_token,
+        join_digest: &secrets::digest(state.config.worker_token.as_deref().unwrap_or_default()),
         previous_digest: previous_digest.as_deref(),
         online_since,
     };
@@ -253,42 +250,50 @@ fn same_host(a: IpAddr, b: IpAddr) -> bool {
 
 /// An engine endpoint must be an http(s) URL on the host the worker connects from, so a
 /// worker cannot send the gateway (with user traffic and its engine token) elsewhere.
-/// `TESSERA_ALLOW_ADVERTISED_ENDPOINTS` lifts the host rule for NAT and proxies.
-async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Result<()> {
+/// `TESSERA_ALLOW_ADVERTISED_ENDPOINTS` lifts the host rule for NAT and proxies. Answers
+/// the endpoint to store: an http URL naming a host gets the address that was checked in
+/// place of the name, so a name that resolves elsewhere later cannot send the gateway
+/// elsewhere. An https one keeps its name, which its certificate must match, and so does
+/// one on the server's own loopback (`localhost` may be either of two addresses).
+async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Result<String> {
     let invalid = |why: String| Error::invalid("invalid_endpoint", why);
     // The URL parser drops or escapes some control characters, but the report is stored as sent.
     if endpoint.len() > 2048 || endpoint.chars().any(char::is_control) {
         return Err(invalid("Report an endpoint URL of at most 2048 characters, none a control character.".into()));
     }
-    let url = reqwest::Url::parse(endpoint)
+    let mut url = reqwest::Url::parse(endpoint)
         .map_err(|e| invalid(format!("The endpoint {endpoint:?} is not a URL ({e}); report http://HOST:PORT.")))?;
-    let Some(host) = url.host_str() else {
+    let Some(host) = url.host_str().map(str::to_string) else {
         return Err(invalid(format!("The endpoint {endpoint:?} names no host; report http://HOST:PORT.")));
     };
     if !matches!(url.scheme(), "http" | "https") {
         return Err(invalid(format!("The endpoint {endpoint:?} is not http or https.")));
     }
     if state.config.allow_advertised_endpoints {
-        return Ok(());
+        return Ok(endpoint.to_string());
     }
     let port = url.port_or_known_default().unwrap_or(80);
     // An IPv6 host comes bracketed (`[::1]`); a name is resolved as the gateway would.
-    let addresses: Vec<IpAddr> = match host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
-        Ok(ip) => vec![ip],
-        Err(_) => match tokio::net::lookup_host((host, port)).await {
+    let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok();
+    let addresses: Vec<IpAddr> = match literal {
+        Some(ip) => vec![ip],
+        None => match tokio::net::lookup_host((host.as_str(), port)).await {
             Ok(found) => found.map(|a| a.ip()).collect(),
             Err(_) => Vec::new(),
         },
     };
-    if addresses.iter().any(|a| same_host(*a, peer)) {
-        Ok(())
-    } else {
-        Err(invalid(format!(
+    let Some(checked) = addresses.into_iter().find(|a| same_host(*a, peer)) else {
+        return Err(invalid(format!(
             "The endpoint {endpoint} is not on this worker's host ({peer}, where it connects from); report a URL on \
              that address, or have the operator start the server with TESSERA_ALLOW_ADVERTISED_ENDPOINTS=true to \
              trust advertised URLs (NAT, proxies)."
-        )))
+        )));
+    };
+    if literal.is_none() && url.scheme() == "http" && !checked.to_canonical().is_loopback() {
+        url.set_ip_host(checked.to_canonical()).expect("an http URL takes an IP host");
+        return Ok(url.to_string());
     }
+    Ok(endpoint.to_string())
 }
 
 /// Report that a leased job started, succeeded or failed. A serving replica's endpoint
@@ -308,11 +313,11 @@ pub async fn report_status(
     let message = report.message.as_deref().map(storable_text);
     let held = match report.state {
         JobState::Running => {
-            let endpoint = report.endpoint.as_deref();
-            if let Some(endpoint) = endpoint {
-                check_endpoint(&state, peer.ip(), endpoint).await?;
-            }
-            jobs::mark_running(&state.db, agent.worker_id, job, message.as_deref(), endpoint).await?
+            let endpoint = match report.endpoint.as_deref() {
+                Some(endpoint) => Some(check_endpoint(&state, peer.ip(), endpoint).await?),
+                None => None,
+            };
+            jobs::mark_running(&state.db, agent.worker_id, job, message.as_deref(), endpoint.as_deref()).await?
         }
         // The same end reported again (its answer was lost) is answered as the first was,
         // and settles the gang again in case the first did not get that far.

@@ -187,7 +187,7 @@ impl GradientSync for RingSync {
 
     fn evaluation(&mut self, evaluate: &mut dyn FnMut() -> Result<Evaluation>) -> Result<Evaluation> {
         let mine = if self.ring.rank() == 0 { encode(&evaluate()?) } else { Vec::new() };
-        let agreed = self.ring.broadcast(mine).map_err(|e| self.failed(e))?;
+        let agreed = self.ring.broadcast_unhurried(mine).map_err(|e| self.failed(e))?;
         decode(&agreed).ok_or_else(|| candle_core::Error::Msg("rank 0 sent an evaluation that does not decode".into()))
     }
 

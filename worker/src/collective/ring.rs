@@ -80,6 +80,10 @@ pub struct Timing {
     pub reduce: Duration,
 }
 
+/// The longest a rank waits on rank 0's [`Ring::broadcast_unhurried`] (an evaluation of
+/// the whole validation split).
+pub const UNHURRIED: Duration = Duration::from_secs(3600);
+
 /// One rank's two connections of the ring.
 pub struct Ring {
     rank: usize,
@@ -325,6 +329,24 @@ impl Ring {
 }
 
 impl Ring {
+    /// [`broadcast`](Self::broadcast) from a rank 0 that may take long to send (it
+    /// evaluates the whole validation split while the others wait): they wait up to
+    /// [`UNHURRIED`] instead of the ring's read time-out. A rank 0 that died is noticed
+    /// sooner: its lease lapses, the server stops the gang, and the breakers end the wait.
+    pub fn broadcast_unhurried(&mut self, bytes: Vec<u8>) -> Result<Vec<u8>, RingError> {
+        let Some(left) = &self.left else {
+            return self.broadcast(bytes);
+        };
+        let previous = self.previous();
+        let peer_error = |source| RingError::Peer { peer: previous, source };
+        let patience = left.read_timeout().map_err(peer_error)?;
+        left.set_read_timeout(Some(UNHURRIED)).map_err(peer_error)?;
+        let received = self.broadcast(bytes);
+        let left = self.left.as_ref().expect("still connected");
+        left.set_read_timeout(patience).map_err(peer_error)?;
+        received
+    }
+
     /// Every rank's `bytes`, indexed by rank, on every rank: each rank's bytes travel the
     /// ring's W − 1 hops (the ranks exchange what they measured before planning).
     pub fn all_gather(&mut self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>, RingError> {
@@ -476,6 +498,49 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert!(results.iter().all(|r| r == b"evaluation"));
+    }
+
+    /// Rank 0 evaluating for longer than the ring's time-out does not fail the others'
+    /// unhurried wait, where a plain broadcast gives up; the time-out holds again after.
+    #[test]
+    fn an_unhurried_broadcast_outwaits_the_ring_s_time_out_and_restores_it() {
+        let timeout = Duration::from_millis(200);
+        for unhurried in [true, false] {
+            let rings = loopback(2, Uuid::new_v4(), timeout).unwrap();
+            let results: Vec<Result<Vec<u8>, RingError>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = rings
+                    .into_iter()
+                    .map(|mut ring| {
+                        scope.spawn(move || {
+                            let payload = if ring.rank() == 0 {
+                                std::thread::sleep(3 * timeout);
+                                b"evaluation".to_vec()
+                            } else {
+                                Vec::new()
+                            };
+                            let received =
+                                if unhurried { ring.broadcast_unhurried(payload) } else { ring.broadcast(payload) };
+                            if unhurried && ring.rank() == 0 {
+                                std::thread::sleep(5 * timeout);
+                            }
+                            if unhurried && ring.rank() == 1 {
+                                // Rank 0 stays connected but silent: the restored time-out ends this read.
+                                let started = Instant::now();
+                                assert!(ring.broadcast(Vec::new()).is_err());
+                                assert!(started.elapsed() < 4 * timeout, "{:?}", started.elapsed());
+                            }
+                            received
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            if unhurried {
+                assert_eq!(results[1].as_ref().unwrap(), b"evaluation");
+            } else {
+                assert!(matches!(results[1], Err(RingError::Peer { .. })), "{:?}", results[1]);
+            }
+        }
     }
 
     #[test]

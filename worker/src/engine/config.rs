@@ -6,7 +6,7 @@ use super::error::EngineError;
 use super::ops::Pooling;
 use serde::Deserialize;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 /// `config.json` of a BERT-family encoder (the fields candle-transformers' `bert::Config`
 /// reads, plus the classification labels).
@@ -171,6 +171,14 @@ impl SentenceConfig {
                 "Transformer" => {}
                 "Normalize" => config.normalize = true,
                 "Pooling" => {
+                    // A folder inside the model's: a path with `..` or a root would read elsewhere.
+                    let inside = Path::new(&module.path).components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+                    if !inside {
+                        return Err(EngineError::InvalidModel {
+                            path: modules_path.clone(),
+                            reason: format!("the Pooling module's path {:?} leaves the model folder", module.path),
+                        });
+                    }
                     let path = dir.join(&module.path).join("config.json");
                     config.pooling = pooling_mode(&path, read_json(&path)?)?;
                 }
@@ -285,5 +293,19 @@ mod tests {
             SentenceConfig::from_dir(dir.path()),
             Err(EngineError::Unsupported(_))
         ));
+    }
+
+    #[test]
+    fn refuses_a_pooling_path_that_leaves_the_model_folder() {
+        let root = tempfile::tempdir().unwrap();
+        write(root.path(), "elsewhere/config.json", r#"{"pooling_mode_cls_token": true}"#);
+        let dir = root.path().join("model");
+        let outside = root.path().join("elsewhere").display().to_string();
+        for path in ["../elsewhere", outside.as_str()] {
+            let modules = serde_json::json!([{"path": path, "type": "sentence_transformers.models.Pooling"}]);
+            write(&dir, "modules.json", &modules.to_string());
+            let refused = SentenceConfig::from_dir(&dir);
+            assert!(matches!(refused, Err(EngineError::InvalidModel { .. })), "{path}: {refused:?}");
+        }
     }
 }

@@ -26,7 +26,7 @@ pub enum EngineError {
         tokens: usize,
         max: usize,
     },
-    #[error("input {index} has no tokens")]
+    #[error("input {index} has no tokens; send a text with at least one word in it")]
     EmptyInput { index: usize },
     #[error("input {index} contains token id {token}, outside this model's vocabulary of {vocab}")]
     TokenOutOfRange {

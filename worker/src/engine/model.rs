@@ -196,28 +196,45 @@ impl EmbeddingModel {
         truncate: bool,
     ) -> Result<Vec<u32>, EngineError> {
         let tokenizer_error = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
-        let ids = self
+        let mut ids = self
             .tokenizer
             .encode_fast(text, true)
             .map_err(tokenizer_error)?
             .get_ids()
             .to_vec();
-        if ids.len() <= self.max_input_tokens {
-            return Ok(ids);
+        if ids.len() > self.max_input_tokens {
+            if !truncate {
+                return Err(EngineError::InputTooLong {
+                    index,
+                    tokens: ids.len(),
+                    max: self.max_input_tokens,
+                });
+            }
+            ids = self
+                .truncating
+                .encode_fast(text, true)
+                .map_err(tokenizer_error)?
+                .get_ids()
+                .to_vec();
         }
-        if !truncate {
-            return Err(EngineError::InputTooLong {
-                index,
-                tokens: ids.len(),
-                max: self.max_input_tokens,
-            });
+        self.check_tokens(index, &ids)?;
+        Ok(ids)
+    }
+
+    /// Input `index` as token ids is something the model can embed: at least one token
+    /// (a tokenizer that adds no special tokens gives none for a blank text), each within
+    /// the vocabulary (a tokenizer may know more words than the embedding table).
+    /// Checked per request, so one bad input is refused alone rather than failing the
+    /// batch it would have joined.
+    pub fn check_tokens(&self, index: usize, ids: &[u32]) -> Result<(), EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::EmptyInput { index });
         }
-        Ok(self
-            .truncating
-            .encode_fast(text, true)
-            .map_err(tokenizer_error)?
-            .get_ids()
-            .to_vec())
+        let vocab = self.vocab_size();
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&token) => Err(EngineError::TokenOutOfRange { index, token, vocab }),
+            None => Ok(()),
+        }
     }
 
     /// Tokenises several texts; an error names the offending input's index.

@@ -153,6 +153,9 @@ pub enum JobError {
     Train(String),
     #[error(transparent)]
     Process(#[from] crate::serve::process::ProcessError),
+    /// A replica whose engine stopped computing (see `serve::batcher::Health`).
+    #[error("{0}")]
+    Broken(String),
     /// A data-parallel rank lost its ring (a peer died or went silent).
     #[error("the gang lost a rank: {0}")]
     RankLost(String),

@@ -2,7 +2,9 @@
 //! queue on an engine endpoint (this worker's, or its own engine process's when the
 //! replica is bound to a slice: see `serve::binding`), and report `running` with its URL.
 //! It serves until the server takes the lease back; then the task is aborted and the
-//! registration (or the engine process) dropped, which takes the replica off the air.
+//! registration (or the engine process) dropped, which takes the replica off the air once
+//! it answered what it admitted. A replica whose engine fails batch after batch (see
+//! `batcher::Health`) ends failed, and the server restarts it.
 
 use tessera_api::deployments::BatchLimits;
 use tessera_api::jobs::JobState;
@@ -30,10 +32,12 @@ pub async fn run(context: &JobContext, model_id: Uuid, limits: BatchLimits) -> R
         Binding::Cpu { .. } => {
             let (replica, report) = load_replica(folder, cpu_options, model_id, limits, context.binding.admission).await?;
             report_loaded(context, &report).await?;
+            let health = replica.queue.health();
             let _registration = context.endpoint.add(context.job, replica);
             let url = context.endpoint.replica_url(context.job);
             report_running(context, &url, None).await?;
-            std::future::pending().await
+            // Failed, it is restarted by the server's repair tick (an engine process exits instead).
+            Err(JobError::Broken(health.broken().await))
         }
         Binding::Process { env, gpu, .. } => {
             let admission = context.binding.admission;

@@ -186,9 +186,12 @@ impl Uplink<'_> {
                 self.context.log(plan_summary(&report)).await?;
                 match self.context.client.precision_plan(self.context.job, &report).await {
                     Ok(()) => {}
-                    // A server from before precision plans: the job runs on, the plan is in its log.
-                    Err(ClientError::Status { status: StatusCode::NOT_FOUND, .. }) => {
-                        tracing::warn!(job = %self.context.job, "the server does not store precision plans (404)")
+                    // A server from before precision plans, or a plan of many ranks past the
+                    // server's body limit: the job runs on, the plan is in its log.
+                    Err(ClientError::Status { status, .. })
+                        if status == StatusCode::NOT_FOUND || status == StatusCode::PAYLOAD_TOO_LARGE =>
+                    {
+                        tracing::warn!(job = %self.context.job, %status, "the server did not store the precision plan")
                     }
                     Err(error) => return Err(error.into()),
                 }
@@ -251,17 +254,30 @@ async fn fetch_checkpoint(context: &JobContext) -> Result<Option<(u64, HashMap<S
 /// `inputs` hold a checkpoint.
 fn build_session(spec: &TrainJob, inputs: Inputs, device: &Device) -> Result<Session, JobError> {
     let columns = task_columns(spec);
-    let table = data::Table::parse(&inputs.bytes)?;
+    let table = data::Table::read(&inputs.bytes, spec.dataset.format)?;
     let prepared = Arc::new(data::prepare(&table, &columns, spec.seed)?);
+    // The server checked these sizes, but not for a job queued by an older server; past
+    // them an allocation fails and aborts the worker, then every worker the job reaches.
+    let too_large = |error: tessera_api::train::SpecError| JobError::Train(format!("the job is too large: {error}"));
+    // As the loader clamps it.
+    let batch = (spec.batch_size as usize).min(prepared.train.len()) as u64;
     let network: Box<dyn Network> = match (&spec.model, &inputs.model_folder) {
         (TrainModel::Mlp { hidden }, _) => {
             let hidden: Vec<usize> = hidden.iter().map(|&h| h as usize).collect();
             let outputs = if columns.kind == TaskKind::Classification { prepared.classes.len() } else { 1 };
+            let widths: Vec<u64> = std::iter::once(prepared.input_dim())
+                .chain(hidden.iter().copied())
+                .chain([outputs])
+                .map(|width| width as u64)
+                .collect();
+            tessera_api::train::check_mlp(&widths, batch).map_err(too_large)?;
             Box::new(Mlp::new(prepared.input_dim(), &hidden, outputs, spec.seed, device)?)
         }
         (TrainModel::Registered { .. }, folder) => {
             let folder = folder.as_ref().expect("the model folder is fetched first");
-            Box::new(BertClassifier::load(folder, &prepared, columns.kind, spec.seed, device)?)
+            let model = BertClassifier::load(folder, &prepared, columns.kind, spec.seed, device)?;
+            tessera_api::train::check_activations(batch, model.activations_per_row()).map_err(too_large)?;
+            Box::new(model)
         }
     };
     let trainer = Trainer::new(
@@ -349,8 +365,9 @@ async fn drive(
     training.await.map_err(|e| JobError::Train(format!("the training thread panicked: {e}")))
 }
 
-/// How long a rank waits on a silent neighbour before calling it dead. Generous: the
-/// leader evaluates the whole validation split while the others wait on its result.
+/// How long a rank waits on a silent neighbour before calling it dead (its lease and the
+/// breakers usually tell sooner). Not while the leader evaluates the whole validation
+/// split: the others wait on its result without a time-out (`Ring::broadcast_unhurried`).
 const RING_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often a rank asks whether its gang formed.
 const RENDEZVOUS_POLL: Duration = Duration::from_millis(250);
@@ -612,5 +629,45 @@ fn describe(device: &Device) -> &'static str {
         "CUDA device 0"
     } else {
         "the CPU"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A classification job on `f` → `y` of eight rows, with the given MLP widths.
+    fn job(hidden: Vec<u32>, feature: &str) -> TrainJob {
+        serde_json::from_value(serde_json::json!({
+            "model": {"kind": "mlp", "hidden": hidden},
+            "dataset": {"id": "00000000-0000-0000-0000-000000000000", "digest": "sha256:0", "format": "csv",
+                        "columns": [], "rows": 8},
+            "task": {"type": "classification", "label_column": "y", "feature_columns": [feature],
+                     "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 4, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1
+        }))
+        .unwrap()
+    }
+
+    fn build(spec: &TrainJob, csv: &str) -> Result<Session, JobError> {
+        let inputs = Inputs { bytes: csv.as_bytes().to_vec(), model_folder: None, resume: None };
+        build_session(spec, inputs, &Device::Cpu)
+    }
+
+    const CSV: &str = "f,y\n1,0\n2,1\n3,0\n4,1\n5,0\n6,1\n7,0\n8,1\n";
+
+    #[test]
+    fn an_mlp_too_large_to_allocate_fails_the_job_before_building_it() {
+        // Queued by a server that did not check sizes: 64 billion parameters would abort the worker.
+        let error = build(&job(vec![65_536; 16], "f"), CSV).err().expect("refused");
+        assert!(matches!(&error, JobError::Train(message) if message.contains("model.hidden")), "{error}");
+        build(&job(vec![8], "f"), CSV).map(|_| ()).unwrap();
+    }
+
+    #[test]
+    fn the_dataset_is_read_in_the_format_the_server_recorded() {
+        // CSV whose first column name starts with a brace, which sniffing took for JSONL.
+        build(&job(vec![8], "{f}"), &CSV.replacen("f,y", "{f},y", 1)).map(|_| ()).unwrap();
     }
 }

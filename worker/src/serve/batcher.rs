@@ -124,6 +124,56 @@ struct Load {
     /// The batch computing now: when it started and its tokens.
     computing: Option<(Instant, usize)>,
     throughput: Throughput,
+    failing: Failing,
+}
+
+/// Batches the engine failed in a row (not for their inputs: a device error, or a panic
+/// on a batch of several requests), when the first and the latest of them started, and
+/// the last error; cleared by a batch that succeeds.
+#[derive(Default)]
+struct Failing {
+    batches: u32,
+    first: Option<Instant>,
+    latest: Option<Instant>,
+    last: String,
+}
+
+/// A replica whose engine failed this many batches in a row, the first and the latest at
+/// least [`BROKEN_FOR`] apart, is broken (a lost device, a sticky CUDA error): it stops
+/// serving, so the server restarts it, rather than answering every request it attracts
+/// with a 500. A burst of failures that then stops is not: there is no later evidence.
+const BROKEN_BATCHES: u32 = 5;
+const BROKEN_FOR: Duration = Duration::from_secs(10);
+
+/// Watches whether a replica's engine still computes (see [`BROKEN_BATCHES`]).
+#[derive(Clone)]
+pub struct Health(Arc<Mutex<Load>>);
+
+impl Health {
+    /// Why the replica should stop serving; `None` while it computes.
+    pub fn why_broken(&self) -> Option<String> {
+        let load = self.0.lock().expect("load lock");
+        let failing = &load.failing;
+        let lasted = failing.latest?.saturating_duration_since(failing.first?);
+        (failing.batches >= BROKEN_BATCHES && lasted >= BROKEN_FOR).then(|| {
+            format!(
+                "the engine failed its last {} batches over {:.0} s (the last: {}); the replica stopped serving",
+                failing.batches,
+                lasted.as_secs_f64(),
+                failing.last
+            )
+        })
+    }
+
+    /// Waits until the replica is broken, and says why.
+    pub async fn broken(&self) -> String {
+        loop {
+            if let Some(why) = self.why_broken() {
+                return why;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
 }
 
 /// Tokens/s over the latest computed tokens: a moving average of each batch's rate in
@@ -225,7 +275,7 @@ impl Queue {
     {
         let budget = limits.max_batch_tokens as usize;
         let prior = Throughput { per_second: prior_tokens_per_s, memory_tokens: MEASURED_BATCHES * budget as f64 };
-        let load = Arc::new(Mutex::new(Load { queued_tokens: 0, computing: None, throughput: prior }));
+        let load = Arc::new(Mutex::new(Load { queued_tokens: 0, computing: None, throughput: prior, failing: Failing::default() }));
         let (sender, receiver) = mpsc::unbounded_channel();
         // The compute thread says when it is free; only then does a batch go to it.
         let (batches, compute_side) = mpsc::channel::<Vec<Job>>(1);
@@ -242,6 +292,11 @@ impl Queue {
 
     pub fn admission(&self) -> Admission {
         self.admission
+    }
+
+    /// A watch on whether the engine behind this queue still computes.
+    pub fn health(&self) -> Health {
+        Health(self.load.clone())
     }
 
     /// Tokens admitted whose batch has not started, their clients still waiting.
@@ -416,16 +471,33 @@ where
         }
         // A panic in the engine fails its batch, not the replica (its queue would close, and
         // a retried request would take the next replica down with it).
-        let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compute(&sequences))) {
-            Ok(result) => result.map_err(|e| e.to_string()),
-            Err(_) => Err("the engine failed on this batch (a panic); the worker's log has the details".to_string()),
+        let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compute(&sequences)));
+        let (result, engine_fault) = match computed {
+            Ok(Ok(outputs)) => (Ok(outputs), false),
+            Ok(Err(e)) => (Err(e.to_string()), !e.is_input_error()),
+            // One request alone that panics the engine is that request's trouble.
+            Err(_) => {
+                let error = "the engine failed on this batch (a panic); the worker's log has the details".to_string();
+                (Err(error), jobs.len() > 1)
+            }
         };
         let elapsed = started.elapsed();
         {
             let mut load = load.lock().expect("load lock");
             load.computing = None;
-            if result.is_ok() {
-                load.throughput.record(tokens, elapsed.as_secs_f64());
+            match &result {
+                Ok(_) => {
+                    load.throughput.record(tokens, elapsed.as_secs_f64());
+                    load.failing = Failing::default();
+                }
+                Err(error) if engine_fault => {
+                    let failing = &mut load.failing;
+                    failing.batches += 1;
+                    failing.first.get_or_insert(started);
+                    failing.latest = Some(started);
+                    failing.last.clone_from(error);
+                }
+                Err(_) => {}
             }
         }
         let inference_us = elapsed.as_micros() as u64;
@@ -562,6 +634,48 @@ mod tests {
 
     fn limits(max_batch_tokens: usize, max_batch_requests: usize) -> BatchLimits {
         BatchLimits { max_batch_tokens: max_batch_tokens as u32, max_batch_requests: max_batch_requests as u32 }
+    }
+
+    /// An engine that fails every batch is broken after five in a row spread over ten
+    /// seconds; batches refused for their inputs do not count, and one success clears the
+    /// count.
+    #[tokio::test]
+    async fn a_replica_whose_engine_fails_batch_after_batch_is_broken() {
+        let outcomes = Arc::new(Mutex::new(std::collections::VecDeque::new()));
+        let queued = outcomes.clone();
+        let queue = Queue::with_compute(limits(1000, 1), patient(), 1e6, move |sequences: &[&[u32]]| {
+            match queued.lock().unwrap().pop_front() {
+                Some("device") => Err(EngineError::Compute(candle_core::Error::Msg("device lost".into()))),
+                Some("input") => Err(EngineError::EmptyInput { index: 0 }),
+                _ => Ok(sequences.iter().map(|_| vec![0.0]).collect()),
+            }
+        });
+        let health = queue.health();
+        // As if the streak so far had begun BROKEN_FOR ago.
+        let began_earlier = || {
+            let mut load = health.0.lock().unwrap();
+            load.failing.first = load.failing.first.map(|first| first - BROKEN_FOR);
+        };
+        let run = |plan: &[&'static str]| {
+            outcomes.lock().unwrap().extend(plan.iter().copied());
+            let pending: Vec<Pending> = (0..plan.len() as u32).map(|id| submit(&queue, id, &[2])).collect();
+            async move {
+                for p in pending {
+                    let _ = p.answer().await.expect("answered");
+                }
+            }
+        };
+        run(&["device", "device", "device", "device", "input", "input"]).await;
+        began_earlier();
+        assert_eq!(health.why_broken(), None, "four engine faults; inputs do not count");
+        run(&["device", "ok", "device", "device", "device", "device"]).await;
+        began_earlier();
+        assert_eq!(health.why_broken(), None, "a success in between clears the count");
+        run(&["ok", "device", "device", "device", "device", "device"]).await;
+        assert_eq!(health.why_broken(), None, "five in a row, but within a second");
+        began_earlier();
+        let why = health.why_broken().expect("broken");
+        assert!(why.contains("last 5 batches") && why.contains("device lost"), "{why}");
     }
 
     #[tokio::test]

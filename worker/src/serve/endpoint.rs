@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -33,8 +34,20 @@ pub struct Endpoint {
     /// refused then if the queue filled meanwhile (a burst is not tokenized whole first).
     tokenizing: Arc<Semaphore>,
     token: RwLock<String>,
+    /// Engine processes of this worker that were told to stop and have not exited yet
+    /// (answering what they admitted): their slices are not free for another job.
+    stopping: Arc<AtomicUsize>,
     /// Base URL the server reaches this endpoint at.
     pub url: String,
+}
+
+/// An engine process counted as stopping (see [`Endpoint::stopping`]).
+pub struct Stopping(Arc<AtomicUsize>);
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Removes its replica from the endpoint when dropped (the serve job ended or was aborted).
@@ -46,6 +59,26 @@ pub struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.endpoint.replicas.write().expect("replicas lock").remove(&self.id);
+    }
+}
+
+impl Registration {
+    /// Takes the replica off the endpoint, so a new request hears `not_serving` (which the
+    /// gateway retries on another replica), and waits up to `within` for the requests it
+    /// had admitted to be answered: every handler holds the replica until it answers.
+    /// False when some were still running at the deadline.
+    pub async fn drain(self, within: Duration) -> bool {
+        let Some(replica) = self.endpoint.replicas.write().expect("replicas lock").remove(&self.id) else {
+            return true;
+        };
+        let deadline = Instant::now() + within;
+        while Arc::strong_count(&replica) > 1 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
     }
 }
 
@@ -61,6 +94,7 @@ impl Endpoint {
             replicas: RwLock::new(HashMap::new()),
             tokenizing: Arc::new(Semaphore::new(cores)),
             token: RwLock::new(String::new()),
+            stopping: Arc::default(),
             url,
         });
         let app = Router::new()
@@ -80,6 +114,17 @@ impl Endpoint {
     /// The token the server gave this worker when it (re-)registered.
     pub fn set_token(&self, token: String) {
         *self.token.write().expect("token lock") = token;
+    }
+
+    /// Counts an engine process of this worker as stopping until the guard is dropped.
+    pub fn stopping(&self) -> Stopping {
+        self.stopping.fetch_add(1, Ordering::SeqCst);
+        Stopping(self.stopping.clone())
+    }
+
+    /// Whether an engine process of this worker is still stopping.
+    pub fn any_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst) > 0
     }
 
     /// The current engine token (a per-slice engine process is started with it).
@@ -158,19 +203,13 @@ fn at_index(error: EngineError, index: usize) -> EngineError {
 /// they are known to fit the model.
 fn check_ids(model: &EmbeddingModel, index: usize, mut ids: Vec<u32>, truncate: bool) -> Result<Vec<u32>, EngineError> {
     let max = model.max_input_tokens();
-    if ids.is_empty() {
-        return Err(EngineError::EmptyInput { index });
-    }
     if ids.len() > max {
         if !truncate {
             return Err(EngineError::InputTooLong { index, tokens: ids.len(), max });
         }
         ids.truncate(max);
     }
-    let vocab = model.vocab_size();
-    if let Some(&token) = ids.iter().find(|&&t| t as usize >= vocab) {
-        return Err(EngineError::TokenOutOfRange { index, token, vocab });
-    }
+    model.check_tokens(index, &ids)?;
     Ok(ids)
 }
 
@@ -251,16 +290,32 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
         Err(e) => return refused(e),
     };
     match pending.answer().await {
-        Some(Ok(answer)) => Json(InferResponse {
-            outputs: answer.outputs,
-            tokens,
-            labels: replica.model.labels().map(<[String]>::to_vec).unwrap_or_default(),
-            timings: answer.timings,
-        })
-        .into_response(),
+        Some(Ok(answer)) => match first_not_finite(&answer.outputs) {
+            Some(index) => {
+                tracing::error!(replica = %id, index, "the model computed a value that is not finite");
+                let message = format!(
+                    "The model computed a value that is not finite (NaN or infinity) for input {index}; its weights \
+                     or its precision do not suit this input (f16 overflows past 65504: serve it in f32 or bf16)."
+                );
+                error(StatusCode::INTERNAL_SERVER_ERROR, "backend", message)
+            }
+            None => Json(InferResponse {
+                outputs: answer.outputs,
+                tokens,
+                labels: replica.model.labels().map(<[String]>::to_vec).unwrap_or_default(),
+                timings: answer.timings,
+            })
+            .into_response(),
+        },
         Some(Err(message)) => error(StatusCode::INTERNAL_SERVER_ERROR, "backend", message),
         None => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The replica stopped before answering."),
     }
+}
+
+/// The first output holding NaN or infinity, which JSON cannot carry (it would reach the
+/// gateway as `null` and read as a broken replica).
+fn first_not_finite(outputs: &[Vec<f32>]) -> Option<usize> {
+    outputs.iter().position(|output| output.iter().any(|v| !v.is_finite()))
 }
 
 async fn embed(State(endpoint): State<Arc<Endpoint>>, Path(id): Path<Uuid>, headers: HeaderMap, Json(request): Json<InferRequest>) -> Response {
@@ -285,4 +340,16 @@ async fn info(State(endpoint): State<Arc<Endpoint>>, Path(id): Path<Uuid>, heade
         labels,
     })
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_not_finite;
+
+    #[test]
+    fn the_first_output_holding_nan_or_infinity_is_named() {
+        assert_eq!(first_not_finite(&[vec![1.0, -2.0], vec![0.0]]), None);
+        assert_eq!(first_not_finite(&[vec![1.0], vec![f32::NAN], vec![f32::INFINITY]]), Some(1));
+        assert_eq!(first_not_finite(&[vec![f32::NEG_INFINITY]]), Some(0));
+    }
 }

@@ -4,14 +4,16 @@
 //! environment (`CUDA_VISIBLE_DEVICES`) and the engine token in `TESSERA_ENGINE_TOKEN`.
 //! The child loads and warms the model, serves it on its own endpoint (a free port on the
 //! worker's listen host, same routes and token as the worker's), and prints one
-//! `TESSERA_ENGINE_READY {json}` line with its URL. It lives as long as its stdin is
+//! `TESSERA_ENGINE_READY {json}` line with its URL. It serves as long as its stdin is
 //! open: the serve job holds the pipe, so an aborted job, a stopped or crashed worker all
-//! end the engine too. The child's other output goes to the worker's log.
+//! end the engine too, once it has answered the requests it admitted (a scale-down or a
+//! reclaim loses no request in flight). The child's other output goes to the worker's log.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tessera_api::deployments::BatchLimits;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader, Lines};
@@ -99,6 +101,8 @@ pub enum ProcessError {
     ExitedBeforeServing { status: ExitStatus, last_words: String },
     #[error("the engine process exited ({status}); {last_words}")]
     Exited { status: ExitStatus, last_words: String },
+    #[error("{0}")]
+    Broken(String),
 }
 
 fn load_options(gpu: bool, cpu_precision: CpuPrecision) -> Result<LoadOptions, ProcessError> {
@@ -121,30 +125,80 @@ pub async fn run_engine(args: EngineArgs) -> Result<(), ProcessError> {
     let endpoint = Endpoint::start(&args.listen, None).await?;
     endpoint.set_token(token);
     let (replica, report) = load_replica(args.model, options, args.model_id, args.limits, args.admission).await?;
-    let _registration = endpoint.add(args.replica, replica);
+    let health = replica.queue.health();
+    let registration = endpoint.add(args.replica, replica);
     let ready = Ready { url: endpoint.replica_url(args.replica), report };
     println!("{READY}{}", serde_json::to_string(&ready).expect("the announcement serialises"));
-    // Serve until the worker closes the pipe (or dies).
+    // Serve until the worker closes the pipe (or dies), then answer what was admitted.
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
-    while stdin.next_line().await?.is_some() {}
-    tracing::info!(replica = %args.replica, "the worker closed the engine's stdin; stopping");
+    let closed = async {
+        while stdin.next_line().await?.is_some() {}
+        Ok::<_, std::io::Error>(())
+    };
+    tokio::select! {
+        closed = closed => closed?,
+        why = health.broken() => return Err(ProcessError::Broken(why)),
+    }
+    let drain = drain_time(args.admission);
+    tracing::info!(replica = %args.replica, "the worker closed the engine's stdin; answering what it admitted");
+    if registration.drain(drain).await {
+        // A handler lets go of the replica just before its answer is written out.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    } else {
+        let waited = drain.as_secs();
+        tracing::warn!(replica = %args.replica, "requests were still running {waited} s after the stop; stopping anyway");
+    }
     Ok(())
 }
 
-/// The worker's side: a running engine process, killed when dropped.
+/// How long a stopping engine may take to answer the requests it admitted: one may wait
+/// its whole queue-time limit, then be computed (a batch takes well under 10 s); five
+/// minutes at most, whatever the limit.
+pub fn drain_time(admission: Admission) -> Duration {
+    (admission.max_queue_wait() + Duration::from_secs(10)).min(Duration::from_secs(300))
+}
+
+/// The worker's side: a running engine process. Dropped (the serve job ended or was
+/// aborted), it closes the engine's stdin, which stops the engine taking requests; the
+/// engine answers those it admitted and exits, and is killed if it has not within its
+/// drain time and a little more. One still starting is killed at once.
 pub struct EngineProcess {
-    child: Child,
+    child: Option<Child>,
     /// Held open: closing it tells the engine to stop.
-    _stdin: ChildStdin,
+    stdin: Option<ChildStdin>,
+    /// How long the engine may take to stop once told.
+    drain: Duration,
+    /// Taken when it is told to stop, held until it has exited: its slice is busy till then.
+    endpoint: Arc<Endpoint>,
     pub pid: u32,
     pub url: String,
     pub report: LoadReport,
     last: Arc<Mutex<VecDeque<String>>>,
 }
 
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let Some(mut child) = self.child.take() else { return };
+        let grace = self.drain + Duration::from_secs(5);
+        let pid = self.pid;
+        let stopping = self.endpoint.stopping();
+        // Outside a runtime (or when it shuts down) the child is dropped, which kills it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                    tracing::warn!(pid, "the engine process did not stop in time; killing it");
+                    let _ = child.kill().await;
+                }
+                drop(stopping);
+            });
+        }
+    }
+}
+
 impl EngineProcess {
     /// Starts the engine process and waits until it serves (or fails to start).
-    pub async fn start(endpoint: &Endpoint, spawn: Spawn) -> Result<EngineProcess, ProcessError> {
+    pub async fn start(endpoint: &Arc<Endpoint>, spawn: Spawn) -> Result<EngineProcess, ProcessError> {
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe)
             .arg("engine")
@@ -188,13 +242,23 @@ impl EngineProcess {
         };
         // Keep draining its output, or a full pipe would stall it.
         tokio::spawn(forward(stdout, spawn.replica, last.clone()));
-        Ok(EngineProcess { child, _stdin: stdin, pid, url: ready.url, report: ready.report, last })
+        Ok(EngineProcess {
+            child: Some(child),
+            stdin: Some(stdin),
+            drain: drain_time(spawn.admission),
+            endpoint: endpoint.clone(),
+            pid,
+            url: ready.url,
+            report: ready.report,
+            last,
+        })
     }
 
     /// Waits until the engine process exits on its own, which ends the replica: the error
     /// says how, with its last lines of output.
     pub async fn wait(&mut self) -> ProcessError {
-        match self.child.wait().await {
+        let child = self.child.as_mut().expect("a running engine process has its child");
+        match child.wait().await {
             Ok(status) => ProcessError::Exited { status, last_words: last_words(&self.last) },
             Err(e) => e.into(),
         }

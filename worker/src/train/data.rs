@@ -3,8 +3,17 @@
 //! standardised with the training split's mean and deviation only, so no validation
 //! statistic leaks into training; the split itself is a seeded permutation, the same on
 //! every worker that resumes the job.
+//!
+//! The file is read as the server's upload check read it (`server/src/datasets/inspect.rs`):
+//! the same `csv` reader and settings, the same numbers ([`parse_number`]), the same missing
+//! values. A missing value is harmless in a column the task does not read; in one it reads,
+//! the server refuses the job at submission, and for a dataset uploaded before it counted
+//! them the job fails here, naming the column and the row.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+
+use tessera_api::datasets::{parse_number, DatasetFormat};
+use tessera_api::train::MAX_CLASSES;
 
 use super::rng::Rng;
 
@@ -20,6 +29,13 @@ pub enum DataError {
     MissingColumn(String),
     #[error("column '{column}', row {row}: '{value}' is not a number")]
     NotNumeric { column: String, row: usize, value: String },
+    #[error(
+        "column '{column}', row {row}: no value; the task reads this column, so every row needs one: fill it in, or \
+         train without the column"
+    )]
+    MissingValue { column: String, row: usize },
+    #[error("label column '{column}' holds {classes} distinct values; a classification takes at most {MAX_CLASSES}")]
+    TooManyClasses { column: String, classes: usize },
     #[error("the task uses no feature columns: name numeric `feature_columns`, or a `text_column`")]
     NoFeatures,
     #[error("{0}")]
@@ -27,7 +43,8 @@ pub enum DataError {
 }
 
 /// A dataset as read: column names and every cell as text. JSON numbers keep their JSON
-/// spelling, which parses back to the same value.
+/// spelling, which parses back to the same value. A missing value (a blank CSV field, a
+/// JSONL null, blank string or absent key) is a blank cell.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Table {
     pub columns: Vec<String>,
@@ -35,114 +52,91 @@ pub struct Table {
 }
 
 impl Table {
-    /// Reads JSONL when the first non-blank character is `{`, CSV otherwise.
-    pub fn parse(bytes: &[u8]) -> Result<Table, DataError> {
+    /// Reads a dataset file in the format the server recorded for it.
+    pub fn read(bytes: &[u8], format: DatasetFormat) -> Result<Table, DataError> {
         let text = std::str::from_utf8(bytes).map_err(|_| DataError::NotUtf8)?;
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        let table = if text.trim_start().starts_with('{') { parse_jsonl(text)? } else { parse_csv(text)? };
+        let table = match format {
+            DatasetFormat::Csv => parse_csv(text)?,
+            DatasetFormat::Jsonl => parse_jsonl(text)?,
+        };
         if table.rows.is_empty() {
             return Err(DataError::Empty);
         }
         Ok(table)
     }
 
+    /// Reads a table written by hand (tests, benchmarks): JSONL when the first non-blank
+    /// character is `{`, CSV otherwise. A job's dataset is read with [`Table::read`].
+    pub fn parse(bytes: &[u8]) -> Result<Table, DataError> {
+        let text = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+        let jsonl = text.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        Table::read(text, if jsonl { DatasetFormat::Jsonl } else { DatasetFormat::Csv })
+    }
+
     pub fn column(&self, name: &str) -> Result<usize, DataError> {
         self.columns.iter().position(|c| c == name).ok_or_else(|| DataError::MissingColumn(name.into()))
     }
 
-    fn numeric(&self, column: usize) -> Result<Vec<f32>, DataError> {
+    /// A column the task reads, every cell of it: a missing one is an error naming its row.
+    fn present(&self, column: usize) -> Result<Vec<&str>, DataError> {
         self.rows
             .iter()
             .enumerate()
-            .map(|(row, cells)| {
-                let value = &cells[column];
-                value.trim().parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| DataError::NotNumeric {
+            .map(|(row, cells)| match cells[column].as_str() {
+                blank if blank.trim().is_empty() => {
+                    Err(DataError::MissingValue { column: self.columns[column].clone(), row: row + 1 })
+                }
+                value => Ok(value),
+            })
+            .collect()
+    }
+
+    fn numeric(&self, column: usize) -> Result<Vec<f32>, DataError> {
+        let values = self.present(column)?;
+        values
+            .iter()
+            .enumerate()
+            .map(|(row, value)| {
+                parse_number(value).ok_or_else(|| DataError::NotNumeric {
                     column: self.columns[column].clone(),
                     row: row + 1,
-                    value: value.clone(),
+                    value: value.to_string(),
                 })
             })
             .collect()
     }
 
     fn is_numeric(&self, column: usize) -> bool {
-        self.rows.iter().all(|cells| cells[column].trim().parse::<f64>().is_ok_and(f64::is_finite))
+        self.rows.iter().all(|cells| parse_number(&cells[column]).is_some())
     }
 }
 
-/// One CSV record's fields: RFC 4180 quoting (`"a,b"`, `""` for a quote inside quotes).
-/// Returns the fields and the rest of the text after the record.
-fn csv_record(text: &str) -> Result<(Vec<String>, &str), String> {
-    let mut fields = Vec::new();
-    let mut field = String::new();
-    let mut chars = text.char_indices().peekable();
-    let mut quoted = false;
-    let mut was_quoted = false;
-    while let Some((i, c)) = chars.next() {
-        if quoted {
-            match c {
-                '"' if chars.peek().map(|&(_, n)| n) == Some('"') => {
-                    field.push('"');
-                    chars.next();
-                }
-                '"' => quoted = false,
-                _ => field.push(c),
-            }
-            continue;
-        }
-        match c {
-            '"' if field.is_empty() && !was_quoted => {
-                quoted = true;
-                was_quoted = true;
-            }
-            ',' => {
-                fields.push(std::mem::take(&mut field));
-                was_quoted = false;
-            }
-            '\n' | '\r' => {
-                fields.push(field);
-                let rest = &text[i + 1..];
-                let rest = if c == '\r' { rest.strip_prefix('\n').unwrap_or(rest) } else { rest };
-                return Ok((fields, rest));
-            }
-            '"' => return Err("a quote inside an unquoted field".into()),
-            _ => field.push(c),
-        }
-    }
-    if quoted {
-        return Err("a quoted field is not closed".into());
-    }
-    fields.push(field);
-    Ok((fields, ""))
-}
-
+/// CSV with a header row, read by the `csv` crate with the settings the server checked the
+/// upload with: RFC 4180 quoting, a quote inside an unquoted field kept as written, blank
+/// lines skipped, every record as wide as the header, names exactly as written.
 fn parse_csv(text: &str) -> Result<Table, DataError> {
-    let mut rest = text;
-    let mut line = 0;
-    let mut columns: Option<Vec<String>> = None;
-    let mut rows = Vec::new();
-    while !rest.is_empty() {
-        line += 1;
-        let (fields, next) = csv_record(rest).map_err(|message| DataError::Malformed { line, message })?;
-        line += rest[..rest.len() - next.len()].trim_end_matches(['\r', '\n']).matches('\n').count();
-        rest = next;
-        if fields.len() == 1 && fields[0].trim().is_empty() {
-            continue;
-        }
-        match &columns {
-            None => columns = Some(fields.into_iter().map(|f| f.trim().to_string()).collect()),
-            Some(header) if header.len() != fields.len() => {
-                return Err(DataError::Malformed {
-                    line,
-                    message: format!("{} fields where the header has {}", fields.len(), header.len()),
-                })
-            }
-            Some(_) => rows.push(fields),
-        }
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(text.as_bytes());
+    let columns: Vec<String> = reader.headers().map_err(csv_error)?.iter().map(str::to_string).collect();
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for record in reader.records() {
+        rows.push(record.map_err(csv_error)?.iter().map(str::to_string).collect());
     }
-    Ok(Table { columns: columns.ok_or(DataError::Empty)?, rows })
+    Ok(Table { columns, rows })
 }
 
+fn csv_error(error: csv::Error) -> DataError {
+    let line = error.position().map_or(0, |p| p.line() as usize);
+    let message = match error.kind() {
+        csv::ErrorKind::UnequalLengths { expected_len, len, .. } => {
+            format!("{len} fields where the header has {expected_len}")
+        }
+        _ => error.to_string(),
+    };
+    DataError::Malformed { line, message }
+}
+
+/// JSONL: the first line's keys are the columns. A null, a blank string or a key a line
+/// lacks is a missing value, harmless unless the task reads that column.
 fn parse_jsonl(text: &str) -> Result<Table, DataError> {
     let mut columns: Option<Vec<String>> = None;
     let mut rows = Vec::new();
@@ -158,9 +152,10 @@ fn parse_jsonl(text: &str) -> Result<Table, DataError> {
         let row = header
             .iter()
             .map(|key| match object.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(String::new()),
                 Some(serde_json::Value::String(s)) => Ok(s.clone()),
                 Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => Ok(v.to_string()),
-                _ => Err(malformed(format!("field '{key}' is missing, null or nested"))),
+                Some(_) => Err(malformed(format!("the value of '{key}' is nested; each line must be a flat object"))),
             })
             .collect::<Result<Vec<_>, _>>()?;
         rows.push(row);
@@ -257,7 +252,7 @@ impl Prepared {
 
 /// Class names in a stable order: numerically when every label is a number (so digit
 /// `3` is class 3), lexically otherwise.
-fn class_names(labels: &[String]) -> Vec<String> {
+fn class_names(labels: &[&str]) -> Vec<String> {
     let distinct: BTreeSet<&str> = labels.iter().map(|l| l.trim()).collect();
     let mut names: Vec<String> = distinct.into_iter().map(str::to_string).collect();
     if names.iter().all(|n| n.parse::<f64>().is_ok()) {
@@ -270,8 +265,8 @@ pub fn prepare(table: &Table, task: &TaskColumns, seed: u64) -> Result<Prepared,
     let label = table.column(&task.label)?;
     let (inputs, feature_columns) = match &task.text {
         Some(text) => {
-            let column = table.column(text)?;
-            (Inputs::Text(table.rows.iter().map(|r| r[column].clone()).collect()), vec![text.clone()])
+            let texts = table.present(table.column(text)?)?;
+            (Inputs::Text(texts.into_iter().map(str::to_string).collect()), vec![text.clone()])
         }
         None => {
             let columns: Vec<usize> = match &task.features {
@@ -289,13 +284,20 @@ pub fn prepare(table: &Table, task: &TaskColumns, seed: u64) -> Result<Prepared,
     };
     let (targets, classes) = match task.kind {
         TaskKind::Classification => {
-            let labels: Vec<String> = table.rows.iter().map(|r| r[label].clone()).collect();
+            let labels = table.present(label)?;
             let classes = class_names(&labels);
             if classes.len() < 2 {
                 return Err(DataError::Split(format!("label column '{}' has fewer than two classes", task.label)));
             }
-            let index = labels.iter().map(|l| classes.iter().position(|c| c == l.trim()).unwrap() as u32).collect();
-            (Targets::Classes(index), classes)
+            if classes.len() > MAX_CLASSES {
+                return Err(DataError::TooManyClasses { column: task.label.clone(), classes: classes.len() });
+            }
+            let targets: Vec<u32> = {
+                let index: HashMap<&str, u32> =
+                    classes.iter().enumerate().map(|(i, c)| (c.as_str(), i as u32)).collect();
+                labels.iter().map(|l| index[l.trim()]).collect()
+            };
+            (Targets::Classes(targets), classes)
         }
         TaskKind::Regression => (Targets::Values(table.numeric(label)?), Vec::new()),
     };
@@ -372,11 +374,87 @@ mod tests {
     }
 
     #[test]
-    fn jsonl_reads_objects_and_rejects_missing_fields() {
+    fn jsonl_reads_objects_and_rejects_nested_values() {
         let table = Table::parse(b"{\"x\": 1.5, \"y\": \"cat\"}\n\n{\"x\": 2, \"y\": \"dog\"}\n").unwrap();
         assert_eq!(table.rows, [vec!["1.5", "cat"], vec!["2", "dog"]]);
-        let err = Table::parse(b"{\"x\": 1, \"y\": 2}\n{\"x\": 1}\n").unwrap_err();
-        assert!(err.to_string().starts_with("line 2: field 'y'"), "{err}");
+        let err = Table::parse(b"{\"x\": 1, \"y\": 2}\n{\"x\": 1, \"y\": [2]}\n").unwrap_err();
+        assert!(err.to_string().starts_with("line 2: the value of 'y' is nested"), "{err}");
+    }
+
+    #[test]
+    fn a_jsonl_null_or_absent_key_is_harmless_in_a_column_the_task_does_not_read() {
+        let jsonl = "{\"f\": 1, \"y\": 0, \"note\": null}\n{\"f\": 2, \"y\": 1}\n\
+                     {\"f\": 3, \"y\": 1, \"note\": \"x\"}\n";
+        let table = Table::read(jsonl.as_bytes(), DatasetFormat::Jsonl).unwrap();
+        let mut t = task(TaskKind::Classification, 0.0);
+        t.features = Some(vec!["f".into()]);
+        assert_eq!(prepare(&table, &t, 1).unwrap().train.len(), 3);
+        t.features = Some(vec!["f".into(), "note".into()]);
+        let err = prepare(&table, &t, 1).unwrap_err();
+        assert!(matches!(&err, DataError::MissingValue { column, row: 1 } if column == "note"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_number_cell_is_a_missing_value_named_by_column_and_row() {
+        let table = Table::read(b"f,g,y\n1,,0\n2,5,1\n3, ,1\n", DatasetFormat::Csv).unwrap();
+        let mut t = task(TaskKind::Classification, 0.0);
+        t.features = Some(vec!["f".into()]);
+        prepare(&table, &t, 1).unwrap();
+        t.features = Some(vec!["g".into()]);
+        let err = prepare(&table, &t, 1).unwrap_err();
+        assert!(matches!(&err, DataError::MissingValue { column, row: 1 } if column == "g"), "{err}");
+        // Left to choose, the task skips a column with a missing value.
+        t.features = None;
+        assert_eq!(prepare(&table, &t, 1).unwrap().feature_columns, ["f"]);
+        // A missing label is named too.
+        let table = Table::read(b"f,y\n1,0\n2,\n3,1\n", DatasetFormat::Csv).unwrap();
+        let err = prepare(&table, &task(TaskKind::Regression, 0.0), 1).unwrap_err();
+        assert!(matches!(&err, DataError::MissingValue { column, row: 2 } if column == "y"), "{err}");
+    }
+
+    #[test]
+    fn a_quote_inside_an_unquoted_csv_field_is_kept_as_written() {
+        let table = Table::read(b" size ,y\n5\" screen,1\n\"7\"\" screen\",2\n", DatasetFormat::Csv).unwrap();
+        assert_eq!(table.columns, [" size ", "y"], "names as the server recorded them");
+        assert_eq!(table.rows, [vec!["5\" screen", "1"], vec!["7\" screen", "2"]]);
+    }
+
+    #[test]
+    fn numbers_past_f32_are_not_numbers() {
+        let table = Table::read(b"f,y\n3.4e38,0\n1e39,1\n", DatasetFormat::Csv).unwrap();
+        let mut t = task(TaskKind::Classification, 0.0);
+        t.features = Some(vec!["f".into()]);
+        assert_eq!(prepare(&table, &t, 1).unwrap_err().to_string(), "column 'f', row 2: '1e39' is not a number");
+    }
+
+    #[test]
+    fn the_recorded_format_decides_how_a_file_is_read() {
+        // A CSV whose first column name starts with a brace is not JSONL.
+        let table = Table::read(b"{id},y\n1,2\n", DatasetFormat::Csv).unwrap();
+        assert_eq!(table.columns, ["{id}", "y"]);
+        assert!(matches!(Table::read(b"a,y\n1,2\n", DatasetFormat::Jsonl), Err(DataError::Malformed { line: 1, .. })));
+    }
+
+    #[test]
+    fn labels_map_to_classes_by_index_up_to_the_class_cap() {
+        let rows: String = (0..2 * MAX_CLASSES).map(|i| format!("{i},c{}\n", i % MAX_CLASSES)).collect();
+        let csv = format!("f,y\n{rows}");
+        let classification = task(TaskKind::Classification, 0.0);
+        let prepared = prepare(&Table::parse(csv.as_bytes()).unwrap(), &classification, 1).unwrap();
+        assert_eq!(prepared.classes.len(), MAX_CLASSES);
+        let (Inputs::Dense { values, .. }, Targets::Classes(index)) = (&prepared.train.inputs, &prepared.train.targets)
+        else {
+            panic!("dense inputs and class targets")
+        };
+        // Standardising keeps the order of f: the k-th smallest is row k of the file, label c{k % cap}.
+        let mut order: Vec<usize> = (0..values.len()).collect();
+        order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+        for (k, &row) in order.iter().enumerate() {
+            assert_eq!(prepared.classes[index[row] as usize], format!("c{}", k % MAX_CLASSES));
+        }
+        let more = csv + &format!("0,c{MAX_CLASSES}\n");
+        let err = prepare(&Table::parse(more.as_bytes()).unwrap(), &classification, 1).unwrap_err();
+        assert!(matches!(&err, DataError::TooManyClasses { classes, .. } if *classes == MAX_CLASSES + 1), "{err}");
     }
 
     #[test]

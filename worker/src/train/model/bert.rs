@@ -11,6 +11,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_transformers::models::bert::Config;
+use tessera_api::train::{encoder_activations_per_row, MAX_TEXT_TOKENS};
 use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
 
 use super::encoder::Encoder;
@@ -19,14 +20,13 @@ use crate::train::data::{Examples, Inputs, Prepared, TaskKind};
 use crate::train::precision::{self, OpKind, PlanError, Precision, PrecisionPlan};
 use crate::train::rng::Rng;
 
-/// Longest input in tokens; longer texts are truncated.
-const MAX_TOKENS: usize = 128;
-
 pub struct BertClassifier {
     encoder: Encoder,
     tokenizer: Tokenizer,
     /// Encoder weights (sorted by name), then `head.weight`, `head.bias`.
     parameters: Vec<(String, Var)>,
+    /// What a forward holds per row at the longest input (see [`encoder_activations_per_row`]).
+    activations_per_row: u64,
     device: Device,
 }
 
@@ -40,12 +40,17 @@ impl BertClassifier {
             .map_err(|e| invalid(format!("config.json is not a BERT config: {e}")))?;
         let mut tokenizer =
             Tokenizer::from_file(folder.join("tokenizer.json")).map_err(|e| invalid(format!("tokenizer.json: {e}")))?;
+        let tokens = MAX_TEXT_TOKENS.min(config.max_position_embeddings);
         tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: MAX_TOKENS.min(config.max_position_embeddings),
-                ..Default::default()
-            }))
+            .with_truncation(Some(TruncationParams { max_length: tokens, ..Default::default() }))
             .map_err(|e| invalid(format!("tokenizer: {e}")))?;
+        let activations_per_row = encoder_activations_per_row(
+            tokens as u64,
+            config.hidden_size as u64,
+            config.intermediate_size as u64,
+            config.num_attention_heads as u64,
+            config.num_hidden_layers as u64,
+        );
         tokenizer.with_padding(Some(PaddingParams { pad_id: config.pad_token_id as u32, ..Default::default() }));
 
         // The file's tensors become the Vars the model is built from, so nothing is left
@@ -77,7 +82,13 @@ impl BertClassifier {
             Var::from_tensor(&Tensor::from_vec(uniform(outputs * hidden), (outputs, hidden), device)?)?,
         ));
         parameters.push(("head.bias".into(), Var::from_tensor(&Tensor::from_vec(uniform(outputs), outputs, device)?)?));
-        Ok(BertClassifier { encoder, tokenizer, parameters, device: device.clone() })
+        Ok(BertClassifier { encoder, tokenizer, parameters, activations_per_row, device: device.clone() })
+    }
+
+    /// The f32 values a training forward holds per row at the longest input, which the job
+    /// checks its batch against before the first step.
+    pub fn activations_per_row(&self) -> u64 {
+        self.activations_per_row
     }
 }
 
