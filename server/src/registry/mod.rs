@@ -81,6 +81,7 @@ pub async fn register(state: &AppState, owner: &Principal, staged: Staged) -> Re
         "num_attention_heads": config.num_attention_heads,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_position_embeddings,
+        "intermediate_size": config.intermediate_size,
         "num_labels": config.num_labels,
         "pooling": pooling.map(|p| format!("{p:?}").to_lowercase()),
     });

@@ -17,6 +17,7 @@ pub struct ModelConfig {
     pub num_attention_heads: u64,
     pub vocab_size: u64,
     pub max_position_embeddings: u64,
+    pub intermediate_size: u64,
     /// Number of entries in `id2label`, when the config has one.
     pub num_labels: Option<u64>,
 }
@@ -142,7 +143,7 @@ pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
     let num_attention_heads = size(keys.num_attention_heads)?;
     let vocab_size = size("vocab_size")?;
     let max_position_embeddings = size("max_position_embeddings")?;
-    size("intermediate_size")?;
+    let intermediate_size = size("intermediate_size")?;
     // The settings the engine runs one way of (`EncoderConfig::validate` in the worker).
     for (key, supported) in [("hidden_act", "gelu"), ("position_embedding_type", "absolute")] {
         match config.get(key) {
@@ -185,6 +186,7 @@ pub fn parse_config(bytes: &[u8]) -> Result<ModelConfig, ConfigError> {
         num_attention_heads,
         vocab_size,
         max_position_embeddings,
+        intermediate_size,
         num_labels,
     })
 }
@@ -321,6 +323,7 @@ mod tests {
                 num_attention_heads: 4,
                 vocab_size: 100,
                 max_position_embeddings: 128,
+                intermediate_size: 256,
                 num_labels: Some(3),
             }
         );

@@ -73,7 +73,7 @@ fn encoder_activations(config: &Value) -> Option<u64> {
     let size = |key: &str| config.get(key).and_then(Value::as_u64);
     let hidden = size("hidden_size")?;
     let tokens = size("max_position_embeddings")?.min(MAX_TEXT_TOKENS as u64);
-    // The registry keeps no intermediate size; BERT-family models use four times the width.
+    // Models registered before the registry kept it: BERT-family models use four times the width.
     let intermediate = size("intermediate_size").unwrap_or(hidden.saturating_mul(4));
     let (heads, layers) = (size("num_attention_heads")?, size("num_hidden_layers")?);
     Some(train::encoder_activations_per_row(tokens, hidden, intermediate, heads, layers))
