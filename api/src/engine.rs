@@ -59,6 +59,10 @@ pub struct EngineError {
 /// there, or its queue closed): nothing was computed, so another replica may take it.
 pub const NOT_SERVING: &str = "not_serving";
 
+/// The kind of an engine's 503 for a request its replica stopped before computing: as
+/// with [`NOT_SERVING`], another replica may take it.
+pub const UNHEALTHY: &str = "unhealthy";
+
 /// `GET <endpoint>/info`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EngineInfo {

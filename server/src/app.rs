@@ -315,6 +315,12 @@ fn spawn_lease_expiry(state: AppState) {
 pub async fn serve(config: Config) -> Result<(), StartError> {
     let bind = config.bind.clone();
     let state = AppState::open(config).await?;
+    let ttl_ms = state.config.lease_ttl_secs as i64 * 1000;
+    match crate::store::jobs::grace_leases(&state.db, ttl_ms).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(jobs = n, "leases the workers could not renew while the server was down extended"),
+        Err(e) => tracing::warn!(error = %e, "extending leases at start failed"),
+    }
     spawn_lease_expiry(state.clone());
     registry::gc::spawn(state.clone());
     loaning::spawn(state.clone());

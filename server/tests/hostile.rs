@@ -536,6 +536,10 @@ async fn nul_bytes_in_what_a_worker_names_are_422s() {
         let (_, secret) = server.register_worker("w").await;
         let response = server.post(&secret, "/agent/claim", json!({"kinds": ["pre\u{0}fetch"]})).await;
         assert_eq!(response.status(), 422, "{backend:?} claim");
+        // A gang's own row is the server's: a worker leasing it would strand its ranks.
+        let response = server.post(&secret, "/agent/claim", json!({"kinds": ["train_gang"]})).await;
+        assert_eq!(response.status(), 422, "{backend:?} claim a gang");
+        assert!(error_body(response).await["error"]["message"].as_str().unwrap().contains("\"train_gang\" is not a kind"));
         // A list past the database's parameter limit (or one statement per entry) is refused.
         let kinds: Vec<String> = (0..70_000).map(|i| format!("k{i}")).collect();
         let response = server.post(&secret, "/agent/claim", json!({ "kinds": kinds })).await;

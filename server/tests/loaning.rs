@@ -1584,3 +1584,74 @@ async fn a_claim_whose_slice_or_job_went_meanwhile_gives_the_lease_back() {
         assert!(matches!(slices::bind_claimed(db, worker, claimed.job_id, &free).await.unwrap(), Bound::Gone));
     }
 }
+
+/// The number of `gang`'s ranks pinned to a slice.
+async fn pinned_ranks(server: &TestServer, gang: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE gang_id = $1 AND slice_pinned = 1")
+        .bind(gang)
+        .fetch_one(server.state.db.pool())
+        .await
+        .unwrap()
+}
+
+/// A rank pinned to a slice waits while any job holds it (a replica bound there after the
+/// round read the fleet, say); preempting the gang while it forms clears its pins, as a
+/// checkpointed preemption does, so it is not claimed again on slices being taken back; and
+/// removing the worker ends its slices' loans, so the lender is not left short for good.
+#[tokio::test]
+async fn pinned_ranks_wait_for_held_slices_and_preempting_or_removing_frees_slices() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        let secret = mig_worker_with_tiny(&server, &admin).await;
+        let body = json!({"name": "embed", "model": "tiny", "replicas": 3, "loanable": true, "reclaim_headroom": 0.2});
+        assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
+        run_replicas(&server, &secret, 3).await;
+        let data = server.toy_dataset(&admin).await;
+        let gang = json!({"name": "pinned", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let response = server.post(&admin, "/jobs", gang).await;
+        assert_eq!(response.status(), 201);
+        let job = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        run_round(&server.state).await.unwrap();
+        assert_eq!(next_round(&server).await.started, 1);
+        assert_eq!(pinned_ranks(&server, &job).await, 2);
+
+        // The live replica is moved onto one pinned slice and the other is taken by hand:
+        // neither rank may be claimed while a job holds its slice.
+        let db = server.state.db.pool();
+        let pins: Vec<String> = sqlx::query_scalar("SELECT slice_uuid FROM jobs WHERE gang_id = $1 ORDER BY gang_rank")
+            .bind(&job)
+            .fetch_all(db)
+            .await
+            .unwrap();
+        let replica: String = sqlx::query_scalar("SELECT id FROM jobs WHERE kind = 'serve' AND state = 'running' LIMIT 1")
+            .fetch_one(db)
+            .await
+            .unwrap();
+        let hold = |slice: &str| {
+            sqlx::query("UPDATE jobs SET slice_uuid = $1 WHERE id = $2").bind(slice.to_string()).bind(replica.clone())
+        };
+        hold(&pins[0]).execute(db).await.unwrap();
+        let other = claim(&server, &secret, &["train_rank"]).await.expect("the rank on the free slice");
+        assert_eq!(other["slice"]["uuid"], pins[1].as_str());
+        assert!(claim(&server, &secret, &["train_rank"]).await.is_none(), "a rank took the replica's slice");
+
+        // Preempted while forming: the claimed rank is released and every pin goes.
+        let response = server.post(&admin, &format!("/jobs/{job}/preempt"), json!({"reason": "test"})).await;
+        assert_eq!(response.status(), 202, "{}", response.text().await.unwrap());
+        assert_eq!(pinned_ranks(&server, &job).await, 0);
+        assert!(claim(&server, &secret, &["train_rank"]).await.is_none(), "claimed again on a slice with no pin");
+
+        let lent = |d: Value| d["loaned_slices"].as_u64().unwrap();
+        assert_eq!(lent(get(&server, &admin, "/deployments/embed").await), 2);
+        let worker = get(&server, &admin, "/workers").await[0]["id"].as_str().unwrap().to_string();
+        sqlx::query("UPDATE workers SET last_seen_at = 0").execute(db).await.unwrap();
+        let response = server.http.delete(server.api(&format!("/workers/{worker}"))).bearer_auth(&admin).send().await.unwrap();
+        assert_eq!(response.status(), 204);
+        assert_eq!(lent(get(&server, &admin, "/deployments/embed").await), 0, "the removed worker's loans ended");
+    }
+}

@@ -149,6 +149,41 @@ async fn each_replica_is_bound_to_its_own_slice() {
     }
 }
 
+/// Two claims of one worker that read its free slices before either took one (a slice
+/// worker and a CPU claim loop, say): the second finds the slice gone and gives its
+/// replica back, rather than binding it to the slice the first holds.
+#[tokio::test]
+async fn a_slice_taken_since_the_claim_read_it_is_not_bound_twice() {
+    use tessera_server::store::{jobs, slices};
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let admin = server.admin().await;
+        upload_tiny(&server, &admin).await;
+        secret_of(register(&server, "mig-1", &["7g.80gb"], false).await).await;
+        let response = server.post(&admin, "/deployments", json!({"name": "e", "model": "tiny", "replicas": 2})).await;
+        assert_eq!(response.status(), 201);
+        let workers: Value = server.get(&admin, "/workers").await.json().await.unwrap();
+        let worker: uuid::Uuid = workers[0]["id"].as_str().unwrap().parse().unwrap();
+
+        let db = &server.state.db;
+        let stale = slices::free_for(db, worker).await.unwrap();
+        assert_eq!(stale.unreserved.len(), 1);
+        let kinds = ["serve".to_string()];
+        let mut bound = Vec::new();
+        for _ in 0..2 {
+            let claimed = jobs::claim(db, worker, &kinds, 60_000, &stale).await.unwrap().expect("a replica to claim");
+            bound.push(slices::bind_claimed(db, worker, claimed.job_id, &stale).await.unwrap());
+        }
+        assert!(matches!(&bound[0], slices::Bound::Job(Some(slice)) if slice.profile.as_deref() == Some("7g.80gb")), "{bound:?}");
+        assert!(matches!(bound[1], slices::Bound::Gone), "the second replica took a held slice: {bound:?}");
+        let deployment: Value = server.get(&admin, "/deployments/e").await.json().await.unwrap();
+        let placed: Vec<(bool, u64)> = deployment["replica_status"].as_array().unwrap().iter()
+            .map(|r| (r["worker_id"].is_string(), r["attempts"].as_u64().unwrap()))
+            .collect();
+        assert!(placed.contains(&(true, 1)) && placed.contains(&(false, 0)), "the given-back replica waits unspent: {placed:?}");
+    }
+}
+
 #[tokio::test]
 async fn an_slo_deployment_is_planned_on_existing_slices_and_its_replicas_wait_for_them() {
     for backend in backends() {

@@ -142,6 +142,25 @@ async fn lease_expires_and_job_is_requeued() {
     }
 }
 
+/// A server that was down longer than a lease starts by extending the live leases, so the
+/// workers that ran on can renew them; one lease later they expire as usual.
+#[tokio::test]
+async fn a_starting_server_gives_leases_that_ran_out_while_it_was_down_another_lease() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 2, 3).await;
+        let worker = workers(&server, 1).await[0];
+        queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(queue::grace_leases(&server.state.db, 60_000).await.unwrap(), 1, "the queued job has no lease");
+        assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 0);
+        assert_eq!(state_of(&server, job[0]).await, ("leased".into(), 1));
+        assert!(queue::renew(&server.state.db, worker, &[job[0]], 60_000).await.unwrap().is_empty());
+        // A lease already longer than the grace keeps its own expiry.
+        assert_eq!(queue::grace_leases(&server.state.db, 1).await.unwrap(), 0);
+    }
+}
+
 #[tokio::test]
 async fn renewed_lease_does_not_expire() {
     for backend in backends() {

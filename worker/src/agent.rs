@@ -12,6 +12,7 @@ use tessera_api::workers::{Inventory, RegisterRequest};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::cache::ModelCache;
 use crate::client::{Client, ClientError};
 use crate::jobs::{self, JobContext, Preempt};
 use crate::serve::binding::Policy;
@@ -57,6 +58,8 @@ struct Running {
 pub struct Agent {
     config: AgentConfig,
     client: Client,
+    /// The models its jobs use, which the cache keeps (`crate::cache`).
+    models: Arc<ModelCache>,
 }
 
 /// How often to ask for work while idle.
@@ -65,12 +68,14 @@ const CLAIM_POLL: Duration = Duration::from_millis(500);
 impl Agent {
     pub fn new(config: AgentConfig) -> Result<Agent, ClientError> {
         let client = Client::new(&config.server)?;
-        Ok(Agent { config, client })
+        Ok(Agent { config, client, models: Arc::default() })
     }
 
     /// Runs until the process stops: registers, then works until the server forgets this
     /// worker, then registers again.
     pub async fn run(mut self) {
+        // What an earlier process left half-downloaded, in any model's folder.
+        crate::client::remove_stale_partials(&self.config.data_dir.join("models"));
         loop {
             let heartbeat = self.register().await;
             self.work(heartbeat).await;
@@ -210,7 +215,8 @@ impl Agent {
                             self.config.endpoint.clone(),
                         )
                         .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding)
-                        .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0));
+                        .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0))
+                        .with_model_cache(self.models.clone());
                         let preempt = context.preempt();
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;

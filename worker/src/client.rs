@@ -25,7 +25,7 @@ use tessera_api::workers::{
 use tessera_api::jobs::MetricPoint;
 use tessera_api::parallel::{RegroupRequest, RegroupResponse, RendezvousRequest, RendezvousResponse};
 use tessera_api::precision::PrecisionPlanReport;
-use tessera_api::train::{Checkpoint, LrStageRecord, TrainingMetrics};
+use tessera_api::train::{Checkpoint, CheckpointFile, LrStageRecord, TrainingMetrics};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
 
@@ -69,6 +69,11 @@ pub const RETRY_FOR: Duration = Duration::from_secs(120);
 /// A JSON call the server has not answered in this long is given up on (and retried).
 /// Transfers of files (models, datasets, checkpoints) have no such limit.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The agent loop's heartbeat and claim give up sooner: one loop sends both, so a claim
+/// the server sits on delays the next heartbeat, and two of these in a row still leave
+/// the leases (30 s by default) renewed in time.
+const LOOP_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A connection that has given nothing for this long is given up on (and retried).
 const STALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -145,7 +150,7 @@ impl Client {
 
     /// A call of the agent loop: sent once (the loop sends the next), never waiting long.
     async fn post_once<B: serde::Serialize>(&self, path: &str, body: &B) -> Result<reqwest::Response, ClientError> {
-        self.send_once(|| self.http.post(self.url(path)).timeout(CALL_TIMEOUT).json(body)).await
+        self.send_once(|| self.http.post(self.url(path)).timeout(LOOP_CALL_TIMEOUT).json(body)).await
     }
 
     /// The secret of the last registration (empty before the first).
@@ -156,7 +161,14 @@ impl Client {
     /// Joins with the shared token; later calls use the secret the server hands back.
     pub async fn register(&mut self, token: &str, request: &RegisterRequest) -> Result<RegisterResponse, ClientError> {
         let call = self.http.post(self.url("register")).timeout(CALL_TIMEOUT).bearer_auth(token).json(request);
-        let response = check(call.send().await?).await?;
+        let response = call.send().await?;
+        let status = response.status();
+        // A 409 here is about the name or the slices (another live worker has them), not a
+        // lease: the server's sentence says which, and the log shows it.
+        if status == StatusCode::CONFLICT {
+            return Err(ClientError::Status { status, body: response.text().await.unwrap_or_default() });
+        }
+        let response = check(response).await?;
         let registered: RegisterResponse = response.json().await?;
         self.secret = registered.secret.clone();
         Ok(registered)
@@ -261,18 +273,16 @@ impl Client {
         Ok(Some(response.json().await?))
     }
 
-    pub async fn checkpoint_file(&self, job: Uuid, step: u64, name: &str) -> Result<Vec<u8>, ClientError> {
-        Ok(self.get_bytes(&format!("jobs/{job}/checkpoints/{step}/files/{name}")).await?.to_vec())
+    /// A checkpoint file's bytes, checked against the digest its checkpoint lists.
+    pub async fn checkpoint_file(&self, job: Uuid, step: u64, file: &CheckpointFile) -> Result<Vec<u8>, ClientError> {
+        let bytes = self.get_bytes(&format!("jobs/{job}/checkpoints/{step}/files/{}", file.name)).await?;
+        checked(bytes.to_vec(), &file.digest, || format!("checkpoint file {} of step {step}", file.name))
     }
 
     /// A dataset's bytes, checked against its digest.
     pub async fn dataset(&self, id: Uuid, digest: &str) -> Result<Vec<u8>, ClientError> {
         let bytes = self.get_bytes(&format!("datasets/{id}/file")).await?.to_vec();
-        let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
-        if actual != digest {
-            return Err(ClientError::DigestMismatch { path: format!("dataset {id}"), expected: digest.into(), actual });
-        }
-        Ok(bytes)
+        checked(bytes, digest, || format!("dataset {id}"))
     }
 
     /// A GET of JSON, [`retrying`].
@@ -319,6 +329,15 @@ impl Client {
         tokio::fs::rename(&partial.0, target).await?;
         Ok(size)
     }
+}
+
+/// `bytes` if their SHA-256 is `digest` (`sha256:<hex>`); `what` names them otherwise.
+fn checked(bytes: Vec<u8>, digest: &str, what: impl FnOnce() -> String) -> Result<Vec<u8>, ClientError> {
+    let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+    if actual != digest {
+        return Err(ClientError::DigestMismatch { path: what(), expected: digest.into(), actual });
+    }
+    Ok(bytes)
 }
 
 /// A name for this worker process, in the names of its partial files (a process id
@@ -433,6 +452,33 @@ mod tests {
         assert_eq!(std::fs::read(&target).unwrap(), bytes);
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, ["model.safetensors"], "no partial file is left behind");
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_file_that_does_not_match_its_listed_digest_is_refused() {
+        let router = Router::new().route("/api/v1/agent/jobs/{job}/checkpoints/{step}/files/{name}", get(|| async { "weights" }));
+        let client = client_of(router).await;
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(b"weights")));
+        let file = |digest: &str| CheckpointFile { name: "model.safetensors".into(), digest: digest.into(), size_bytes: 7 };
+        assert_eq!(client.checkpoint_file(Uuid::new_v4(), 5, &file(&digest)).await.unwrap(), b"weights");
+        let corrupt = client.checkpoint_file(Uuid::new_v4(), 5, &file("sha256:00")).await.unwrap_err();
+        assert!(corrupt.to_string().contains("checkpoint file model.safetensors of step 5"), "{corrupt}");
+    }
+
+    #[tokio::test]
+    async fn a_registration_refused_for_a_live_name_says_why() {
+        let refusal = "A worker named 'w' is online; retry in 30 s.";
+        let router = Router::new().route("/api/v1/agent/register", post(move || async move { (Code::CONFLICT, refusal) }));
+        let mut client = client_of(router).await;
+        let request = RegisterRequest {
+            name: "w".into(),
+            version: "test".into(),
+            inventory: Default::default(),
+            allow_repartition: false,
+            previous_secret: None,
+        };
+        let refused = client.register("token", &request).await.unwrap_err();
+        assert!(refused.to_string().contains(refusal), "{refused}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! jobs and runs them.
 
 pub mod agent;
+pub mod cache;
 pub mod client;
 pub mod collective;
 pub mod engine;

@@ -20,6 +20,8 @@ struct Mark {
     failures: u32,
     /// Until when it is tried after the others.
     until: Instant,
+    /// When it last failed: an answer to a request sent before then says nothing of it now.
+    latest: Instant,
 }
 
 /// The replicas that failed lately, by replica id; a replica leaves on its first success.
@@ -33,7 +35,8 @@ impl Ejections {
     /// a failure while the replica is already set back does not lengthen it; the next
     /// failure after the back-off has passed doubles it.
     pub(super) fn failed(&mut self, replica: Uuid, now: Instant) {
-        let mark = self.marks.entry(replica).or_insert(Mark { failures: 0, until: now });
+        let mark = self.marks.entry(replica).or_insert(Mark { failures: 0, until: now, latest: now });
+        mark.latest = mark.latest.max(now);
         if mark.until > now {
             return;
         }
@@ -41,9 +44,13 @@ impl Ejections {
         mark.until = now + back_off(mark.failures);
     }
 
-    /// `replica` answered: it is healthy again, and a later failure starts from [`FIRST`].
-    pub(super) fn succeeded(&mut self, replica: Uuid) {
-        self.marks.remove(&replica);
+    /// `replica` answered a request sent at `sent`: it is healthy again, and a later failure
+    /// starts from [`FIRST`]. A slow answer to a request sent before its latest failure
+    /// (one that was queued before it broke) leaves the mark as it is.
+    pub(super) fn succeeded(&mut self, replica: Uuid, sent: Instant) {
+        if self.marks.get(&replica).is_some_and(|mark| mark.latest <= sent) {
+            self.marks.remove(&replica);
+        }
     }
 
     /// Whether `replica` is set back at `now`, to be tried after the others.
@@ -96,8 +103,11 @@ mod tests {
         // Failing again once it is tried: twice as long.
         ejections.failed(replica, at(6));
         assert!(ejections.ejected(replica, at(15)) && !ejections.ejected(replica, at(16)));
-        // An answer ends it, and the next failure counts from the start.
-        ejections.succeeded(replica);
+        // An answer to a request sent before the latest failure does not end it.
+        ejections.succeeded(replica, at(5));
+        assert!(ejections.ejected(replica, at(15)));
+        // An answer to one sent since does, and the next failure counts from the start.
+        ejections.succeeded(replica, at(6));
         assert!(!ejections.ejected(replica, at(16)));
         ejections.failed(replica, at(20));
         assert!(!ejections.ejected(replica, at(25)));

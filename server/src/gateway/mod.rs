@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use metrics::{Counter, Histogram};
-use tessera_api::engine::{EngineError, InferRequest, InferResponse, NOT_SERVING};
+use tessera_api::engine::{EngineError, InferRequest, InferResponse, NOT_SERVING, UNHEALTHY};
 use uuid::Uuid;
 
 use self::ejection::Ejections;
@@ -39,10 +39,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// `worker/src/serve/endpoint.rs` keeps). Texts can grow sixfold on their way there
 /// (control characters are escaped), so the gateway checks what it would send.
 const REPLICA_BODY_LIMIT_BYTES: usize = 2 << 20;
-
-/// The kind of an engine's 503 for a request its replica stopped before computing
-/// (`worker/src/serve/endpoint.rs`): as with [`NOT_SERVING`], another replica may take it.
-const UNHEALTHY: &str = "unhealthy";
 
 /// A failure, with the status the client should see and a sentence for it.
 #[derive(Debug)]
@@ -356,6 +352,7 @@ impl Gateway {
         for target in targets {
             target.inflight.fetch_add(1, Ordering::Relaxed);
             let _guard = InflightGuard(target.inflight.clone());
+            let sent_at = Instant::now();
             let sent = self
                 .http
                 .post(&target.url)
@@ -378,7 +375,7 @@ impl Gateway {
             let status = response.status();
             if status.is_success() {
                 let answer = response.json().await.map_err(|error| self.failed(target, deployment, error))?;
-                self.ejections.lock().expect("ejections lock").succeeded(target.replica);
+                self.ejections.lock().expect("ejections lock").succeeded(target.replica, sent_at);
                 return Ok(answer);
             }
             if status == StatusCode::UNAUTHORIZED {

@@ -147,9 +147,10 @@ pub async fn placements(db: &Db, worker: Uuid) -> Result<Vec<String>> {
 /// joining a running gang that grows in place (`store::regroup`). For a waiting gang it
 /// starts the rendezvous clock: unless every rank is claimed and posted by `deadline`, all are released. A rank
 /// on a MIG slice is claimed only by the worker of the slice the loaning round pinned it
-/// to (`store::loaning`), so training never lands on a slice serving holds, and only once
-/// no other rank holds the slice (the round may pin it to a slice a rank leaving its gang
-/// in place still runs on; the leaving rank's row goes when its regroup forms).
+/// to (`store::loaning`), so training never lands on a slice serving holds, not while the
+/// slice is being reclaimed, and only once no other job holds the slice (the round may pin
+/// it to a slice a rank leaving its gang in place still runs on, whose row goes when its
+/// regroup forms, or a replica claimed since the round read the fleet may run there).
 pub async fn claim_rank(
     db: &Db,
     worker: Uuid,
@@ -173,9 +174,8 @@ pub async fn claim_rank(
          WHERE r.state = 'queued' AND r.kind = 'train_rank' AND r.gang_placement IN ({}) \
          AND (g.state IN {WAITING} OR (g.state = 'running' AND r.gang_joining = 1)) \
          AND (r.gang_placement NOT LIKE 'slice:%' OR (r.slice_pinned = 1 AND r.slice_uuid IN \
-           (SELECT s.uuid FROM slices s WHERE s.worker_id = $1) \
-           AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.slice_uuid = r.slice_uuid AND o.kind = 'train_rank' \
-             AND o.state IN ('leased', 'running')))) \
+           (SELECT s.uuid FROM slices s WHERE s.worker_id = $1 AND s.loan_state <> 'reclaiming') \
+           AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.slice_uuid = r.slice_uuid AND o.state IN ('leased', 'running')))) \
          ORDER BY g.created_at, g.id, r.gang_rank LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at, gang_id",
         params.join(", ")
@@ -505,7 +505,8 @@ pub async fn sweep(db: &Db, now: i64, only: Option<Uuid>) -> Result<Swept> {
 }
 
 /// Sends the claimed ranks of a forming gang (waiting, some rank held) back to the queue,
-/// its rendezvous clock stopped; false when the gang is not forming.
+/// its rendezvous clock stopped and its slice pins cleared (the round pins it again when it
+/// places it); false when the gang is not forming.
 pub async fn release_forming(db: &Db, gang: Uuid, now: i64, message: &str) -> Result<bool> {
     let mut tx = db.begin().await?;
     let forming = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -519,6 +520,8 @@ pub async fn release_forming(db: &Db, gang: Uuid, now: i64, message: &str) -> Re
     .rows_affected();
     if forming > 0 {
         release(&mut tx, &gang.to_string(), now, message).await?;
+        // As for a running gang preempted: its slices may be what the preemption frees.
+        super::loaning::free_preempted_slices(&mut tx, &gang.to_string(), now).await?;
     }
     tx.commit().await?;
     Ok(forming > 0)

@@ -581,6 +581,16 @@ pub async fn expire_leases(db: &Db) -> Result<u64> {
     Ok(touched)
 }
 
+/// Gives every live lease at least `ttl_ms` from now, as a server starts: while it was
+/// down no worker could renew, and expiring those leases at once would requeue every job
+/// and replica that ran on through the outage (each an attempt spent). A worker that died
+/// meanwhile loses its jobs one lease later. Returns how many leases were extended.
+pub async fn grace_leases(db: &Db, ttl_ms: i64) -> Result<u64> {
+    let until = now_ms() + ttl_ms;
+    let sql = format!("UPDATE jobs SET lease_expires_at = $1 WHERE {LIVE} AND lease_expires_at < $1");
+    Ok(sqlx::query(sqlx::AssertSqlSafe(sql)).bind(until).execute(db.pool()).await?.rows_affected())
+}
+
 /// Jobs waiting in the queue, preempted ones included (a Prometheus gauge and the
 /// dashboard use it).
 pub async fn depth(db: &Db) -> Result<i64> {

@@ -286,14 +286,15 @@ impl Free {
 pub enum Bound {
     /// The job runs on this slice, or on none (a job of another kind, a worker without slices).
     Job(Option<Slice>),
-    /// The job was deleted since the claim (its deployment went), or the slice it was to
-    /// take was replaced (a repartition, the worker registering again): the lease was
-    /// given back unspent and the worker has nothing to run.
+    /// The job was deleted since the claim (its deployment went), the slice it was to
+    /// take was replaced (a repartition, the worker registering again), or every free
+    /// slice was taken since: the lease was given back unspent and the worker has nothing
+    /// to run.
     Gone,
 }
 
 /// Binds a just-claimed serve job to its slice: the pinned one, or the first free slice
-/// nobody waits for; none on a worker without slices. A training rank the loaning round
+/// nobody waits for (none left: the claim is given back); none on a worker without slices. A training rank the loaning round
 /// pinned to a slice gets that slice.
 pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Result<Bound> {
     let row = sqlx::query("SELECT kind, slice_uuid, slice_pinned FROM jobs WHERE id = $1")
@@ -309,12 +310,25 @@ pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Resu
     let uuid = if pinned {
         row.try_get::<Option<String>, _>("slice_uuid")?
     } else {
-        let uuid = free.unreserved.first().cloned();
-        sqlx::query("UPDATE jobs SET slice_uuid = $1 WHERE id = $2")
-            .bind(&uuid)
+        // Chosen in the statement that takes it, not from `free`: a slice lent, or taken by
+        // a replica claimed in between, since `free` was read is not handed out twice.
+        let sql = format!(
+            "UPDATE jobs SET slice_uuid = (SELECT s.uuid FROM slices s WHERE s.worker_id = $1 AND s.loan_state = 'serving' \
+               AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.slice_uuid = s.uuid AND j.id <> $2 AND {HOLDING}) \
+               ORDER BY s.gpu_index, s.start, s.uuid LIMIT 1) \
+             WHERE id = $2 RETURNING slice_uuid"
+        );
+        let uuid: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(worker.to_string())
             .bind(job.to_string())
-            .execute(db.pool())
+            .fetch_one(db.pool())
             .await?;
+        if uuid.is_none() && free.has_slices {
+            // Its last free slice went since the claim: a replica of a worker with slices
+            // runs on one, so it waits for the next claim rather than on the CPU.
+            super::jobs::unclaim(db, worker, job).await?;
+            return Ok(Bound::Gone);
+        }
         uuid
     };
     let Some(uuid) = uuid else { return Ok(Bound::Job(None)) };

@@ -147,9 +147,9 @@ pub enum Retired {
     Unknown,
 }
 
-/// Retires the worker `id`, last heard before `online_since`: it leaves the fleet's list
-/// and its secret stops working; its row stays for the jobs it ran, and a worker joining
-/// under its name again brings it back.
+/// Retires the worker `id`, last heard before `online_since`: it leaves the fleet's list,
+/// its secret stops working and its slices' loans end; its row stays for the jobs it ran,
+/// and a worker joining under its name again brings it back.
 pub async fn retire(db: &Db, id: Uuid, online_since: i64) -> Result<Retired> {
     let retired = sqlx::query(
         "UPDATE workers SET retired_at = $1, secret_hash = '', engine_token = '' \
@@ -161,6 +161,12 @@ pub async fn retire(db: &Db, id: Uuid, online_since: i64) -> Result<Retired> {
     .execute(db.pool())
     .await?;
     if retired.rows_affected() > 0 {
+        // Its slices lent to training are no longer lent: the lender counts a replica
+        // short, and the repair tick queues one elsewhere.
+        sqlx::query("UPDATE slices SET loan_state = 'serving', lender_id = NULL WHERE worker_id = $1")
+            .bind(id.to_string())
+            .execute(db.pool())
+            .await?;
         return Ok(Retired::Yes);
     }
     let online: Option<i64> =

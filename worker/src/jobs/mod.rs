@@ -10,12 +10,13 @@ pub mod train;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
 use tessera_api::mig::Slice;
 use uuid::Uuid;
 
+use crate::cache::{InUse, ModelCache};
 use crate::client::{Client, ClientError};
 use crate::engine::EngineError;
 use crate::serve::binding::Policy;
@@ -36,6 +37,9 @@ pub struct JobContext {
     test_slowdown: f64,
     /// Set by the agent when the server asks to preempt the job (training jobs heed it).
     preempt: Arc<Preempt>,
+    /// The models this worker's jobs use (`cache`), and this job's uses, held to its end.
+    models: Arc<ModelCache>,
+    uses: Mutex<Vec<InUse>>,
 }
 
 /// The server's request that a job preempt (checkpoint now and stop), which training jobs
@@ -92,7 +96,28 @@ impl JobContext {
             binding: Policy::default(),
             test_slowdown: 1.0,
             preempt: Arc::default(),
+            models: Arc::default(),
+            uses: Mutex::default(),
         }
+    }
+
+    /// The model cache this worker's jobs share (a job alone has its own).
+    pub fn with_model_cache(self, models: Arc<ModelCache>) -> JobContext {
+        JobContext { models, ..self }
+    }
+
+    /// The cache folder of the worker's models.
+    fn models_dir(&self) -> PathBuf {
+        self.data_dir.join("models")
+    }
+
+    /// Keeps `model`'s cached folder until this job ends, and makes room for its `size`
+    /// bytes by deleting models no job uses ([`crate::cache`]).
+    fn use_model(&self, model: Uuid, size: u64) -> std::io::Result<()> {
+        let uses = self.models.hold(&self.models_dir(), model);
+        self.uses.lock().expect("model uses lock").push(uses);
+        self.models.make_room(&self.models_dir(), model, size)?;
+        Ok(())
     }
 
     /// Test-only: the data-parallel ranks this worker runs compute `factor` times slower.

@@ -32,8 +32,9 @@ pub async fn run(context: &JobContext, model_id: Uuid) -> Result<String, JobErro
 /// Brings the model into the cache; returns its folder and a summary sentence.
 pub async fn fetch(context: &JobContext, model_id: Uuid) -> Result<(PathBuf, String), JobError> {
     let model = context.client.model(model_id).await?;
-    let folder = context.data_dir.join("models").join(model.id.to_string());
+    let folder = context.models_dir().join(model.id.to_string());
     crate::client::remove_stale_partials(&folder);
+    context.use_model(model.id, model.size_bytes)?;
     context.log(format!("prefetching model '{}' ({} files, {} bytes) into {}", model.name, model.files.len(), model.size_bytes, folder.display())).await?;
     let started = Instant::now();
     let mut downloaded = 0u64;

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tessera_api::deployments::BatchLimits;
 use tessera_api::engine::{EngineInput, InferRequest};
@@ -63,12 +63,19 @@ fn measure(model: &EmbeddingModel, batch_size: u32) -> Result<ProfilePoint, Engi
     Ok(point(batch_size, latencies))
 }
 
+/// The longest one measured batch may take: an engine process that hangs fails the
+/// profile job rather than holding the worker's batch slot for good.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Times requests of `batch_size` copies of the sample to an engine process, one at a
 /// time, so each is computed as one batch.
 async fn measure_process(engine: &EngineProcess, token: &str, batch_size: u32) -> Result<ProfilePoint, JobError> {
     let route = if engine.report.task == "Classify" { "classify" } else { "embed" };
     let request = InferRequest { inputs: vec![EngineInput::Text(SAMPLE.into()); batch_size as usize], truncate: true };
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .timeout(BATCH_TIMEOUT)
+        .build()
+        .map_err(|e| JobError::Profile(format!("building the engine client: {e}")))?;
     let mut latencies = Vec::new();
     for run in 0..=runs_for(batch_size) {
         let started = Instant::now();

@@ -141,7 +141,7 @@ async fn latest_checkpoint(context: &JobContext) -> Result<Option<(u64, HashMap<
     let Some(checkpoint) = context.client.latest_checkpoint(context.job).await? else { return Ok(None) };
     let mut files = HashMap::new();
     for file in &checkpoint.files {
-        let bytes = context.client.checkpoint_file(context.job, checkpoint.step, &file.name).await?;
+        let bytes = context.client.checkpoint_file(context.job, checkpoint.step, file).await?;
         files.insert(file.name.clone(), bytes);
     }
     Ok(Some((checkpoint.step, files)))

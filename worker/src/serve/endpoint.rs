@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse, NOT_SERVING};
+use tessera_api::engine::{EngineError as WireError, EngineInfo, EngineInput, InferRequest, InferResponse, NOT_SERVING, UNHEALTHY};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
@@ -308,7 +308,7 @@ async fn infer(endpoint: Arc<Endpoint>, headers: HeaderMap, id: Uuid, wanted: Ta
             .into_response(),
         },
         Some(Err(message)) => error(StatusCode::INTERNAL_SERVER_ERROR, "backend", message),
-        None => error(StatusCode::SERVICE_UNAVAILABLE, "unhealthy", "The replica stopped before answering."),
+        None => error(StatusCode::SERVICE_UNAVAILABLE, UNHEALTHY, "The replica stopped before answering."),
     }
 }
 
