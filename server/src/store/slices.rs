@@ -318,11 +318,13 @@ pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Resu
                ORDER BY s.gpu_index, s.start, s.uuid LIMIT 1) \
              WHERE id = $2 RETURNING slice_uuid"
         );
-        let uuid: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        let bound: Option<Option<String>> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .bind(worker.to_string())
             .bind(job.to_string())
-            .fetch_one(db.pool())
+            .fetch_optional(db.pool())
             .await?;
+        // Deleted since it was read above (its deployment went).
+        let Some(uuid) = bound else { return Ok(Bound::Gone) };
         if uuid.is_none() && free.has_slices {
             // Its last free slice went since the claim: a replica of a worker with slices
             // runs on one, so it waits for the next claim rather than on the CPU.

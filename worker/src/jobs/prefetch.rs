@@ -34,7 +34,7 @@ pub async fn fetch(context: &JobContext, model_id: Uuid) -> Result<(PathBuf, Str
     let model = context.client.model(model_id).await?;
     let folder = context.models_dir().join(model.id.to_string());
     crate::client::remove_stale_partials(&folder);
-    context.use_model(model.id, model.size_bytes)?;
+    context.use_model(model.id, model.size_bytes);
     context.log(format!("prefetching model '{}' ({} files, {} bytes) into {}", model.name, model.files.len(), model.size_bytes, folder.display())).await?;
     let started = Instant::now();
     let mut downloaded = 0u64;
