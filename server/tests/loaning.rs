@@ -180,11 +180,7 @@ async fn idle_slices_are_lent_to_a_gang_and_taken_back_when_demand_returns() {
         );
         run_replicas(&server, &secret, 4).await;
         let data = server.toy_dataset(&admin).await;
-        let gang = json!({"name": "loan-dp", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
-            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
-            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
-            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
-            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let gang = preemptible_job(&data, "loan-dp", 2);
         let response = server.post(&admin, "/jobs", gang).await;
         assert_eq!(response.status(), 201);
         let job = response.json::<Value>().await.unwrap()["id"]
@@ -817,11 +813,7 @@ async fn a_one_slice_job_runs_on_a_lent_slice_and_is_preempted_when_demand_retur
         // Bob's job trains on the admin's lent slice.
         let bob = server.user(&admin, "bob").await;
         let data = server.toy_dataset(&bob).await;
-        let job = json!({"name": "one-slice", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
-            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
-            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
-            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
-            "parallel": {"ranks": [{"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let job = preemptible_job(&data, "one-slice", 1);
         let response = server.post(&bob, "/jobs", job).await;
         assert_eq!(response.status(), 201);
         let job = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
@@ -881,11 +873,7 @@ async fn a_worker_restart_keeps_its_slices_loans() {
         assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
         run_replicas(&server, &secret, 2).await;
         let data = server.toy_dataset(&admin).await;
-        let job = json!({"name": "one-slice", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
-            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
-            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
-            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
-            "parallel": {"ranks": [{"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let job = preemptible_job(&data, "one-slice", 1);
         let response = server.post(&admin, "/jobs", job).await;
         assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
         run_round(&server.state).await.unwrap();
@@ -1127,6 +1115,15 @@ async fn never_stopped(server: &TestServer, token: &str, job: &str) {
     let job = get(server, token, &format!("/jobs/{job}")).await;
     let (state, preemptions, attempts) = (job["state"].as_str(), job["preemptions"].as_u64(), job["attempts"].as_u64());
     assert_eq!((state, preemptions, attempts), (Some("running"), Some(0), Some(1)), "{job}");
+}
+
+/// A preemptible job of 10 steps on `ranks` slices (checkpoints and evaluations every 5).
+fn preemptible_job(data: &str, name: &str, ranks: usize) -> Value {
+    json!({"name": name, "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
+        "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
+        "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
+        "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
+        "parallel": {"ranks": vec![json!({"slice": PROFILE}); ranks]}, "resources": {"preemptible": true}})
 }
 
 /// An elastic job on `ranks` slices of the worker (between one and `ranks`), `steps` long.
@@ -1608,11 +1605,7 @@ async fn pinned_ranks_wait_for_held_slices_and_preempting_or_removing_frees_slic
         assert_eq!(server.post(&admin, "/deployments", body).await.status(), 201);
         run_replicas(&server, &secret, 3).await;
         let data = server.toy_dataset(&admin).await;
-        let gang = json!({"name": "pinned", "model": {"kind": "mlp", "hidden": [8]}, "dataset": data,
-            "task": {"type": "classification", "label_column": "label", "validation_split": 0.25},
-            "optimizer": {"type": "sgd"}, "batch_size": 8, "max_steps": 10, "eval_every": 5, "checkpoint_every": 5,
-            "lr_schedule": {"type": "constant", "lr": 0.1}, "seed": 1,
-            "parallel": {"ranks": [{"slice": PROFILE}, {"slice": PROFILE}]}, "resources": {"preemptible": true}});
+        let gang = preemptible_job(&data, "pinned", 2);
         let response = server.post(&admin, "/jobs", gang).await;
         assert_eq!(response.status(), 201);
         let job = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
