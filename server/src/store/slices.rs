@@ -11,6 +11,7 @@ use tessera_api::mig::{Slice, SliceStatus};
 use uuid::Uuid;
 
 use super::db::Db;
+use super::Backend;
 use super::{parse_uuid, Result, Scope};
 
 /// Jobs holding a slice: live replicas, and queued replicas pinned to it.
@@ -311,7 +312,17 @@ pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Resu
         row.try_get::<Option<String>, _>("slice_uuid")?
     } else {
         // Chosen in the statement that takes it, not from `free`: a slice lent, or taken by
-        // a replica claimed in between, since `free` was read is not handed out twice.
+        // a replica claimed in between, since `free` was read is not handed out twice. On
+        // PostgreSQL the worker's row is locked first, so two binds of one worker (a claim
+        // the worker gave up on still running beside its next) take turns rather than both
+        // reading the same slice as free under READ COMMITTED; SQLite's write lock does that.
+        let mut tx = db.begin().await?;
+        if db.backend() == Backend::Postgres {
+            sqlx::query("SELECT id FROM workers WHERE id = $1 FOR UPDATE")
+                .bind(worker.to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
         let sql = format!(
             "UPDATE jobs SET slice_uuid = (SELECT s.uuid FROM slices s WHERE s.worker_id = $1 AND s.loan_state = 'serving' \
                AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.slice_uuid = s.uuid AND j.id <> $2 AND {HOLDING}) \
@@ -321,8 +332,9 @@ pub async fn bind_claimed(db: &Db, worker: Uuid, job: Uuid, free: &Free) -> Resu
         let bound: Option<Option<String>> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .bind(worker.to_string())
             .bind(job.to_string())
-            .fetch_optional(db.pool())
+            .fetch_optional(&mut *tx)
             .await?;
+        tx.commit().await?;
         // Deleted since it was read above (its deployment went).
         let Some(uuid) = bound else { return Ok(Bound::Gone) };
         if uuid.is_none() && free.has_slices {
