@@ -12,7 +12,7 @@ use tessera_api::workers::{Inventory, RegisterRequest};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::cache::ModelCache;
+use crate::cache::{self, Cache};
 use crate::client::{Client, ClientError};
 use crate::jobs::{self, JobContext, Preempt};
 use crate::serve::binding::Policy;
@@ -58,9 +58,14 @@ struct Running {
 pub struct Agent {
     config: AgentConfig,
     client: Client,
-    /// The models its jobs use, which the cache keeps (`crate::cache`).
-    models: Arc<ModelCache>,
+    /// The models and datasets its jobs use, which the cache keeps (`crate::cache`).
+    cache: Arc<Cache>,
 }
+
+/// The server refused this worker's registration for good (a wrong token or configuration).
+#[derive(Debug, thiserror::Error)]
+#[error("the server refused to register this worker: {0}")]
+pub struct Refused(ClientError);
 
 /// How often to ask for work while idle.
 const CLAIM_POLL: Duration = Duration::from_millis(500);
@@ -68,16 +73,22 @@ const CLAIM_POLL: Duration = Duration::from_millis(500);
 impl Agent {
     pub fn new(config: AgentConfig) -> Result<Agent, ClientError> {
         let client = Client::new(&config.server)?;
-        Ok(Agent { config, client, models: Arc::default() })
+        Ok(Agent { config, client, cache: Arc::default() })
     }
 
     /// Runs until the process stops: registers, then works until the server forgets this
-    /// worker, then registers again.
-    pub async fn run(mut self) {
-        // What an earlier process left half-downloaded, in any model's folder.
-        crate::client::remove_stale_partials(&self.config.data_dir.join("models"));
+    /// worker, then registers again. Returns only when the server refuses the registration
+    /// for good ([`ClientError::refuses_registration`]): the worker's configuration must change.
+    pub async fn run(mut self) -> Refused {
+        // What an earlier process left half-downloaded, in any cached model's or dataset's folder.
+        for kind in [cache::MODELS, cache::DATASETS] {
+            crate::client::remove_stale_partials(&self.config.data_dir.join(kind));
+        }
         loop {
-            let heartbeat = self.register().await;
+            let heartbeat = match self.register().await {
+                Ok(heartbeat) => heartbeat,
+                Err(refused) => return refused,
+            };
             self.work(heartbeat).await;
             tracing::warn!("the server no longer knows this worker; registering again");
         }
@@ -107,9 +118,10 @@ impl Agent {
         }
     }
 
-    /// Registers, retrying with backoff until the server answers. Returns the heartbeat
+    /// Registers, retrying with backoff until the server accepts or refuses for good (a
+    /// server away or a name still another's is tried again). Returns the heartbeat
     /// interval the server asks for.
-    async fn register(&mut self) -> Duration {
+    async fn register(&mut self) -> Result<Duration, Refused> {
         let request = RegisterRequest {
             name: self.config.name.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -124,8 +136,9 @@ impl Agent {
                     tracing::info!(worker = %registered.worker_id, server = %self.config.server, "registered");
                     self.keep_secret(&registered.secret);
                     self.config.endpoint.set_token(registered.engine_token);
-                    return Duration::from_secs(registered.heartbeat_interval_secs.max(1));
+                    return Ok(Duration::from_secs(registered.heartbeat_interval_secs.max(1)));
                 }
+                Err(e) if e.refuses_registration() => return Err(Refused(e)),
                 Err(e) => {
                     tracing::warn!(error = %e, "registration failed; retrying in {:?}", backoff);
                     tokio::time::sleep(backoff).await;
@@ -216,7 +229,7 @@ impl Agent {
                         )
                         .with_slices(assignment.slice.clone(), offered.clone(), self.config.binding)
                         .with_test_slowdown(self.config.test_slowdown.unwrap_or(1.0))
-                        .with_model_cache(self.models.clone());
+                        .with_cache(self.cache.clone());
                         let preempt = context.preempt();
                         let task = tasks.spawn(async move {
                             jobs::run(context, assignment.spec).await;
@@ -302,7 +315,46 @@ fn write_private(path: &std::path::Path, contents: &str) -> std::io::Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::claimable_kinds;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::Router;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_worker_whose_token_is_refused_stops_and_says_why() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = calls.clone();
+        let refusal = r#"{"error":{"code":"unauthorized","message":"Send the worker token."}}"#;
+        let register = move || async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::UNAUTHORIZED, refusal)
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        let router = Router::new().route("/api/v1/agent/register", post(register));
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        let data = tempfile::tempdir().unwrap();
+        let agent = Agent::new(AgentConfig {
+            server,
+            worker_token: "wrong".into(),
+            name: "w".into(),
+            data_dir: data.path().into(),
+            slots: 1,
+            replica_slots: 1,
+            inventory: Inventory::default(),
+            allow_repartition: false,
+            endpoint: Endpoint::start("127.0.0.1:0", None).await.unwrap(),
+            binding: Policy::default(),
+            test_slowdown: None,
+        })
+        .unwrap();
+        let refused = tokio::time::timeout(Duration::from_secs(10), agent.run()).await.expect("the agent stops");
+        assert!(refused.to_string().contains("401 Unauthorized: Send the worker token."), "{refused}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "not tried again");
+    }
 
     #[test]
     fn a_worker_with_slices_asks_for_replicas_past_the_slices_it_started_with() {

@@ -16,6 +16,8 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use reqwest::{RequestBuilder, StatusCode};
 use sha2::{Digest, Sha256};
+use tessera_api::datasets::Dataset;
+use tessera_api::error::ErrorBody;
 use tessera_api::jobs::JobState;
 use tessera_api::models::Model;
 use tessera_api::workers::{
@@ -94,6 +96,22 @@ impl ClientError {
             _ => false,
         }
     }
+
+    /// Whether a refused registration is final: the server finds the worker's token or
+    /// what it reports wrong (400, 401, 403, 422), which no retry changes. A 409 is not:
+    /// the name or a slice is another live worker's until that one goes quiet.
+    pub fn refuses_registration(&self) -> bool {
+        matches!(
+            self,
+            ClientError::Status { status, .. } if matches!(
+                *status,
+                StatusCode::BAD_REQUEST
+                    | StatusCode::UNAUTHORIZED
+                    | StatusCode::FORBIDDEN
+                    | StatusCode::UNPROCESSABLE_ENTITY
+            )
+        )
+    }
 }
 
 /// Runs `call` again with backoff while it is [`ClientError::unanswered`], waiting
@@ -158,17 +176,18 @@ impl Client {
         &self.secret
     }
 
-    /// Joins with the shared token; later calls use the secret the server hands back.
+    /// Joins with the shared token; later calls use the secret the server hands back. A
+    /// refusal is a [`ClientError::Status`] with the server's sentence (a 401 here is about
+    /// the token, a 409 about the name or the slices, not a lease).
     pub async fn register(&mut self, token: &str, request: &RegisterRequest) -> Result<RegisterResponse, ClientError> {
         let call = self.http.post(self.url("register")).timeout(CALL_TIMEOUT).bearer_auth(token).json(request);
         let response = call.send().await?;
         let status = response.status();
-        // A 409 here is about the name or the slices (another live worker has them), not a
-        // lease: the server's sentence says which, and the log shows it.
-        if status == StatusCode::CONFLICT {
-            return Err(ClientError::Status { status, body: response.text().await.unwrap_or_default() });
+        if !status.is_success() {
+            let body = response.text().await.unwrap_or_default();
+            let sentence = serde_json::from_str::<ErrorBody>(&body).map(|refusal| refusal.error.message);
+            return Err(ClientError::Status { status, body: sentence.unwrap_or(body) });
         }
-        let response = check(response).await?;
         let registered: RegisterResponse = response.json().await?;
         self.secret = registered.secret.clone();
         Ok(registered)
@@ -279,10 +298,15 @@ impl Client {
         checked(bytes.to_vec(), &file.digest, || format!("checkpoint file {} of step {step}", file.name))
     }
 
-    /// A dataset's bytes, checked against its digest.
-    pub async fn dataset(&self, id: Uuid, digest: &str) -> Result<Vec<u8>, ClientError> {
-        let bytes = self.get_bytes(&format!("datasets/{id}/file")).await?.to_vec();
-        checked(bytes, digest, || format!("dataset {id}"))
+    /// A dataset's record (its size, before fetching its file).
+    pub async fn dataset(&self, id: Uuid) -> Result<Dataset, ClientError> {
+        Ok(self.get_timed(&format!("datasets/{id}")).await?.json().await?)
+    }
+
+    /// Streams a dataset's file to `target`, as [`Client::download`] does a model's.
+    pub async fn download_dataset(&self, id: Uuid, digest: &str, target: &Path) -> Result<u64, ClientError> {
+        let (url_path, what) = (format!("datasets/{id}/file"), format!("dataset {id}"));
+        retrying(|| self.download_once(&url_path, &what, digest, target)).await
     }
 
     /// A GET of JSON, [`retrying`].
@@ -303,12 +327,14 @@ impl Client {
     /// file appears under `target` only once it is complete and verified. A transfer that
     /// breaks off starts again ([`retrying`]).
     pub async fn download(&self, model: Uuid, path: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
-        retrying(|| self.download_once(model, path, digest, target)).await
+        let url_path = format!("models/{model}/files/{path}");
+        retrying(|| self.download_once(&url_path, path, digest, target)).await
     }
 
-    async fn download_once(&self, model: Uuid, path: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
-        let response = self.send_once(|| self.http.get(self.url(&format!("models/{model}/files/{path}")))).await?;
-        // Its own partial file: two jobs fetching one model on this worker never write one.
+    /// Streams the file at `url_path` to `target` once; `what` names it if it does not match.
+    async fn download_once(&self, url_path: &str, what: &str, digest: &str, target: &Path) -> Result<u64, ClientError> {
+        let response = self.send_once(|| self.http.get(self.url(url_path))).await?;
+        // Its own partial file: two jobs fetching one file on this worker never write one.
         let partial = Partial(target.with_extension(format!("{}-{}.partial", this_run(), Uuid::new_v4().simple())));
         let mut file = tokio::fs::File::create(&partial.0).await?;
         let mut hasher = Sha256::new();
@@ -324,7 +350,7 @@ impl Client {
         file.sync_all().await?;
         let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
         if actual != digest {
-            return Err(ClientError::DigestMismatch { path: path.into(), expected: digest.into(), actual });
+            return Err(ClientError::DigestMismatch { path: what.into(), expected: digest.into(), actual });
         }
         tokio::fs::rename(&partial.0, target).await?;
         Ok(size)
@@ -465,10 +491,9 @@ mod tests {
         assert!(corrupt.to_string().contains("checkpoint file model.safetensors of step 5"), "{corrupt}");
     }
 
-    #[tokio::test]
-    async fn a_registration_refused_for_a_live_name_says_why() {
-        let refusal = "A worker named 'w' is online; retry in 30 s.";
-        let router = Router::new().route("/api/v1/agent/register", post(move || async move { (Code::CONFLICT, refusal) }));
+    /// The error of a registration the server answers with `status` and `body`.
+    async fn refused_registration(status: Code, body: &'static str) -> ClientError {
+        let router = Router::new().route("/api/v1/agent/register", post(move || async move { (status, body) }));
         let mut client = client_of(router).await;
         let request = RegisterRequest {
             name: "w".into(),
@@ -477,8 +502,35 @@ mod tests {
             allow_repartition: false,
             previous_secret: None,
         };
-        let refused = client.register("token", &request).await.unwrap_err();
-        assert!(refused.to_string().contains(refusal), "{refused}");
+        client.register("token", &request).await.unwrap_err()
+    }
+
+    #[tokio::test]
+    async fn a_refused_registration_says_why_and_is_final_only_for_a_wrong_token_or_report() {
+        let busy = "A worker named 'w' is online; retry in 30 s.";
+        let refused = refused_registration(Code::CONFLICT, busy).await;
+        assert!(refused.to_string().contains(busy), "{refused}");
+        assert!(!refused.refuses_registration(), "a live name goes quiet: registering is tried again");
+        let token = r#"{"error":{"code":"unauthorized","message":"Send the worker token."}}"#;
+        let refused = refused_registration(Code::UNAUTHORIZED, token).await;
+        assert_eq!(refused.to_string(), "the server answered 401 Unauthorized: Send the worker token.");
+        assert!(refused.refuses_registration());
+    }
+
+    #[tokio::test]
+    async fn only_a_refusal_of_the_token_or_the_report_ends_registering() {
+        let answered =
+            |code: u16| ClientError::Status { status: StatusCode::from_u16(code).unwrap(), body: String::new() };
+        for code in [400, 401, 403, 422] {
+            assert!(answered(code).refuses_registration(), "{code} is final");
+        }
+        for code in [409, 429, 500, 502, 503, 504] {
+            assert!(!answered(code).refuses_registration(), "{code} is tried again");
+        }
+        // A server not listening (yet): a connection error.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let unreachable = reqwest::get(format!("http://{closed}/")).await.map(drop).map_err(ClientError::from);
+        assert!(!unreachable.unwrap_err().refuses_registration(), "tried again");
     }
 
     #[test]

@@ -21,7 +21,7 @@ struct Cli {
     /// that restarts under the same name is the same worker.
     #[arg(long, env = "TESSERA_WORKER_NAME")]
     name: Option<String>,
-    /// Where the worker caches model files.
+    /// Where the worker caches model files and datasets.
     #[arg(long, env = "TESSERA_WORKER_DATA_DIR", default_value = ".tessera-worker")]
     data_dir: PathBuf,
     /// Batch jobs run at the same time.
@@ -125,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
         test_slowdown: cli.test_slowdown,
     })?;
     tokio::select! {
-        () = agent.run() => {}
+        refused = agent.run() => return Err(refused.into()),
         _ = tokio::signal::ctrl_c() => {
             tracing::info!("stopping; leased jobs go back to the queue when their leases expire");
         }

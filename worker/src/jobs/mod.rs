@@ -8,15 +8,16 @@ pub mod profile;
 pub mod serve;
 pub mod train;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tessera_api::jobs::{JobSpec, JobState, MetricPoint};
 use tessera_api::mig::Slice;
+use tessera_api::train::TrainDataset;
 use uuid::Uuid;
 
-use crate::cache::{InUse, ModelCache};
+use crate::cache::{Cache, Digest, Entry, Found, InUse};
 use crate::client::{Client, ClientError};
 use crate::engine::EngineError;
 use crate::serve::binding::Policy;
@@ -37,8 +38,9 @@ pub struct JobContext {
     test_slowdown: f64,
     /// Set by the agent when the server asks to preempt the job (training jobs heed it).
     preempt: Arc<Preempt>,
-    /// The models this worker's jobs use (`cache`), and this job's uses, held to its end.
-    models: Arc<ModelCache>,
+    /// The models and datasets this worker's jobs use (`cache`), and this job's uses, held
+    /// to its end.
+    cache: Arc<Cache>,
     uses: Mutex<Vec<InUse>>,
 }
 
@@ -96,29 +98,57 @@ impl JobContext {
             binding: Policy::default(),
             test_slowdown: 1.0,
             preempt: Arc::default(),
-            models: Arc::default(),
+            cache: Arc::default(),
             uses: Mutex::default(),
         }
     }
 
-    /// The model cache this worker's jobs share (a job alone has its own).
-    pub fn with_model_cache(self, models: Arc<ModelCache>) -> JobContext {
-        JobContext { models, ..self }
+    /// The cache this worker's jobs share (a job alone has its own).
+    pub fn with_cache(self, cache: Arc<Cache>) -> JobContext {
+        JobContext { cache, ..self }
     }
 
     /// The cache folder of the worker's models.
     fn models_dir(&self) -> PathBuf {
-        self.data_dir.join("models")
+        self.data_dir.join(crate::cache::MODELS)
     }
 
     /// Keeps `model`'s cached folder until this job ends, and makes room for its `size`
-    /// bytes by deleting models no job uses ([`crate::cache`]). Room not made is logged,
-    /// not fatal: the download itself says whether the disk had enough.
+    /// bytes by deleting entries no job uses ([`crate::cache`]).
     fn use_model(&self, model: Uuid, size: u64) {
-        let uses = self.models.hold(&self.models_dir(), model);
-        self.uses.lock().expect("model uses lock").push(uses);
-        if let Err(error) = self.models.make_room(&self.models_dir(), model, size) {
-            tracing::warn!(%error, %model, "could not make room in the model cache");
+        let entry = Entry::Model(model);
+        self.keep(&entry);
+        self.make_room(&entry, size);
+    }
+
+    /// A training job's dataset: its file in the cache, checked against its digest, or
+    /// else downloaded into it first; kept there until this job ends.
+    async fn dataset(&self, dataset: &TrainDataset) -> Result<(Vec<u8>, Found), JobError> {
+        let digest = Digest::parse(&dataset.digest).ok_or_else(|| {
+            JobError::Train(format!("the dataset's digest '{}' is not sha256:<64 hex digits>", dataset.digest))
+        })?;
+        let entry = Entry::Dataset(digest.clone());
+        self.keep(&entry);
+        let fetch = async |target: &Path| -> Result<(), JobError> {
+            let size = self.client.dataset(dataset.id).await?.size_bytes;
+            self.make_room(&entry, size);
+            self.client.download_dataset(dataset.id, &dataset.digest, target).await?;
+            Ok(())
+        };
+        self.cache.dataset(&self.data_dir, &digest, fetch).await
+    }
+
+    /// Keeps `entry` in the cache until this job ends.
+    fn keep(&self, entry: &Entry) {
+        let held = self.cache.hold(&self.data_dir, entry.clone());
+        self.uses.lock().expect("cache uses lock").push(held);
+    }
+
+    /// Makes room in the cache for `entry`'s `size` bytes. Room not made is logged, not
+    /// fatal: the download itself says whether the disk had enough.
+    fn make_room(&self, entry: &Entry, size: u64) {
+        if let Err(error) = self.cache.make_room(&self.data_dir, entry, size) {
+            tracing::warn!(%error, ?entry, "could not make room in the cache");
         }
     }
 
@@ -253,7 +283,52 @@ pub async fn run(context: JobContext, spec: JobSpec) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use axum::routing::get;
+    use axum::Router;
+    use sha2::{Digest as _, Sha256};
+    use tessera_api::datasets::DatasetFormat;
+
     use super::*;
+
+    #[tokio::test]
+    async fn a_job_s_next_attempt_on_this_worker_reads_its_dataset_from_the_cache() {
+        const ROWS: &[u8] = b"f,y\n1,0\n2,1\n";
+        let downloads = Arc::new(AtomicU32::new(0));
+        let counted = downloads.clone();
+        let record = serde_json::json!({
+            "id": Uuid::nil(), "name": "d", "digest": "", "format": "csv", "columns": [], "rows": 2,
+            "size_bytes": ROWS.len(), "owner": "u", "created_at": "2026-01-01T00:00:00Z"
+        });
+        let router = Router::new()
+            .route("/api/v1/agent/datasets/{id}", get(move || async move { axum::Json(record) }))
+            .route(
+                "/api/v1/agent/datasets/{id}/file",
+                get(move || async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    ROWS
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = Client::new(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        let (dir, cache) = (tempfile::tempdir().unwrap(), Arc::new(Cache::default()));
+        let endpoint = Endpoint::start("127.0.0.1:0", None).await.unwrap();
+        let attempt = || {
+            JobContext::new(client.clone(), Uuid::new_v4(), dir.path().into(), endpoint.clone()).with_cache(cache.clone())
+        };
+        let dataset = TrainDataset {
+            id: Uuid::new_v4(),
+            digest: format!("sha256:{}", hex::encode(Sha256::digest(ROWS))),
+            format: DatasetFormat::Csv,
+            columns: Vec::new(),
+            rows: 2,
+        };
+        assert_eq!(attempt().dataset(&dataset).await.unwrap(), (ROWS.to_vec(), Found::Fetched));
+        assert_eq!(attempt().dataset(&dataset).await.unwrap(), (ROWS.to_vec(), Found::Cached));
+        assert_eq!(downloads.load(Ordering::SeqCst), 1, "downloaded once");
+    }
 
     #[test]
     fn a_preempt_request_asked_before_the_job_resumed_is_dropped() {

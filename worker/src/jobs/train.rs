@@ -1,10 +1,10 @@
-//! Train: fetch the dataset (and the model to fine-tune), resume from the job's latest
-//! checkpoint when there is one, and run the training session on a blocking thread while
-//! this task streams what it produces to the server: step and eval metrics in batches,
-//! AutoLRS stage records, checkpoints, log lines. Metrics up to a checkpoint's step are
-//! sent before the checkpoint itself, so a resumed run re-reports (and so overwrites)
-//! only steps after the checkpoint. Dropping this task (lease revoked, job cancelled)
-//! stops the training thread at its next step.
+//! Train: fetch the dataset (through the worker's cache) and the model to fine-tune,
+//! resume from the job's latest checkpoint when there is one, and run the training session
+//! on a blocking thread while this task streams what it produces to the server: step and
+//! eval metrics in batches, AutoLRS stage records, checkpoints, log lines. Metrics up to a
+//! checkpoint's step are sent before the checkpoint itself, so a resumed run re-reports
+//! (and so overwrites) only steps after the checkpoint. Dropping this task (lease revoked,
+//! job cancelled) stops the training thread at its next step.
 //!
 //! A rank of a data-parallel job (`run_rank`) does the same after meeting the other ranks
 //! through the server's rendezvous and joining their all-reduce ring; rank 0 reports the
@@ -31,6 +31,7 @@ use tessera_api::train::{OptimizerSpec, TaskType, TrainJob, TrainModel, Training
 use tokio::sync::mpsc;
 
 use super::{prefetch, JobContext, JobError};
+use crate::cache::Found;
 use crate::client::ClientError;
 use crate::collective::ring::{Hello, Ring};
 use crate::collective::{self, RingFault, Transport};
@@ -231,10 +232,13 @@ struct Inputs {
 }
 
 async fn fetch_data(context: &JobContext, spec: &TrainJob) -> Result<(Vec<u8>, Option<std::path::PathBuf>), JobError> {
-    let bytes = context.client.dataset(spec.dataset.id, &spec.dataset.digest).await?;
-    context
-        .log(format!("dataset {} fetched ({} bytes, {} rows)", spec.dataset.id, bytes.len(), spec.dataset.rows))
-        .await?;
+    let (bytes, found) = context.dataset(&spec.dataset).await?;
+    let from = match found {
+        Found::Cached => "from this worker's cache",
+        Found::Fetched => "from the server",
+    };
+    let (id, rows) = (spec.dataset.id, spec.dataset.rows);
+    context.log(format!("dataset {id} fetched {from} ({} bytes, {rows} rows)", bytes.len())).await?;
     let model_folder = match &spec.model {
         TrainModel::Registered { id, .. } => Some(prefetch::fetch(context, *id).await?.0),
         TrainModel::Mlp { .. } => None,
