@@ -16,6 +16,7 @@ use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
+use uuid::Uuid;
 
 use crate::auth::cache::AuthCache;
 use crate::auth::rate_limit::LoginLimiter;
@@ -282,8 +283,9 @@ async fn healthz(axum::extract::State(state): axum::extract::State<AppState>) ->
 }
 
 /// Requeues jobs whose leases expired, settles gangs and restarts ended replicas, every
-/// few seconds, until the server stops.
-fn spawn_lease_expiry(state: AppState) {
+/// few seconds, until the server stops; each sweep marks the leases watched for
+/// [`lease_watch_ms`] (`store::jobs::watched`).
+fn spawn_lease_expiry(state: AppState, server: Uuid) {
     let period = Duration::from_secs((state.config.lease_ttl_secs / 3).clamp(1, 5));
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(period);
@@ -293,6 +295,10 @@ fn spawn_lease_expiry(state: AppState) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(jobs = n, "expired leases requeued or failed"),
                 Err(e) => tracing::warn!(error = %e, "lease expiry failed"),
+            }
+            let until = crate::store::db::now_ms() + lease_watch_ms(&state);
+            if let Err(e) = crate::store::jobs::watched(&state.db, server, until).await {
+                tracing::warn!(error = %e, "recording the lease sweep failed");
             }
             // After expiry: a gang that just lost a rank is requeued in the same tick.
             match crate::store::gangs::sweep(&state.db, crate::store::db::now_ms(), None).await {
@@ -315,23 +321,32 @@ fn spawn_lease_expiry(state: AppState) {
 pub async fn serve(config: Config) -> Result<(), StartError> {
     let bind = config.bind.clone();
     let state = AppState::open(config).await?;
-    let ttl_ms = state.config.lease_ttl_secs as i64 * 1000;
-    match crate::store::jobs::grace_leases(&state.db, ttl_ms).await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(jobs = n, "leases the workers could not renew while the server was down extended"),
-        Err(e) => tracing::warn!(error = %e, "extending leases at start failed"),
-    }
-    spawn_lease_expiry(state.clone());
-    registry::gc::spawn(state.clone());
-    loaning::spawn(state.clone());
+    // Bound before the leases are touched: a server that cannot take its port changes nothing.
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let address = listener.local_addr()?;
+    let server = Uuid::new_v4();
+    let ttl_ms = state.config.lease_ttl_secs as i64 * 1000;
+    match crate::store::jobs::grace_leases(&state.db, server, ttl_ms, lease_watch_ms(&state)).await {
+        Ok(None) => tracing::info!("leases swept moments ago (by another server, or before a restart): none extended"),
+        Ok(Some(0)) => {}
+        Ok(Some(n)) => tracing::info!(jobs = n, "leases the workers could not renew while no server ran extended"),
+        Err(e) => tracing::warn!(error = %e, "extending leases at start failed"),
+    }
+    spawn_lease_expiry(state.clone(), server);
+    registry::gc::spawn(state.clone());
+    loaning::spawn(state.clone());
     println!("Tessera is listening on http://{address}");
     tracing::info!(%address, "listening");
     axum::serve(listener, router(state).into_make_service_with_connect_info::<SocketAddr>())
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     Ok(())
+}
+
+/// How long after a lease sweep the leases count as watched: half a lease, so a server
+/// down for less lets a live worker's lease (renewed every heartbeat) run on unextended.
+fn lease_watch_ms(state: &AppState) -> i64 {
+    state.config.lease_ttl_secs as i64 * 500
 }
 
 async fn shutdown_signal() {

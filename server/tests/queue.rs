@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use serde_json::json;
 use support::{backends, Backend, TestServer};
 use tessera_api::jobs::JobSpec;
+use tessera_server::store::db::now_ms;
 use tessera_server::store::jobs::{self as queue, NewJob};
 use tessera_server::store::slices::Free;
 use uuid::Uuid;
@@ -142,7 +143,7 @@ async fn lease_expires_and_job_is_requeued() {
     }
 }
 
-/// A server that was down longer than a lease starts by extending the live leases, so the
+/// A server that starts while no server watched the leases extends the live ones, so the
 /// workers that ran on can renew them; one lease later they expire as usual.
 #[tokio::test]
 async fn a_starting_server_gives_leases_that_ran_out_while_it_was_down_another_lease() {
@@ -152,12 +153,40 @@ async fn a_starting_server_gives_leases_that_ran_out_while_it_was_down_another_l
         let worker = workers(&server, 1).await[0];
         queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        assert_eq!(queue::grace_leases(&server.state.db, 60_000).await.unwrap(), 1, "the queued job has no lease");
+        let graced = queue::grace_leases(&server.state.db, Uuid::new_v4(), 60_000, 0).await.unwrap();
+        assert_eq!(graced, Some(1), "the queued job has no lease");
         assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 0);
         assert_eq!(state_of(&server, job[0]).await, ("leased".into(), 1));
         assert!(queue::renew(&server.state.db, worker, &[job[0]], 60_000).await.unwrap().is_empty());
         // A lease already longer than the grace keeps its own expiry.
-        assert_eq!(queue::grace_leases(&server.state.db, 1).await.unwrap(), 0);
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        assert_eq!(queue::grace_leases(&server.state.db, Uuid::new_v4(), 1, 0).await.unwrap(), Some(0));
+    }
+}
+
+/// A server starting while another sweeps the leases (a rolling restart), or again soon
+/// after its own grace (a crash loop), extends none: a dead worker's lease still runs out.
+#[tokio::test]
+async fn a_server_starting_while_the_leases_are_watched_extends_none() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let job = enqueue(&server, 1, 3).await[0];
+        let worker = workers(&server, 1).await[0];
+        queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
+        let (sweeper, starting) = (Uuid::new_v4(), Uuid::new_v4());
+        queue::watched(&server.state.db, sweeper, now_ms() + 60_000).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(queue::grace_leases(&server.state.db, starting, 60_000, 60_000).await.unwrap(), None);
+        assert_eq!(queue::expire_leases(&server.state.db).await.unwrap(), 1, "the dead worker's lease ran out");
+        assert_eq!(state_of(&server, job).await, ("queued".into(), 1));
+
+        // Once the watch has run out a start gives grace, and marks the leases watched.
+        queue::claim(&server.state.db, worker, &kinds(), 1, &Free::default()).await.unwrap().unwrap();
+        queue::watched(&server.state.db, sweeper, now_ms() - 1).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(queue::grace_leases(&server.state.db, starting, 60_000, 60_000).await.unwrap(), Some(1));
+        let restarted = queue::grace_leases(&server.state.db, starting, 60_000, 60_000).await.unwrap();
+        assert_eq!(restarted, None, "a crash loop gives one grace, not one a start");
     }
 }
 

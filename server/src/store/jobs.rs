@@ -581,14 +581,46 @@ pub async fn expire_leases(db: &Db) -> Result<u64> {
     Ok(touched)
 }
 
-/// Gives every live lease at least `ttl_ms` from now, as a server starts: while it was
-/// down no worker could renew, and expiring those leases at once would requeue every job
-/// and replica that ran on through the outage (each an attempt spent). A worker that died
-/// meanwhile loses its jobs one lease later. Returns how many leases were extended.
-pub async fn grace_leases(db: &Db, ttl_ms: i64) -> Result<u64> {
-    let until = now_ms() + ttl_ms;
+/// The `scheduler_leases` row that says until when the leases are watched: a server's
+/// lease sweep, or a starting server's grace, covers them up to its `expires_at`.
+const WATCHED: &str = "lease-sweep";
+
+/// Records that `server` swept the leases (or gave them grace) just now: they count as
+/// watched until `until`. Every server's sweep writes it; the latest write wins.
+pub async fn watched(db: &Db, server: Uuid, until: i64) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO scheduler_leases (name, holder, expires_at) VALUES ($1, $2, $3) \
+         ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at",
+    )
+    .bind(WATCHED)
+    .bind(server.to_string())
+    .bind(until)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// As `server` starts: when no server watched the leases (a sweep or a grace that covers
+/// now, [`watched`]), no worker could renew its leases meanwhile, and expiring them at once
+/// would requeue every job and replica that ran on through the outage (each an attempt
+/// spent), so every live lease gets at least `ttl_ms` from now and the leases count as
+/// watched for `watch_ms`. A worker that died meanwhile loses its jobs one lease later.
+/// A server starting while another sweeps (a rolling restart), or again within `watch_ms`
+/// of a grace (a crash loop), gives none: the leases of dead workers still run out.
+/// Returns how many leases were extended, or `None` when the leases were being watched.
+pub async fn grace_leases(db: &Db, server: Uuid, ttl_ms: i64, watch_ms: i64) -> Result<Option<u64>> {
+    let now = now_ms();
+    let until: Option<i64> = sqlx::query_scalar("SELECT expires_at FROM scheduler_leases WHERE name = $1")
+        .bind(WATCHED)
+        .fetch_optional(db.pool())
+        .await?;
+    if until.is_some_and(|until| until >= now) {
+        return Ok(None);
+    }
     let sql = format!("UPDATE jobs SET lease_expires_at = $1 WHERE {LIVE} AND lease_expires_at < $1");
-    Ok(sqlx::query(sqlx::AssertSqlSafe(sql)).bind(until).execute(db.pool()).await?.rows_affected())
+    let extended = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now + ttl_ms).execute(db.pool()).await?.rows_affected();
+    watched(db, server, now + watch_ms).await?;
+    Ok(Some(extended))
 }
 
 /// Jobs waiting in the queue, preempted ones included (a Prometheus gauge and the
