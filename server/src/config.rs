@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use crate::auth::client::Cidr;
+
 /// The shortest worker token or JWT secret the server accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 
@@ -70,6 +72,12 @@ pub struct Config {
     /// Seconds for one spent login attempt to come back.
     #[arg(long, env = "TESSERA_LOGIN_REFILL_SECS", default_value_t = 6)]
     pub login_refill_secs: u64,
+
+    /// Reverse proxies in front of this server, comma-separated addresses or blocks
+    /// (`10.0.0.0/8,::1`). A login from one of them is throttled by the client address it
+    /// appended to `X-Forwarded-For`, not its own; from other peers that header is ignored.
+    #[arg(long, env = "TESSERA_TRUSTED_PROXIES", value_delimiter = ',')]
+    pub trusted_proxies: Vec<Cidr>,
 
     /// Seconds this server trusts an API token or user it has checked without asking the
     /// database again. Revoking a token here takes effect at once; with several servers on
@@ -169,6 +177,7 @@ impl Config {
             heartbeat_secs: 5,
             login_burst: 10,
             login_refill_secs: 6,
+            trusted_proxies: Vec::new(),
             auth_cache_secs: 10,
             inference_timeout_secs: 60,
             metrics_token: None,

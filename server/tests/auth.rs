@@ -160,3 +160,32 @@ async fn logins_are_rate_limited_per_client() {
     assert_eq!(response.status(), 429);
     assert!(response.headers().contains_key("retry-after"));
 }
+
+/// Behind a trusted proxy (here: loopback) each client has its own bucket, read from the
+/// address the proxy appended to `X-Forwarded-For`; a server trusting no proxy ignores it.
+#[tokio::test]
+async fn behind_a_trusted_proxy_logins_are_limited_per_forwarded_client() {
+    async fn login_from(server: &TestServer, forwarded_for: &str, password: &str) -> u16 {
+        let request = server.http.post(server.api("/auth/login")).header("x-forwarded-for", forwarded_for);
+        let response = request.json(&json!({"username": "admin", "password": password})).send().await.unwrap();
+        response.status().as_u16()
+    }
+    for trusted in [true, false] {
+        let server = TestServer::start_tweaked(Backend::Sqlite, |config| {
+            config.login_burst = 3;
+            config.login_refill_secs = 3600;
+            if trusted {
+                config.trusted_proxies = vec!["127.0.0.0/8".parse().unwrap(), "::1".parse().unwrap()];
+            }
+        })
+        .await;
+        for _ in 0..3 {
+            assert_eq!(login_from(&server, "203.0.113.9", "wrong").await, 401);
+        }
+        assert_eq!(login_from(&server, "203.0.113.9", ADMIN_PASSWORD).await, 429, "the guesser is throttled");
+        // A client writing its own X-Forwarded-For gets no new bucket: the proxy appends.
+        assert_eq!(login_from(&server, "198.51.100.1, 203.0.113.9", ADMIN_PASSWORD).await, 429);
+        let other = login_from(&server, "198.51.100.7", ADMIN_PASSWORD).await;
+        assert_eq!(other, if trusted { 200 } else { 429 }, "trusted proxies: {trusted}");
+    }
+}

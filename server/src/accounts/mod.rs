@@ -4,14 +4,15 @@
 
 pub mod tokens;
 
-use std::net::SocketAddr;
+use std::net::IpAddr;
 use std::time::Instant;
 
-use axum::extract::{ConnectInfo, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use tessera_api::accounts::{ChangePassword, CreateUser, LoginRequest, LoginResponse, Role, UpdateUser, User};
 use uuid::Uuid;
 
+use crate::auth::client::ClientAddr;
 use crate::auth::{self, password, revocations, Principal};
 use crate::error::{ApiJson, ApiPath, Error, Result};
 use crate::state::AppState;
@@ -77,7 +78,7 @@ pub const MAX_LOGIN_USERNAME_BYTES: usize = 256;
 pub const MAX_LOGIN_PASSWORD_BYTES: usize = 1024;
 
 /// Checks a username and password, with throttling, and returns the user.
-pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRequest) -> Result<StoredUser> {
+pub async fn check_login(state: &AppState, client: IpAddr, request: &LoginRequest) -> Result<StoredUser> {
     if request.username.len() > MAX_LOGIN_USERNAME_BYTES || request.password.len() > MAX_LOGIN_PASSWORD_BYTES {
         return Err(Error::BadRequest(format!(
             "A login's username has at most {MAX_LOGIN_USERNAME_BYTES} bytes and its password at most \
@@ -86,7 +87,7 @@ pub async fn check_login(state: &AppState, client: SocketAddr, request: &LoginRe
     }
     state
         .login_limiter
-        .attempt(client.ip(), &request.username, Instant::now())
+        .attempt(client, &request.username, Instant::now())
         .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
     let wrong = || Error::Unauthorized("Wrong username or password.".into());
     let user = users::find_by_name(&state.db, &request.username).await?;
@@ -114,7 +115,7 @@ pub async fn change_password(
     state: &AppState,
     principal: &Principal,
     session: Option<Uuid>,
-    client: SocketAddr,
+    client: IpAddr,
     request: ChangePassword,
 ) -> Result<usize> {
     if request.current_password.len() > MAX_LOGIN_PASSWORD_BYTES {
@@ -123,7 +124,7 @@ pub async fn change_password(
     password::check_strength(&request.new_password)?;
     state
         .login_limiter
-        .attempt(client.ip(), &principal.username, Instant::now())
+        .attempt(client, &principal.username, Instant::now())
         .map_err(|retry_after_secs| Error::TooManyRequests { retry_after_secs })?;
     let user = users::find(&state.db, principal.id).await?.ok_or_else(|| Error::not_found("User"))?;
     if !password::verify(request.current_password, user.password_hash).await? {
@@ -171,7 +172,7 @@ pub async fn set_disabled(state: &AppState, principal: &Principal, id: Uuid, dis
               (status = 503, description = "Too many password checks at once; send it again shortly")))]
 pub async fn login(
     State(state): State<AppState>,
-    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    ClientAddr(client): ClientAddr,
     ApiJson(request): ApiJson<LoginRequest>,
 ) -> Result<ApiJson<LoginResponse>> {
     let user = check_login(&state, client, &request).await?;
@@ -207,7 +208,7 @@ pub async fn logout(State(state): State<AppState>, _principal: Principal, header
 pub async fn password(
     State(state): State<AppState>,
     principal: Principal,
-    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    ClientAddr(client): ClientAddr,
     headers: HeaderMap,
     ApiJson(request): ApiJson<ChangePassword>,
 ) -> Result<StatusCode> {

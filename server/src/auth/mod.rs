@@ -2,6 +2,7 @@
 //! for agents. Handlers take a `Principal` (or `AgentAuth`) and never parse headers.
 
 pub mod cache;
+pub mod client;
 pub mod password;
 pub mod rate_limit;
 pub mod revocations;

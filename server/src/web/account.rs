@@ -2,10 +2,8 @@
 //! sessions) and the admins' users page (disable or enable a user). Both call the same
 //! domain functions as `/api/v1/auth/password` and `PATCH /api/v1/users/{id}`.
 
-use std::net::SocketAddr;
-
 use askama::Template;
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Form;
@@ -17,6 +15,7 @@ use uuid::Uuid;
 use super::session::cookie_session;
 use super::{flash, format, render, with_status, Layout, WebUser};
 use crate::accounts;
+use crate::auth::client::ClientAddr;
 use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::store::users;
@@ -55,7 +54,7 @@ pub struct PasswordForm {
 pub async fn change_password(
     State(state): State<AppState>,
     user: WebUser,
-    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    ClientAddr(client): ClientAddr,
     headers: HeaderMap,
     Form(form): Form<PasswordForm>,
 ) -> Response {

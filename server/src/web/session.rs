@@ -2,10 +2,8 @@
 //! kept in an HttpOnly, SameSite=Strict cookie; `WebUser` reads it for every page.
 //! Logging out ends the session on the server, so a copied cookie stops working too.
 
-use std::net::SocketAddr;
-
 use askama::Template;
-use axum::extract::{ConnectInfo, FromRequestParts, Query, State};
+use axum::extract::{FromRequestParts, Query, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -14,6 +12,7 @@ use serde::Deserialize;
 use tessera_api::accounts::LoginRequest;
 
 use super::{render, wants_fragment, Layout};
+use crate::auth::client::ClientAddr;
 use crate::auth::{self, Principal};
 use crate::error::Error;
 use crate::state::AppState;
@@ -182,7 +181,7 @@ pub struct LoginForm {
 
 pub async fn login(
     State(state): State<AppState>,
-    ConnectInfo(client): ConnectInfo<SocketAddr>,
+    ClientAddr(client): ClientAddr,
     headers: HeaderMap,
     Form(form): Form<LoginForm>,
 ) -> Response {
