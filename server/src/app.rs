@@ -5,9 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::DefaultBodyLimit;
-use axum::extract::Request;
-use axum::http::{Method, Uri};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, Method, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -176,11 +175,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/{*rest}", axum::routing::any(gateway_not_found))
         .route("/healthz", get(healthz))
         .route("/metrics", get(telemetry::render))
-        .merge(web::routes())
+        .merge(web::routes(&state))
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(shape_plain_rejections))
         .layer(axum::middleware::map_response(close_after_a_413))
-        .layer(axum::middleware::from_fn(refuse_nul_bytes))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), refuse_nul_bytes))
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
@@ -197,54 +196,49 @@ async fn gateway_not_found(uri: Uri) -> Response {
     family_error(uri.path(), error::Error::NotFound(message.into()))
 }
 
-/// A 405 in the error shape of the route family called.
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    let message = format!("{} does not accept {method}; see /api/openapi.json for the methods it takes.", uri.path());
-    family_error(uri.path(), error::Error::MethodNotAllowed(message))
+/// A 405 in the error shape of the route family called; on the dashboard's paths, its page.
+async fn method_not_allowed(State(state): State<AppState>, method: Method, headers: HeaderMap, uri: Uri) -> Response {
+    let path = uri.path();
+    let message = if is_dashboard(path) {
+        format!("{path} does not accept {method}; open it from the menu or send its form from its page.")
+    } else {
+        format!("{path} does not accept {method}; see /api/openapi.json for the methods it takes.")
+    };
+    refusal(&state, &headers, &uri, error::Error::MethodNotAllowed(message)).await
 }
 
 /// Refuses a path or query string that holds an encoded NUL byte (`%00`) before any
 /// route sees it: no name or file holds one, and PostgreSQL errors on it.
-async fn refuse_nul_bytes(request: Request, next: Next) -> Response {
+async fn refuse_nul_bytes(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let uri = request.uri();
     let encoded = uri.path_and_query().map_or("", |p| p.as_str());
     if encoded.contains("%00") {
-        let message = "The URL holds a NUL byte (%00), which no name or path may contain.".to_string();
-        return family_error(uri.path(), error::Error::BadRequest(message));
+        let message = "The URL holds a NUL byte (%00), which no name or path may contain.";
+        return refusal(&state, request.headers(), uri, error::Error::BadRequest(message.into())).await;
     }
     next.run(request).await
 }
 
+/// `error` for a request refused before its route's handler ran: the dashboard's error
+/// page on the dashboard's paths, the error shape of its route family elsewhere.
+async fn refusal(state: &AppState, headers: &HeaderMap, uri: &Uri, error: error::Error) -> Response {
+    if is_dashboard(uri.path()) {
+        web::refusal(state, headers, uri, error).await
+    } else {
+        family_error(uri.path(), error)
+    }
+}
+
 /// A rejection no handler shaped gets the error shape of its route family like every
-/// other 4xx: axum's extractors answer in plain text (a path segment that is not UTF-8
-/// or not a number, a query or form field of the wrong type, a form without its content
-/// type), and the dashboard's routes take several of them as they come.
+/// other 4xx: axum's extractors answer in plain text. The dashboard's routes shape their
+/// own (`web::guard`: an error page, or JSON for a script), so what comes here is the API's
+/// and the gateway's.
 async fn shape_plain_rejections(request: Request, next: Next) -> Response {
     let path = request.uri().path().to_string();
-    let response = next.run(request).await;
-    let status = response.status();
-    let plain = response
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/plain"));
-    if !status.is_client_error() || !plain {
-        return response;
+    match error::PlainRejection::of(next.run(request).await).await {
+        Ok(rejection) => rejection.shaped(|error| family_error(&path, error)),
+        Err(response) => response,
     }
-    // axum's rejection texts are one line; anything longer is cut, not buffered.
-    let text = axum::body::to_bytes(response.into_body(), 4 << 10)
-        .await
-        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
-        .unwrap_or_default();
-    let error = match status {
-        axum::http::StatusCode::NOT_FOUND => error::Error::NotFound(text),
-        axum::http::StatusCode::PAYLOAD_TOO_LARGE => error::Error::PayloadTooLarge(text),
-        axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE => error::Error::invalid("unsupported_media_type", text),
-        _ => error::Error::BadRequest(format!("The request could not be read: {text}")),
-    };
-    let mut shaped = family_error(&path, error);
-    *shaped.status_mut() = status;
-    shaped
 }
 
 /// A 413 leaves the rest of its body unread, so the connection cannot carry another
@@ -258,11 +252,12 @@ async fn close_after_a_413(mut response: Response) -> Response {
 }
 
 /// `error` in the shape of the route family `path` belongs to: OpenAI's on `/v1`,
-/// KServe's on `/v2`, the platform's everywhere else.
+/// KServe's on `/v2`, the platform's JSON everywhere else (for the dashboard's paths
+/// `refusal` picks its page instead).
 fn family_error(path: &str, error: error::Error) -> Response {
     if is_openai(path) {
         openai::openai_error(GatewayError::new(error.status(), "invalid_request_error", error.public_message()))
-    } else if path == "/v2" || path.starts_with("/v2/") {
+    } else if is_kserve(path) {
         kserve::kserve_error(GatewayError::new(error.status(), "invalid", error.public_message()))
     } else {
         error.into_response()
@@ -271,6 +266,17 @@ fn family_error(path: &str, error: error::Error) -> Response {
 
 fn is_openai(path: &str) -> bool {
     path == "/v1" || path.starts_with("/v1/")
+}
+
+fn is_kserve(path: &str) -> bool {
+    path == "/v2" || path.starts_with("/v2/")
+}
+
+/// A path of the dashboard's: every one that is not the API's, the gateway's, or the
+/// server's own probes.
+fn is_dashboard(path: &str) -> bool {
+    let api = path == "/api" || path.starts_with("/api/");
+    !(api || is_openai(path) || is_kserve(path) || path == "/healthz" || path == "/metrics")
 }
 
 async fn openapi_json(axum::extract::State(state): axum::extract::State<AppState>) -> axum::Json<utoipa::openapi::OpenApi> {

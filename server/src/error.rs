@@ -217,6 +217,51 @@ impl From<axum::extract::multipart::MultipartError> for Error {
     }
 }
 
+/// A 4xx that axum answered in plain text itself: an extractor's rejection (a path segment
+/// that is not UTF-8 or not a number, a query or form field of the wrong type, a form without
+/// its content type) or a handler's bare text. The API and the dashboard each reshape it.
+pub struct PlainRejection {
+    /// axum's status, which the reshaped answer keeps (a form field of the wrong type is a 422).
+    pub status: StatusCode,
+    pub text: String,
+}
+
+impl PlainRejection {
+    /// The rejection `response` is, or `response` untouched when it is none.
+    pub async fn of(response: Response) -> Result<PlainRejection, Response> {
+        let plain = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/plain"));
+        if !response.status().is_client_error() || !plain {
+            return Err(response);
+        }
+        let status = response.status();
+        // axum's rejection texts are one line; anything longer is cut, not buffered.
+        let text = axum::body::to_bytes(response.into_body(), 4 << 10)
+            .await
+            .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
+            .unwrap_or_default();
+        Ok(PlainRejection { status, text })
+    }
+
+    /// The rejection as our error in the shape `shape` gives it (a route family's), with
+    /// axum's status.
+    pub fn shaped(self, shape: impl FnOnce(Error) -> Response) -> Response {
+        let status = self.status;
+        let error = match status {
+            StatusCode::NOT_FOUND => Error::NotFound(self.text),
+            StatusCode::PAYLOAD_TOO_LARGE => Error::PayloadTooLarge(self.text),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => Error::invalid("unsupported_media_type", self.text),
+            _ => Error::BadRequest(format!("The request could not be read: {}", self.text)),
+        };
+        let mut response = shape(error);
+        *response.status_mut() = status;
+        response
+    }
+}
+
 /// `Json` whose rejection is our error body, so malformed JSON gets the uniform shape.
 #[derive(Debug, Clone, Copy, Default, axum::extract::FromRequest)]
 #[from_request(via(axum::Json), rejection(Error))]

@@ -135,30 +135,40 @@ async fn every_rejection_has_the_platform_error_shape() {
     assert_eq!(error_body(response).await["error"]["code"], "payload_too_large");
 
     // The dashboard's routes too: a path that is not UTF-8 or not a number, a query field
-    // of the wrong type, a form without its content type.
+    // of the wrong type, a form without its content type. A browser gets the error page
+    // (web.rs checks its sentence and headers), a script's request the error shape.
     let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
     let cookie = dashboard_cookie(&server, &http).await;
     let job = "00000000-0000-0000-0000-000000000001";
-    for (path, status) in [
-        ("/models/%FF".to_string(), 400),
-        ("/deployments/%FF".to_string(), 400),
-        (format!("/jobs/{job}/series?max_points=lots"), 400),
-        (format!("/jobs/{job}/checkpoints/latest/files/w.bin"), 400),
-    ] {
-        let response = http.get(format!("{}{path}", server.url)).header("cookie", &cookie).send().await.unwrap();
-        assert_eq!(response.status(), status, "{path}");
-        error_body(response).await;
+    let form = |scripted: bool| {
+        let request = http.post(format!("{}/deployments", server.url)).header("cookie", &cookie);
+        let request = request.header("content-type", "application/json").body("{}");
+        if scripted { request.header("x-requested-with", "fetch") } else { request }
+    };
+    let paths = [
+        "/models/%FF".to_string(),
+        "/deployments/%FF".to_string(),
+        format!("/jobs/{job}/series?max_points=lots"),
+        format!("/jobs/{job}/checkpoints/latest/files/w.bin"),
+    ];
+    let mut requests = vec![(form(false), form(true), 415)];
+    for path in paths {
+        let page = http.get(format!("{}{path}", server.url)).header("cookie", &cookie);
+        requests.push((page.try_clone().unwrap(), page.header("x-requested-with", "fetch"), 400));
     }
-    let response = http
-        .post(format!("{}/deployments", server.url))
-        .header("cookie", &cookie)
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 415);
-    assert_eq!(error_body(response).await["error"]["code"], "unsupported_media_type");
+    for (page, scripted, status) in requests {
+        let response = page.send().await.unwrap();
+        let what = format!("{status} {}", response.url());
+        assert_eq!(response.status(), status, "{what}");
+        let content_type = response.headers()["content-type"].to_str().unwrap();
+        assert!(content_type.starts_with("text/html"), "{what}: {content_type}");
+        let response = scripted.send().await.unwrap();
+        assert_eq!(response.status(), status, "{what}, scripted");
+        let body = error_body(response).await;
+        if status == 415 {
+            assert_eq!(body["error"]["code"], "unsupported_media_type");
+        }
+    }
 }
 
 #[tokio::test]

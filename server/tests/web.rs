@@ -318,6 +318,7 @@ async fn posts_from_another_origin_are_refused() {
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert_page_headers(&response, "a post from another site");
     assert!(response.text().await.unwrap().contains("sent from another site"));
     let response = http
         .post(format!("{}/login", server.url))
@@ -368,6 +369,124 @@ async fn static_assets_are_embedded_with_types_and_cache_headers() {
     }
     let response = http.get(format!("{}/static/missing.js", server.url)).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
+}
+
+/// The headers every dashboard response carries (`web::guard`), `no-store` among them.
+fn assert_page_headers(response: &Response, what: &str) {
+    assert!(header(response, "content-security-policy").contains("frame-ancestors 'none'"), "{what}");
+    assert_eq!(header(response, "x-frame-options"), "DENY", "{what}");
+    assert_eq!(header(response, "x-content-type-options"), "nosniff", "{what}");
+    assert_eq!(header(response, "referrer-policy"), "same-origin", "{what}");
+    assert_eq!(header(response, "cache-control"), "no-store", "{what}");
+}
+
+/// What a signed-in user's pages and fragments show is theirs: no cache keeps it. The
+/// static assets keep their own caching, 304s included.
+#[tokio::test]
+async fn signed_in_pages_are_not_stored_and_static_assets_are_cached() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let pages = [
+        "/models", "/models?fragment=table", "/jobs", "/jobs/new", "/deployments", "/datasets", "/account", "/users",
+        "/workers", "/mig", "/fleet", "/api/docs", "/no/such/page",
+    ];
+    for path in pages {
+        let response = http.get(format!("{}{path}", server.url)).header("cookie", &cookie).send().await.unwrap();
+        assert!(response.status().is_success() || path == "/no/such/page", "{path}: {}", response.status());
+        assert!(header(&response, "content-type").starts_with("text/html"), "{path}");
+        assert_page_headers(&response, path);
+    }
+    for name in ["app.css", "app.js", "favicon.svg"] {
+        let asset = http.get(format!("{}/static/{name}", server.url)).header("cookie", &cookie);
+        let response = asset.try_clone().unwrap().send().await.unwrap();
+        assert_eq!(header(&response, "cache-control"), "public, max-age=3600", "{name}");
+        let etag = header(&response, "etag").to_string();
+        let again = asset.header("if-none-match", etag).send().await.unwrap();
+        assert_eq!(again.status(), StatusCode::NOT_MODIFIED);
+        assert_eq!(header(&again, "cache-control"), "public, max-age=3600", "{name}");
+    }
+}
+
+/// What axum's extractors refuse on a dashboard route (a query or path field that does not
+/// parse, a path segment that is not UTF-8) and a static file that does not exist are the
+/// error page: axum's status, the navigation, a sentence on what to change and every
+/// page's headers (they were the API's JSON, without them). A script's request still gets
+/// JSON, with the headers; the API's rejections stay JSON, without them.
+#[tokio::test]
+async fn refused_dashboard_requests_are_error_pages_with_the_page_headers() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let job = "00000000-0000-0000-0000-000000000001";
+    let fix = "Correct that part of the address or form, or follow the link from the dashboard again.";
+    let refused = [
+        ("/jobs/compare?ids=a&ids=b".to_string(), StatusCode::BAD_REQUEST, ["ids", fix]),
+        (format!("/jobs/{job}/checkpoints/ten/files/model.safetensors"), StatusCode::BAD_REQUEST, ["`ten`", fix]),
+        ("/models/%FF".to_string(), StatusCode::BAD_REQUEST, ["UTF-8", fix]),
+        ("/static/nope".to_string(), StatusCode::NOT_FOUND, ["static file", "Check the address, or pick a section"]),
+    ];
+    for (path, status, sentences) in refused {
+        let response = http.get(format!("{}{path}", server.url)).header("cookie", &cookie).send().await.unwrap();
+        assert_eq!(response.status(), status, "{path}");
+        assert!(header(&response, "content-type").starts_with("text/html"), "{path}");
+        assert_page_headers(&response, &path);
+        let body = response.text().await.unwrap();
+        for sentence in sentences {
+            assert!(body.contains(sentence), "{path}: no {sentence:?} in {body}");
+        }
+        assert!(body.contains(">admin<"), "{path}: the nav shows the user");
+    }
+    // Refused before any page runs: a method the route does not take, a NUL byte.
+    for (method, path, sentence) in [
+        (reqwest::Method::PUT, "/models", "/models does not accept PUT; open it from the menu or send"),
+        (reqwest::Method::GET, "/models/a%00b", "The URL holds a NUL byte (%00)"),
+    ] {
+        let response = http.request(method.clone(), format!("{}{path}", server.url)).header("cookie", &cookie);
+        let response = response.header("origin", &server.url).send().await.unwrap();
+        assert!(response.status().is_client_error(), "{method} {path}: {}", response.status());
+        assert!(header(&response, "content-type").starts_with("text/html"), "{method} {path}");
+        assert_page_headers(&response, path);
+        let body = response.text().await.unwrap();
+        assert!(body.contains(sentence) && body.contains(">admin<"), "{method} {path}: {body}");
+    }
+
+    let response = http
+        .get(format!("{}/jobs/compare?ids=a&ids=b", server.url))
+        .header("cookie", &cookie)
+        .header("x-requested-with", "fetch")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_page_headers(&response, "a script's compare");
+    assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "bad_request");
+
+    let admin = server.admin().await;
+    for path in ["/jobs/not-a-uuid", "/models/%FF", "/models/a%00b"] {
+        let response = server.get(&admin, path).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{path}");
+        assert!(header(&response, "content-type").starts_with("application/json"), "{path}");
+        assert!(header(&response, "cache-control").is_empty() && header(&response, "x-frame-options").is_empty());
+        assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "bad_request", "{path}");
+    }
+}
+
+/// Error pages that repeat what the address asked for (a deployment's name, a path
+/// segment axum could not parse) escape it: a `<script>` in the URL comes back as text.
+#[tokio::test]
+async fn error_pages_escape_what_the_address_holds() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let job = "00000000-0000-0000-0000-000000000001";
+    let script = "%3Cscript%3Ealert(1)%3C%2Fscript%3E";
+    for path in [format!("/deployments/{script}"), format!("/jobs/{job}/checkpoints/{script}/files/x")] {
+        let (status, body) = page(&server, &http, &cookie, &path).await;
+        assert!(status.is_client_error(), "{path}: {status}");
+        assert!(body.contains("&#60;script&#62;alert(1)&#60;/script&#62;"), "{path}: {body}");
+        assert!(!body.contains("<script>alert"), "{path}: {body}");
+    }
 }
 
 /// Posts a dashboard form and returns the response (redirects are not followed).

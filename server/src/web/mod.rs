@@ -20,18 +20,18 @@ mod training;
 mod workers;
 
 use askama::Template;
-use axum::extract::{DefaultBodyLimit, Request};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
 
-use crate::error::Error;
+use crate::error::{Error, PlainRejection};
 use crate::state::AppState;
 pub use session::WebUser;
 
-pub fn routes() -> Router<AppState> {
+pub fn routes(state: &AppState) -> Router<AppState> {
     Router::new()
         .route("/", get(|| async { Redirect::to("/models") }))
         .route("/login", get(session::login_form).post(session::login))
@@ -70,7 +70,7 @@ pub fn routes() -> Router<AppState> {
         .route("/api/docs", get(api_docs::page))
         .route("/static/{name}", get(assets::serve))
         .fallback(not_found)
-        .layer(middleware::from_fn(guard))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
 }
 
 /// What the shared layout (templates/base.html) needs from every page.
@@ -143,36 +143,88 @@ fn error_page(error: &Error, user: Option<String>) -> Response {
     if status.is_server_error() {
         tracing::error!(error = ?error, "page failed");
     }
+    status_page(status, error.public_message(), user)
+}
+
+fn status_page(status: StatusCode, message: String, user: Option<String>) -> Response {
     let reason = status.canonical_reason().unwrap_or("Error");
-    let page = ErrorPage {
-        layout: Layout::new(reason, "", user),
-        status: status.as_u16(),
-        reason,
-        message: error.public_message(),
-    };
+    let page = ErrorPage { layout: Layout::new(reason, "", user), status: status.as_u16(), reason, message };
     match page.render() {
         Ok(html) => (status, Html(html)).into_response(),
-        Err(_) => (status, error.public_message()).into_response(),
+        Err(_) => (status, page.message).into_response(),
     }
 }
 
-async fn not_found(state: axum::extract::State<AppState>, headers: HeaderMap) -> Response {
-    let user = session::current_user(&state, &headers).await.ok().flatten().map(|p| p.username);
-    error_page(&Error::NotFound("There is no page at this address; pick a section from the menu.".into()), user)
+/// A rejection axum answered in plain text (a path segment or query field the handler
+/// cannot parse, a form of the wrong type) as the error page, with a sentence on what to
+/// change; a script's request gets it as JSON, like the page's other errors.
+async fn rejection_page(state: &AppState, cookies: &HeaderMap, fragment: bool, rejection: PlainRejection) -> Response {
+    if fragment {
+        return rejection.shaped(IntoResponse::into_response);
+    }
+    let fix = match rejection.status {
+        StatusCode::NOT_FOUND => "Check the address, or pick a section from the menu.",
+        StatusCode::PAYLOAD_TOO_LARGE => "Send less: a smaller file, or fewer fields.",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "Send the form from its page on the dashboard.",
+        _ => "Correct that part of the address or form, or follow the link from the dashboard again.",
+    };
+    let text = rejection.text.trim_end_matches('.');
+    let message = if rejection.status == StatusCode::NOT_FOUND {
+        format!("{text}. {fix}")
+    } else {
+        format!("The request could not be read ({text}). {fix}")
+    };
+    status_page(rejection.status, message, signed_in(state, cookies).await)
 }
 
-/// Every dashboard response: state-changing requests must come from this site, and
-/// pages may not be framed or run scripts from elsewhere.
-async fn guard(request: Request, next: Next) -> Response {
+/// `error` on a dashboard path, found before any page ran (a post from another site, and
+/// in the server's own layers a NUL byte in the URL or a method the route does not take):
+/// the error page, or JSON for a script, with every page's headers.
+pub async fn refusal(state: &AppState, headers: &HeaderMap, uri: &Uri, error: Error) -> Response {
+    let mut response = if wants_fragment(headers, uri) {
+        error.into_response()
+    } else {
+        error_page(&error, signed_in(state, headers).await)
+    };
+    page_headers(&mut response);
+    response
+}
+
+/// Who the error page's navigation names: the session's user, or no one.
+async fn signed_in(state: &AppState, headers: &HeaderMap) -> Option<String> {
+    session::current_user(state, headers).await.ok().flatten().map(|p| p.username)
+}
+
+async fn not_found(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let error = Error::NotFound("There is no page at this address; pick a section from the menu.".into());
+    error_page(&error, signed_in(&state, &headers).await)
+}
+
+/// Every dashboard response: state-changing requests must come from this site, pages may
+/// not be framed or run scripts from elsewhere, and what a signed-in user was shown stays
+/// out of caches. Rejections axum answered in plain text become the error page here, so
+/// they carry these headers too.
+async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if !request.method().is_safe() && !session::same_origin(request.headers()) {
-        let error = session::forbidden_origin();
-        return if wants_fragment(request.headers(), request.uri()) {
-            error.into_response()
-        } else {
-            error_page(&error, None)
-        };
+        return refusal(&state, request.headers(), request.uri(), session::forbidden_origin()).await;
     }
-    let mut response = next.run(request).await;
+    let fragment = wants_fragment(request.headers(), request.uri());
+    // Only the session cookie is kept, for the error page's navigation.
+    let mut cookies = HeaderMap::new();
+    for value in request.headers().get_all(header::COOKIE) {
+        cookies.append(header::COOKIE, value.clone());
+    }
+    let mut response = match PlainRejection::of(next.run(request).await).await {
+        Ok(rejection) => rejection_page(&state, &cookies, fragment, rejection).await,
+        Err(response) => response,
+    };
+    page_headers(&mut response);
+    response
+}
+
+/// The headers of every dashboard response, where the handler set none of its own (the
+/// static assets say how long a browser keeps them).
+fn page_headers(response: &mut Response) {
     let headers = response.headers_mut();
     let defaults = [
         (
@@ -183,11 +235,11 @@ async fn guard(request: Request, next: Next) -> Response {
         (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
         (header::X_FRAME_OPTIONS, "DENY"),
         (header::REFERRER_POLICY, "same-origin"),
+        (header::CACHE_CONTROL, "no-store"),
     ];
     for (name, value) in defaults {
         headers.entry(name).or_insert(HeaderValue::from_static(value));
     }
-    response
 }
 
 /// Shorthand for handlers that answer with a status and a rendered page.
