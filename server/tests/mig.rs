@@ -325,6 +325,101 @@ async fn a_refused_slo_deployment_leaves_nothing_behind_so_its_retry_succeeds() 
     }
 }
 
+/// The slices of `mig-1`'s GPU 0, by start: of equal free slices the planner takes the first.
+async fn slices_by_start(server: &TestServer, admin: &str) -> Vec<String> {
+    let workers: Value = server.get(admin, "/workers").await.json().await.unwrap();
+    let mig = workers.as_array().unwrap().iter().find(|w| w["name"] == "mig-1").unwrap();
+    let mut slices: Vec<(u64, String)> = mig["slices"].as_array().unwrap().iter()
+        .map(|s| (s["start"].as_u64().unwrap(), s["uuid"].as_str().unwrap().to_string()))
+        .collect();
+    slices.sort();
+    slices.into_iter().map(|(_, uuid)| uuid).collect()
+}
+
+fn planned_slices(deployment: &Value) -> Vec<String> {
+    deployment["slo"]["slices"].as_array().unwrap().iter().map(|s| s["slice"].as_str().unwrap().to_string()).collect()
+}
+
+/// A server whose worker `mig-1` offers two free 3g.40gb slices, each of which meets an
+/// SLO of 400 req/s for `tiny` at 50 ms; the admin's token.
+async fn two_free_slices(backend: Backend) -> (TestServer, String) {
+    let server = TestServer::start(backend).await;
+    let admin = server.admin().await;
+    upload_tiny(&server, &admin).await;
+    let secret = secret_of(register(&server, "mig-1", &["3g.40gb", "3g.40gb"], false).await).await;
+    profile(&server, &admin, &secret, &[("3g.40gb", 540.0)]).await;
+    (server, admin)
+}
+
+#[tokio::test]
+async fn two_slo_deployments_created_at_once_take_different_slices() {
+    for backend in backends() {
+        let (server, admin) = two_free_slices(backend).await;
+        let (first, second) =
+            tokio::join!(deploy_slo(&server, &admin, "a", 400.0), deploy_slo(&server, &admin, "b", 400.0));
+        let mut planned = Vec::new();
+        for response in [first, second] {
+            assert_eq!(response.status(), 201, "{backend:?}");
+            let deployment: Value = response.json().await.unwrap();
+            assert_eq!(planned_slices(&deployment).len(), 1, "{backend:?}: one slice covers 400 req/s: {deployment}");
+            planned.extend(planned_slices(&deployment));
+        }
+        planned.sort();
+        let mut slices = slices_by_start(&server, &admin).await;
+        slices.sort();
+        assert_eq!(planned, slices, "{backend:?}: one slice each");
+    }
+}
+
+/// Servers sharing a PostgreSQL database plan SLO deployments one at a time. Here another
+/// server holds the planning lock, having pinned a replica to the slice the plan would
+/// take and not yet committed: the plan waits for its commit and then takes the other one.
+/// (Two servers in one test process would share the in-process lock, so the other server
+/// is a second pool here, taking only the database's lock and writing what `slo::apply` does.)
+#[tokio::test]
+async fn an_slo_plan_waits_for_the_plan_another_server_is_applying() {
+    use tessera_server::store::{db::Db, deployments, jobs, Scope};
+    if !backends().contains(&Backend::Postgres) {
+        return;
+    }
+    let (server, admin) = two_free_slices(Backend::Postgres).await;
+    let slices = slices_by_start(&server, &admin).await;
+    let plain = json!({"name": "a", "model": "tiny", "replicas": 0});
+    assert_eq!(server.post(&admin, "/deployments", plain).await.status(), 201);
+
+    let other = Db::connect(server.config.database_url.as_deref().unwrap()).await.unwrap();
+    let a = deployments::get(&other, &Scope::all(), "a").await.unwrap().unwrap();
+    let mut applying = other.begin().await.unwrap();
+    deployments::lock_slo_planning(&mut applying).await.unwrap();
+    let spec = tessera_server::deployments::replica_spec(&a);
+    let replica = jobs::NewJob {
+        deployment: Some(a.id),
+        pinned_slice: Some(&slices[0]),
+        ..jobs::NewJob::new(a.owner_id, "replica of a", &spec, tessera_server::deployments::REPLICA_MAX_ATTEMPTS)
+    };
+    jobs::insert_in(&mut applying, &replica).await.unwrap();
+
+    let body = json!({"name": "b", "model": "tiny", "throughput": 400.0, "latency_ms": 50});
+    let creating = tokio::spawn(server.http.post(server.api("/deployments")).bearer_auth(&admin).json(&body).send());
+    let waiting = "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+    // Until the plan queues behind the other server's lock, or (had it not waited) is done.
+    let mut waited = false;
+    for _ in 0..500 {
+        waited = sqlx::query_scalar::<_, i64>(waiting).fetch_one(other.pool()).await.unwrap() > 0;
+        if waited || creating.is_finished() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    applying.commit().await.unwrap();
+    let response = creating.await.unwrap().unwrap();
+    assert_eq!(response.status(), 201);
+    let deployment: Value = response.json().await.unwrap();
+    assert_eq!(planned_slices(&deployment), [slices[1].clone()], "planned onto the slice the other server pinned");
+    assert!(waited, "the plan did not wait for the lock the other server held");
+}
+
 #[tokio::test]
 async fn a_profile_job_needs_no_body_and_refuses_a_misspelt_field() {
     let server = TestServer::start(Backend::Sqlite).await;

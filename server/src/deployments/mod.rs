@@ -284,13 +284,16 @@ pub async fn create(state: &AppState, principal: &Principal, request: CreateDepl
     };
     // An SLO is planned before anything is written and applied in the transaction that
     // stores the row, so a refused plan (no profile meets the latency, the replica quota)
-    // leaves no deployment behind to block a corrected retry under the same name.
-    let planned = match request.throughput {
-        Some(throughput) => Some(slo::plan(state, id, name, &model, throughput, request.latency_ms).await?),
-        None => None,
+    // leaves no deployment behind to block a corrected retry under the same name. The
+    // quota check, the row and its replicas are one transaction (see `quotas`); the plan
+    // comes with its own, which holds the planning lock on PostgreSQL.
+    let (planned, mut tx) = match request.throughput {
+        Some(throughput) => {
+            let (planned, tx) = slo::plan(state, id, name, &model, throughput, request.latency_ms).await?;
+            (Some(planned), tx)
+        }
+        None => (None, state.db.begin().await?),
     };
-    // The quota check, the row and its replicas are one transaction (see `quotas`).
-    let mut tx = state.db.begin().await?;
     if planned.is_none() {
         crate::quotas::check_replicas(state, &mut tx, principal, request.replicas, None).await?;
     }

@@ -3,13 +3,15 @@
 //! apply a repartition of idle simulated GPUs when their workers allow it, and queue one
 //! replica pinned to each chosen slice. The plan is stored with the deployment.
 //!
-//! Two SLO deployments created at the same time on one server are planned one after the
-//! other (a lock), so they never pick the same free slice; servers sharing a database
-//! may still race, in which case the second replica waits until the slice frees.
+//! SLO deployments are planned and applied one at a time, on every server sharing the
+//! database, so two never pick the same free slice or repartition the same GPU: each waits
+//! until the one before has committed and plans on what it committed ([`plan`] says how).
+//! A replica without an SLO still takes a free slice when claimed, outside that lock; one
+//! pinned to a slice so taken between its plan and its commit waits for the slice to free.
 
 use std::collections::BTreeMap;
 
-use sqlx::AnyConnection;
+use sqlx::{Any, AnyConnection, Transaction};
 use tessera_api::mig::{PlannedSlice, Slice, SloStatus, TransitionStep};
 use tessera_api::models::Model;
 use tokio::sync::MutexGuard;
@@ -23,10 +25,12 @@ use crate::scheduler::mig::{GpuModel, Placed};
 use crate::scheduler::placement::{plan_slo, Demand, FleetGpu, FleetSlice, SloPlan};
 use crate::scheduler::throughput::{complete, rates};
 use crate::state::AppState;
-use crate::store::db::Db;
+use crate::store::db::{Backend, Db};
 use crate::store::deployments::{self as store, StoredDeployment};
 use crate::store::{jobs, models, slices};
 
+/// This server's turn to plan; PostgreSQL's advisory lock (`store::lock_slo_planning`) is
+/// every server's.
 static PLANNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Checks the SLO's numbers.
@@ -119,9 +123,8 @@ pub async fn check_table(db: &Db, model: Uuid, model_name: &str) -> Result<()> {
     Ok(())
 }
 
-/// An SLO planned on the fleet as it is now, not yet applied. It holds the planning lock:
-/// keep it until the transaction that applies it ([`apply`]) has committed, so no other
-/// SLO deployment is planned onto the slices it chose meanwhile.
+/// An SLO planned on the fleet as it is now, not yet applied. It holds this server's
+/// planning lock: keep it until the transaction that applies it ([`apply`]) has committed.
 pub struct Planned {
     fleet: Vec<FleetGpu>,
     plan: SloPlan,
@@ -130,8 +133,18 @@ pub struct Planned {
     _one_at_a_time: MutexGuard<'static, ()>,
 }
 
-/// Plans deployment `name` (id `id`, not stored yet) of `model` for the SLO. Reads only, so
-/// a refusal (no measured profile meets the latency) leaves nothing behind.
+/// Plans deployment `name` (id `id`, not stored yet) of `model` for the SLO, and begins the
+/// transaction to store and [`apply`] it in. Reads only, so a refusal (no measured profile
+/// meets the latency) leaves nothing behind.
+///
+/// No other SLO deployment is planned until that transaction ends. On this server a lock
+/// (taken first, so a server's waiting plans hold one pooled connection, not one each).
+/// On PostgreSQL the transaction also begins before the fleet is read and first takes an
+/// advisory lock every server shares; the reads, made after it is granted, each see what
+/// the previous holder committed (READ COMMITTED: a statement sees the rows committed
+/// before it began, and the lock is released only once its holder's commit is visible).
+/// SQLite begins it after planning: its write lock would stop every other writer during
+/// the planner's search, and a SQLite file has one server, whose lock is enough.
 pub async fn plan(
     state: &AppState,
     id: Uuid,
@@ -139,8 +152,7 @@ pub async fn plan(
     model: &Model,
     throughput: f64,
     latency_ms: Option<f64>,
-) -> Result<Planned> {
-    let one_at_a_time = PLANNING.lock().await;
+) -> Result<(Planned, Transaction<'static, Any>)> {
     let db = &state.db;
     let want = demand(db, name, model.id, throughput, latency_ms).await?;
     if want.rates.is_empty() {
@@ -160,6 +172,15 @@ pub async fn plan(
             ),
         ));
     }
+    let one_at_a_time = PLANNING.lock().await;
+    let shared = match db.backend() {
+        Backend::Postgres => {
+            let mut tx = db.begin().await?;
+            store::lock_slo_planning(&mut tx).await?;
+            Some(tx)
+        }
+        Backend::Sqlite => None,
+    };
     let fleet = fleet(state).await?;
     let others = others(db, id).await?;
     // The planner's searches take a while on big fleets: off the async threads.
@@ -168,7 +189,11 @@ pub async fn plan(
         (fleet, plan)
     })
     .await?;
-    Ok(Planned { fleet, plan, throughput, latency_ms, _one_at_a_time: one_at_a_time })
+    let tx = match shared {
+        Some(tx) => tx,
+        None => db.begin().await?,
+    };
+    Ok((Planned { fleet, plan, throughput, latency_ms, _one_at_a_time: one_at_a_time }, tx))
 }
 
 /// Applies `planned` to `deployment` in the transaction that inserts it: the owner's

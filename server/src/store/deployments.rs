@@ -230,6 +230,18 @@ pub async fn set_slo(conn: &mut AnyConnection, id: Uuid, replicas: u32, slo: &Sl
     Ok(())
 }
 
+/// The key of the PostgreSQL advisory lock SLO planning holds. Advisory keys are the whole
+/// database's, so it is spelt out to stay clear of any other user of the database.
+const SLO_PLANNING_LOCK: i64 = i64::from_be_bytes(*b"SLO plan");
+
+/// Holds, until `conn`'s transaction ends, the lock under which every server sharing this
+/// PostgreSQL database plans an SLO deployment and applies the plan; waits while another
+/// transaction holds it. PostgreSQL only: a SQLite file has one server, whose own lock does.
+pub async fn lock_slo_planning(conn: &mut AnyConnection) -> Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(SLO_PLANNING_LOCK).execute(conn).await?;
+    Ok(())
+}
+
 /// Deployments whose live replicas and lent slices do not add up to their replica count:
 /// what the repair tick looks at. Read without locks, so a tick with nothing to do takes none.
 pub async fn out_of_step(db: &Db) -> Result<Vec<Uuid>> {
