@@ -1,7 +1,9 @@
 //! Server configuration: every setting is a flag with an environment variable.
 
 use std::path::PathBuf;
+use std::str::FromStr;
 
+use axum::http::Uri;
 use clap::Args;
 
 use crate::auth::client::Cidr;
@@ -14,6 +16,50 @@ pub const MIN_SECRET_BYTES: usize = 32;
 pub enum ConfigError {
     #[error("{setting} is {length} bytes long; it must be at least {MIN_SECRET_BYTES} (try `openssl rand -hex 32`)")]
     ShortSecret { setting: &'static str, length: usize },
+}
+
+/// Where the dashboard is reached, as `--public-url` gives it: a scheme and a host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicUrl {
+    /// `https://host[:port]`, without a trailing slash.
+    url: String,
+    authority: String,
+    https: bool,
+}
+
+impl PublicUrl {
+    pub fn as_str(&self) -> &str {
+        &self.url
+    }
+
+    /// `host[:port]`, as a browser's `Origin` names it.
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+
+    pub fn is_https(&self) -> bool {
+        self.https
+    }
+}
+
+impl FromStr for PublicUrl {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<PublicUrl, String> {
+        let wrong = || format!("'{text}' is not a site's URL: write its scheme and host, e.g. https://ml.example.com");
+        let uri = Uri::from_str(text.trim()).map_err(|_| wrong())?;
+        let https = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => false,
+            _ => return Err(wrong()),
+        };
+        let authority = uri.authority().filter(|a| !a.as_str().contains('@')).ok_or_else(wrong)?.as_str();
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!("'{text}' has a path; the dashboard is served from the root of its host"));
+        }
+        let scheme = if https { "https" } else { "http" };
+        Ok(PublicUrl { url: format!("{scheme}://{authority}"), authority: authority.to_ascii_lowercase(), https })
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -78,6 +124,12 @@ pub struct Config {
     /// appended to `X-Forwarded-For`, not its own; from other peers that header is ignored.
     #[arg(long, env = "TESSERA_TRUSTED_PROXIES", value_delimiter = ',')]
     pub trusted_proxies: Vec<Cidr>,
+
+    /// The URL people reach the dashboard at when a proxy stands in front
+    /// (`https://ml.example.com`): forms posted from it are this site's, an `https://` one
+    /// marks every cookie Secure, and the workers page tells workers to use it.
+    #[arg(long, env = "TESSERA_PUBLIC_URL")]
+    pub public_url: Option<PublicUrl>,
 
     /// Seconds this server trusts an API token or user it has checked without asking the
     /// database again. Revoking a token here takes effect at once; with several servers on
@@ -178,6 +230,7 @@ impl Config {
             login_burst: 10,
             login_refill_secs: 6,
             trusted_proxies: Vec::new(),
+            public_url: None,
             auth_cache_secs: 10,
             inference_timeout_secs: 60,
             metrics_token: None,
@@ -220,5 +273,23 @@ impl Config {
             Some(url) => url.clone(),
             None => format!("sqlite://{}?mode=rwc", self.data_dir.join("tessera.db").display()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_public_url_is_a_scheme_and_a_host() {
+        let public: PublicUrl = "https://ML.example.com:8443/".parse().unwrap();
+        assert_eq!((public.as_str(), public.authority(), public.is_https()), ("https://ML.example.com:8443", "ml.example.com:8443", true));
+        assert!(!"http://10.0.0.1".parse::<PublicUrl>().unwrap().is_https());
+        for wrong in ["ml.example.com", "ftp://ml.example.com", "https://user@ml.example.com", "not a url"] {
+            let error = wrong.parse::<PublicUrl>().unwrap_err();
+            assert!(error.contains("write its scheme and host"), "{wrong}: {error}");
+        }
+        let error = "https://ml.example.com/tessera".parse::<PublicUrl>().unwrap_err();
+        assert!(error.contains("has a path"), "{error}");
     }
 }

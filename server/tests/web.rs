@@ -162,6 +162,44 @@ async fn login_sets_a_strict_http_only_cookie_for_the_session_lifetime() {
     assert_eq!(header(&response, LOCATION), "/", "next may not leave the site");
 }
 
+/// Behind a proxy that serves the dashboard at `--public-url`: a form posted from there is
+/// this site's, and on an https one every cookie is Secure (the session's, a notice's);
+/// a plain-HTTP server sets none Secure, and without the setting that origin is refused.
+#[tokio::test]
+async fn behind_its_public_url_forms_are_accepted_and_cookies_are_secure() {
+    let public = "https://ml.example.com";
+    let login = |server: &TestServer| {
+        let form = [("username", "admin"), ("password", ADMIN_PASSWORD), ("next", "/")];
+        browser().post(format!("{}/login", server.url)).header("origin", public).form(&form).send()
+    };
+    let plain = TestServer::start(Backend::Sqlite).await;
+    assert_eq!(login(&plain).await.unwrap().status(), StatusCode::FORBIDDEN, "another site without the setting");
+    let cookie = sign_in(&plain, &browser()).await;
+    assert!(!header(&login(&plain).await.unwrap(), SET_COOKIE).contains("Secure"));
+
+    let server = TestServer::start_tweaked(Backend::Sqlite, |config| config.public_url = Some(public.parse().unwrap())).await;
+    let response = login(&server).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    let session = header(&response, SET_COOKIE);
+    assert!(session.starts_with("tessera_session=ey") && session.ends_with("; Secure"), "{session}");
+    let cookie = session.split(';').next().unwrap().to_string();
+    let http = browser();
+    let changed = http
+        .post(format!("{}/account/password", server.url))
+        .header("cookie", &cookie)
+        .header("origin", public)
+        .form(&[("current_password", ADMIN_PASSWORD), ("new_password", "another-long-password")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(changed.status(), StatusCode::SEE_OTHER);
+    let notice = header(&changed, SET_COOKIE);
+    assert!(notice.starts_with("tessera_notice=") && notice.ends_with("; Secure"), "{notice}");
+    let (_, workers) = page(&server, &http, &cookie, "/workers").await;
+    assert!(workers.contains("--server https://ml.example.com"), "workers are told the public URL");
+    drop(plain);
+}
+
 #[tokio::test]
 async fn logout_clears_the_cookie() {
     let server = TestServer::start(Backend::Sqlite).await;

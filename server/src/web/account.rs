@@ -67,7 +67,7 @@ pub async fn change_password(
         match accounts::change_password(&state, &user.0, session, client, request).await {
             Ok(ended) => {
                 let notice = format!("Your password was changed; {ended} other session(s) were signed out.");
-                Ok(flash::redirect("/account", &notice, &headers))
+                Ok(flash::redirect("/account", &notice))
             }
             Err(error) if error.status().is_client_error() => with_status(
                 error.status(),
@@ -137,7 +137,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, headers: HeaderM
     flash::shown(user.page(result), &headers)
 }
 
-async fn set_disabled(state: &AppState, user: &WebUser, headers: &HeaderMap, id: &str, disabled: bool) -> Result<Response> {
+async fn set_disabled(state: &AppState, user: &WebUser, id: &str, disabled: bool) -> Result<Response> {
     let id: Uuid = id.parse().map_err(|_| Error::not_found("User"))?;
     match accounts::set_disabled(state, &user.0, id, disabled).await {
         Ok(changed) => {
@@ -147,7 +147,7 @@ async fn set_disabled(state: &AppState, user: &WebUser, headers: &HeaderMap, id:
                 "enabled"
             };
             let notice = format!("{} was {verb}.", changed.username);
-            Ok(flash::redirect("/users", &notice, headers))
+            Ok(flash::redirect("/users", &notice))
         }
         Err(error @ (Error::Conflict(_) | Error::NotFound(_))) => with_status(
             error.status(),
@@ -157,12 +157,12 @@ async fn set_disabled(state: &AppState, user: &WebUser, headers: &HeaderMap, id:
     }
 }
 
-pub async fn disable(State(state): State<AppState>, user: WebUser, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let result = set_disabled(&state, &user, &headers, &id, true).await;
+pub async fn disable(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
+    let result = set_disabled(&state, &user, &id, true).await;
     user.page(result)
 }
 
-pub async fn enable(State(state): State<AppState>, user: WebUser, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let result = set_disabled(&state, &user, &headers, &id, false).await;
+pub async fn enable(State(state): State<AppState>, user: WebUser, Path(id): Path<String>) -> Response {
+    let result = set_disabled(&state, &user, &id, false).await;
     user.page(result)
 }

@@ -85,7 +85,6 @@ pub async fn list(State(state): State<AppState>, user: WebUser, headers: HeaderM
 pub async fn upload(
     State(state): State<AppState>,
     user: WebUser,
-    headers: HeaderMap,
     ApiMultipart(mut multipart): ApiMultipart,
 ) -> Response {
     let result = async {
@@ -101,7 +100,7 @@ pub async fn upload(
             Ok(dataset) => {
                 let notice =
                     format!("Uploaded '{}': {} rows, {} columns.", dataset.name, dataset.rows, dataset.columns.len());
-                Ok(flash::redirect("/datasets", &notice, &headers))
+                Ok(flash::redirect("/datasets", &notice))
             }
             Err(error) if error.status().is_client_error() => {
                 let status = error.status();

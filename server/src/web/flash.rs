@@ -10,7 +10,7 @@
 use axum::http::{header, HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Redirect, Response};
 
-use super::session::{cookie, secure_attribute};
+use super::session::cookie;
 
 const COOKIE: &str = "tessera_notice";
 
@@ -18,7 +18,7 @@ const COOKIE: &str = "tessera_notice";
 const MAX_NOTICE: usize = 1024;
 
 /// A 303 to `to` that carries `notice` to the page there.
-pub fn redirect(to: &str, notice: &str, headers: &HeaderMap) -> Response {
+pub fn redirect(to: &str, notice: &str) -> Response {
     let mut notice = notice.to_string();
     if notice.len() > MAX_NOTICE {
         let mut end = MAX_NOTICE;
@@ -27,11 +27,7 @@ pub fn redirect(to: &str, notice: &str, headers: &HeaderMap) -> Response {
         }
         notice.truncate(end);
     }
-    let value = format!(
-        "{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age=60{}",
-        encode(&notice),
-        secure_attribute(headers)
-    );
+    let value = format!("{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age=60", encode(&notice));
     let mut response = Redirect::to(to).into_response();
     response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&value).expect("an encoded notice is ASCII"));
     response
@@ -45,8 +41,8 @@ pub fn notice(headers: &HeaderMap) -> Option<String> {
 /// `response` with the notice cookie cleared, when the request carried one: it is shown once.
 pub fn shown(mut response: Response, headers: &HeaderMap) -> Response {
     if cookie(headers, COOKIE).is_some() {
-        let value = format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{}", secure_attribute(headers));
-        response.headers_mut().append(header::SET_COOKIE, HeaderValue::from_str(&value).expect("ASCII"));
+        let value = HeaderValue::from_static("tessera_notice=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0");
+        response.headers_mut().append(header::SET_COOKIE, value);
     }
     response
 }
@@ -111,7 +107,7 @@ mod tests {
         assert_eq!(decode("%ZZ"), None);
         assert_eq!(decode("%FF"), None, "not UTF-8");
         let long = "é".repeat(MAX_NOTICE);
-        let response = redirect("/datasets", &long, &HeaderMap::new());
+        let response = redirect("/datasets", &long);
         let set = response.headers()[header::SET_COOKIE].to_str().unwrap();
         assert!(set.len() < 4096, "a cookie a browser keeps");
         assert_eq!(response.headers()[header::LOCATION], "/datasets");

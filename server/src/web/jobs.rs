@@ -475,7 +475,6 @@ pub async fn cancel(State(state): State<AppState>, user: WebUser, Path(id): Path
 pub async fn delete_checkpoints(
     State(state): State<AppState>,
     user: WebUser,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
     let result = async {
@@ -484,7 +483,7 @@ pub async fn delete_checkpoints(
             Ok(deleted) => {
                 let plural = if deleted == 1 { "" } else { "s" };
                 let notice = format!("Deleted {deleted} checkpoint{plural} of '{}'.", job.name);
-                Ok(flash::redirect(&format!("/jobs/{}", job.id), &notice, &headers))
+                Ok(flash::redirect(&format!("/jobs/{}", job.id), &notice))
             }
             Err(error @ Error::Conflict(_)) => {
                 let page = job_page(&state, &user, job, None, Some(error.public_message())).await?;

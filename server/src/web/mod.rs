@@ -205,9 +205,11 @@ async fn not_found(State(state): State<AppState>, headers: HeaderMap) -> Respons
 /// out of caches. Rejections axum answered in plain text become the error page here, so
 /// they carry these headers too.
 async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if !request.method().is_safe() && !session::same_origin(request.headers()) {
+    let public = state.config.public_url.as_ref();
+    if !request.method().is_safe() && !session::same_origin(request.headers(), public) {
         return refusal(&state, request.headers(), request.uri(), session::forbidden_origin()).await;
     }
+    let https = session::is_https(request.headers(), public);
     let fragment = wants_fragment(request.headers(), request.uri());
     // Only the session cookie is kept, for the error page's navigation.
     let mut cookies = HeaderMap::new();
@@ -219,6 +221,9 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         Err(response) => response,
     };
     page_headers(&mut response);
+    if https {
+        session::secure_cookies(&mut response);
+    }
     response
 }
 

@@ -13,6 +13,7 @@ use tessera_api::accounts::LoginRequest;
 
 use super::{render, wants_fragment, Layout};
 use crate::auth::client::ClientAddr;
+use crate::config::PublicUrl;
 use crate::auth::{self, Principal};
 use crate::error::Error;
 use crate::state::AppState;
@@ -93,24 +94,34 @@ pub(super) fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> 
         .filter(|value| !value.is_empty())
 }
 
-/// Behind a TLS-terminating proxy the cookie must not travel over plain HTTP.
-pub(super) fn secure_attribute(headers: &HeaderMap) -> &'static str {
-    let https = headers
+/// Whether the browser reached the dashboard over HTTPS: `--public-url` says so, or the
+/// TLS-terminating proxy in front does (`X-Forwarded-Proto: https`).
+pub fn is_https(headers: &HeaderMap, public: Option<&PublicUrl>) -> bool {
+    let forwarded = headers
         .get("x-forwarded-proto")
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|proto| proto.eq_ignore_ascii_case("https"));
-    if https {
-        "; Secure"
-    } else {
-        ""
+        .and_then(|protos| protos.split(',').next())
+        .is_some_and(|proto| proto.trim().eq_ignore_ascii_case("https"));
+    forwarded || public.is_some_and(PublicUrl::is_https)
+}
+
+/// Marks every cookie `response` sets Secure, so none travels over plain HTTP (a response
+/// to a browser on HTTPS, [`is_https`]).
+pub fn secure_cookies(response: &mut Response) {
+    let headers = response.headers_mut();
+    let cookies: Vec<HeaderValue> = headers.get_all(header::SET_COOKIE).iter().cloned().collect();
+    headers.remove(header::SET_COOKIE);
+    for cookie in cookies {
+        let secure = match cookie.to_str() {
+            Ok(text) if !text.to_ascii_lowercase().contains("; secure") => HeaderValue::from_str(&format!("{text}; Secure")).ok(),
+            _ => None,
+        };
+        headers.append(header::SET_COOKIE, secure.unwrap_or(cookie));
     }
 }
 
-fn session_cookie(token: &str, max_age_secs: u64, headers: &HeaderMap) -> HeaderValue {
-    let value = format!(
-        "{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_secs}{}",
-        secure_attribute(headers)
-    );
+fn session_cookie(token: &str, max_age_secs: u64) -> HeaderValue {
+    let value = format!("{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_secs}");
     HeaderValue::from_str(&value).expect("a JWT is a valid header value")
 }
 
@@ -182,7 +193,6 @@ pub struct LoginForm {
 pub async fn login(
     State(state): State<AppState>,
     ClientAddr(client): ClientAddr,
-    headers: HeaderMap,
     Form(form): Form<LoginForm>,
 ) -> Response {
     let request = LoginRequest { username: form.username.trim().to_string(), password: form.password };
@@ -196,7 +206,7 @@ pub async fn login(
         Ok((user, token)) => {
             let max_age = state.config.session_hours * 3600;
             let mut response = Redirect::to(&next).into_response();
-            response.headers_mut().insert(header::SET_COOKIE, session_cookie(&token, max_age, &headers));
+            response.headers_mut().insert(header::SET_COOKIE, session_cookie(&token, max_age));
             tracing::info!(user = %user.username, "signed in to the dashboard");
             response
         }
@@ -242,24 +252,29 @@ pub async fn logout(State(state): State<AppState>, headers: HeaderMap) -> Respon
         }
     }
     let mut response = Redirect::to("/login").into_response();
-    response.headers_mut().insert(header::SET_COOKIE, session_cookie("", 0, &headers));
+    response.headers_mut().insert(header::SET_COOKIE, session_cookie("", 0));
     response
 }
 
-/// `Origin`, when the browser sends one, must name this site. Beside SameSite=Strict this
-/// stops a form on another site from posting with the user's session.
-pub fn same_origin(headers: &HeaderMap) -> bool {
+/// `Origin`, when the browser sends one, must name this site: the `Host` it asked, a host
+/// a proxy in front forwarded (`X-Forwarded-Host`, any of them), or `--public-url`'s.
+/// Beside SameSite=Strict this stops a form on another site from posting with the user's
+/// session.
+pub fn same_origin(headers: &HeaderMap, public: Option<&PublicUrl>) -> bool {
     let Some(origin) = headers.get(header::ORIGIN) else {
         return true;
     };
     let Some(authority) = origin.to_str().ok().and_then(|o| o.split_once("://")).map(|(_, rest)| rest) else {
         return false; // `Origin: null` and anything unparsable
     };
+    let authority = authority.trim_end_matches('/');
     // A reverse proxy may rewrite Host; a cross-site form cannot set X-Forwarded-Host.
-    [header::HOST.as_str(), "x-forwarded-host"]
-        .iter()
-        .filter_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()))
-        .any(|host| host.eq_ignore_ascii_case(authority.trim_end_matches('/')))
+    let forwarded = [header::HOST.as_str(), "x-forwarded-host"]
+        .into_iter()
+        .flat_map(|name| headers.get_all(name))
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|hosts| hosts.split(','));
+    forwarded.chain(public.map(PublicUrl::authority)).any(|host| host.trim().eq_ignore_ascii_case(authority))
 }
 
 pub fn forbidden_origin() -> Error {
@@ -288,15 +303,43 @@ mod tests {
 
     #[test]
     fn origin_must_match_host_when_present() {
-        assert!(same_origin(&headers(&[("host", "127.0.0.1:8080")])));
-        assert!(same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")])));
-        assert!(!same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "http://evil.example")])));
-        assert!(!same_origin(&headers(&[("host", "127.0.0.1:8080"), ("origin", "null")])));
-        assert!(same_origin(&headers(&[
-            ("host", "tessera:8080"),
-            ("x-forwarded-host", "ml.example.com"),
-            ("origin", "https://ml.example.com")
-        ])));
+        let same = |pairs: &[(&'static str, &str)]| same_origin(&headers(pairs), None);
+        assert!(same(&[("host", "127.0.0.1:8080")]));
+        assert!(same(&[("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")]));
+        assert!(!same(&[("host", "127.0.0.1:8080"), ("origin", "http://evil.example")]));
+        assert!(!same(&[("host", "127.0.0.1:8080"), ("origin", "null")]));
+        let proxied = [("host", "tessera:8080"), ("x-forwarded-host", "ml.example.com"), ("origin", "https://ml.example.com")];
+        assert!(same(&proxied));
+        // Two proxies in a row: the host the browser asked is the first of the list.
+        let chained = [("host", "tessera:8080"), ("x-forwarded-host", "ml.example.com, edge.internal")];
+        assert!(same(&[chained[0], chained[1], ("origin", "https://ml.example.com")]));
+    }
+
+    #[test]
+    fn the_public_url_s_host_is_this_site() {
+        let public: PublicUrl = "https://ML.example.com/".parse().unwrap();
+        let posted = headers(&[("host", "tessera:8080"), ("origin", "https://ml.example.com")]);
+        assert!(!same_origin(&posted, None), "a proxy that rewrites Host and forwards nothing");
+        assert!(same_origin(&posted, Some(&public)));
+        let evil = headers(&[("host", "tessera:8080"), ("origin", "https://evil.example")]);
+        assert!(!same_origin(&evil, Some(&public)));
+    }
+
+    #[test]
+    fn on_https_every_cookie_is_marked_secure_once() {
+        let plain = HeaderMap::new();
+        assert!(!is_https(&plain, None));
+        assert!(is_https(&headers(&[("x-forwarded-proto", "https")]), None));
+        assert!(is_https(&headers(&[("x-forwarded-proto", "HTTPS, http")]), None));
+        assert!(is_https(&plain, Some(&"https://ml.example.com".parse().unwrap())));
+        assert!(!is_https(&plain, Some(&"http://ml.example.com".parse().unwrap())));
+        let mut response = Response::new(axum::body::Body::empty());
+        response.headers_mut().append(header::SET_COOKIE, session_cookie("t", 60));
+        response.headers_mut().append(header::SET_COOKIE, HeaderValue::from_static("n=1; Path=/; Secure"));
+        secure_cookies(&mut response);
+        let cookies: Vec<&str> =
+            response.headers().get_all(header::SET_COOKIE).iter().map(|v| v.to_str().unwrap()).collect();
+        assert_eq!(cookies, [&format!("{COOKIE}=t; HttpOnly; SameSite=Strict; Path=/; Max-Age=60; Secure"), "n=1; Path=/; Secure"]);
     }
 
     #[test]

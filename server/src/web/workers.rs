@@ -100,15 +100,20 @@ pub struct ListQuery {
     fragment: Option<String>,
 }
 
-/// The address this browser reached the server at, for the "start a worker" hint.
-fn server_url(headers: &HeaderMap) -> String {
+/// The address workers should use, for the "start a worker" hint: `--public-url`, else
+/// the one this browser reached the server at.
+fn server_url(state: &AppState, headers: &HeaderMap) -> String {
+    if let Some(public) = &state.config.public_url {
+        return public.as_str().to_string();
+    }
     let host = headers
         .get("x-forwarded-host")
         .or_else(|| headers.get(header::HOST))
         .and_then(|v| v.to_str().ok())
+        .and_then(|hosts| hosts.split(',').next())
         .unwrap_or("127.0.0.1:8080");
-    let scheme = headers.get("x-forwarded-proto").and_then(|v| v.to_str().ok()).unwrap_or("http");
-    format!("{scheme}://{host}")
+    let scheme = if super::session::is_https(headers, None) { "https" } else { "http" };
+    format!("{scheme}://{}", host.trim())
 }
 
 async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<WorkerRow>> {
@@ -127,7 +132,7 @@ async fn page(
     let rows = rows(state, user).await?;
     let online = rows.iter().filter(|r| r.online).count();
     let layout = user.layout("Workers", "workers");
-    Ok(WorkersPage { layout, notice, alert, rows, online, server_url: server_url(headers) })
+    Ok(WorkersPage { layout, notice, alert, rows, online, server_url: server_url(state, headers) })
 }
 
 pub async fn list(
@@ -140,7 +145,7 @@ pub async fn list(
         if query.fragment.is_some() {
             let rows = rows(&state, &user).await?;
             let online = rows.iter().filter(|r| r.online).count();
-            return Ok(render(&WorkersTable { rows, online, server_url: server_url(&headers) })?.into_response());
+            return Ok(render(&WorkersTable { rows, online, server_url: server_url(&state, &headers) })?.into_response());
         }
         Ok(render(&page(&state, &user, &headers, flash::notice(&headers), None).await?)?.into_response())
     }
@@ -159,7 +164,7 @@ pub async fn remove(
         user.0.require_admin()?;
         let id: Uuid = id.parse().map_err(|_| Error::not_found("Worker"))?;
         match workers::retire(&state, id).await {
-            Ok(()) => Ok(flash::redirect("/workers", "Removed the worker.", &headers)),
+            Ok(()) => Ok(flash::redirect("/workers", "Removed the worker.")),
             Err(error @ Error::Conflict(_)) => {
                 let refused = page(&state, &user, &headers, None, Some(error.public_message())).await?;
                 with_status(StatusCode::CONFLICT, render(&refused))
