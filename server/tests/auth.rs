@@ -189,3 +189,27 @@ async fn behind_a_trusted_proxy_logins_are_limited_per_forwarded_client() {
         assert_eq!(other, if trusted { 200 } else { 429 }, "trusted proxies: {trusted}");
     }
 }
+
+/// Two servers starting at once on one empty database both find no user and both try to
+/// create `admin`: both start, and the one password printed is the one that signs in.
+#[tokio::test]
+async fn servers_starting_at_once_create_one_admin_and_print_only_its_password() {
+    use tessera_server::accounts::bootstrap_admin;
+    use tessera_server::auth::password;
+    use tessera_server::store::{db::Db, users};
+    for backend in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = support::fresh_database(backend, dir.path())
+            .await
+            .unwrap_or_else(|| format!("sqlite://{}?mode=rwc", dir.path().join("tessera.db").display()));
+        let (first, second) = (Db::connect(&url).await.unwrap(), Db::connect(&url).await.unwrap());
+        let (a, b) = tokio::join!(bootstrap_admin(&first, None), bootstrap_admin(&second, None));
+        let printed: Vec<String> = [a, b].into_iter().filter_map(|r| r.expect("both servers start")).collect();
+        assert_eq!(printed.len(), 1, "{backend:?}: exactly one server prints a password");
+        assert_eq!(users::count(&first).await.unwrap(), 1, "{backend:?}");
+        let admin = users::find_by_name(&second, "admin").await.unwrap().unwrap();
+        assert!(password::verify(printed[0].clone(), admin.password_hash).await.unwrap(), "{backend:?}");
+        // A later start finds the admin and prints nothing.
+        assert_eq!(bootstrap_admin(&first, None).await.unwrap(), None);
+    }
+}

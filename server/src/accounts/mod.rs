@@ -33,19 +33,24 @@ fn check_username(username: &str) -> Result<()> {
     }
 }
 
-/// Creates a user after checking the name and password rules.
-pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
+/// A new user's row for `request`, after checking the name and password rules.
+async fn new_user(request: CreateUser) -> Result<StoredUser> {
     check_username(&request.username)?;
     password::check_strength(&request.password)?;
     let hash = password::hash(request.password).await?;
-    let user = StoredUser {
+    Ok(StoredUser {
         id: Uuid::new_v4(),
         username: request.username,
         role: request.role,
         password_hash: hash,
         created_at: now_ms(),
         disabled_at: None,
-    };
+    })
+}
+
+/// Creates a user after checking the name and password rules.
+pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
+    let user = new_user(request).await?;
     users::insert(db, &user).await.map_err(|e| {
         if e.is_unique_violation() {
             Error::Conflict(format!("A user named '{}' already exists; pick another name.", user.username))
@@ -57,7 +62,9 @@ pub async fn create_user(db: &Db, request: CreateUser) -> Result<User> {
 }
 
 /// Creates `admin` when there is no user at all. Returns the generated password, which
-/// the caller prints once; a configured password is never echoed.
+/// the caller prints once; a configured password is never echoed. Servers starting at once
+/// on one empty database may all get here: the first insert wins, and the others return
+/// `None`, so only the winner's password (the one that works) is ever printed.
 pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option<String>> {
     if users::count(db).await? > 0 {
         return Ok(None);
@@ -66,9 +73,12 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&str>) -> Result<Option
         Some(password) => (password.to_string(), false),
         None => (crate::auth::secrets::generate("")[..24].to_string(), true),
     };
-    let request = CreateUser { username: "admin".into(), password: password.clone(), role: Role::Admin };
-    create_user(db, request).await?;
-    Ok(generated.then_some(password))
+    let user = new_user(CreateUser { username: "admin".into(), password: password.clone(), role: Role::Admin }).await?;
+    match users::insert(db, &user).await {
+        Ok(()) => Ok(generated.then_some(password)),
+        Err(e) if e.is_unique_violation() && users::find_by_name(db, &user.username).await?.is_some() => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The longest username a login may carry: more than any real one (64 characters), so a
