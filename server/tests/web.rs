@@ -121,6 +121,7 @@ async fn wrong_password_renders_the_form_again_with_401_and_the_reason() {
     let body = response.text().await.unwrap();
     assert!(body.contains("Wrong username or password."), "{body}");
     assert!(body.contains(r#"value="admin""#), "the username is kept: {body}");
+    assert!(!body.contains("not-the-password"), "the password is not: {body}");
 }
 
 #[tokio::test]
@@ -602,16 +603,23 @@ async fn deployments_are_created_scaled_and_deleted_from_the_dashboard() {
     assert!(list.contains("No deployments yet"), "{list}");
 }
 
+/// A server with a signed-in browser and a model uploaded through it; the model's id.
+async fn admin_s_model() -> (TestServer, Client, String, String) {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let http = browser();
+    let cookie = sign_in(&server, &http).await;
+    let model: Value = upload(&server, &http, &cookie, "tiny-bert").await.json().await.unwrap();
+    let id = model["id"].as_str().unwrap().to_string();
+    (server, http, cookie, id)
+}
+
 /// What a deployment holds on the dashboard: its model's delete is refused on the model's
 /// page, which says why; a replica's job page points to the deployment that scales it
 /// instead of offering a cancel that cannot work; the loaning form keeps an exact headroom.
 #[tokio::test]
 async fn a_deployment_s_model_replicas_and_headroom_on_the_dashboard() {
-    let server = TestServer::start(Backend::Sqlite).await;
-    let http = browser();
-    let cookie = sign_in(&server, &http).await;
-    let model: Value = upload(&server, &http, &cookie, "tiny-bert").await.json().await.unwrap();
-    let model_id = model["id"].as_str().unwrap();
+    let (server, http, cookie, model_id) = admin_s_model().await;
+    let model_id = model_id.as_str();
     let form = [("name", "embedder"), ("model", model_id), ("replicas", "1")];
     let detail = header(&post_form(&server, &http, &cookie, "/deployments", &form).await, LOCATION).to_string();
 
@@ -632,6 +640,111 @@ async fn a_deployment_s_model_replicas_and_headroom_on_the_dashboard() {
     post_form(&server, &http, &cookie, &format!("{detail}/loaning"), &saved).await;
     let (_, body) = page(&server, &http, &cookie, &detail).await;
     assert!(body.contains(r#"name="headroom_percent" value="12.5""#), "{body}");
+}
+
+/// Posts a form the deployment's page refuses: a 422 with the reason, the page's figures
+/// still the deployment's (one replica wanted, none ready).
+async fn refused_on_page(
+    server: &TestServer,
+    http: &Client,
+    cookie: &str,
+    path: &str,
+    form: &[(&str, &str)],
+) -> String {
+    let response = post_form(server, http, cookie, path, form).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY, "{path} {form:?}");
+    let body = response.text().await.unwrap();
+    assert!(body.contains("alert-error") && body.contains("0 of 1 replicas ready"), "{body}");
+    body
+}
+
+/// A refused form on a deployment's page shows the reason with a 422 and keeps what was
+/// sent in its fields, escaped, while the page's figures stay the deployment's; a reload
+/// shows the deployment's own values again.
+#[tokio::test]
+async fn refused_scale_and_loaning_forms_keep_what_was_sent() {
+    let (server, http, cookie, model_id) = admin_s_model().await;
+    let form = [("name", "embedder"), ("model", model_id.as_str()), ("replicas", "1")];
+    let detail = header(&post_form(&server, &http, &cookie, "/deployments", &form).await, LOCATION).to_string();
+    let scale = format!("{detail}/scale");
+    let loaning = format!("{detail}/loaning");
+
+    let body = refused_on_page(&server, &http, &cookie, &scale, &[("replicas", "100")]).await;
+    assert!(body.contains("replicas must be between 0 and 64."), "{body}");
+    assert!(body.contains(r#"name="replicas" value="100""#), "{body}");
+    let body = refused_on_page(&server, &http, &cookie, &scale, &[("replicas", r#"3 "<b>"#)]).await;
+    assert!(body.contains("replicas must be a whole number between 0 and 64."), "{body}");
+    assert!(body.contains(r#"name="replicas" value="3 &#34;&#60;b&#62;""#), "{body}");
+    assert!(!body.contains(r#"3 "<b>"#), "never as sent: {body}");
+
+    // Not loanable yet: the box the user ticked stays ticked beside the headroom they typed.
+    let form = [("loanable", "on"), ("headroom_percent", "500")];
+    let body = refused_on_page(&server, &http, &cookie, &loaning, &form).await;
+    assert!(body.contains("The headroom is a percentage from 0 to 400"), "{body}");
+    assert!(body.contains(r#"name="loanable" checked"#), "{body}");
+    assert!(body.contains(r#"name="headroom_percent" value="500""#), "{body}");
+    let form = [("loanable", "on"), ("headroom_percent", "lots & <more>")];
+    let body = refused_on_page(&server, &http, &cookie, &loaning, &form).await;
+    assert!(body.contains("The headroom is a percentage from 0 to 400"), "{body}");
+    assert!(body.contains(r#"name="headroom_percent" value="lots &#38; &#60;more&#62;""#), "{body}");
+    assert!(body.contains(r#"name="replicas" value="1""#), "the other form shows the deployment's: {body}");
+
+    let (_, body) = page(&server, &http, &cookie, &detail).await;
+    assert!(body.contains(r#"name="replicas" value="1""#) && !body.contains("alert-error"), "{body}");
+    assert!(body.contains(r#"name="headroom_percent" value="20""#), "{body}");
+    assert!(!body.contains(r#"name="loanable" checked"#), "{body}");
+}
+
+/// The forms that make things keep every field a refusal sent back (escaped) and never a
+/// password.
+#[tokio::test]
+async fn refused_create_forms_keep_their_fields_and_never_a_password() {
+    let (server, http, cookie, model_id) = admin_s_model().await;
+    let model_id = model_id.as_str();
+    let selected = format!(r#"<option value="{model_id}" selected>"#);
+
+    let form = [("name", "<i>emb</i>"), ("model", model_id), ("replicas", "2")];
+    let response = post_form(&server, &http, &cookie, "/deployments", &form).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("alert-error") && body.contains(r#"value="&#60;i&#62;emb&#60;/i&#62;""#), "{body}");
+    assert!(body.contains(&selected) && body.contains(r#"name="replicas" value="2""#), "{body}");
+    let form = [
+        ("name", "embedder"),
+        ("model", model_id),
+        ("replicas", "2"),
+        ("max_batch_tokens", "100"),
+        ("max_batch_requests", "8"),
+        ("loanable", "on"),
+        ("headroom_percent", "35"),
+    ];
+    let response = post_form(&server, &http, &cookie, "/deployments", &form).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("max_batch_tokens must be between 512 and 1048576"), "{body}");
+    for kept in [
+        r#"name="name" value="embedder""#,
+        r#"name="max_batch_tokens" value="100""#,
+        r#"name="max_batch_requests" value="8""#,
+        r#"name="loanable" checked"#,
+        r#"name="headroom_percent" value="35""#,
+    ] {
+        assert!(body.contains(kept), "{kept} missing: {body}");
+    }
+
+    let form = [("model", model_id), ("name", "warm <cache>"), ("max_attempts", "0")];
+    let response = post_form(&server, &http, &cookie, "/jobs/new", &form).await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = response.text().await.unwrap();
+    assert!(body.contains("max_attempts must be between 1 and 100") && body.contains(&selected), "{body}");
+    assert!(body.contains(r#"value="warm &#60;cache&#62;""#) && body.contains(r#"value="0""#), "{body}");
+
+    let form = [("current_password", "not-my-password"), ("new_password", "a-new-secret")];
+    let response = post_form(&server, &http, &cookie, "/account/password", &form).await;
+    assert!(response.status().is_client_error(), "{}", response.status());
+    let body = response.text().await.unwrap();
+    assert!(body.contains("alert-error"), "{body}");
+    assert!(!body.contains("not-my-password") && !body.contains("a-new-secret"), "{body}");
 }
 
 /// A refused dataset upload shows the reason and keeps the name typed (the browser cannot

@@ -10,7 +10,10 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use chrono::Utc;
 use serde::Deserialize;
-use tessera_api::deployments::{BatchLimits, CreateDeployment, Deployment, DeploymentStats, Percentiles, UpdateDeployment};
+use tessera_api::deployments::{
+    check_reclaim_headroom, BatchLimits, CreateDeployment, Deployment, DeploymentStats, Percentiles, UpdateDeployment,
+    MAX_RECLAIM_HEADROOM,
+};
 
 use super::chart::{chart, Chart};
 use super::jobs::{worker_label, worker_names};
@@ -82,12 +85,20 @@ pub struct CreateForm {
 }
 
 /// A headroom given in percent on a form, as the API's fraction (`None` when left empty).
+/// Its range is checked here too, so a refusal speaks of percent as the form does.
 fn headroom(text: &str) -> Result<Option<f64>> {
+    let refused = || {
+        let most = MAX_RECLAIM_HEADROOM * 100.0;
+        let sentence = format!("The headroom is a percentage from 0 to {most} (20 keeps 20% above the measured rate).");
+        Error::invalid("invalid_reclaim_headroom", sentence)
+    };
     match text.trim() {
         "" => Ok(None),
-        text => text.parse::<f64>().map(|p| Some(p / 100.0)).map_err(|_| {
-            Error::invalid("invalid_reclaim_headroom", "The headroom is a percentage from 0 to 400 (20 keeps 20% above the measured rate).")
-        }),
+        text => {
+            let fraction = text.parse::<f64>().map_err(|_| refused())? / 100.0;
+            check_reclaim_headroom(fraction).map_err(|_| refused())?;
+            Ok(Some(fraction))
+        }
     }
 }
 
@@ -237,9 +248,6 @@ struct DeploymentView {
     charts: Vec<Chart>,
     window_minutes: u32,
     since: String,
-    loanable: bool,
-    /// Headroom in percent, as the form shows it.
-    headroom_percent: String,
     loaned: u32,
 }
 
@@ -249,6 +257,16 @@ struct DeploymentPage {
     layout: Layout,
     d: DeploymentView,
     alert: Option<String>,
+    /// What the scale and loaning forms show: the deployment's own values, or those of
+    /// the form just refused, so the user corrects what they typed instead of retyping it.
+    scale: ScaleForm,
+    loan: LoaningForm,
+}
+
+/// A form posted on a deployment's page, kept to show again if it is refused.
+enum Posted {
+    Scale(ScaleForm),
+    Loaning(LoaningForm),
 }
 
 #[derive(Template)]
@@ -329,17 +347,37 @@ async fn deployment_view(state: &AppState, deployment: Deployment) -> Result<Dep
         charts: charts(&stats),
         window_minutes: stats.window_seconds / 60,
         since: format::instant(stats.since),
-        loanable: deployment.loanable,
-        // Exact, so saving the form unchanged keeps the headroom (12.5, not 13).
-        headroom_percent: format::number(deployment.reclaim_headroom * 100.0),
         loaned: deployment.loaned_slices,
     })
 }
 
-async fn detail_page(state: &AppState, user: &WebUser, id: &str, alert: Option<String>) -> Result<DeploymentPage> {
+/// A deployment's page; `refused` is the reason a form was refused and that form as sent.
+async fn detail_page(
+    state: &AppState,
+    user: &WebUser,
+    id: &str,
+    refused: Option<(String, Posted)>,
+) -> Result<DeploymentPage> {
     let deployment = deployments::resolve(&state.db, &user.0.scope(), id).await?;
-    let title = deployment.name.clone();
-    Ok(DeploymentPage { layout: user.layout(title, "deployments"), d: deployment_view(state, deployment).await?, alert })
+    let mut page = DeploymentPage {
+        layout: user.layout(deployment.name.clone(), "deployments"),
+        alert: None,
+        scale: ScaleForm { replicas: deployment.replicas.to_string() },
+        loan: LoaningForm {
+            loanable: deployment.loanable.then(|| "on".into()),
+            // Exact, so saving the form unchanged keeps the headroom (12.5, not 13).
+            headroom_percent: format::number(deployment.reclaim_headroom * 100.0),
+        },
+        d: deployment_view(state, deployment).await?,
+    };
+    if let Some((alert, posted)) = refused {
+        page.alert = Some(alert);
+        match posted {
+            Posted::Scale(form) => page.scale = form,
+            Posted::Loaning(form) => page.loan = form,
+        }
+    }
+    Ok(page)
 }
 
 pub async fn detail(
@@ -372,19 +410,27 @@ pub async fn scale(State(state): State<AppState>, user: WebUser, Path(id): Path<
                 .ok_or_else(|| Error::invalid("invalid_replicas", "Say how many replicas to run (0 stops serving)."))?;
             deployments::scale(&state, &user.0, &id, replicas).await
         };
-        after_form(&state, &user, &id, scaled.await).await
+        let outcome = scaled.await;
+        after_form(&state, &user, &id, outcome, Posted::Scale(form)).await
     }
     .await;
     user.page(result)
 }
 
 /// What a form on a deployment's page answers: back to that page, or the page again with
-/// the user's mistake shown where they can fix it.
-async fn after_form(state: &AppState, user: &WebUser, id: &str, outcome: Result<Deployment>) -> Result<Response> {
+/// the user's mistake shown where they can fix it and the form as they sent it.
+async fn after_form(
+    state: &AppState,
+    user: &WebUser,
+    id: &str,
+    outcome: Result<Deployment>,
+    posted: Posted,
+) -> Result<Response> {
     match outcome {
         Ok(deployment) => Ok(Redirect::to(&format!("/deployments/{}", deployment.id)).into_response()),
         Err(error) if error.status().is_client_error() && error.status() != StatusCode::NOT_FOUND => {
-            with_status(error.status(), render(&detail_page(state, user, id, Some(error.public_message())).await?))
+            let refused = Some((error.public_message(), posted));
+            with_status(error.status(), render(&detail_page(state, user, id, refused).await?))
         }
         Err(error) => Err(error),
     }
@@ -410,7 +456,8 @@ pub async fn loaning(State(state): State<AppState>, user: WebUser, Path(id): Pat
             };
             deployments::update(&state, &user.0, &id, update).await
         };
-        after_form(&state, &user, &id, changed.await).await
+        let outcome = changed.await;
+        after_form(&state, &user, &id, outcome, Posted::Loaning(form)).await
     }
     .await;
     user.page(result)
@@ -423,4 +470,20 @@ pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path
     }
     .await;
     user.page(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_headroom_in_percent_is_the_api_s_fraction_and_out_of_range_is_refused_in_percent() {
+        assert_eq!(headroom("").unwrap(), None);
+        assert_eq!(headroom(" 12.5 ").unwrap(), Some(0.125));
+        assert_eq!(headroom("400").unwrap(), Some(4.0));
+        for text in ["400.5", "-1", "NaN", "inf", "twenty"] {
+            let message = headroom(text).unwrap_err().public_message();
+            assert!(message.contains("percentage from 0 to 400"), "{text}: {message}");
+        }
+    }
 }
