@@ -10,9 +10,11 @@
 mod support;
 
 use std::collections::HashSet;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{backends, tiny_model, TestServer, WORKER_TOKEN};
+use support::{backends, tiny_model, Backend, TestServer, WORKER_TOKEN};
+use tessera_server::loaning::lease::lead_while;
 use tessera_server::loaning::{lead_and_run, run_round};
 use tessera_server::store::loaning as store;
 use uuid::Uuid;
@@ -423,6 +425,67 @@ async fn one_server_at_a_time_runs_the_round() {
                 .unwrap()
         );
     }
+}
+
+/// Whether server `other` could take the round's lease now.
+async fn other_leads(server: &TestServer, other: Uuid) -> bool {
+    let now = tessera_server::store::db::now_ms();
+    store::lead(&server.state.db, "loaning", other, now, now + 3_000).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_lease_held_past_its_ttl_is_renewed_and_one_taken_stops_the_work() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let ttl = Duration::from_millis(1500);
+        let work = tokio::time::sleep(Duration::from_secs(4));
+        let watch = async {
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(1200)).await;
+                assert!(!other_leads(&server, b).await, "{backend:?}: a's lease is renewed while its work runs");
+            }
+        };
+        let (held, ()) = tokio::join!(lead_while(&server.state.db, "loaning", a, ttl, work), watch);
+        assert_eq!(held.unwrap(), Some(()), "{backend:?}");
+
+        // b takes the lease as if a's had lapsed: a stops instead of running beside b.
+        let started = Instant::now();
+        let work = tokio::time::sleep(Duration::from_secs(30));
+        let take = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let later = tessera_server::store::db::now_ms() + 60_000;
+            assert!(store::lead(&server.state.db, "loaning", b, later, later + 60_000).await.unwrap());
+        };
+        let (lost, ()) = tokio::join!(lead_while(&server.state.db, "loaning", a, ttl, work), take);
+        assert_eq!(lost.unwrap(), None, "{backend:?}");
+        assert!(started.elapsed() < Duration::from_secs(3), "{backend:?}: stopped at the next renewal");
+    }
+}
+
+/// A round that runs past its lease's ttl (here: its first write waits on a table lock,
+/// as on a slow database) keeps the lease, so no other server starts a round meanwhile.
+#[tokio::test]
+async fn a_round_held_open_past_the_lease_ttl_keeps_the_lease() {
+    use sqlx::Connection;
+    if !backends().contains(&Backend::Postgres) {
+        return; // SQLite has one write lock: what holds the round would hold the lease too.
+    }
+    let server = TestServer::start_tweaked(Backend::Postgres, |c| c.loan_round_secs = 1).await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let url = server.config.database_url.clone().unwrap();
+    let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+    let mut lock = blocker.begin().await.unwrap();
+    sqlx::query("LOCK TABLE slices IN EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    let state = server.state.clone();
+    let round = tokio::spawn(async move { lead_and_run(&state, a).await });
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!other_leads(&server, b).await, "the round's lease (3 s) is renewed while it runs");
+    }
+    assert!(!round.is_finished(), "the round is still held open");
+    lock.commit().await.unwrap();
+    assert!(round.await.unwrap().unwrap().led);
 }
 
 async fn error(response: reqwest::Response) -> (u16, String, String) {

@@ -5,8 +5,11 @@
 //! reclaimed, waiting gangs sized and pinned to slices, reclaimed jobs preempted.
 //!
 //! One server runs the round at a time: it holds the `loaning` row of
-//! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL); every
-//! server records its own gateway's request rates, which the round sums.
+//! `scheduler_leases` (a conditional upsert, the same on SQLite and PostgreSQL) for three
+//! round periods and renews it every period while its round runs (`lease`), so a round
+//! that runs longer keeps it; one whose renewals fail until the lease nearly lapses is
+//! stopped there, before another server may take over. Every server records its own
+//! gateway's request rates, which the round sums.
 //!
 //! A running elastic gang is resized in place (`store::regroup`): its ranks keep their
 //! processes and state, joining ranks are pinned to the new slices (`InPlace::Grow`; free
@@ -38,6 +41,7 @@
 //! job that is not `preemptible` is treated as inelastic (a resize is a preemption); a
 //! job's ranks all ask for one MIG profile, so each profile is its own round.
 
+pub mod lease;
 pub mod preempt;
 pub mod routes;
 
@@ -83,7 +87,7 @@ const HISTORY_MS: i64 = 24 * 3600 * 1000;
 /// What one round did, for logs and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RoundReport {
-    /// This server held the lease and ran the round.
+    /// This server held the lease throughout and ran the round.
     pub led: bool,
     pub lent: u32,
     pub reclaiming: u32,
@@ -137,16 +141,14 @@ pub async fn record_rates(state: &AppState, server: Uuid) -> Result<()> {
     Ok(())
 }
 
-/// Takes (or renews) the round's lease and runs the round when this server holds it.
+/// Takes (or renews) the round's lease and runs the round when this server holds it,
+/// keeping the lease while it runs.
 pub async fn lead_and_run(state: &AppState, server: Uuid) -> Result<RoundReport> {
-    let now = now_ms();
-    let ttl = 3 * state.config.loan_round_secs.max(1) as i64 * 1000;
-    if !store::lead(&state.db, LEASE, server, now, now + ttl).await? {
-        return Ok(RoundReport::default());
+    let ttl = 3 * Duration::from_secs(state.config.loan_round_secs.max(1));
+    match lease::lead_while(&state.db, LEASE, server, ttl, run_round(state)).await? {
+        Some(report) => Ok(RoundReport { led: true, ..report? }),
+        None => Ok(RoundReport::default()),
     }
-    let mut report = run_round(state).await?;
-    report.led = true;
-    Ok(report)
 }
 
 /// A deployment as this round sees it: its slices by what they do.
