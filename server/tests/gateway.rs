@@ -3,8 +3,9 @@
 //! route, which only the owner and admins may read, and Prometheus histograms; the least
 //! loaded replica gets the next request, one that is unreachable or computed nothing is
 //! skipped, and one that failed lately is tried last; a replica that never answers gets the
-//! client a 504; KServe's readiness and versions; OpenAI's model retrieval; an API token
-//! stops working the moment it is revoked even though the server remembers verified tokens.
+//! client a 504; KServe's readiness and versions (checked before the body is read); OpenAI's
+//! model retrieval; an API token stops working the moment it is revoked even though the
+//! server remembers verified tokens.
 
 mod support;
 
@@ -437,6 +438,52 @@ async fn kserve_readiness_is_a_400_when_not_ready_and_only_version_1_exists() {
     let response = server.http.post(url("/versions/1/infer")).bearer_auth(&admin).json(&infer).send().await.unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(response.json::<Value>().await.unwrap()["model_version"], "1");
+}
+
+/// As Triton does, a KServe inference request's model and version are looked up before its
+/// body is read: what does not exist is the 404 saying so whatever the body holds (even one
+/// that never finishes arriving), and only then is a malformed body the 400 about it.
+#[tokio::test]
+async fn a_kserve_request_for_a_missing_version_is_a_404_before_its_body_is_read() {
+    let server = TestServer::start(Backend::Sqlite).await;
+    let admin = server.admin().await;
+    let engine = StandIn::start(vec![0.6, 0.8]).await;
+    deployment_at(&server, &admin, "embedder", std::slice::from_ref(&engine.url)).await;
+
+    let cases = [
+        ("embedder/versions/2", 404, "Model 'embedder' has no version '2'; its only version is \"1\"."),
+        ("absent/versions/2", 404, "No deployment named 'absent'."),
+        ("embedder/versions/1", 400, "The inference request header is not valid JSON"),
+        ("embedder", 400, "The inference request header is not valid JSON"),
+    ];
+    for (path, status, says) in cases {
+        let response = server
+            .http
+            .post(format!("{}/v2/models/{path}/infer", server.url))
+            .bearer_auth(&admin)
+            .header("content-type", "application/json")
+            .body(r#"{"inputs": [{"name": "text", "#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), status, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body.as_object().map(|o| o.len()), Some(1), "KServe's shape: {body}");
+        assert!(body["error"].as_str().unwrap().starts_with(says), "{path}: {body}");
+    }
+
+    let mut socket = tokio::net::TcpStream::connect(server.url.trim_start_matches("http://")).await.unwrap();
+    let head = format!(
+        "POST /v2/models/embedder/versions/2/infer HTTP/1.1\r\nhost: tessera\r\nauthorization: Bearer {admin}\r\n\
+         content-type: application/json\r\ncontent-length: 100000\r\n\r\n{{\"inputs\": ["
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut socket, head.as_bytes()).await.unwrap();
+    let mut answer = [0u8; 1024];
+    let read = tokio::io::AsyncReadExt::read(&mut socket, &mut answer);
+    let n = tokio::time::timeout(Duration::from_secs(10), read).await.expect("answered with the body unsent").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    assert_eq!(engine.calls.load(Ordering::SeqCst), 0, "no replica was asked");
 }
 
 /// `GET /v1/models/{model}` (the OpenAI SDK's `models.retrieve`) answers the object the

@@ -1,7 +1,8 @@
 //! Preemption of training jobs (issue 16), over real HTTP on SQLite and PostgreSQL: who may
 //! preempt which job, the heartbeat signal, the `preempted` state (claimable, no attempt
 //! spent, in the queue's order), a gang preempted once every rank has checkpointed, an
-//! elastic gang resized while it waits, and a worker that dies instead of checkpointing.
+//! elastic gang resized while it waits, a `preempted` report sent again (its answer lost),
+//! and a worker that dies instead of checkpointing.
 
 mod support;
 
@@ -168,6 +169,89 @@ async fn who_may_preempt_what() {
             .post(&owner, "/jobs", body(&data, json!({"parallel": {"ranks": ranks}, "resources": {"min_ranks": 3}})))
             .await;
         assert_eq!(response.status(), 422);
+    }
+}
+
+#[tokio::test]
+async fn a_preempted_report_sent_again_by_its_worker_is_a_204_that_changes_nothing() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let id = submit(&server, &token, body(&data, json!({"resources": {"preemptible": true}}))).await;
+        let (_, secret) = server.register_worker("w1").await;
+        let (_, other) = server.register_worker("w2").await;
+        claim(&server, &secret).await.unwrap();
+        assert_eq!(status(&server, &secret, &id, "running", "").await, 204);
+        assert_eq!(preempt(&server, &token, &id, json!({})).await.0, 202);
+
+        // The first answer was lost: the worker sends the same report again.
+        for _ in 0..2 {
+            assert_eq!(status(&server, &secret, &id, "preempted", "Preempted at step 12.").await, 204, "{backend:?}");
+        }
+        let preempted = job(&server, &token, &id).await;
+        assert_eq!(preempted["state"], "preempted", "{backend:?}");
+        assert_eq!((preempted["attempts"].as_u64(), preempted["preemptions"].as_u64()), (Some(0), Some(1)));
+        assert!(preempted["worker_id"].is_null(), "still claimable");
+        assert_eq!(status(&server, &other, &id, "preempted", "").await, 409, "w2 never held it ({backend:?})");
+
+        // Claimed again, the job is the new holder's: the old report is stale now, and stays
+        // so once that holder restarts and the job is back in the queue.
+        assert_eq!(claim(&server, &other).await.unwrap()["job_id"], id);
+        assert_eq!(status(&server, &secret, &id, "preempted", "Preempted at step 12.").await, 409, "{backend:?}");
+        let claimed = job(&server, &token, &id).await;
+        assert_eq!((claimed["state"].as_str(), claimed["attempts"].as_u64()), (Some("leased"), Some(1)));
+        server.rejoin_worker("w2", &other).await;
+        assert_eq!(job(&server, &token, &id).await["state"], "queued", "{backend:?}");
+        assert_eq!(status(&server, &secret, &id, "preempted", "Preempted at step 12.").await, 409, "{backend:?}");
+        let requeued = job(&server, &token, &id).await;
+        assert_eq!((requeued["state"].as_str(), requeued["preemptions"].as_u64()), (Some("queued"), Some(1)));
+    }
+}
+
+#[tokio::test]
+async fn a_rank_s_preempted_report_sent_again_is_a_204_before_and_after_its_gang_is_preempted() {
+    for backend in backends() {
+        let server = TestServer::start(backend).await;
+        let token = server.admin().await;
+        let data = server.toy_dataset(&token).await;
+        let gang = json!({"parallel": {"ranks": [{"device": "cpu"}, {"device": "cpu"}]},
+            "resources": {"preemptible": true}});
+        let id = submit(&server, &token, body(&data, gang)).await;
+        let ranks = form_gang(&server, &["a", "b"], 7500).await;
+        let (_, stranger) = server.register_worker("c").await;
+        assert_eq!(preempt(&server, &token, &id, json!({})).await.0, 202);
+
+        // Rank 1 stops first and repeats itself while the gang still runs; rank 0's report
+        // preempts the gang, and both ranks' repeats come after that.
+        let (first, second) = (&ranks[1], &ranks[0]);
+        for _ in 0..2 {
+            assert_eq!(status(&server, &first.0, &first.1, "preempted", "Preempted at step 5.").await, 204);
+        }
+        assert_eq!(job(&server, &token, &id).await["state"], "running", "{backend:?}");
+        assert_eq!(status(&server, &second.0, &second.1, "preempted", "Preempted at step 5.").await, 204);
+        assert_eq!(job(&server, &token, &id).await["state"], "preempted", "{backend:?}");
+        for (secret, rank_job, _) in [second, first] {
+            let again = status(&server, secret, rank_job, "preempted", "Preempted at step 5.").await;
+            assert_eq!(again, 204, "{backend:?}");
+        }
+        let preempted = job(&server, &token, &id).await;
+        assert_eq!(preempted["state"], "preempted", "{backend:?}: {preempted}");
+        assert_eq!((preempted["attempts"].as_u64(), preempted["preemptions"].as_u64()), (Some(0), Some(1)));
+
+        for (_, rank_job, _) in &ranks {
+            assert_eq!(status(&server, &stranger, rank_job, "preempted", "").await, 409, "{backend:?}");
+        }
+        // The ranks wait in the queue, claimable as before; a rank claimed since is not the
+        // old holder's to report on, nor once its new holder restarts and it is queued again.
+        let rank = claim(&server, &stranger).await.expect("a rank to claim");
+        let held = rank["job_id"].as_str().unwrap();
+        let previous = ranks.iter().find(|(_, rank_job, _)| rank_job == held).unwrap();
+        assert_eq!(status(&server, &previous.0, held, "preempted", "Preempted at step 5.").await, 409, "{backend:?}");
+        server.rejoin_worker("c", &stranger).await;
+        assert_eq!(status(&server, &previous.0, held, "preempted", "Preempted at step 5.").await, 409, "{backend:?}");
+        let waiting = job(&server, &token, &id).await;
+        assert_eq!((waiting["state"].as_str(), waiting["preemptions"].as_u64()), (Some("preempted"), Some(1)));
     }
 }
 

@@ -5,8 +5,7 @@
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -211,18 +210,25 @@ fn wants_binary(header: &Value) -> bool {
         })
 }
 
+/// Answers an inference request. As Triton does, the model and its version are looked up
+/// before the body is read: a request for what does not exist is that 404 whatever it
+/// sends, and the server neither waits for nor buffers a body it would not use.
 pub async fn infer(
     State(state): State<AppState>,
     principal: Result<Principal, Error>,
     path: Result<ApiPath<Vec<String>>, Error>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    incoming: Request,
 ) -> Response {
     let started = Instant::now();
     let result = async {
         let principal = principal?;
+        let ApiPath(segments) = path?;
+        let name = segments[0].clone();
+        state.gateway.resolve(&state.db, &principal.scope(), &name).await?;
+        check_version(&segments)?;
         // An oversized body is a 413 in KServe's shape, not axum's plain text.
-        let body = body.map_err(|rejection| {
+        let body = Bytes::from_request(incoming, &state).await.map_err(|rejection| {
             let status = rejection.status();
             if status == StatusCode::PAYLOAD_TOO_LARGE {
                 let limit = crate::error::JSON_BODY_LIMIT_BYTES;
@@ -230,16 +236,14 @@ pub async fn infer(
             }
             GatewayError::new(status, "invalid", rejection.body_text())
         })?;
-        let ApiPath(segments) = path?;
-        let name = segments[0].clone();
         let (header, binary) = split_body(&headers, &body)?;
         let texts = texts(&header, binary)?;
         // `parameters.truncate: false` refuses over-long inputs (413) instead of cutting them.
         let truncate = header["parameters"]["truncate"].as_bool().unwrap_or(true);
         let request = InferRequest { inputs: texts.into_iter().map(EngineInput::Text).collect(), truncate };
-        // The version is checked once the deployment is found: an unknown name is the 404 saying so.
-        let (shape, response) =
-            state.gateway.infer(&state.db, &principal.scope(), &name, &request, |_| check_version(&segments)).await?;
+        // The version was checked above; the route is looked up again (cached), so a
+        // deployment deleted meanwhile is the 404 that names it.
+        let (shape, response) = state.gateway.infer(&state.db, &principal.scope(), &name, &request, |_| Ok(())).await?;
         let rows = response.outputs.len();
         let width = response.outputs.first().map_or(0, Vec::len);
         let values: Vec<f32> = response.outputs.iter().flatten().copied().collect();

@@ -169,7 +169,7 @@ pub async fn claim_rank(
     };
     let sql = format!(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
-         updated_at = $3, message = NULL, gang_address = NULL \
+         updated_at = $3, message = NULL, gang_address = NULL, preempted_by = NULL \
          WHERE state = 'queued' AND id = (SELECT r.id FROM jobs r JOIN jobs g ON g.id = r.gang_id \
          WHERE r.state = 'queued' AND r.kind = 'train_rank' AND r.gang_placement IN ({}) \
          AND (g.state IN {WAITING} OR (g.state = 'running' AND r.gang_joining = 1)) \

@@ -388,7 +388,7 @@ pub async fn claim(
     let (slice_condition, slice_params) = slices.condition(4 + kinds.len());
     let sql = format!(
         "UPDATE jobs SET state = 'leased', worker_id = $1, lease_expires_at = $2, attempts = attempts + 1, \
-         updated_at = $3, message = NULL, preempt_reason = NULL \
+         updated_at = $3, message = NULL, preempt_reason = NULL, preempted_by = NULL \
          WHERE state IN {WAITING} AND id = (SELECT id FROM jobs WHERE state IN {WAITING} AND kind IN ({}) \
          AND {slice_condition} ORDER BY {FAIR_ORDER} LIMIT 1 {lock}) \
          RETURNING id, spec, attempts, lease_expires_at",
@@ -675,11 +675,13 @@ pub async fn preempt_requested(db: &Db, worker: Uuid) -> Result<Vec<Uuid>> {
 /// A job `worker` holds and was asked to preempt has checkpointed and stopped: a
 /// one-process job waits as `preempted` for its next claim, its attempt given back; a
 /// rank waits as `preempted` for its gang's other ranks (`gangs::sweep` then preempts the
-/// gang). False when the worker does not hold it or no preemption was asked for.
+/// gang). False when the worker does not hold it or no preemption was asked for. The lease
+/// is freed, so the job is claimable; `preempted_by` keeps who stopped it until its next
+/// claim ([`preempted_by`]).
 pub async fn mark_preempted(db: &Db, worker: Uuid, job: Uuid, message: &str) -> Result<bool> {
     let changed = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE jobs SET state = 'preempted', message = $1, updated_at = $2, worker_id = NULL, \
-         lease_expires_at = NULL, endpoint = NULL, preempt_reason = NULL, \
+         lease_expires_at = NULL, endpoint = NULL, preempt_reason = NULL, preempted_by = $4, \
          attempts = CASE WHEN gang_id IS NULL THEN attempts - 1 ELSE attempts END, \
          preemptions = CASE WHEN gang_id IS NULL THEN preemptions + 1 ELSE preemptions END \
          WHERE id = $3 AND worker_id = $4 AND {LIVE} AND (preempt_reason IS NOT NULL OR EXISTS \
@@ -693,4 +695,17 @@ pub async fn mark_preempted(db: &Db, worker: Uuid, job: Uuid, message: &str) -> 
     .await?
     .rows_affected();
     Ok(changed > 0)
+}
+
+/// Whether `worker`'s `preempted` report on `job` was stored and nobody claimed the job
+/// since: the report is being sent again, its answer lost. Still so once the job (or, for a
+/// rank, its gang) moved on without a claim: requeued with its gang, cancelled.
+pub async fn preempted_by(db: &Db, worker: Uuid, job: Uuid) -> Result<bool> {
+    let stopped: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE id = $1 AND preempted_by = $2 AND worker_id IS NULL")
+            .bind(job.to_string())
+            .bind(worker.to_string())
+            .fetch_one(db.pool())
+            .await?;
+    Ok(stopped > 0)
 }

@@ -303,9 +303,9 @@ async fn check_endpoint(state: &AppState, peer: IpAddr, endpoint: &str) -> Resul
     Ok(endpoint.to_string())
 }
 
-/// Report that a leased job started, succeeded or failed. A serving replica's endpoint
-/// must be on the worker's own host (see `check_endpoint`). An end reported again by the
-/// worker that reported it is a 204 again, not a 409.
+/// Report that a leased job started, succeeded, failed or was preempted. A replica's endpoint
+/// must be on the worker's own host (see `check_endpoint`). An end or a preemption reported
+/// again by the worker that reported it is a 204 again, not a 409.
 #[utoipa::path(post, path = "/api/v1/agent/jobs/{id}/status", tag = "agent", security(("worker" = [])),
     params(("id" = Uuid, Path)), request_body = StatusReport,
     responses((status = 204), (status = 409, body = tessera_api::error::ErrorBody),
@@ -332,6 +332,7 @@ pub async fn report_status(
             jobs::mark_finished(&state.db, agent.worker_id, job, report.state, message.as_deref()).await?
                 || jobs::ended_by(&state.db, agent.worker_id, job, report.state).await?
         }
+        // Preempting frees the lease, so a repeat is known by who preempted it instead.
         JobState::Preempted => {
             let message = message.as_deref().unwrap_or("Preempted: checkpointed and stopped.");
             let preempted = jobs::mark_preempted(&state.db, agent.worker_id, job, message).await?;
@@ -340,7 +341,7 @@ pub async fn report_status(
                     "Nobody asked this job to preempt; report running, succeeded or failed.".into(),
                 ));
             }
-            preempted
+            preempted || jobs::preempted_by(&state.db, agent.worker_id, job).await?
         }
         other => {
             return Err(Error::BadRequest(format!(
