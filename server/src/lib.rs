@@ -15,6 +15,7 @@ pub mod jobs;
 pub mod loaning;
 pub mod multipart;
 pub mod openapi;
+pub mod paging;
 pub mod quotas;
 pub mod registry;
 pub mod scheduler;

@@ -236,3 +236,15 @@ async fn a_dataset_deletion_and_a_job_queued_on_it_run_one_after_the_other() {
         assert_eq!(jobs.len(), 2, "no job was queued on the deleted dataset: {jobs:?}");
     }
 }
+
+/// `GET /api/v1/datasets` pages as the job list does (see `assert_list_pages`).
+#[tokio::test]
+async fn the_dataset_list_pages_through_every_dataset_once_and_a_user_through_theirs() {
+    for backend in backends() {
+        let server = &TestServer::start(backend).await;
+        let add = |token: String, name: String| async move {
+            upload(server, &token, &name, "w.csv", WINE.as_bytes()).await
+        };
+        server.assert_list_pages("/datasets", "dataset", add).await;
+    }
+}

@@ -238,3 +238,15 @@ async fn a_model_deletion_and_what_comes_to_use_it_run_one_after_the_other() {
         assert!(deployments.is_empty(), "no deployment serves the deleted model: {deployments:?}");
     }
 }
+
+/// `GET /api/v1/models` pages as the job list does (see `assert_list_pages`).
+#[tokio::test]
+async fn the_model_list_pages_through_every_model_once_and_a_user_through_theirs() {
+    for backend in backends() {
+        let server = &TestServer::start(backend).await;
+        let upload = |token: String, name: String| async move {
+            server.upload_model(&token, &name, tiny_model()).await
+        };
+        server.assert_list_pages("/models", "model", upload).await;
+    }
+}

@@ -852,16 +852,47 @@ fn unescape(value: &str) -> String {
     value.replace("&#38;", "&").replace("&amp;", "&")
 }
 
-/// The href of the page's "Older jobs" link.
-fn older_link(html: &str) -> Option<String> {
-    let end = html.find("\" rel=\"next\">Older jobs")?;
+/// The href of a list page's "Older jobs" link (`what`: "job").
+fn older_link(html: &str, what: &str) -> Option<String> {
+    let end = html.find(&format!("\" rel=\"next\">Older {what}s"))?;
     let start = html[..end].rfind("href=\"")? + "href=\"".len();
     Some(unescape(&html[start..end]))
 }
 
+/// What a list page names its rows by (`data-job="…"`: `what` is "job"), top to bottom.
+fn listed(html: &str, what: &str) -> Vec<String> {
+    let row = format!("<tr data-{what}=\"");
+    html.split(&row).skip(1).map(|rest| rest[..rest.find('"').unwrap()].to_string()).collect()
+}
+
+/// A browser signed in as the admin, its cookie, and the admin's id, for rows the test
+/// writes through the store.
+async fn admin_browser(server: &TestServer) -> (Client, String, uuid::Uuid) {
+    let http = browser();
+    let cookie = sign_in(server, &http).await;
+    let admin = tessera_server::store::users::find_by_name(&server.state.db, "admin").await.unwrap().unwrap();
+    (http, cookie, admin.id)
+}
+
 /// The ids of the jobs a jobs page lists, top to bottom.
 fn listed_jobs(html: &str) -> Vec<String> {
-    html.split("<tr data-job=\"").skip(1).map(|rest| rest[..rest.find('"').unwrap()].to_string()).collect()
+    listed(html, "job")
+}
+
+/// Each page of a list from `first`, following its "Older" links to the last: the page's
+/// address and HTML.
+async fn walk(server: &TestServer, http: &Client, cookie: &str, first: &str, what: &str) -> Vec<(String, String)> {
+    let mut pages = Vec::new();
+    let mut next = Some(first.to_string());
+    while let Some(path) = next {
+        let (status, html) = page(server, http, cookie, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(html.contains(&format!("← Newest {what}s")), path != first, "{path}");
+        next = older_link(&html, what);
+        pages.push((path, html));
+        assert!(pages.len() < 100, "the pages of {first} never end");
+    }
+    pages
 }
 
 #[tokio::test]
@@ -869,10 +900,8 @@ async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
     use tessera_api::jobs::JobSpec;
     use tessera_server::store::{self, jobs::NewJob, Scope};
     let server = TestServer::start(Backend::Sqlite).await;
-    let http = browser();
-    let cookie = sign_in(&server, &http).await;
+    let (http, cookie, owner) = admin_browser(&server).await;
     let db = &server.state.db;
-    let owner = store::users::find_by_name(db, "admin").await.unwrap().unwrap().id;
     let mut jobs = Vec::new();
     for i in 0..230 {
         let spec = JobSpec::Prefetch { model: uuid::Uuid::new_v4() };
@@ -882,29 +911,21 @@ async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
         assert!(store::jobs::cancel(db, &Scope::all(), *job, "test").await.unwrap());
     }
 
-    let mut listed = Vec::new();
-    let mut next = Some("/jobs".to_string());
-    let mut pages = Vec::new();
-    while let Some(path) = next {
-        let (status, html) = page(&server, &http, &cookie, &path).await;
-        assert_eq!(status, StatusCode::OK, "{path}");
+    let pages = walk(&server, &http, &cookie, "/jobs", "job").await;
+    for (path, html) in &pages {
         // The tabs count every job, not the page's.
         assert!(html.contains("all <span class=\"count\">230</span>"), "{path}: {html}");
         assert!(html.contains("cancelled <span class=\"count\">23</span>"), "{path}");
-        assert_eq!(html.contains("← Newest jobs"), path != "/jobs", "{path}");
-        let shown = listed_jobs(&html);
-        pages.push(shown.len());
-        listed.extend(shown);
-        next = older_link(&html);
     }
-    assert_eq!(pages, [100, 100, 30]);
+    let shown: Vec<Vec<String>> = pages.iter().map(|(_, html)| listed_jobs(html)).collect();
+    assert_eq!(shown.iter().map(Vec::len).collect::<Vec<_>>(), [100, 100, 30]);
     let newest_first: Vec<String> = jobs.iter().rev().map(|id| id.to_string()).collect();
-    assert_eq!(listed, newest_first, "every job once, newest first");
+    assert_eq!(shown.concat(), newest_first, "every job once, newest first");
 
     // The state filter travels with the pages, and the live refresh re-reads this page.
     let (_, html) = page(&server, &http, &cookie, "/jobs?state=queued").await;
     assert_eq!(listed_jobs(&html).len(), 100);
-    let older = older_link(&html).unwrap();
+    let older = older_link(&html, "job").unwrap();
     assert!(older.contains("state=queued"), "{older}");
     let (_, html) = page(&server, &http, &cookie, &older).await;
     assert_eq!(listed_jobs(&html).len(), 100, "207 queued jobs: 100, 100, 7");
@@ -914,9 +935,9 @@ async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
     assert!(live.contains(&format!("before={before}")) && live.contains("state=queued"), "{live}");
     let (_, fragment) = page(&server, &http, &cookie, &live).await;
     assert_eq!(listed_jobs(&fragment), listed_jobs(&html));
-    let (_, last) = page(&server, &http, &cookie, &older_link(&html).unwrap()).await;
+    let (_, last) = page(&server, &http, &cookie, &older_link(&html, "job").unwrap()).await;
     assert_eq!(listed_jobs(&last).len(), 7);
-    assert_eq!(older_link(&last), None);
+    assert_eq!(older_link(&last, "job"), None);
 
     let (status, html) = page(&server, &http, &cookie, "/jobs?before=last").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
@@ -924,6 +945,76 @@ async fn the_jobs_page_pages_through_every_job_with_counts_of_all() {
     let (status, html) = page(&server, &http, &cookie, &format!("/jobs?before={}", uuid::Uuid::new_v4())).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(html.contains("before names no job"), "{html}");
+}
+
+/// The models and datasets pages page as the jobs page does: 100 rows a page, newest
+/// first, an "Older" link while more follow and a "Newest" one on older pages; the models
+/// page's live refresh re-reads the page shown. A `before` that is no row's id is a 400.
+#[tokio::test]
+async fn the_models_and_datasets_pages_page_through_every_row() {
+    use tessera_api::datasets::{Dataset, DatasetFormat};
+    use tessera_server::store::{self, models::NewModel};
+    let server = TestServer::start(Backend::Sqlite).await;
+    let (http, cookie, owner) = admin_browser(&server).await;
+    let db = &server.state.db;
+    let digest = format!("sha256:{}", "0".repeat(64));
+    let ledger = sqlx::query("INSERT INTO blobs (digest, refs, touched_at) VALUES ($1, 0, 0)").bind(&digest);
+    ledger.execute(db.pool()).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    for i in 0..130 {
+        let name = format!("row-{i:03}");
+        let model = NewModel {
+            id: uuid::Uuid::new_v4(),
+            owner,
+            name: &name,
+            digest: &digest,
+            architecture: "BertModel",
+            config: &json!({}),
+            size_bytes: 1,
+            created_at: 1000 + i,
+        };
+        store::models::insert(&mut tx, &model, &[]).await.unwrap();
+        let dataset = Dataset {
+            id: uuid::Uuid::new_v4(),
+            name: name.clone(),
+            digest: digest.clone(),
+            format: DatasetFormat::Csv,
+            columns: Vec::new(),
+            rows: 1,
+            size_bytes: 1,
+            owner: "admin".into(),
+            created_at: chrono::DateTime::from_timestamp_millis(1000 + i).unwrap(),
+        };
+        store::datasets::insert(&mut tx, owner, &dataset).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let newest_first: Vec<String> = (0..130).rev().map(|i| format!("row-{i:03}")).collect();
+
+    for (path, what) in [("/models", "model"), ("/datasets", "dataset")] {
+        let pages = walk(&server, &http, &cookie, path, what).await;
+        let shown: Vec<Vec<String>> = pages.iter().map(|(_, html)| listed(html, what)).collect();
+        assert_eq!(shown.iter().map(Vec::len).collect::<Vec<_>>(), [100, 30], "{path}");
+        assert_eq!(shown.concat(), newest_first, "every {what} once, newest first");
+
+        let (status, html) = page(&server, &http, &cookie, &format!("{path}?before=last")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}");
+        assert!(html.contains(&format!("is not a {what} id")), "{html}");
+        let (status, html) = page(&server, &http, &cookie, &format!("{path}?before={}", uuid::Uuid::new_v4())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}");
+        assert!(html.contains(&format!("before names no {what}")), "{html}");
+    }
+
+    // The live refresh of an older models page re-reads that page.
+    let (_, first) = page(&server, &http, &cookie, "/models").await;
+    assert!(first.contains(r#"data-live="/models?fragment=table""#));
+    let older = older_link(&first, "model").unwrap();
+    let (_, html) = page(&server, &http, &cookie, &older).await;
+    let live = html.split("data-live=\"").nth(1).unwrap();
+    let live = unescape(&live[..live.find('"').unwrap()]);
+    assert_eq!(live, format!("{older}&fragment=table"));
+    let (_, fragment) = page(&server, &http, &cookie, &live).await;
+    assert_eq!(listed(&fragment, "model"), listed(&html, "model"));
+    assert!(fragment.contains("← Newest models") && !fragment.contains("<html"), "{fragment}");
 }
 
 /// Every dashboard page and form, with unknown, malformed and real ids in its path, query

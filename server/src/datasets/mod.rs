@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use crate::auth::{AgentAuth, Principal};
 use crate::error::{ApiJson, ApiMultipart, ApiPath, Error, Result};
+use crate::paging::{self, Page, PageQuery};
 use crate::registry::{self, blobs::TempBlob, staging};
 use crate::state::AppState;
 use crate::store::datasets as store;
@@ -26,6 +27,12 @@ const TOO_LARGE: &str = "The dataset is larger than this server's upload limit (
 /// A dataset `scope` may see; 404 otherwise.
 pub async fn find(state: &AppState, scope: &Scope, id: Uuid) -> Result<Dataset> {
     store::get(&state.db, scope, id).await?.ok_or_else(|| Error::not_found("Dataset"))
+}
+
+/// The datasets `scope` may see, newest first, at most `limit`, after `before`, the last
+/// dataset of the previous page; 400 when `before` names no dataset `scope` may see.
+pub async fn page(state: &AppState, scope: &Scope, before: Option<Uuid>, limit: u32) -> Result<Page<Dataset>> {
+    paging::read("dataset", limit, |rows| store::list(&state.db, scope, before, rows)).await
 }
 
 /// A dataset the principal may use, by id, or by name among the principal's own.
@@ -200,11 +207,15 @@ pub async fn upload(
     Ok((StatusCode::CREATED, ApiJson(dataset)))
 }
 
-/// List datasets, newest first (yours; an admin sees all).
-#[utoipa::path(get, path = "/api/v1/datasets", tag = "datasets", security(("bearer" = [])),
-    responses((status = 200, body = Vec<Dataset>)))]
-pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<Dataset>>> {
-    Ok(ApiJson(store::list(&state.db, &principal.scope()).await?))
+/// List datasets, newest first (yours; an admin sees all), paged as `GET /api/v1/jobs`
+/// is: while more follow, the `Link` header (`rel="next"`) is the next page's URL.
+#[utoipa::path(get, path = "/api/v1/datasets", tag = "datasets", security(("bearer" = [])), params(PageQuery),
+    responses((status = 200, body = Vec<Dataset>, headers(("link" = String, description = "The next page, if any"))),
+              (status = 400, body = tessera_api::error::ErrorBody)))]
+pub async fn list(State(state): State<AppState>, principal: Principal, query: PageQuery) -> Result<Response> {
+    let limit = paging::limit(query.limit)?;
+    let page = page(&state, &principal.scope(), query.before, limit).await?;
+    paging::respond(page, |dataset| dataset.id, "datasets", limit, "")
 }
 
 /// A dataset by its id or by the name it was uploaded under (yours).

@@ -8,8 +8,8 @@
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use serde::Deserialize;
 use sqlx::AnyConnection;
 use tessera_api::elastic::PreemptRequest;
@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::error::{optional_json, ApiJson, ApiPath, ApiQuery, Error, Result};
+use crate::paging::{self, Page};
 use crate::state::AppState;
 use crate::store::jobs::{self as store, ListFilter, NewJob};
 use crate::store::{db::Db, Scope};
@@ -247,15 +248,6 @@ pub async fn create(
     Ok((StatusCode::CREATED, ApiJson(find(&state.db, &principal.scope(), id).await?)))
 }
 
-/// One page of the job list.
-#[derive(Debug)]
-pub struct Page {
-    /// Newest first.
-    pub jobs: Vec<Job>,
-    /// Whether older jobs follow the last one.
-    pub more: bool,
-}
-
 /// The list filter a request's `state` and `kind` ask for (empty or absent: any); 400 with
 /// the values to use for anything else.
 pub fn list_filter(state: Option<&str>, kind: Option<&str>) -> Result<ListFilter> {
@@ -282,14 +274,8 @@ pub fn list_filter(state: Option<&str>, kind: Option<&str>) -> Result<ListFilter
 /// The jobs `scope` may see that pass `filter`, newest first, at most `limit`, after
 /// `before`, the last job of the previous page; 400 when `before` names no job `scope`
 /// may see.
-pub async fn page(db: &Db, scope: &Scope, filter: ListFilter, before: Option<Uuid>, limit: u32) -> Result<Page> {
-    // One more than asked tells whether a next page exists.
-    let mut jobs = store::list(db, scope, filter, before, limit + 1).await?.ok_or_else(|| {
-        Error::BadRequest("before names no job you can see; pass the id of the last job of the previous page.".into())
-    })?;
-    let more = jobs.len() > limit as usize;
-    jobs.truncate(limit as usize);
-    Ok(Page { jobs, more })
+pub async fn page(db: &Db, scope: &Scope, filter: ListFilter, before: Option<Uuid>, limit: u32) -> Result<Page<Job>> {
+    paging::read("job", limit, |rows| store::list(db, scope, filter, before, rows)).await
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -317,24 +303,11 @@ pub async fn list(
     ApiQuery(query): ApiQuery<ListQuery>,
 ) -> Result<Response> {
     let filter = list_filter(query.state.as_deref(), query.kind.as_deref())?;
-    let limit = query.limit.unwrap_or(store::LIST_LIMIT);
-    if !(1..=store::LIST_LIMIT).contains(&limit) {
-        return Err(Error::BadRequest(format!("limit must be 1 to {}.", store::LIST_LIMIT)));
-    }
-    let Page { jobs, more } = page(&state.db, &principal.scope(), filter, query.before, limit).await?;
-    let next = match (more, jobs.last()) {
-        (true, Some(last)) => {
-            let state = filter.state.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();
-            let kind = filter.kind.map(|k| format!("&kind={k}")).unwrap_or_default();
-            Some(format!("</api/v1/jobs?limit={limit}&before={}{state}{kind}>; rel=\"next\"", last.id))
-        }
-        _ => None,
-    };
-    let mut response = ApiJson(jobs).into_response();
-    if let Some(next) = next {
-        response.headers_mut().insert(header::LINK, HeaderValue::from_str(&next).expect("ids and states are ASCII"));
-    }
-    Ok(response)
+    let limit = paging::limit(query.limit)?;
+    let page = page(&state.db, &principal.scope(), filter, query.before, limit).await?;
+    let in_state = filter.state.map(|s| format!("&state={}", s.as_str())).unwrap_or_default();
+    let of_kind = filter.kind.map(|k| format!("&kind={k}")).unwrap_or_default();
+    paging::respond(page, |job| job.id, "jobs", limit, &format!("{in_state}{of_kind}"))
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs", security(("bearer" = [])),

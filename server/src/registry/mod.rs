@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::error::{Error, Result};
+use crate::paging::{self, Page};
 use crate::state::AppState;
 use crate::store::db::{self, now_ms, Db};
 use crate::store::models::{self as store, NewModel};
@@ -148,9 +149,15 @@ pub async fn find(state: &AppState, scope: &Scope, id: Uuid) -> Result<Model> {
     store::get(&state.db, scope, id).await?.ok_or_else(|| Error::not_found("Model"))
 }
 
-/// The models in `scope`, newest first.
-pub async fn list_visible(state: &AppState, scope: &Scope) -> Result<Vec<Model>> {
-    Ok(store::list(&state.db, scope).await?)
+/// The models in `scope`, newest first, at most `limit`, after `before`, the last model of
+/// the previous page; 400 when `before` names no model `scope` may see.
+pub async fn page(state: &AppState, scope: &Scope, before: Option<Uuid>, limit: u32) -> Result<Page<Model>> {
+    paging::read("model", limit, |rows| store::list(&state.db, scope, before, rows)).await
+}
+
+/// The newest [`paging::MAX_LIMIT`] models in `scope`, which the dashboard's forms offer.
+pub async fn newest(state: &AppState, scope: &Scope) -> Result<Vec<Model>> {
+    Ok(page(state, scope, None, paging::MAX_LIMIT).await?.rows)
 }
 
 /// Deletes a model in `scope` that no deployment serves and no unfinished job reads;

@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use crate::auth::{AgentAuth, Principal};
 use crate::error::{ApiJson, ApiMultipart, ApiPath, Error, Result};
+use crate::paging::{self, PageQuery};
 use crate::state::AppState;
 use crate::store::Scope;
 
@@ -27,11 +28,15 @@ pub async fn upload(
     Ok((StatusCode::CREATED, ApiJson(super::upload_model(&state, &principal, &mut multipart).await?)))
 }
 
-/// List models (yours; an admin sees all).
-#[utoipa::path(get, path = "/api/v1/models", tag = "models", security(("bearer" = [])),
-    responses((status = 200, body = Vec<Model>)))]
-pub async fn list(State(state): State<AppState>, principal: Principal) -> Result<ApiJson<Vec<Model>>> {
-    Ok(ApiJson(super::list_visible(&state, &principal.scope()).await?))
+/// List models, newest first (yours; an admin sees all), paged as `GET /api/v1/jobs` is:
+/// while more follow, the `Link` header (`rel="next"`) is the next page's URL.
+#[utoipa::path(get, path = "/api/v1/models", tag = "models", security(("bearer" = [])), params(PageQuery),
+    responses((status = 200, body = Vec<Model>, headers(("link" = String, description = "The next page, if any"))),
+              (status = 400, body = tessera_api::error::ErrorBody)))]
+pub async fn list(State(state): State<AppState>, principal: Principal, query: PageQuery) -> Result<Response> {
+    let limit = paging::limit(query.limit)?;
+    let page = super::page(&state, &principal.scope(), query.before, limit).await?;
+    paging::respond(page, |model| model.id, "models", limit, "")
 }
 
 /// A model by its id or by the name it was registered under (yours).

@@ -7,10 +7,11 @@ use tessera_api::datasets::{Dataset, DatasetFormat};
 use uuid::Uuid;
 
 use super::db::{self, Backend, Db};
-use super::{parse_json, parse_uuid, Result, RowLock, Scope, StoreError};
+use super::{parse_json, parse_uuid, Listing, Result, RowLock, Scope, StoreError};
 
 const COLUMNS: &str =
     "d.id, d.name, d.digest, d.format, d.columns, d.num_rows, d.size_bytes, d.created_at, u.username AS owner";
+const LISTING: Listing = Listing { table: "datasets", alias: "d", columns: COLUMNS };
 
 fn from_row(row: &AnyRow) -> Result<Dataset> {
     let format: String = row.try_get("format")?;
@@ -59,16 +60,13 @@ pub async fn find_by_name(db: &Db, owner: Uuid, name: &str) -> Result<Option<Dat
     row.as_ref().map(from_row).transpose()
 }
 
-/// Datasets `scope` may see, newest first.
-pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Dataset>> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {COLUMNS} FROM datasets d JOIN users u ON u.id = d.owner_id \
-         WHERE ($1 IS NULL OR d.owner_id = $1) ORDER BY d.created_at DESC"
-    )))
-    .bind(scope.owner_filter())
-    .fetch_all(db.pool())
-    .await?;
-    rows.iter().map(from_row).collect()
+/// Datasets `scope` may see, newest first (ties of one millisecond by id): at most `limit`,
+/// after `before`, the last one of the previous page. `Ok(None)` when `before` names none `scope` may see.
+pub async fn list(db: &Db, scope: &Scope, before: Option<Uuid>, limit: u32) -> Result<Option<Vec<Dataset>>> {
+    let Some(rows) = LISTING.page(db, scope, before, limit).await? else {
+        return Ok(None);
+    };
+    rows.iter().map(from_row).collect::<Result<_>>().map(Some)
 }
 
 /// Records a dataset owned by `owner` (its `owner` name is not stored), inside the

@@ -21,10 +21,11 @@ pub mod training;
 pub mod users;
 pub mod workers;
 
+use sqlx::any::AnyRow;
 use sqlx::AnyConnection;
 use uuid::Uuid;
 
-use db::Backend;
+use db::{Backend, Db};
 
 /// What can go wrong below the handlers: the database failed, or a row it returned does
 /// not decode (a bug or a hand edit, never a user mistake).
@@ -98,6 +99,50 @@ async fn lock_row(conn: &mut AnyConnection, backend: Backend, table: &str, id: U
         .fetch_optional(conn)
         .await?;
     Ok(found.is_some())
+}
+
+/// A table of owned rows listed newest first by `(created_at, id)`, a page at a time: the
+/// models and the datasets. Its rows are read as `alias`, with the owner's name joined as
+/// `u.username`.
+struct Listing {
+    table: &'static str,
+    alias: &'static str,
+    columns: &'static str,
+}
+
+impl Listing {
+    /// The rows `scope` may see, newest first (ties of one millisecond by id): at most
+    /// `limit`, and with `before` only those listed after that row, so a caller pages by
+    /// passing the last row it got. `Ok(None)` when `before` names no row `scope` may see.
+    async fn page(&self, db: &Db, scope: &Scope, before: Option<Uuid>, limit: u32) -> Result<Option<Vec<AnyRow>>> {
+        let Listing { table, alias, columns } = self;
+        // The row the page starts after, as the ORDER BY compares it.
+        let after = match before {
+            None => None,
+            Some(id) => {
+                let sql = format!("SELECT created_at FROM {table} WHERE id = $1 AND ($2 IS NULL OR owner_id = $2)");
+                let query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(id.to_string());
+                let Some(created_at) = query.bind(scope.owner_filter()).fetch_optional(db.pool()).await? else {
+                    return Ok(None);
+                };
+                Some((created_at, id.to_string()))
+            }
+        };
+        let (created_at, id): (Option<i64>, Option<String>) = after.unzip();
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM {table} {alias} JOIN users u ON u.id = {alias}.owner_id \
+             WHERE ($1 IS NULL OR {alias}.owner_id = $1) \
+             AND ($2 IS NULL OR {alias}.created_at < $2 OR ({alias}.created_at = $2 AND {alias}.id < $3)) \
+             ORDER BY {alias}.created_at DESC, {alias}.id DESC LIMIT $4"
+        )))
+        .bind(scope.owner_filter())
+        .bind(created_at)
+        .bind(id)
+        .bind(limit as i64)
+        .fetch_all(db.pool())
+        .await?;
+        Ok(Some(rows))
+    }
 }
 
 /// Whose rows a call may see or change. Built from the caller (`Principal::scope`) for

@@ -8,11 +8,12 @@ use tessera_api::models::{Model, ModelFile};
 use uuid::Uuid;
 
 use super::db::{self, Backend, Db};
-use super::{parse_json, parse_uuid, Result, RowLock, Scope};
+use super::{parse_json, parse_uuid, Listing, Result, RowLock, Scope};
 use crate::scheduler::throughput::Row as TableRow;
 
 const MODEL_COLUMNS: &str =
     "m.id, m.name, m.digest, m.architecture, m.size_bytes, m.created_at, u.username AS owner";
+const LISTING: Listing = Listing { table: "models", alias: "m", columns: MODEL_COLUMNS };
 
 async fn files(db: &Db, model: &str) -> Result<Vec<ModelFile>> {
     let rows = sqlx::query("SELECT path, digest, size_bytes FROM model_files WHERE model_id = $1 ORDER BY path")
@@ -78,20 +79,17 @@ pub async fn get(db: &Db, scope: &Scope, id: Uuid) -> Result<Option<Model>> {
     }
 }
 
-/// The models in `scope`, newest first.
-pub async fn list(db: &Db, scope: &Scope) -> Result<Vec<Model>> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {MODEL_COLUMNS} FROM models m JOIN users u ON u.id = m.owner_id \
-         WHERE ($1 IS NULL OR m.owner_id = $1) ORDER BY m.created_at DESC"
-    )))
-    .bind(scope.owner_filter())
-    .fetch_all(db.pool())
-    .await?;
+/// The models in `scope`, newest first (ties of one millisecond by id): at most `limit`,
+/// after `before`, the last one of the previous page. `Ok(None)` when `before` names none `scope` may see.
+pub async fn list(db: &Db, scope: &Scope, before: Option<Uuid>, limit: u32) -> Result<Option<Vec<Model>>> {
+    let Some(rows) = LISTING.page(db, scope, before, limit).await? else {
+        return Ok(None);
+    };
     let mut models = Vec::with_capacity(rows.len());
     for row in &rows {
         models.push(model_from_row(db, row).await?);
     }
-    Ok(models)
+    Ok(Some(models))
 }
 
 /// A model about to be registered: its row and the `config` summary kept with it.

@@ -3,11 +3,14 @@
 //! `POST /api/v1/datasets`), and delete.
 
 use askama::Template;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use chrono::Utc;
+use serde::Deserialize;
+use uuid::Uuid;
 
+use super::pager::{self, PageUrl, Pager, PAGE_SIZE};
 use super::{flash, format, render, with_status, Layout, WebUser};
 use crate::datasets;
 use crate::error::{ApiMultipart, Error, Result};
@@ -30,6 +33,7 @@ struct DatasetRow {
 struct DatasetsPage {
     layout: Layout,
     rows: Vec<DatasetRow>,
+    pager: Pager,
     max_upload: String,
     /// The outcome of the last upload or delete, shown above the form.
     notice: Option<String>,
@@ -38,10 +42,26 @@ struct DatasetsPage {
     name: String,
 }
 
-async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: Option<String>) -> Result<DatasetsPage> {
+#[derive(Debug, Default, Deserialize)]
+pub struct ListQuery {
+    /// The last dataset of the previous page.
+    before: Option<String>,
+}
+
+/// The list's page after `before` (the newest for `None`), with the outcome of the last
+/// upload or delete.
+async fn list_page(
+    state: &AppState,
+    user: &WebUser,
+    before: Option<Uuid>,
+    notice: Option<String>,
+    error: Option<String>,
+) -> Result<DatasetsPage> {
     let now = Utc::now();
-    let rows = crate::store::datasets::list(&state.db, &user.0.scope())
-        .await?
+    let page = datasets::page(state, &user.0.scope(), before, PAGE_SIZE).await?;
+    let pager = Pager::new(&PageUrl { path: "/datasets", filter: "" }, before, &page, |d| d.id, "dataset");
+    let rows = page
+        .rows
         .into_iter()
         .map(|d| DatasetRow {
             id: d.id.to_string(),
@@ -69,6 +89,7 @@ async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: O
     Ok(DatasetsPage {
         layout: user.layout("Datasets", "datasets"),
         rows,
+        pager,
         max_upload: format::bytes(state.config.max_upload_bytes),
         notice,
         error,
@@ -76,9 +97,18 @@ async fn page(state: &AppState, user: &WebUser, notice: Option<String>, error: O
     })
 }
 
-pub async fn list(State(state): State<AppState>, user: WebUser, headers: HeaderMap) -> Response {
+pub async fn list(
+    State(state): State<AppState>,
+    user: WebUser,
+    Query(query): Query<ListQuery>,
+    headers: HeaderMap,
+) -> Response {
     let notice = flash::notice(&headers);
-    let result = async { Ok(render(&page(&state, &user, notice, None).await?)?.into_response()) }.await;
+    let result = async {
+        let before = pager::before(query.before.as_deref(), "dataset")?;
+        Ok(render(&list_page(&state, &user, before, notice, None).await?)?.into_response())
+    }
+    .await;
     flash::shown(user.page(result), &headers)
 }
 
@@ -104,7 +134,8 @@ pub async fn upload(
             }
             Err(error) if error.status().is_client_error() => {
                 let status = error.status();
-                let refused = DatasetsPage { name, ..page(&state, &user, None, Some(error.public_message())).await? };
+                let page = list_page(&state, &user, None, None, Some(error.public_message())).await?;
+                let refused = DatasetsPage { name, ..page };
                 with_status(status, render(&refused))
             }
             Err(error) => Err(error),
@@ -121,7 +152,7 @@ pub async fn delete(State(state): State<AppState>, user: WebUser, Path(id): Path
             Ok(()) => Ok(Redirect::to("/datasets").into_response()),
             Err(error @ Error::Conflict(_)) => with_status(
                 StatusCode::CONFLICT,
-                render(&page(&state, &user, None, Some(error.public_message())).await?),
+                render(&list_page(&state, &user, None, None, Some(error.public_message())).await?),
             ),
             Err(error) => Err(error),
         }

@@ -137,7 +137,7 @@ async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<DeploymentRow>> {
 }
 
 async fn list_page(state: &AppState, user: &WebUser, form: CreateForm, error: Option<String>) -> Result<DeploymentsPage> {
-    let models = registry::list_visible(state, &user.0.scope())
+    let models = registry::newest(state, &user.0.scope())
         .await?
         .into_iter()
         .map(|m| ModelChoice { selected: form.model == m.id.to_string(), id: m.id.to_string(), name: m.name })

@@ -15,6 +15,7 @@ use tessera_api::jobs::{CreateJob, GenericJob, GenericSpec, Job, JobSpec, JobSta
 use tessera_api::train::{TrainModel, TrainingMetrics};
 use uuid::Uuid;
 
+use super::pager::{self, PageUrl, Pager, PAGE_SIZE};
 use super::{flash, format, precision, render, training, with_status, Layout, WebUser};
 use crate::error::{Error, Result};
 use crate::state::AppState;
@@ -25,8 +26,6 @@ use crate::{jobs, registry, workers};
 /// The log lines a job page shows: the latest ones, which is what a person follows (the
 /// log API pages through longer logs).
 const LOG_TAIL: i64 = 1000;
-/// Jobs a page of the list shows.
-const PAGE_SIZE: u32 = 100;
 
 struct JobRow {
     id: String,
@@ -42,15 +41,6 @@ struct JobRow {
     updated_at: String,
     /// Training jobs: step of max_steps, ETA and best evaluation.
     progress: Option<training::ProgressView>,
-}
-
-/// Links to the pages around this one: the jobs list pages by keyset (`before` the last
-/// job shown), as the API does, so older pages stay put while new jobs arrive.
-struct Pager {
-    /// Back to the newest jobs, when this is an older page.
-    newest: Option<String>,
-    /// The next older page, when more jobs follow.
-    older: Option<String>,
 }
 
 struct StateTab {
@@ -98,12 +88,7 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
     let result = async {
         // The page's tabs link "all" too.
         let wanted = jobs::list_filter(query.state.as_deref().filter(|s| *s != "all"), None)?;
-        let before = match query.before.as_deref() {
-            None | Some("") => None,
-            Some(text) => Some(text.parse::<Uuid>().map_err(|_| {
-                Error::BadRequest(format!("before={text:?} is not a job id; follow the page's Older jobs link."))
-            })?),
-        };
+        let before = pager::before(query.before.as_deref(), "job")?;
         let scope = user.0.scope();
         let counts = store::count_by_state(&state.db, &scope).await?;
         let count = |s: JobState| counts.iter().find(|(c, _)| *c == s).map_or(0, |(_, n)| *n as usize);
@@ -119,8 +104,8 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
             count: count(s),
             active: filter == Some(s),
         }));
-        let mut rows = Vec::with_capacity(page.jobs.len());
-        for job in &page.jobs {
+        let mut rows = Vec::with_capacity(page.rows.len());
+        for job in &page.rows {
             rows.push(JobRow {
                 id: job.id.to_string(),
                 name: job.name.clone(),
@@ -136,30 +121,18 @@ pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Qu
                 progress: training::progress(&state, job).await?,
             });
         }
-        let with_state = |path: String| match filter {
-            Some(s) => format!("{path}{}state={}", if path.contains('?') { '&' } else { '?' }, s.as_str()),
-            None => path,
-        };
-        let pager = Pager {
-            newest: before.map(|_| with_state("/jobs".into())),
-            older: match (page.more, page.jobs.last()) {
-                (true, Some(last)) => Some(with_state(format!("/jobs?before={}", last.id))),
-                _ => None,
-            },
-        };
+        let in_state = filter.map(|s| format!("state={}", s.as_str())).unwrap_or_default();
+        let url = PageUrl { path: "/jobs", filter: &in_state };
+        let pager = Pager::new(&url, before, &page, |job| job.id, "job");
         let filter_name = filter.map(JobState::as_str).unwrap_or("");
         if query.fragment.is_some() {
             let table = JobsTable { tabs, rows, filter: filter_name, total, pager };
             return Ok(render(&table)?.into_response());
         }
-        // The live refresh re-reads the page the person is on.
-        let live_url = match before {
-            Some(before) => with_state(format!("/jobs?before={before}&fragment=table")),
-            None => with_state("/jobs?fragment=table".into()),
-        };
         let page = JobsPage {
             layout: user.layout("Jobs", "jobs"),
-            live_url,
+            // The live refresh re-reads the page the person is on.
+            live_url: url.at(before, "fragment=table"),
             tabs,
             rows,
             filter: filter_name,
@@ -523,7 +496,7 @@ pub struct NewJobForm {
 }
 
 async fn new_job_page(state: &AppState, user: &WebUser, form: NewJobForm, error: Option<String>) -> Result<NewJobPage> {
-    let models = registry::list_visible(state, &user.0.scope())
+    let models = registry::newest(state, &user.0.scope())
         .await?
         .into_iter()
         .map(|m| ModelOption { selected: form.model == m.id.to_string(), id: m.id.to_string(), name: m.name })

@@ -14,6 +14,7 @@ mod format;
 mod jobs;
 mod mig;
 mod models;
+mod pager;
 mod precision;
 mod session;
 mod training;

@@ -9,6 +9,7 @@ use chrono::Utc;
 use serde::Deserialize;
 use tessera_api::models::Model;
 
+use super::pager::{self, PageUrl, Pager, PAGE_SIZE};
 use super::{format, render, with_status, Layout, WebUser};
 use crate::error::{ApiJson, ApiMultipart, Error, Result};
 use crate::registry::{self, model_files};
@@ -48,7 +49,9 @@ impl ModelRow {
 #[template(path = "models.html")]
 struct ModelsPage {
     layout: Layout,
+    live_url: String,
     rows: Vec<ModelRow>,
+    pager: Pager,
     /// JSON array of the exact file names a model folder may hold.
     allowed_names: String,
     pooling_pattern: &'static str,
@@ -63,28 +66,34 @@ struct ModelsPage {
 #[template(path = "models.html", block = "table")]
 struct ModelsTable {
     rows: Vec<ModelRow>,
+    pager: Pager,
 }
 
 #[derive(Debug, Default, Deserialize)]
 pub struct ListQuery {
+    /// The last model of the previous page.
+    before: Option<String>,
     fragment: Option<String>,
-}
-
-async fn rows(state: &AppState, user: &WebUser) -> Result<Vec<ModelRow>> {
-    let now = Utc::now();
-    Ok(registry::list_visible(state, &user.0.scope()).await?.iter().map(|m| ModelRow::new(m, now)).collect())
 }
 
 pub async fn list(State(state): State<AppState>, user: WebUser, Query(query): Query<ListQuery>) -> Response {
     let result = async {
-        let rows = rows(&state, &user).await?;
+        let before = pager::before(query.before.as_deref(), "model")?;
+        let page = registry::page(&state, &user.0.scope(), before, PAGE_SIZE).await?;
+        let url = PageUrl { path: "/models", filter: "" };
+        let pager = Pager::new(&url, before, &page, |model| model.id, "model");
+        let now = Utc::now();
+        let rows = page.rows.iter().map(|m| ModelRow::new(m, now)).collect();
         if query.fragment.is_some() {
-            return Ok(render(&ModelsTable { rows })?.into_response());
+            return Ok(render(&ModelsTable { rows, pager })?.into_response());
         }
         let names: Vec<&str> = model_files::ALLOWED.iter().map(|(name, _)| *name).collect();
         let page = ModelsPage {
             layout: user.layout("Models", "models"),
+            // The live refresh re-reads the page the person is on.
+            live_url: url.at(before, "fragment=table"),
             rows,
+            pager,
             allowed_names: serde_json::to_string(&names).map_err(Error::Encode)?,
             pooling_pattern: POOLING_PATH_PATTERN,
             required_names: serde_json::to_string(model_files::REQUIRED).map_err(Error::Encode)?,

@@ -175,6 +175,137 @@ impl TestServer {
         self.http.delete(self.api(path)).bearer_auth(token).send().await.unwrap()
     }
 
+    /// Follows a paged list from `path` (under `/api/v1`) through each page's
+    /// `Link: <…>; rel="next"` to the last page, which has none; the rows of every page.
+    pub async fn pages(&self, token: &str, path: &str) -> Vec<Vec<Value>> {
+        let mut pages = Vec::new();
+        let mut next = Some(self.api(path));
+        while let Some(url) = next {
+            let response = self.http.get(&url).bearer_auth(token).send().await.unwrap();
+            assert_eq!(response.status(), 200, "{url}");
+            next = response.headers().get("link").map(|link| {
+                let link = link.to_str().unwrap();
+                let path = link.strip_prefix('<').and_then(|l| l.strip_suffix(">; rel=\"next\""));
+                format!("{}{}", self.url, path.unwrap_or_else(|| panic!("not a next link: {link}")))
+            });
+            let page: Vec<Value> = response.json().await.unwrap();
+            assert!(!page.is_empty(), "{url} is an empty page");
+            pages.push(page);
+            assert!(pages.len() < 1000, "the pages of {path} never end");
+        }
+        pages
+    }
+
+    /// Expects `GET path?query` to be a 400 in the platform's error body whose message
+    /// holds `says`, for every `(query, says)` of `cases`.
+    pub async fn assert_bad_requests(&self, token: &str, path: &str, cases: &[(&str, &str)]) {
+        for (query, says) in cases {
+            let response = self.get(token, &format!("{path}?{query}")).await;
+            assert_eq!(response.status(), 400, "{path}?{query}");
+            let body: Value = response.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "bad_request", "{path}?{query}: {body}");
+            assert!(body["error"]["message"].as_str().unwrap().contains(says), "{path}?{query}: {body}");
+        }
+    }
+
+    /// Expects the page requests a list at `path` (holding `what`s) must refuse, and `more`
+    /// of its own, to be 400s saying what to fix: a limit outside 1 to 500, a `before` that
+    /// is no id or names no row, a misspelt parameter.
+    pub async fn assert_bad_pages(&self, token: &str, path: &str, what: &str, more: &[(&str, &str)]) {
+        let unknown = format!("before={}", uuid::Uuid::new_v4());
+        let names_none = format!("before names no {what}");
+        let mut cases = vec![
+            ("limit=0", "limit must be 1 to 500"),
+            ("limit=501", "limit must be 1 to 500"),
+            (&*unknown, &*names_none),
+            ("before=last", "before"),
+            ("limt=3", "limt"),
+        ];
+        cases.extend_from_slice(more);
+        self.assert_bad_requests(token, path, &cases).await;
+    }
+
+    /// Gives the rows of `table` the `created_at` (ms) of `times`, by id, and returns the ids
+    /// in the order its list shows them: newest first, the rows of one millisecond by id.
+    pub async fn date_rows(&self, table: &str, times: &[(String, i64)]) -> Vec<String> {
+        for (id, at) in times {
+            sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE {table} SET created_at = $1 WHERE id = $2")))
+                .bind(at)
+                .bind(id)
+                .execute(self.state.db.pool())
+                .await
+                .unwrap();
+        }
+        let mut newest_first = times.to_vec();
+        newest_first.sort_by(|(a, at_a), (b, at_b)| (at_b, b).cmp(&(at_a, a)));
+        newest_first.into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// The paging of a list of owned rows (`/models`, `/datasets`: the table's name, holding
+    /// `what`s), whose rows `upload(token, name)` adds, answering 201 with the row. Alice
+    /// and the admin add seven, four in one millisecond: pages of two follow the `Link`
+    /// header through every row once, newest first (those of one millisecond by id), and
+    /// Alice's only through hers; the last page has no `Link`, nor does an unpaged list
+    /// holding every row; a `before` the caller cannot see and a bad page are 400s.
+    pub async fn assert_list_pages<F, Fut>(&self, path: &str, what: &str, upload: F)
+    where
+        F: Fn(String, String) -> Fut,
+        Fut: std::future::Future<Output = reqwest::Response>,
+    {
+        let admin = self.admin().await;
+        let alice = self.user(&admin, "alice").await;
+        // Who adds each row, and when (ms).
+        let (a, b) = (&alice, &admin);
+        let owners = [(a, 1000), (a, 1000), (b, 1000), (a, 2000), (b, 3000), (a, 1000), (a, 4000)];
+        let mut times = Vec::new();
+        let mut alices = Vec::new();
+        for (i, (token, at)) in owners.into_iter().enumerate() {
+            let response = upload(token.clone(), format!("{what}-{i}")).await;
+            assert_eq!(response.status(), 201, "{what}-{i}");
+            let id = response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+            if token == &alice {
+                alices.push(id.clone());
+            }
+            times.push((id, at));
+        }
+        let all = self.date_rows(path.trim_start_matches('/'), &times).await;
+        let hers: Vec<String> = all.iter().filter(|id| alices.contains(id)).cloned().collect();
+        let ids = |pages: &[Vec<Value>]| -> Vec<String> {
+            pages.iter().flatten().map(|row| row["id"].as_str().unwrap().to_string()).collect()
+        };
+        let pages = self.pages(&admin, &format!("{path}?limit=2")).await;
+        assert_eq!(ids(&pages), all, "every {what} once, newest first");
+        assert!(pages.iter().all(|page| page.len() <= 2) && pages.len() == all.len().div_ceil(2), "{pages:?}");
+        let pages = self.pages(&alice, &format!("{path}?limit=2")).await;
+        assert_eq!(ids(&pages), hers, "only Alice's {what}s, newest first");
+
+        let response = self.get(&admin, &format!("{path}?limit={}", all.len() - 1)).await;
+        let link = response.headers()["link"].to_str().unwrap().to_string();
+        let expected = format!("</api/v1{path}?limit={}&before={}>; rel=\"next\"", all.len() - 1, all[all.len() - 2]);
+        assert_eq!(link, expected);
+        for query in [format!("?limit={}", all.len()), String::new()] {
+            let response = self.get(&admin, &format!("{path}{query}")).await;
+            assert!(response.headers().get("link").is_none(), "{path}{query} is the last page");
+            assert_eq!(response.json::<Vec<Value>>().await.unwrap().len(), all.len(), "{path}{query}");
+        }
+
+        let admins = all.iter().find(|id| !hers.contains(id)).expect("a row of the admin's");
+        let hidden = format!("before={admins}");
+        self.assert_bad_requests(&alice, path, &[(&hidden, &format!("before names no {what} you can see"))]).await;
+        self.assert_bad_pages(&admin, path, what, &[]).await;
+
+        // The API document says so.
+        let document: Value =
+            self.http.get(format!("{}/api/openapi.json", self.url)).send().await.unwrap().json().await.unwrap();
+        let list = &document["paths"][format!("/api/v1{path}")]["get"];
+        let parameters = list["parameters"].as_array().unwrap();
+        let names: Vec<&str> = parameters.iter().map(|p| p["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["limit", "before"], "{list}");
+        assert!(list["parameters"][0]["description"].as_str().unwrap().contains("1 to 500 (default 500)"), "{list}");
+        assert!(list["responses"]["200"]["headers"]["link"].is_object(), "{list}");
+        assert!(list["responses"]["400"].is_object(), "{list}");
+    }
+
     /// Runs blob garbage collection as if the grace period had passed (a second ago, so
     /// that a millisecond's rounding between the database's clock and ours cannot matter).
     pub async fn collect_garbage_after_grace(&self) -> tessera_server::registry::gc::Collected {
