@@ -175,6 +175,8 @@ async fn every_rejection_has_the_platform_error_shape() {
 async fn gateway_405s_and_413s_use_the_gateways_shapes() {
     let server = TestServer::start(Backend::Sqlite).await;
     let admin = server.admin().await;
+    // KServe finds the model before it reads a body.
+    deployment_named(&server, &admin, "m").await;
     let response = server.http.get(format!("{}/v1/embeddings", server.url)).bearer_auth(&admin).send().await.unwrap();
     assert_eq!(response.status(), 405);
     let body: Value = response.json().await.unwrap();
@@ -266,9 +268,10 @@ async fn unknown_gateway_paths_are_404s_in_the_gateways_shapes() {
 async fn kserve_shapes_must_agree_with_the_data() {
     let server = TestServer::start(Backend::Sqlite).await;
     let admin = server.admin().await;
+    deployment_named(&server, &admin, "m").await;
     let infer = |shape: Value| {
         let body = json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": shape, "data": ["one text"]}]});
-        server.http.post(format!("{}/v2/models/absent/infer", server.url)).bearer_auth(&admin).json(&body).send()
+        server.http.post(format!("{}/v2/models/m/infer", server.url)).bearer_auth(&admin).json(&body).send()
     };
     for shape in [json!([7]), json!([-3]), json!([0])] {
         let response = infer(shape.clone()).await.unwrap();
@@ -276,8 +279,15 @@ async fn kserve_shapes_must_agree_with_the_data() {
         let body: Value = response.json().await.unwrap();
         assert!(body["error"].as_str().unwrap().contains("shape"), "{body}");
     }
-    // A shape that agrees gets past the check (to the missing model).
-    assert_eq!(infer(json!([1])).await.unwrap().status(), 404);
+    // A shape that agrees gets past the check (to the replica that is not up).
+    assert_eq!(infer(json!([1])).await.unwrap().status(), 503);
+}
+
+/// A deployment `name` of the tiny model (uploaded under that name), its replica queued.
+async fn deployment_named(server: &TestServer, admin: &str, name: &str) {
+    assert_eq!(server.upload_model(admin, name, tiny_model()).await.status(), 201);
+    let response = server.post(admin, "/deployments", json!({"name": name, "model": name, "replicas": 1})).await;
+    assert_eq!(response.status(), 201);
 }
 
 // --- Deleting what is in use -------------------------------------------------------------
